@@ -1,0 +1,229 @@
+//! The [`ManagedAllocator`] trait and the [`Allocation`] handle it hands out.
+//!
+//! # Implementing a backend
+//!
+//! ```
+//! use core::ptr::NonNull;
+//! use tensor_wasm_mem_core::{
+//!     Allocation, BackendError, Capabilities, DeviceId, ErrorKind, ErrorType, ManagedAllocator,
+//!     check_range,
+//! };
+//!
+//! /// Host memory from the global allocator: not device-accessible, and honest about it.
+//! struct HeapAllocator;
+//!
+//! #[derive(Debug, thiserror::Error)]
+//! #[error("heap allocator: {0}")]
+//! struct HeapError(&'static str, ErrorKind);
+//! impl BackendError for HeapError {
+//!     fn kind(&self) -> ErrorKind { self.1 }
+//! }
+//!
+//! impl ErrorType for HeapAllocator {
+//!     type Error = HeapError;
+//! }
+//!
+//! // SAFETY: `allocate` returns fresh, exclusively owned, zeroed heap memory of the requested
+//! // size (aligned to 4096 >= MIN_ALIGN); `free` and `zero` stay inside the allocation.
+//! unsafe impl ManagedAllocator for HeapAllocator {
+//!     fn capabilities(&self) -> Capabilities {
+//!         Capabilities { host_accessible: true, comes_zeroed: true, ..Capabilities::NONE }
+//!     }
+//!     fn device_count(&self) -> u32 { 1 }
+//!     fn allocate(&self, device: DeviceId, bytes: usize) -> Result<Allocation, HeapError> {
+//!         if bytes == 0 {
+//!             return Err(HeapError("size 0", ErrorKind::InvalidArgument));
+//!         }
+//!         let layout = std::alloc::Layout::from_size_align(bytes, 4096)
+//!             .map_err(|_| HeapError("size", ErrorKind::Overflow))?;
+//!         // SAFETY: the layout has a non-zero size.
+//!         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+//!         let ptr = NonNull::new(ptr).ok_or(HeapError("oom", ErrorKind::OutOfMemory))?;
+//!         // SAFETY: `ptr` is valid for `bytes` bytes and owned by nobody else.
+//!         Ok(unsafe { Allocation::from_raw_parts(ptr, bytes, device) })
+//!     }
+//!     unsafe fn free(&self, allocation: Allocation) -> Result<(), HeapError> {
+//!         let (ptr, len, _) = allocation.into_raw_parts();
+//!         let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
+//!         // SAFETY: the caller guarantees `allocation` came from `allocate` with this layout.
+//!         unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
+//!         Ok(())
+//!     }
+//!     unsafe fn zero(&self, a: &Allocation, offset: usize, len: usize) -> Result<(), HeapError> {
+//!         let r = check_range(offset, len, a.len())
+//!             .map_err(|_| HeapError("range", ErrorKind::OutOfRange))?;
+//!         // SAFETY: `r` lies inside the live allocation (checked above); the caller
+//!         // guarantees nothing else accesses it meanwhile.
+//!         unsafe { a.as_ptr().wrapping_add(r.start).write_bytes(0, r.len()) };
+//!         Ok(())
+//!     }
+//! }
+//!
+//! let heap = HeapAllocator;
+//! let a = heap.allocate(DeviceId(0), 8192).unwrap();
+//! assert_eq!(a.len(), 8192);
+//! // SAFETY: `a` came from `heap` and is not used afterwards.
+//! unsafe { heap.free(a).unwrap() };
+//! ```
+
+use core::ptr::NonNull;
+
+use crate::device::{Capabilities, DeviceId};
+use crate::error::{ErrorType, RangeError, check_range};
+
+/// The least alignment every [`ManagedAllocator`] guarantees for an allocation's base.
+pub const MIN_ALIGN: usize = 256;
+
+/// One live allocation of managed memory: base address, length and device.
+///
+/// A handle only: it owns nothing by itself (dropping it leaks the memory; give it back with
+/// [`ManagedAllocator::free`], or use [`UnifiedBuffer`](crate::UnifiedBuffer) which does). It is
+/// deliberately neither `Clone` nor `Copy`, so a handle cannot be freed twice by safe code.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Allocation {
+    ptr: NonNull<u8>,
+    len: usize,
+    device: DeviceId,
+}
+
+// SAFETY: an `Allocation` is an address and a length; it grants no access by itself (every
+// access through it goes through `unsafe` code whose caller upholds the aliasing rules), so moving
+// or sharing the handle between threads cannot cause a data race.
+unsafe impl Send for Allocation {}
+// SAFETY: as for `Send`: `&Allocation` only reads the address, length and device.
+unsafe impl Sync for Allocation {}
+
+impl Allocation {
+    /// Wraps memory a backend allocated.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must be valid for reads and writes of `len` bytes (from the host if the allocator
+    /// reports `host_accessible`), aligned to at least [`MIN_ALIGN`], owned by nobody else, and
+    /// stay so until the allocation is freed by the allocator that made it. `len` must be
+    /// non-zero.
+    #[must_use]
+    pub const unsafe fn from_raw_parts(ptr: NonNull<u8>, len: usize, device: DeviceId) -> Self {
+        Self { ptr, len, device }
+    }
+
+    /// Takes the handle apart (for `free` implementations).
+    #[must_use]
+    pub const fn into_raw_parts(self) -> (NonNull<u8>, usize, DeviceId) {
+        (self.ptr, self.len, self.device)
+    }
+
+    /// The base address. With managed memory the host and device addresses are the same.
+    #[must_use]
+    pub const fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The base address as a device pointer (`CUdeviceptr`-sized).
+    #[must_use]
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr.as_ptr() as usize as u64
+    }
+
+    /// The length in bytes.
+    #[must_use]
+    pub const fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always `false`: allocations are never empty. Present for API symmetry.
+    #[must_use]
+    pub const fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device the allocation was made on.
+    #[must_use]
+    pub const fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    /// Checks that `offset..offset + len` lies inside this allocation.
+    pub fn range(&self, offset: usize, len: usize) -> Result<core::ops::Range<usize>, RangeError> {
+        check_range(offset, len, self.len)
+    }
+}
+
+/// Allocates, frees and zeroes managed (unified) memory.
+///
+/// # Safety
+///
+/// Implementors guarantee that:
+/// - every `Allocation` returned by [`allocate`](Self::allocate) satisfies the requirements of
+///   [`Allocation::from_raw_parts`] for exactly the requested number of bytes, and does not overlap
+///   any other live allocation;
+/// - [`capabilities`](Self::capabilities) is honest (in particular `host_accessible`,
+///   `comes_zeroed` and `guard_pages`: safety decisions rest on them);
+/// - [`zero`](Self::zero) writes zeros to exactly the requested range and nothing else, and
+///   rejects a range outside the allocation with an error instead of writing.
+///
+/// A size of zero, an unknown device and exhausted memory are errors, never a panic.
+pub unsafe trait ManagedAllocator: ErrorType {
+    /// What the memory of this backend offers.
+    fn capabilities(&self) -> Capabilities;
+
+    /// How many devices this backend can allocate on (ids `0..device_count()`).
+    fn device_count(&self) -> u32;
+
+    /// Allocates `bytes` bytes of managed memory attached globally, on `device`.
+    fn allocate(&self, device: DeviceId, bytes: usize) -> Result<crate::Allocation, Self::Error>;
+
+    /// Frees an allocation.
+    ///
+    /// # Safety
+    ///
+    /// `allocation` must have come from this allocator's `allocate`, and no pointer derived from
+    /// it may be used afterwards (by the host or by device work still in flight).
+    unsafe fn free(&self, allocation: crate::Allocation) -> Result<(), Self::Error>;
+
+    /// Writes zeros to `offset..offset + len` of `allocation`, and returns once the zeros are
+    /// visible to the host and to later device work.
+    ///
+    /// # Safety
+    ///
+    /// `allocation` must be a live allocation of this allocator, and nothing else may access the
+    /// range while it is being zeroed (no live Rust reference to it, no device work on it).
+    unsafe fn zero(
+        &self,
+        allocation: &crate::Allocation,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), Self::Error>;
+}
+
+macro_rules! forward_allocator {
+    ($($ty:ty),*) => {$(
+        // SAFETY: forwards every call unchanged to `T`, which upholds the contract.
+        unsafe impl<T: ManagedAllocator + ?Sized> ManagedAllocator for $ty {
+            fn capabilities(&self) -> Capabilities {
+                T::capabilities(self)
+            }
+            fn device_count(&self) -> u32 {
+                T::device_count(self)
+            }
+            fn allocate(&self, device: DeviceId, bytes: usize) -> Result<Allocation, Self::Error> {
+                T::allocate(self, device, bytes)
+            }
+            unsafe fn free(&self, allocation: Allocation) -> Result<(), Self::Error> {
+                // SAFETY: the caller upholds `free`'s contract, which is `T::free`'s.
+                unsafe { T::free(self, allocation) }
+            }
+            unsafe fn zero(
+                &self,
+                allocation: &Allocation,
+                offset: usize,
+                len: usize,
+            ) -> Result<(), Self::Error> {
+                // SAFETY: the caller upholds `zero`'s contract, which is `T::zero`'s.
+                unsafe { T::zero(self, allocation, offset, len) }
+            }
+        }
+    )*};
+}
+
+forward_allocator!(&T, alloc::boxed::Box<T>, alloc::sync::Arc<T>);

@@ -1,0 +1,353 @@
+//! Tenants and their byte ledgers: a hard cap, reserved atomically, given back on drop.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use tensor_wasm_mem_core::{IsolationLevel, TenantContext, TenantId};
+//!
+//! let tenant = Arc::new(TenantContext::new(TenantId(1), 1 << 20, IsolationLevel::default()));
+//! let a = tenant.try_reserve(768 << 10).unwrap();
+//! assert!(tenant.try_reserve(512 << 10).is_err()); // would pass the 1 MiB cap: denied
+//! drop(a);
+//! assert_eq!(tenant.stats().live_bytes, 0);
+//! assert_eq!(tenant.stats().denials, 1);
+//! ```
+
+use alloc::sync::Arc;
+use core::fmt;
+use core::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::ErrorKind;
+use crate::isolation::IsolationLevel;
+
+/// Identifies a tenant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TenantId(pub u64);
+
+impl fmt::Display for TenantId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "tenant {}", self.0)
+    }
+}
+
+/// A tenant's cap said no: granting the request would have taken it past its cap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{tenant} denied {requested} bytes: {live} of its cap of {cap} bytes are already reserved")]
+pub struct Denied {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// Its cap in bytes.
+    pub cap: u64,
+    /// Bytes it held when the request was refused.
+    pub live: u64,
+    /// Bytes requested.
+    pub requested: u64,
+}
+
+impl Denied {
+    /// Always [`ErrorKind::CapExceeded`].
+    #[must_use]
+    pub const fn kind(&self) -> ErrorKind {
+        ErrorKind::CapExceeded
+    }
+}
+
+/// A snapshot of a tenant's ledger.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LedgerStats {
+    /// The cap in bytes.
+    pub cap: u64,
+    /// Bytes reserved now.
+    pub live_bytes: u64,
+    /// The most bytes ever reserved at once.
+    pub peak_bytes: u64,
+    /// Reservations alive now.
+    pub live_reservations: u64,
+    /// Reservations (and growths) ever granted.
+    pub granted: u64,
+    /// Requests ever denied.
+    pub denials: u64,
+}
+
+/// A tenant: an identity, a hard byte cap, an isolation level, and the ledger that enforces the
+/// cap.
+///
+/// Reserving is lock-free and atomic: under any contention the live total never exceeds the cap.
+#[derive(Debug)]
+pub struct TenantContext {
+    id: TenantId,
+    cap: u64,
+    isolation: IsolationLevel,
+    live: AtomicU64,
+    peak: AtomicU64,
+    live_reservations: AtomicU64,
+    granted: AtomicU64,
+    denials: AtomicU64,
+}
+
+impl TenantContext {
+    /// A tenant with a cap of `cap_bytes` (`u64::MAX` for none) at `isolation`.
+    #[must_use]
+    pub const fn new(id: TenantId, cap_bytes: u64, isolation: IsolationLevel) -> Self {
+        Self {
+            id,
+            cap: cap_bytes,
+            isolation,
+            live: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+            live_reservations: AtomicU64::new(0),
+            granted: AtomicU64::new(0),
+            denials: AtomicU64::new(0),
+        }
+    }
+
+    /// The tenant's id.
+    #[must_use]
+    pub const fn id(&self) -> TenantId {
+        self.id
+    }
+
+    /// The cap in bytes.
+    #[must_use]
+    pub const fn cap(&self) -> u64 {
+        self.cap
+    }
+
+    /// The isolation level.
+    #[must_use]
+    pub const fn isolation(&self) -> IsolationLevel {
+        self.isolation
+    }
+
+    /// Bytes reserved now.
+    #[must_use]
+    pub fn live_bytes(&self) -> u64 {
+        self.live.load(Ordering::Acquire)
+    }
+
+    /// A snapshot of the ledger (each figure read atomically; the set is not one instant).
+    #[must_use]
+    pub fn stats(&self) -> LedgerStats {
+        LedgerStats {
+            cap: self.cap,
+            live_bytes: self.live.load(Ordering::Acquire),
+            peak_bytes: self.peak.load(Ordering::Acquire),
+            live_reservations: self.live_reservations.load(Ordering::Acquire),
+            granted: self.granted.load(Ordering::Relaxed),
+            denials: self.denials.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Adds `bytes` to the live total if that keeps it within the cap.
+    fn charge(&self, bytes: u64) -> Result<(), Denied> {
+        let cap = self.cap;
+        match self
+            .live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| {
+                live.checked_add(bytes).filter(|&total| total <= cap)
+            }) {
+            Ok(before) => {
+                // `before + bytes` was checked in the closure.
+                self.peak.fetch_max(before + bytes, Ordering::AcqRel);
+                self.granted.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(live) => {
+                self.denials.fetch_add(1, Ordering::Relaxed);
+                Err(Denied {
+                    tenant: self.id,
+                    cap,
+                    live,
+                    requested: bytes,
+                })
+            }
+        }
+    }
+
+    fn uncharge(&self, bytes: u64) {
+        let before = self.live.fetch_sub(bytes, Ordering::AcqRel);
+        debug_assert!(before >= bytes, "ledger underflow");
+    }
+
+    /// Reserves `bytes` against the cap, or says no. The bytes come back when the
+    /// [`Reservation`] drops.
+    pub fn try_reserve(self: &Arc<Self>, bytes: u64) -> Result<Reservation, Denied> {
+        self.charge(bytes)?;
+        self.live_reservations.fetch_add(1, Ordering::AcqRel);
+        Ok(Reservation {
+            tenant: Arc::clone(self),
+            bytes,
+        })
+    }
+}
+
+/// Bytes reserved against a tenant's cap; given back on drop.
+#[derive(Debug)]
+#[must_use = "dropping a reservation gives its bytes back at once"]
+pub struct Reservation {
+    tenant: Arc<TenantContext>,
+    bytes: u64,
+}
+
+impl Reservation {
+    /// Bytes held.
+    #[must_use]
+    pub const fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The tenant charged.
+    #[must_use]
+    pub fn tenant(&self) -> &Arc<TenantContext> {
+        &self.tenant
+    }
+
+    /// Reserves `additional` more bytes into this reservation, or says no (and holds what it
+    /// held).
+    pub fn try_grow(&mut self, additional: u64) -> Result<(), Denied> {
+        self.tenant.charge(additional)?;
+        self.bytes += additional;
+        Ok(())
+    }
+
+    /// Gives back all but `bytes` (no-op if it holds `bytes` or fewer).
+    pub fn shrink_to(&mut self, bytes: u64) {
+        if bytes < self.bytes {
+            self.tenant.uncharge(self.bytes - bytes);
+            self.bytes = bytes;
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.tenant.uncharge(self.bytes);
+        self.tenant.live_reservations.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use alloc::string::ToString;
+    use alloc::vec::Vec;
+
+    fn tenant(cap: u64) -> Arc<TenantContext> {
+        Arc::new(TenantContext::new(
+            TenantId(7),
+            cap,
+            IsolationLevel::StreamIsolated,
+        ))
+    }
+
+    #[test]
+    fn reserve_release_and_figures() {
+        let t = tenant(100);
+        let a = t.try_reserve(60).unwrap();
+        let b = t.try_reserve(40).unwrap();
+        let err = t.try_reserve(1).unwrap_err();
+        assert_eq!(
+            err,
+            Denied {
+                tenant: TenantId(7),
+                cap: 100,
+                live: 100,
+                requested: 1
+            }
+        );
+        assert_eq!(err.kind(), ErrorKind::CapExceeded);
+        assert!(err.to_string().contains("tenant 7"));
+        let s = t.stats();
+        assert_eq!(
+            (
+                s.live_bytes,
+                s.peak_bytes,
+                s.live_reservations,
+                s.granted,
+                s.denials
+            ),
+            (100, 100, 2, 2, 1)
+        );
+        drop(a);
+        assert_eq!(t.live_bytes(), 40);
+        drop(b);
+        let s = t.stats();
+        assert_eq!(
+            (s.live_bytes, s.peak_bytes, s.live_reservations),
+            (0, 100, 0)
+        );
+    }
+
+    #[test]
+    fn overflowing_requests_are_denied_not_wrapped() {
+        let t = tenant(u64::MAX);
+        let _a = t.try_reserve(u64::MAX - 1).unwrap();
+        assert!(t.try_reserve(2).is_err());
+        assert!(t.try_reserve(u64::MAX).is_err());
+        assert_eq!(t.live_bytes(), u64::MAX - 1);
+    }
+
+    #[test]
+    fn grow_and_shrink() {
+        let t = tenant(10);
+        let mut r = t.try_reserve(4).unwrap();
+        r.try_grow(6).unwrap();
+        assert_eq!(r.bytes(), 10);
+        assert!(r.try_grow(1).is_err());
+        assert_eq!(r.bytes(), 10, "a denied growth keeps what was held");
+        r.shrink_to(3);
+        assert_eq!(t.live_bytes(), 3);
+        r.shrink_to(5);
+        assert_eq!(r.bytes(), 3, "shrink_to never grows");
+        drop(r);
+        assert_eq!(t.stats().live_bytes, 0);
+        assert_eq!(t.stats().live_reservations, 0);
+    }
+
+    #[test]
+    fn zero_cap_denies_everything_but_zero() {
+        let t = tenant(0);
+        assert!(t.try_reserve(1).is_err());
+        let r = t.try_reserve(0).unwrap();
+        assert_eq!(r.bytes(), 0);
+    }
+
+    /// At least two threads and 100,000 reserve/release operations: the live total never passes
+    /// the cap, and returns to zero.
+    #[test]
+    fn contention_never_overcommits() {
+        const THREADS: usize = 4;
+        const OPS: usize = 50_000; // per thread: 200,000 reserve/release operations in all
+        const CAP: u64 = 300;
+        let t = tenant(CAP);
+        let handles: Vec<_> = (0..THREADS)
+            .map(|i| {
+                let t = Arc::clone(&t);
+                std::thread::spawn(move || {
+                    let mut held = Vec::new();
+                    let mut granted = 0u64;
+                    for op in 0..OPS {
+                        let bytes = ((op * 31 + i * 17) % 97 + 1) as u64;
+                        if let Ok(r) = t.try_reserve(bytes) {
+                            granted += 1;
+                            held.push(r);
+                        }
+                        assert!(t.live_bytes() <= CAP, "over-committed");
+                        if held.len() > 3 || op % 5 == 0 {
+                            held.clear();
+                        }
+                    }
+                    granted
+                })
+            })
+            .collect();
+        let granted: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        let s = t.stats();
+        assert_eq!(s.live_bytes, 0);
+        assert_eq!(s.live_reservations, 0);
+        assert!(s.peak_bytes <= CAP);
+        assert_eq!(s.granted, granted);
+        assert_eq!(s.granted + s.denials, (THREADS * OPS) as u64);
+        assert!(s.denials > 0, "the test must actually hit the cap");
+        assert!(s.granted > 0);
+    }
+}

@@ -1,0 +1,38 @@
+#![doc = include_str!("../README.md")]
+#![no_std]
+#![deny(missing_docs)]
+#![warn(clippy::std_instead_of_core, clippy::alloc_instead_of_core)]
+
+extern crate alloc;
+#[cfg(any(test, feature = "mockall"))]
+extern crate std;
+
+mod advisor;
+mod allocator;
+mod buffer;
+mod device;
+mod error;
+mod isolation;
+mod ledger;
+mod plan;
+mod pool;
+mod stream;
+
+#[doc(hidden)]
+pub mod doc_support;
+#[cfg(any(test, feature = "mockall"))]
+pub mod mocks;
+
+pub use advisor::Advisor;
+pub use allocator::{Allocation, MIN_ALIGN, ManagedAllocator};
+pub use buffer::{DeviceSlice, UnifiedBuffer};
+pub use device::{Advice, Capabilities, DeviceId, Location, ParseNameError};
+pub use error::{BackendError, Error, ErrorKind, ErrorType, Operation, RangeError, check_range};
+pub use isolation::IsolationLevel;
+pub use ledger::{Denied, LedgerStats, Reservation, TenantContext, TenantId};
+pub use plan::{
+    DEFAULT_MAX_BYTES, HARD_MAX_LINEAR_MEMORY_BYTES, MemoryPlan, MemoryType, PlanError, PlanLimits,
+    WASM_PAGE_SIZE,
+};
+pub use pool::{ClassStats, PoolConfig, PoolError, PoolStats, SLOT_ALIGN, SizeClass, SlotPool};
+pub use stream::{DEFAULT_STREAM, Stream, StreamLease, StreamProvider};

@@ -1,0 +1,772 @@
+//! The slot pool: one slab from a [`ManagedAllocator`], carved into slots by size class, slots
+//! reused, and every reused slot scrubbed before its next holder sees it.
+//!
+//! Scrubbing is exact: a holder can only have touched its visible window, and the window never
+//! shrinks, so its largest size (the *high-water mark*) is recorded when the slot comes back and
+//! exactly `0..high_water` is zeroed (through [`ManagedAllocator::zero`]) when the slot is next
+//! handed out. A slab whose allocator does not hand out zeroed memory starts with every slot
+//! dirty to its full size, so the first holder sees zeros too.
+//!
+//! ```
+//! use std::sync::Arc;
+//! # use tensor_wasm_mem_core::doc_support::HeapAllocator;
+//! use tensor_wasm_mem_core::{DeviceId, PoolConfig, SizeClass, SlotPool};
+//!
+//! let config = PoolConfig::new(DeviceId(0), [SizeClass::new(1 << 20, 4)]);
+//! let pool = Arc::new(SlotPool::new(HeapAllocator::default(), config).unwrap());
+//! let mut memory = pool.acquire(1 << 20, 65536).unwrap(); // capacity 1 MiB, 64 KiB visible
+//! memory.write(0, &[0xff; 16]).unwrap();
+//! drop(memory); // back to the pool
+//! let memory = pool.acquire(1 << 20, 65536).unwrap(); // the same slot, scrubbed
+//! let mut bytes = [1u8; 16];
+//! memory.read(0, &mut bytes).unwrap();
+//! assert_eq!(bytes, [0; 16]);
+//! assert_eq!(pool.stats().bytes_scrubbed, 65536);
+//! ```
+
+use alloc::sync::Arc;
+use alloc::vec::Vec;
+use core::fmt;
+
+use hashbrown::HashMap;
+
+use crate::allocator::{Allocation, ManagedAllocator};
+use crate::buffer::UnifiedBuffer;
+use crate::device::DeviceId;
+use crate::error::{Error, ErrorKind, Operation};
+
+/// Slot sizes are rounded up to a multiple of this (one Wasm page), so every slot starts on a
+/// page boundary and hints never straddle two slots' pages.
+pub const SLOT_ALIGN: usize = 1 << 16;
+
+/// A size class: `slots` slots of `slot_bytes` bytes each (rounded up to [`SLOT_ALIGN`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SizeClass {
+    /// Bytes per slot.
+    pub slot_bytes: usize,
+    /// Number of slots.
+    pub slots: usize,
+}
+
+impl SizeClass {
+    /// A class of `slots` slots of `slot_bytes` bytes.
+    #[must_use]
+    pub const fn new(slot_bytes: usize, slots: usize) -> Self {
+        Self { slot_bytes, slots }
+    }
+}
+
+/// How to build a [`SlotPool`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// The device the slab is allocated on.
+    pub device: DeviceId,
+    /// The size classes (any order; slot sizes must be distinct after rounding).
+    pub classes: Vec<SizeClass>,
+}
+
+impl PoolConfig {
+    /// A configuration on `device` with `classes`.
+    pub fn new(device: DeviceId, classes: impl IntoIterator<Item = SizeClass>) -> Self {
+        Self {
+            device,
+            classes: classes.into_iter().collect(),
+        }
+    }
+}
+
+/// The pool could not serve a request or be built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// Every slot of every class that could hold the request is in use.
+    #[error("slot pool exhausted: no free slot of at least {requested} bytes")]
+    Exhausted {
+        /// Bytes requested.
+        requested: u64,
+    },
+    /// No class is large enough.
+    #[error("{requested} bytes exceed the largest slot of {largest} bytes")]
+    TooLarge {
+        /// Bytes requested.
+        requested: u64,
+        /// The largest slot size.
+        largest: u64,
+    },
+    /// The initial visible size is larger than the capacity asked for.
+    #[error("visible size of {visible} bytes exceeds the capacity of {capacity} bytes")]
+    VisibleAboveCapacity {
+        /// Visible bytes asked for.
+        visible: u64,
+        /// Capacity asked for.
+        capacity: u64,
+    },
+    /// The configuration is unusable.
+    #[error("invalid pool configuration: {reason}")]
+    InvalidConfig {
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// The slab size does not fit the address space.
+    #[error("pool slab size overflows")]
+    SizeOverflow,
+}
+
+impl PoolError {
+    /// The kind of this error.
+    #[must_use]
+    pub const fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Exhausted { .. } => ErrorKind::PoolExhausted,
+            Self::TooLarge { .. } => ErrorKind::LimitExceeded,
+            Self::VisibleAboveCapacity { .. } | Self::InvalidConfig { .. } => {
+                ErrorKind::InvalidArgument
+            }
+            Self::SizeOverflow => ErrorKind::Overflow,
+        }
+    }
+}
+
+/// Figures for one size class.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClassStats {
+    /// Bytes per slot.
+    pub slot_bytes: usize,
+    /// Slots in the class.
+    pub slots: usize,
+    /// Slots handed out now.
+    pub in_use: usize,
+    /// Slots free now.
+    pub free: usize,
+}
+
+/// A snapshot of a pool's figures.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Per class, smallest first.
+    pub classes: Vec<ClassStats>,
+    /// Slots ever handed out.
+    pub acquisitions: u64,
+    /// Slots ever given back.
+    pub releases: u64,
+    /// Bytes zeroed before reuse.
+    pub bytes_scrubbed: u64,
+    /// Scrubs that failed (the slot stayed free and dirty; nothing was handed out).
+    pub scrub_failures: u64,
+    /// Requests refused because every fitting slot was busy.
+    pub exhaustions: u64,
+}
+
+impl PoolStats {
+    /// Slots handed out now, over all classes.
+    #[must_use]
+    pub fn in_use(&self) -> usize {
+        self.classes.iter().map(|c| c.in_use).sum()
+    }
+
+    /// Free slots now, over all classes.
+    #[must_use]
+    pub fn free(&self) -> usize {
+        self.classes.iter().map(|c| c.free).sum()
+    }
+}
+
+#[derive(Debug)]
+struct ClassState {
+    offset: usize,
+    slot_bytes: usize,
+    /// Free slot indices; the most recently freed is reused first.
+    free: Vec<u32>,
+    /// Per slot: bytes from its start that may be non-zero.
+    dirty: Vec<usize>,
+}
+
+#[derive(Debug, Default)]
+struct PoolState {
+    classes: HashMap<usize, ClassState>,
+    acquisitions: u64,
+    releases: u64,
+    bytes_scrubbed: u64,
+    scrub_failures: u64,
+    exhaustions: u64,
+}
+
+/// A pool of equally sized slots per size class, carved from one slab.
+pub struct SlotPool<A: ManagedAllocator> {
+    allocator: A,
+    slab: Option<Allocation>,
+    /// Slot sizes, ascending: the keys of `state.classes`.
+    sizes: Vec<usize>,
+    state: spin::Mutex<PoolState>,
+}
+
+impl<A: ManagedAllocator> fmt::Debug for SlotPool<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotPool")
+            .field("slab", &self.slab)
+            .field("sizes", &self.sizes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<A: ManagedAllocator> SlotPool<A> {
+    /// Takes one slab from `allocator` and carves it as `config` says.
+    pub fn new(allocator: A, config: PoolConfig) -> Result<Self, Error<A::Error>> {
+        if config.classes.is_empty() {
+            return Err(PoolError::InvalidConfig {
+                reason: "no size classes",
+            }
+            .into());
+        }
+        let mut classes = HashMap::with_capacity(config.classes.len());
+        let mut sizes = Vec::with_capacity(config.classes.len());
+        let mut total = 0usize;
+        let mut requested: Vec<SizeClass> = config.classes.clone();
+        requested.sort_by_key(|c| c.slot_bytes);
+        for class in &requested {
+            if class.slot_bytes == 0 || class.slots == 0 {
+                return Err(PoolError::InvalidConfig {
+                    reason: "a size class has zero bytes or zero slots",
+                }
+                .into());
+            }
+            let slots = u32::try_from(class.slots).map_err(|_| PoolError::InvalidConfig {
+                reason: "more than u32::MAX slots in a class",
+            })?;
+            let slot_bytes = class
+                .slot_bytes
+                .checked_next_multiple_of(SLOT_ALIGN)
+                .ok_or(PoolError::SizeOverflow)?;
+            if classes.contains_key(&slot_bytes) {
+                return Err(PoolError::InvalidConfig {
+                    reason: "two size classes round to the same slot size",
+                }
+                .into());
+            }
+            let bytes = slot_bytes
+                .checked_mul(class.slots)
+                .ok_or(PoolError::SizeOverflow)?;
+            classes.insert(
+                slot_bytes,
+                ClassState {
+                    offset: total,
+                    slot_bytes,
+                    free: (0..slots).rev().collect(),
+                    dirty: Vec::new(),
+                },
+            );
+            sizes.push(slot_bytes);
+            total = total.checked_add(bytes).ok_or(PoolError::SizeOverflow)?;
+        }
+        let slab = allocator
+            .allocate(config.device, total)
+            .map_err(|e| Error::backend(Operation::Allocate, e))?;
+        let zeroed = allocator.capabilities().comes_zeroed;
+        for class in classes.values_mut() {
+            let initial_dirty = if zeroed { 0 } else { class.slot_bytes };
+            class.dirty = alloc::vec![initial_dirty; class.free.len()];
+        }
+        Ok(Self {
+            allocator,
+            slab: Some(slab),
+            sizes,
+            state: spin::Mutex::new(PoolState {
+                classes,
+                ..PoolState::default()
+            }),
+        })
+    }
+
+    /// The allocator the slab came from.
+    pub fn allocator(&self) -> &A {
+        &self.allocator
+    }
+
+    /// The slab every slot lies in.
+    pub fn slab(&self) -> &Allocation {
+        // `slab` is `Some` from construction until `drop`.
+        self.slab.as_ref().unwrap_or_else(|| unreachable!())
+    }
+
+    /// A snapshot of the pool's figures.
+    pub fn stats(&self) -> PoolStats {
+        let state = self.state.lock();
+        PoolStats {
+            classes: self
+                .sizes
+                .iter()
+                .filter_map(|size| state.classes.get(size))
+                .map(|c| ClassStats {
+                    slot_bytes: c.slot_bytes,
+                    slots: c.dirty.len(),
+                    in_use: c.dirty.len() - c.free.len(),
+                    free: c.free.len(),
+                })
+                .collect(),
+            acquisitions: state.acquisitions,
+            releases: state.releases,
+            bytes_scrubbed: state.bytes_scrubbed,
+            scrub_failures: state.scrub_failures,
+            exhaustions: state.exhaustions,
+        }
+    }
+
+    /// Hands out a slot that can hold `capacity` bytes (the smallest free one that fits), as a
+    /// [`UnifiedBuffer`] whose first `visible` bytes are visible, all zero.
+    pub fn acquire(
+        self: &Arc<Self>,
+        capacity: usize,
+        visible: usize,
+    ) -> Result<UnifiedBuffer<A>, Error<A::Error>> {
+        if visible > capacity {
+            return Err(PoolError::VisibleAboveCapacity {
+                visible: visible as u64,
+                capacity: capacity as u64,
+            }
+            .into());
+        }
+        let largest = self.sizes.last().copied().unwrap_or(0);
+        if capacity > largest {
+            return Err(PoolError::TooLarge {
+                requested: capacity as u64,
+                largest: largest as u64,
+            }
+            .into());
+        }
+        let (class, index, offset, dirty) = {
+            let mut state = self.state.lock();
+            let found = self
+                .sizes
+                .iter()
+                .filter(|&&size| size >= capacity)
+                .find_map(|size| {
+                    let class = state.classes.get_mut(size)?;
+                    let index = class.free.pop()?;
+                    let offset = class.offset + class.slot_bytes * index as usize;
+                    Some((*size, index, offset, class.dirty[index as usize]))
+                });
+            match found {
+                Some(slot) => {
+                    state.acquisitions += 1;
+                    slot
+                }
+                None => {
+                    state.exhaustions += 1;
+                    return Err(PoolError::Exhausted {
+                        requested: capacity as u64,
+                    }
+                    .into());
+                }
+            }
+        };
+        if dirty > 0 {
+            // SAFETY: the slab is live (owned by `self`), and the slot `offset..offset + dirty`
+            // was just taken off the free list under the lock, so no holder can access it.
+            let scrubbed = unsafe { self.allocator.zero(self.slab(), offset, dirty) };
+            let mut state = self.state.lock();
+            if let Err(e) = scrubbed {
+                state.scrub_failures += 1;
+                state.acquisitions -= 1;
+                if let Some(c) = state.classes.get_mut(&class) {
+                    c.free.push(index);
+                }
+                return Err(Error::backend(Operation::Zero, e));
+            }
+            state.bytes_scrubbed += dirty as u64;
+            if let Some(c) = state.classes.get_mut(&class) {
+                c.dirty[index as usize] = 0;
+            }
+        }
+        let slot = PoolSlot {
+            pool: Arc::clone(self),
+            class,
+            index,
+            offset,
+            high_water: visible,
+        };
+        Ok(UnifiedBuffer::from_slot(slot, capacity, visible))
+    }
+
+    fn release(&self, class: usize, index: u32, high_water: usize) {
+        let mut state = self.state.lock();
+        state.releases += 1;
+        if let Some(c) = state.classes.get_mut(&class) {
+            c.dirty[index as usize] = high_water.min(c.slot_bytes);
+            c.free.push(index);
+        }
+    }
+}
+
+impl<A: ManagedAllocator> Drop for SlotPool<A> {
+    fn drop(&mut self) {
+        if let Some(slab) = self.slab.take() {
+            // SAFETY: the slab came from `self.allocator`; every slot holds an `Arc` to the pool,
+            // so none is alive when the pool drops, and nothing uses the slab afterwards.
+            let _ = unsafe { self.allocator.free(slab) };
+        }
+    }
+}
+
+/// One slot on loan from a [`SlotPool`]; goes back (dirty to its high-water mark) on drop.
+pub(crate) struct PoolSlot<A: ManagedAllocator> {
+    pool: Arc<SlotPool<A>>,
+    class: usize,
+    index: u32,
+    offset: usize,
+    high_water: usize,
+}
+
+impl<A: ManagedAllocator> PoolSlot<A> {
+    pub(crate) fn pool(&self) -> &Arc<SlotPool<A>> {
+        &self.pool
+    }
+
+    pub(crate) fn offset(&self) -> usize {
+        self.offset
+    }
+
+    pub(crate) fn slot_bytes(&self) -> usize {
+        self.class
+    }
+
+    /// Records that the holder may have touched `0..bytes`.
+    pub(crate) fn touch(&mut self, bytes: usize) {
+        self.high_water = self.high_water.max(bytes);
+    }
+}
+
+impl<A: ManagedAllocator> fmt::Debug for PoolSlot<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PoolSlot")
+            .field("class", &self.class)
+            .field("index", &self.index)
+            .field("offset", &self.offset)
+            .field("high_water", &self.high_water)
+            .finish()
+    }
+}
+
+impl<A: ManagedAllocator> Drop for PoolSlot<A> {
+    fn drop(&mut self) {
+        self.pool.release(self.class, self.index, self.high_water);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::doc_support::HeapAllocator;
+    use crate::mocks::{MockBackend, MockError};
+    use crate::{Capabilities, IsolationLevel, TenantContext, TenantId};
+    use rstest::rstest;
+
+    const PAGE: usize = SLOT_ALIGN;
+    static HEAP: HeapAllocator = HeapAllocator::new();
+
+    fn heap_pool(classes: &[SizeClass]) -> Arc<SlotPool<HeapAllocator>> {
+        Arc::new(
+            SlotPool::new(
+                HeapAllocator::new(),
+                PoolConfig::new(DeviceId(0), classes.iter().copied()),
+            )
+            .unwrap(),
+        )
+    }
+
+    /// A mockall backend whose allocations are real heap memory.
+    fn mock_backend(comes_zeroed: bool) -> MockBackend {
+        let mut mock = MockBackend::new();
+        mock.expect_capabilities().returning(move || Capabilities {
+            host_accessible: true,
+            comes_zeroed,
+            ..Capabilities::NONE
+        });
+        mock.expect_allocate()
+            .returning(|device, bytes| HEAP.allocate(device, bytes).map_err(|e| MockError(e.kind)));
+        mock.expect_free().returning(|a| {
+            // SAFETY: every allocation of this mock came from `HEAP`.
+            unsafe { HEAP.free(a) }.map_err(|e| MockError(e.kind))
+        });
+        mock
+    }
+
+    #[test]
+    fn reuse_never_exhausts() {
+        let pool = heap_pool(&[SizeClass::new(PAGE, 3), SizeClass::new(4 * PAGE, 2)]);
+        let stats = pool.stats();
+        let slots: usize = stats.classes.iter().map(|c| c.slots).sum();
+        for round in 0..10 * slots {
+            let held: Vec<_> = (0..slots)
+                .map(|i| {
+                    pool.acquire(if i < 3 { PAGE } else { 4 * PAGE }, 0)
+                        .unwrap()
+                })
+                .collect();
+            assert_eq!(pool.stats().in_use(), slots, "round {round}");
+            drop(held);
+            assert_eq!(pool.stats().free(), slots);
+        }
+        let s = pool.stats();
+        assert_eq!(s.acquisitions, (10 * slots * slots) as u64);
+        assert_eq!(s.releases, s.acquisitions);
+        assert_eq!(s.exhaustions, 0);
+    }
+
+    #[test]
+    fn smallest_fitting_class_first_then_larger_then_exhausted() {
+        let pool = heap_pool(&[SizeClass::new(4 * PAGE, 1), SizeClass::new(PAGE, 1)]);
+        let a = pool.acquire(100, 0).unwrap();
+        assert_eq!(a.slot_bytes(), Some(PAGE));
+        let b = pool.acquire(100, 0).unwrap();
+        assert_eq!(
+            b.slot_bytes(),
+            Some(4 * PAGE),
+            "falls back to a larger class"
+        );
+        let err = pool.acquire(100, 0).unwrap_err();
+        assert!(matches!(
+            err,
+            Error::Pool(PoolError::Exhausted { requested: 100 })
+        ));
+        assert_eq!(err.kind(), ErrorKind::PoolExhausted);
+        assert_eq!(pool.stats().exhaustions, 1);
+        let err = pool.acquire(4 * PAGE + 1, 0).unwrap_err();
+        assert!(matches!(err, Error::Pool(PoolError::TooLarge { .. })));
+        let err = pool.acquire(PAGE, PAGE + 1).unwrap_err();
+        assert!(matches!(
+            err,
+            Error::Pool(PoolError::VisibleAboveCapacity { .. })
+        ));
+        drop((a, b));
+        assert_eq!(pool.stats().free(), 2);
+    }
+
+    #[test]
+    fn slots_do_not_overlap() {
+        let pool = heap_pool(&[SizeClass::new(PAGE, 4), SizeClass::new(2 * PAGE, 2)]);
+        let held: Vec<_> = (0..6)
+            .map(|i| {
+                pool.acquire(if i < 4 { PAGE } else { 2 * PAGE }, 0)
+                    .unwrap()
+            })
+            .collect();
+        let mut ranges: Vec<_> = held
+            .iter()
+            .map(|b| {
+                let start = b.as_ptr() as usize;
+                start..start + b.slot_bytes().unwrap()
+            })
+            .collect();
+        ranges.sort_by_key(|r| r.start);
+        for w in ranges.windows(2) {
+            assert!(w[0].end <= w[1].start);
+        }
+        let slab = pool.slab().as_ptr() as usize;
+        assert!(
+            ranges
+                .iter()
+                .all(|r| r.start >= slab && r.end <= slab + pool.slab().len())
+        );
+        assert!(ranges.iter().all(|r| (r.start - slab).is_multiple_of(PAGE)));
+    }
+
+    #[test]
+    fn reused_slot_reads_zero() {
+        let pool = heap_pool(&[SizeClass::new(2 * PAGE, 1)]);
+        let mut a = pool.acquire(2 * PAGE, PAGE).unwrap();
+        a.grow_to(2 * PAGE).unwrap();
+        a.write(0, &[0xff; 2 * PAGE]).unwrap();
+        drop(a);
+        let b = pool.acquire(2 * PAGE, 2 * PAGE).unwrap();
+        let mut out = alloc::vec![1u8; 2 * PAGE];
+        b.read(0, &mut out).unwrap();
+        assert!(out.iter().all(|&x| x == 0));
+        assert_eq!(pool.stats().bytes_scrubbed, 2 * PAGE as u64);
+    }
+
+    /// The scrub zeroes exactly the previous holder's high-water mark, through the allocator.
+    #[test]
+    fn scrubs_exactly_the_high_water_mark() {
+        let mut mock = mock_backend(true);
+        // Slot 0 of the only class starts at offset 0. The holder grew to 3 pages; that, and
+        // nothing more, is zeroed, once, when the slot is handed out again.
+        mock.expect_zero()
+            .withf(|_, offset, len| *offset == 0 && *len == 3 * PAGE)
+            .times(1)
+            .returning(|a, offset, len| {
+                // SAFETY: the allocation is a live `HEAP` allocation held by the pool.
+                unsafe { HEAP.zero(a, offset, len) }.map_err(|e| MockError(e.kind))
+            });
+        let config = PoolConfig::new(DeviceId(0), [SizeClass::new(8 * PAGE, 1)]);
+        let pool = Arc::new(SlotPool::new(mock, config).unwrap());
+        let mut first = pool.acquire(8 * PAGE, PAGE).unwrap();
+        first.grow_to(3 * PAGE).unwrap();
+        first.grow_to(2 * PAGE).unwrap(); // never shrinks the mark
+        drop(first);
+        let second = pool.acquire(8 * PAGE, 0).unwrap();
+        drop(second); // touched nothing: the next scrub would be empty
+        let third = pool.acquire(8 * PAGE, PAGE).unwrap();
+        assert_eq!(pool.stats().bytes_scrubbed, 3 * PAGE as u64);
+        drop(third);
+    }
+
+    #[test]
+    fn slab_that_is_not_zeroed_is_scrubbed_in_full_before_first_use() {
+        let mut mock = mock_backend(false);
+        let mut seq = mockall::Sequence::new();
+        for offset in [0, PAGE] {
+            mock.expect_zero()
+                .withf(move |_, o, len| *o == offset && *len == PAGE)
+                .times(1)
+                .in_sequence(&mut seq)
+                .returning(|_, _, _| Ok(()));
+        }
+        let config = PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 2)]);
+        let pool = Arc::new(SlotPool::new(mock, config).unwrap());
+        let a = pool.acquire(PAGE, 0).unwrap();
+        let b = pool.acquire(PAGE, 0).unwrap();
+        drop((a, b)); // neither holder made anything visible: nothing more to scrub
+        let c = pool.acquire(PAGE, 0).unwrap();
+        assert_eq!(pool.stats().bytes_scrubbed, 2 * PAGE as u64);
+        drop(c);
+    }
+
+    #[test]
+    fn failed_scrub_hands_out_nothing_and_charges_nothing() {
+        let mut mock = mock_backend(true);
+        let mut seq = mockall::Sequence::new();
+        mock.expect_zero()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_, _, _| Err(MockError(ErrorKind::Driver)));
+        mock.expect_zero()
+            .withf(|_, offset, len| *offset == 0 && *len == PAGE)
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_, _, _| Ok(()));
+        let config = PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 1)]);
+        let pool = Arc::new(SlotPool::new(mock, config).unwrap());
+        drop(pool.acquire(PAGE, PAGE).unwrap()); // dirty to one page
+        let tenant = Arc::new(TenantContext::new(
+            TenantId(3),
+            PAGE as u64,
+            IsolationLevel::Shared,
+        ));
+        let attempt = tenant
+            .try_reserve(PAGE as u64)
+            .map_err(Error::from)
+            .and_then(|r| pool.acquire(PAGE, PAGE).map(|b| (r, b)));
+        let err = attempt.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Driver);
+        assert!(matches!(
+            err,
+            Error::Backend {
+                op: Operation::Zero,
+                ..
+            }
+        ));
+        assert_eq!(tenant.stats().live_bytes, 0, "no ledger charge left");
+        let s = pool.stats();
+        assert_eq!(
+            (s.in_use(), s.free(), s.scrub_failures),
+            (0, 1, 1),
+            "no leaked slot"
+        );
+        // The slot is still dirty and is scrubbed on the next try.
+        let b = pool.acquire(PAGE, 0).unwrap();
+        assert_eq!(pool.stats().bytes_scrubbed, PAGE as u64);
+        drop(b);
+    }
+
+    #[test]
+    fn failing_allocator_builds_no_pool() {
+        let mut mock = MockBackend::new();
+        mock.expect_allocate()
+            .times(1)
+            .returning(|_, _| Err(MockError(ErrorKind::OutOfMemory)));
+        mock.expect_free().never();
+        let err = SlotPool::new(
+            mock,
+            PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 1)]),
+        )
+        .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::OutOfMemory);
+        assert!(matches!(
+            err,
+            Error::Backend {
+                op: Operation::Allocate,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn pool_frees_its_slab_once() {
+        let mut mock = MockBackend::new();
+        mock.expect_capabilities().return_const(Capabilities {
+            host_accessible: true,
+            comes_zeroed: true,
+            ..Capabilities::NONE
+        });
+        mock.expect_allocate()
+            .times(1)
+            .returning(|d, b| HEAP.allocate(d, b).map_err(|e| MockError(e.kind)));
+        mock.expect_free().times(1).returning(|a| {
+            // SAFETY: the allocation came from `HEAP`.
+            unsafe { HEAP.free(a) }.map_err(|e| MockError(e.kind))
+        });
+        let pool = Arc::new(
+            SlotPool::new(
+                mock,
+                PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 2)]),
+            )
+            .unwrap(),
+        );
+        let slot = pool.acquire(PAGE, 0).unwrap();
+        drop(pool); // the slot keeps the pool alive
+        drop(slot); // now the slab is freed, once
+    }
+
+    #[rstest]
+    #[case::no_classes(&[])]
+    #[case::zero_slots(&[SizeClass::new(PAGE, 0)])]
+    #[case::zero_bytes(&[SizeClass::new(0, 1)])]
+    #[case::same_after_rounding(&[SizeClass::new(1, 1), SizeClass::new(PAGE, 1)])]
+    #[case::overflow(&[SizeClass::new(usize::MAX, 1)])]
+    #[case::total_overflow(&[SizeClass::new(PAGE, usize::MAX / PAGE)])]
+    fn invalid_configs(#[case] classes: &[SizeClass]) {
+        let heap = HeapAllocator::new();
+        let err = SlotPool::new(&heap, PoolConfig::new(DeviceId(0), classes.iter().copied()))
+            .unwrap_err();
+        assert!(matches!(err, Error::Pool(_)), "{err:?}");
+        assert_eq!(heap.live(), 0);
+    }
+
+    #[test]
+    fn concurrent_acquire_release() {
+        let pool = heap_pool(&[SizeClass::new(PAGE, 4)]);
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let pool = Arc::clone(&pool);
+                std::thread::spawn(move || {
+                    let mut ok = 0;
+                    for i in 0..2_000 {
+                        if let Ok(mut b) = pool.acquire(PAGE, 64) {
+                            let mut probe = [0u8; 64];
+                            b.read(0, &mut probe).unwrap();
+                            assert_eq!(probe, [0; 64], "a slot must come back scrubbed");
+                            b.write(0, &[(t * 31 + i) as u8 | 1; 64]).unwrap();
+                            ok += 1;
+                        }
+                    }
+                    ok
+                })
+            })
+            .collect();
+        let ok: u64 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        let s = pool.stats();
+        assert_eq!(s.acquisitions, ok);
+        assert_eq!(s.releases, ok);
+        assert_eq!(s.free(), 4);
+    }
+}

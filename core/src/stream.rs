@@ -1,0 +1,198 @@
+//! The [`StreamProvider`] trait: which stream (and context) an instance's GPU work goes to.
+//!
+//! # The contract per [`IsolationLevel`]
+//!
+//! | level | stream | context |
+//! |---|---|---|
+//! | `Shared` | the default stream, the same handle value for every caller; releasing it does nothing | the primary context |
+//! | `StreamIsolated` | a new stream per call, distinct from every other live one, destroyed on release | the primary context |
+//! | `ContextIsolated` | a new stream per call | one context per tenant, created with the tenant's first stream and destroyed with its last |
+//!
+//! A handle that this provider did not hand out (or already took back) is rejected with an
+//! error, never trusted.
+
+use crate::error::ErrorType;
+use crate::isolation::IsolationLevel;
+use crate::ledger::TenantId;
+
+/// The raw value of the shared (default) stream.
+pub const DEFAULT_STREAM: u64 = 0;
+
+/// A stream handle: the backend's raw stream and context values plus what it was made for.
+///
+/// Not `Clone`: [`StreamProvider::release_stream`] takes it by value.
+#[derive(Debug, PartialEq, Eq, Hash)]
+pub struct Stream {
+    raw: u64,
+    context: u64,
+    level: IsolationLevel,
+    tenant: TenantId,
+}
+
+impl Stream {
+    /// Builds a handle (for backends).
+    #[must_use]
+    pub const fn new(raw: u64, context: u64, level: IsolationLevel, tenant: TenantId) -> Self {
+        Self {
+            raw,
+            context,
+            level,
+            tenant,
+        }
+    }
+
+    /// The backend's raw stream value (`CUstream` as an integer; [`DEFAULT_STREAM`] is the default
+    /// stream).
+    #[must_use]
+    pub const fn raw(&self) -> u64 {
+        self.raw
+    }
+
+    /// The backend's raw context value.
+    #[must_use]
+    pub const fn context(&self) -> u64 {
+        self.context
+    }
+
+    /// The isolation level it was acquired for.
+    #[must_use]
+    pub const fn level(&self) -> IsolationLevel {
+        self.level
+    }
+
+    /// The tenant it was acquired for.
+    #[must_use]
+    pub const fn tenant(&self) -> TenantId {
+        self.tenant
+    }
+
+    /// `true` for the shared default stream.
+    #[must_use]
+    pub const fn is_shared(&self) -> bool {
+        matches!(self.level, IsolationLevel::Shared)
+    }
+}
+
+/// Hands out streams by isolation level. See the [module docs](self) for the contract.
+pub trait StreamProvider: ErrorType {
+    /// A stream for one instance of `tenant` at `level`.
+    fn acquire_stream(
+        &self,
+        tenant: TenantId,
+        level: IsolationLevel,
+    ) -> Result<Stream, Self::Error>;
+
+    /// Gives a stream back; destroys it (and the tenant's context after its last stream) where
+    /// the level says so.
+    fn release_stream(&self, stream: Stream) -> Result<(), Self::Error>;
+
+    /// Waits until all work queued on `stream` has finished.
+    fn synchronize(&self, stream: &Stream) -> Result<(), Self::Error>;
+}
+
+macro_rules! forward_streams {
+    ($($ty:ty),*) => {$(
+        impl<T: StreamProvider + ?Sized> StreamProvider for $ty {
+            fn acquire_stream(
+                &self,
+                tenant: TenantId,
+                level: IsolationLevel,
+            ) -> Result<Stream, Self::Error> {
+                T::acquire_stream(self, tenant, level)
+            }
+            fn release_stream(&self, stream: Stream) -> Result<(), Self::Error> {
+                T::release_stream(self, stream)
+            }
+            fn synchronize(&self, stream: &Stream) -> Result<(), Self::Error> {
+                T::synchronize(self, stream)
+            }
+        }
+    )*};
+}
+
+forward_streams!(&T, alloc::boxed::Box<T>, alloc::sync::Arc<T>);
+
+/// A stream that goes back to its provider when dropped.
+#[derive(Debug)]
+pub struct StreamLease<P: StreamProvider> {
+    provider: P,
+    stream: Option<Stream>,
+}
+
+impl<P: StreamProvider> StreamLease<P> {
+    /// Acquires a stream from `provider` (which may be `&T`, `Arc<T>` or an owned provider).
+    pub fn acquire(provider: P, tenant: TenantId, level: IsolationLevel) -> Result<Self, P::Error> {
+        let stream = provider.acquire_stream(tenant, level)?;
+        Ok(Self {
+            provider,
+            stream: Some(stream),
+        })
+    }
+
+    /// The stream.
+    #[must_use]
+    pub fn stream(&self) -> &Stream {
+        // The option is `Some` from construction until `release`/drop consume it.
+        self.stream.as_ref().unwrap_or_else(|| unreachable!())
+    }
+
+    /// The provider.
+    #[must_use]
+    pub fn provider(&self) -> &P {
+        &self.provider
+    }
+
+    /// Releases now and reports the provider's answer (dropping releases and ignores it).
+    pub fn release(mut self) -> Result<(), P::Error> {
+        match self.stream.take() {
+            Some(s) => self.provider.release_stream(s),
+            None => Ok(()),
+        }
+    }
+}
+
+impl<P: StreamProvider> Drop for StreamLease<P> {
+    fn drop(&mut self) {
+        if let Some(s) = self.stream.take() {
+            // A failed release cannot be reported from `drop`; backends count it.
+            let _ = self.provider.release_stream(s);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ErrorKind;
+    use crate::mocks::{MockBackend, MockError};
+
+    #[test]
+    fn lease_releases_on_drop_and_reports_on_release() {
+        let mut mock = MockBackend::new();
+        mock.expect_acquire_stream()
+            .returning(|tenant, level| Ok(Stream::new(42, 7, level, tenant)));
+        mock.expect_release_stream()
+            .withf(|s| s.raw() == 42 && s.tenant() == TenantId(5))
+            .times(2)
+            .returning(|_| Ok(()));
+        let lease =
+            StreamLease::acquire(&mock, TenantId(5), IsolationLevel::StreamIsolated).unwrap();
+        assert_eq!(lease.stream().raw(), 42);
+        assert_eq!(lease.stream().context(), 7);
+        assert!(!lease.stream().is_shared());
+        drop(lease);
+        let lease =
+            StreamLease::acquire(&mock, TenantId(5), IsolationLevel::StreamIsolated).unwrap();
+        lease.release().unwrap();
+    }
+
+    #[test]
+    fn acquire_failure_is_passed_on() {
+        let mut mock = MockBackend::new();
+        mock.expect_acquire_stream()
+            .returning(|_, _| Err(MockError(ErrorKind::Driver)));
+        mock.expect_release_stream().never();
+        let result = StreamLease::acquire(&mock, TenantId(1), IsolationLevel::ContextIsolated);
+        assert_eq!(result.err(), Some(MockError(ErrorKind::Driver)));
+    }
+}
