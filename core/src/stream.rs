@@ -83,7 +83,8 @@ pub trait StreamProvider: ErrorType {
     ) -> Result<Stream, Self::Error>;
 
     /// Gives a stream back; destroys it (and the tenant's context after its last stream) where
-    /// the level says so.
+    /// the level says so. The handle is consumed either way: on an error the driver may still
+    /// hold the stream, and the backend counts it as live rather than hiding the leak.
     fn release_stream(&self, stream: Stream) -> Result<(), Self::Error>;
 
     /// Waits until all work queued on `stream` has finished.

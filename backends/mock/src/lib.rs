@@ -1,0 +1,863 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+mod error;
+mod host;
+mod ranges;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use ranges::RangeMap;
+use tensor_wasm_mem_core::{
+    Advice, Advisor, Allocation, Capabilities, DEFAULT_STREAM, DeviceId, ErrorKind, ErrorType,
+    IsolationLevel, Location, ManagedAllocator, Operation, Stream, StreamProvider, TenantId,
+};
+
+pub use error::MockError;
+
+/// The raw context value of the simulated primary context.
+pub const PRIMARY_CONTEXT: u64 = 1;
+
+/// Allocations leaked by mocks that have been dropped, process-wide.
+static LEAKED_AT_DROP: AtomicU64 = AtomicU64::new(0);
+
+/// Allocations that were still live when their [`MockBackend`] dropped, over the whole process.
+/// The mock unmaps them (so nothing is lost for real) and counts them here for leak tests.
+#[must_use]
+pub fn leaked_at_drop() -> u64 {
+    LEAKED_AT_DROP.load(Ordering::Acquire)
+}
+
+/// How the simulated device looks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MockConfig {
+    /// Devices simulated (ids `0..device_count`).
+    pub device_count: u32,
+    /// Memory per device in bytes; allocations past it fail with out-of-memory.
+    pub device_memory_bytes: u64,
+    /// Whether host and device may touch managed memory concurrently. Without it, prefetch to a
+    /// device is refused, as the CUDA driver does.
+    pub concurrent_managed_access: bool,
+    /// Whether the device can access pageable host memory (reported only).
+    pub pageable_memory_access: bool,
+    /// Fill fresh allocations with `0xA5` and report `comes_zeroed = false`, like
+    /// `cuMemAllocManaged` (which does not zero). Costs resident memory: for tests only.
+    pub poison_fresh_allocations: bool,
+}
+
+impl Default for MockConfig {
+    /// One device with 16 GiB, concurrent managed access, memory that comes zeroed.
+    fn default() -> Self {
+        Self {
+            device_count: 1,
+            device_memory_bytes: 16 << 30,
+            concurrent_managed_access: true,
+            pageable_memory_access: false,
+            poison_fresh_allocations: false,
+        }
+    }
+}
+
+/// The hints set at one byte of an allocation.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Hints {
+    /// `SetReadMostly` is in force.
+    pub read_mostly: bool,
+    /// The preferred location, if set.
+    pub preferred_location: Option<Location>,
+    /// Locations the byte is marked as accessed by.
+    pub accessed_by: Vec<Location>,
+}
+
+/// Counters of a [`MockBackend`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MockStats {
+    /// Calls per operation, in [`Operation`] order: allocate, free, zero, advise, prefetch,
+    /// acquire_stream, release_stream, synchronize.
+    pub calls: [u64; 8],
+    /// Allocations alive now.
+    pub live_allocations: u64,
+    /// Bytes allocated now (requested sizes).
+    pub live_bytes: u64,
+    /// The most bytes ever allocated at once.
+    pub peak_bytes: u64,
+    /// Allocations ever made.
+    pub allocations: u64,
+    /// Frees that succeeded.
+    pub frees: u64,
+    /// Streams alive now (the shared default stream is not counted).
+    pub live_streams: u64,
+    /// Streams ever created.
+    pub streams_created: u64,
+    /// Streams ever destroyed.
+    pub streams_destroyed: u64,
+    /// Per-tenant contexts alive now.
+    pub live_contexts: u64,
+    /// Per-tenant contexts ever created.
+    pub contexts_created: u64,
+    /// Per-tenant contexts ever destroyed.
+    pub contexts_destroyed: u64,
+    /// Failures injected so far.
+    pub injected_failures: u64,
+}
+
+impl MockStats {
+    /// Calls of `op` so far.
+    #[must_use]
+    pub fn calls(&self, op: Operation) -> u64 {
+        op_index(op).map_or(0, |i| self.calls[i])
+    }
+}
+
+fn op_index(op: Operation) -> Option<usize> {
+    Some(match op {
+        Operation::Allocate => 0,
+        Operation::Free => 1,
+        Operation::Zero => 2,
+        Operation::Advise => 3,
+        Operation::Prefetch => 4,
+        Operation::AcquireStream => 5,
+        Operation::ReleaseStream => 6,
+        Operation::Synchronize => 7,
+        _ => return None,
+    })
+}
+
+#[derive(Debug)]
+struct Record {
+    len: usize,
+    mapped: usize,
+    device: DeviceId,
+    read_mostly: RangeMap<()>,
+    preferred: RangeMap<Location>,
+    accessed_by: Vec<(Location, RangeMap<()>)>,
+    residency: RangeMap<Location>,
+}
+
+#[derive(Debug)]
+struct StreamRecord {
+    tenant: TenantId,
+    level: IsolationLevel,
+    context: u64,
+}
+
+#[derive(Debug)]
+struct Fault {
+    op: Operation,
+    call: u64,
+    kind: ErrorKind,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    allocations: HashMap<usize, Record>,
+    used: Vec<u64>,
+    streams: HashMap<u64, StreamRecord>,
+    /// tenant -> (context, live streams in it)
+    contexts: HashMap<TenantId, (u64, u64)>,
+    next_stream: u64,
+    next_context: u64,
+    faults: Vec<Fault>,
+    stats: MockStats,
+}
+
+/// A simulated CUDA device with managed memory, in host memory.
+///
+/// Implements [`ManagedAllocator`], [`Advisor`] and [`StreamProvider`] with the rules a driver
+/// keeps (sizes, bounds, devices, stream handles, device memory), fault injection
+/// ([`fail_nth`](Self::fail_nth)), call counters and leak accounting ([`stats`](Self::stats),
+/// [`leaked_at_drop`]).
+#[derive(Debug)]
+pub struct MockBackend {
+    config: MockConfig,
+    page: usize,
+    state: Mutex<State>,
+}
+
+impl Default for MockBackend {
+    fn default() -> Self {
+        Self::new(MockConfig::default())
+    }
+}
+
+impl MockBackend {
+    /// A simulated device as `config` describes.
+    #[must_use]
+    pub fn new(config: MockConfig) -> Self {
+        Self {
+            config,
+            page: host::page_size(),
+            state: Mutex::new(State {
+                used: vec![0; config.device_count as usize],
+                next_stream: 1000,
+                next_context: PRIMARY_CONTEXT + 1,
+                ..State::default()
+            }),
+        }
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &MockConfig {
+        &self.config
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the state half-updated in a way that
+        // matters to counters; keep serving.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A snapshot of the counters.
+    #[must_use]
+    pub fn stats(&self) -> MockStats {
+        self.state().stats.clone()
+    }
+
+    /// Makes the `n`-th call of `op` from now fail (`n = 1`: the next call) with the kind a driver
+    /// would give for that operation (out-of-memory for `Allocate`, a driver error otherwise).
+    pub fn fail_nth(&self, op: Operation, n: u64) {
+        let kind = if op == Operation::Allocate {
+            ErrorKind::OutOfMemory
+        } else {
+            ErrorKind::Driver
+        };
+        self.fail_nth_with(op, n, kind);
+    }
+
+    /// Makes the `n`-th call of `op` from now fail with an error of `kind`.
+    pub fn fail_nth_with(&self, op: Operation, n: u64, kind: ErrorKind) {
+        let mut state = self.state();
+        let done = op_index(op).map_or(0, |i| state.stats.calls[i]);
+        state.faults.push(Fault {
+            op,
+            call: done.saturating_add(n.max(1)),
+            kind,
+        });
+    }
+
+    /// Removes every pending injected failure.
+    pub fn clear_faults(&self) {
+        self.state().faults.clear();
+    }
+
+    /// Where `offset` of `allocation` was last prefetched to (`None`: never prefetched).
+    pub fn residency(
+        &self,
+        allocation: &Allocation,
+        offset: usize,
+    ) -> Result<Option<Location>, MockError> {
+        let state = self.state();
+        let record = Self::record(&state, allocation)?;
+        allocation.range(offset, 1)?;
+        Ok(record.residency.get(offset).copied())
+    }
+
+    /// The hints in force at `offset` of `allocation`.
+    pub fn hints(&self, allocation: &Allocation, offset: usize) -> Result<Hints, MockError> {
+        let state = self.state();
+        let record = Self::record(&state, allocation)?;
+        allocation.range(offset, 1)?;
+        Ok(Hints {
+            read_mostly: record.read_mostly.get(offset).is_some(),
+            preferred_location: record.preferred.get(offset).copied(),
+            accessed_by: record
+                .accessed_by
+                .iter()
+                .filter(|(_, m)| m.get(offset).is_some())
+                .map(|(l, _)| *l)
+                .collect(),
+        })
+    }
+
+    /// Bytes allocated on `device` now.
+    #[must_use]
+    pub fn device_bytes_used(&self, device: DeviceId) -> u64 {
+        self.state()
+            .used
+            .get(device.0 as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Counts a call of `op` and answers an injected failure if one is due.
+    fn enter(&self, state: &mut State, op: Operation) -> Result<(), MockError> {
+        let Some(i) = op_index(op) else {
+            return Ok(());
+        };
+        state.stats.calls[i] += 1;
+        let call = state.stats.calls[i];
+        if let Some(pos) = state
+            .faults
+            .iter()
+            .position(|f| f.op == op && f.call == call)
+        {
+            let fault = state.faults.swap_remove(pos);
+            state.stats.injected_failures += 1;
+            return Err(MockError::Injected {
+                op,
+                call,
+                kind: fault.kind,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_device(&self, device: DeviceId) -> Result<(), MockError> {
+        if device.0 >= self.config.device_count {
+            return Err(MockError::InvalidDevice {
+                device,
+                count: self.config.device_count,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_location(&self, location: Location) -> Result<(), MockError> {
+        match location {
+            Location::Host => Ok(()),
+            Location::Device(d) => self.check_device(d),
+        }
+    }
+
+    fn record<'s>(state: &'s State, allocation: &Allocation) -> Result<&'s Record, MockError> {
+        state
+            .allocations
+            .get(&(allocation.as_ptr() as usize))
+            .filter(|r| r.len == allocation.len())
+            .ok_or(MockError::UnknownAllocation {
+                address: allocation.device_ptr(),
+            })
+    }
+
+    fn record_mut<'s>(
+        state: &'s mut State,
+        allocation: &Allocation,
+    ) -> Result<&'s mut Record, MockError> {
+        state
+            .allocations
+            .get_mut(&(allocation.as_ptr() as usize))
+            .filter(|r| r.len == allocation.len())
+            .ok_or(MockError::UnknownAllocation {
+                address: allocation.device_ptr(),
+            })
+    }
+
+    fn check_stream(state: &State, stream: &Stream) -> Result<(), MockError> {
+        let known = if stream.raw() == DEFAULT_STREAM {
+            stream.is_shared()
+        } else {
+            state
+                .streams
+                .get(&stream.raw())
+                .is_some_and(|s| s.tenant == stream.tenant() && s.context == stream.context())
+        };
+        if known {
+            Ok(())
+        } else {
+            Err(MockError::UnknownStream { raw: stream.raw() })
+        }
+    }
+}
+
+impl ErrorType for MockBackend {
+    type Error = MockError;
+}
+
+// SAFETY: `allocate` returns a fresh private mapping of at least the requested size (page aligned,
+// so aligned to MIN_ALIGN), tracked until freed; mappings never overlap. `zero` checks the range
+// against the tracked allocation before writing. Capabilities: the memory is host memory the
+// simulated device "accesses" by being the host, comes zeroed unless poisoning is configured, and
+// has no guard pages.
+unsafe impl ManagedAllocator for MockBackend {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            host_accessible: true,
+            device_accessible: true,
+            managed: true,
+            comes_zeroed: !self.config.poison_fresh_allocations,
+            guard_pages: false,
+            concurrent_managed_access: self.config.concurrent_managed_access,
+            pageable_memory_access: self.config.pageable_memory_access,
+        }
+    }
+
+    fn device_count(&self) -> u32 {
+        self.config.device_count
+    }
+
+    fn allocate(&self, device: DeviceId, bytes: usize) -> Result<Allocation, MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::Allocate)?;
+        if bytes == 0 {
+            return Err(MockError::InvalidValue("allocation size is zero"));
+        }
+        self.check_device(device)?;
+        let used = state.used[device.0 as usize];
+        let available = self.config.device_memory_bytes.saturating_sub(used);
+        let requested = bytes as u64;
+        let mapped = bytes.checked_next_multiple_of(self.page);
+        let Some(mapped) = mapped.filter(|_| requested <= available) else {
+            return Err(MockError::OutOfMemory {
+                device,
+                requested,
+                available,
+            });
+        };
+        let ptr =
+            host::map(mapped).map_err(|errno| MockError::HostMapFailed { requested, errno })?;
+        if self.config.poison_fresh_allocations {
+            // SAFETY: `ptr` is a fresh mapping of `mapped >= bytes` bytes that only we know.
+            unsafe { ptr.as_ptr().write_bytes(0xA5, bytes) };
+        }
+        state.used[device.0 as usize] += requested;
+        state.allocations.insert(
+            ptr.as_ptr() as usize,
+            Record {
+                len: bytes,
+                mapped,
+                device,
+                read_mostly: RangeMap::new(),
+                preferred: RangeMap::new(),
+                accessed_by: Vec::new(),
+                residency: RangeMap::new(),
+            },
+        );
+        let stats = &mut state.stats;
+        stats.allocations += 1;
+        stats.live_allocations += 1;
+        stats.live_bytes += requested;
+        stats.peak_bytes = stats.peak_bytes.max(stats.live_bytes);
+        // SAFETY: a fresh private mapping of `mapped >= bytes` bytes, page aligned, owned by this
+        // allocation until `free`.
+        Ok(unsafe { Allocation::from_raw_parts(ptr, bytes, device) })
+    }
+
+    unsafe fn free(&self, allocation: Allocation) -> Result<(), MockError> {
+        let mut state = self.state();
+        // An injected failure leaves the memory allocated, as a failing driver would.
+        self.enter(&mut state, Operation::Free)?;
+        let address = allocation.as_ptr() as usize;
+        Self::record(&state, &allocation)?;
+        let Some(record) = state.allocations.remove(&address) else {
+            return Err(MockError::UnknownAllocation {
+                address: address as u64,
+            });
+        };
+        state.used[record.device.0 as usize] -= record.len as u64;
+        state.stats.frees += 1;
+        state.stats.live_allocations -= 1;
+        state.stats.live_bytes -= record.len as u64;
+        drop(state);
+        let (ptr, _, _) = allocation.into_raw_parts();
+        // SAFETY: `ptr..ptr + mapped` is the mapping made for this allocation (found in our
+        // table and removed from it), and the caller guarantees it is not used afterwards.
+        unsafe { host::unmap(ptr, record.mapped) };
+        Ok(())
+    }
+
+    unsafe fn zero(
+        &self,
+        allocation: &Allocation,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::Zero)?;
+        Self::record(&state, allocation)?;
+        let range = allocation.range(offset, len)?;
+        // SAFETY: `range` lies inside a live allocation of ours (checked against our table), and
+        // the caller guarantees nothing else accesses it meanwhile.
+        unsafe { host::zero(allocation.as_ptr().wrapping_add(range.start), range.len()) };
+        Ok(())
+    }
+}
+
+impl Advisor for MockBackend {
+    fn advise(
+        &self,
+        allocation: &Allocation,
+        offset: usize,
+        len: usize,
+        advice: Advice,
+    ) -> Result<(), MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::Advise)?;
+        Self::record(&state, allocation)?;
+        let range = allocation.range(offset, len)?;
+        if let Some(location) = advice.location() {
+            self.check_location(location)?;
+        }
+        let record = Self::record_mut(&mut state, allocation)?;
+        let accessed_by = |record: &mut Record, location: Location| -> usize {
+            match record.accessed_by.iter().position(|(l, _)| *l == location) {
+                Some(i) => i,
+                None => {
+                    record.accessed_by.push((location, RangeMap::new()));
+                    record.accessed_by.len() - 1
+                }
+            }
+        };
+        match advice {
+            Advice::SetReadMostly => record.read_mostly.set(range, Some(())),
+            Advice::UnsetReadMostly => record.read_mostly.set(range, None),
+            Advice::SetPreferredLocation(l) => record.preferred.set(range, Some(l)),
+            Advice::UnsetPreferredLocation => record.preferred.set(range, None),
+            Advice::SetAccessedBy(l) => {
+                let i = accessed_by(record, l);
+                record.accessed_by[i].1.set(range, Some(()));
+            }
+            Advice::UnsetAccessedBy(l) => {
+                let i = accessed_by(record, l);
+                record.accessed_by[i].1.set(range, None);
+            }
+        }
+        Ok(())
+    }
+
+    fn prefetch(
+        &self,
+        allocation: &Allocation,
+        offset: usize,
+        len: usize,
+        to: Location,
+        stream: &Stream,
+    ) -> Result<(), MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::Prefetch)?;
+        Self::record(&state, allocation)?;
+        let range = allocation.range(offset, len)?;
+        self.check_location(to)?;
+        if let Location::Device(device) = to
+            && !self.config.concurrent_managed_access
+        {
+            return Err(MockError::NotSupported {
+                device,
+                what: "prefetch to the device (no concurrent managed access)",
+            });
+        }
+        Self::check_stream(&state, stream)?;
+        Self::record_mut(&mut state, allocation)?
+            .residency
+            .set(range, Some(to));
+        Ok(())
+    }
+}
+
+impl StreamProvider for MockBackend {
+    fn acquire_stream(&self, tenant: TenantId, level: IsolationLevel) -> Result<Stream, MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::AcquireStream)?;
+        let context = match level {
+            IsolationLevel::Shared => {
+                return Ok(Stream::new(DEFAULT_STREAM, PRIMARY_CONTEXT, level, tenant));
+            }
+            IsolationLevel::StreamIsolated => PRIMARY_CONTEXT,
+            IsolationLevel::ContextIsolated => {
+                let next = state.next_context;
+                let created = !state.contexts.contains_key(&tenant);
+                let entry = state.contexts.entry(tenant).or_insert((next, 0));
+                entry.1 += 1;
+                let context = entry.0;
+                if created {
+                    state.next_context += 1;
+                    state.stats.contexts_created += 1;
+                    state.stats.live_contexts += 1;
+                }
+                context
+            }
+        };
+        let raw = state.next_stream;
+        state.next_stream += 1;
+        state.streams.insert(
+            raw,
+            StreamRecord {
+                tenant,
+                level,
+                context,
+            },
+        );
+        state.stats.streams_created += 1;
+        state.stats.live_streams += 1;
+        Ok(Stream::new(raw, context, level, tenant))
+    }
+
+    fn release_stream(&self, stream: Stream) -> Result<(), MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::ReleaseStream)?;
+        Self::check_stream(&state, &stream)?;
+        if stream.raw() == DEFAULT_STREAM {
+            return Ok(());
+        }
+        let Some(record) = state.streams.remove(&stream.raw()) else {
+            return Err(MockError::UnknownStream { raw: stream.raw() });
+        };
+        state.stats.streams_destroyed += 1;
+        state.stats.live_streams -= 1;
+        if record.level == IsolationLevel::ContextIsolated
+            && let Some(entry) = state.contexts.get_mut(&record.tenant)
+        {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                state.contexts.remove(&record.tenant);
+                state.stats.contexts_destroyed += 1;
+                state.stats.live_contexts -= 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self, stream: &Stream) -> Result<(), MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::Synchronize)?;
+        // Everything the mock does is synchronous: a known stream has nothing pending.
+        Self::check_stream(&state, stream)
+    }
+}
+
+impl Drop for MockBackend {
+    fn drop(&mut self) {
+        let state = self
+            .state
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let leaked = state.allocations.len() as u64;
+        for (address, record) in state.allocations.drain() {
+            if let Some(ptr) = core::ptr::NonNull::new(address as *mut u8) {
+                // SAFETY: every table entry is a live mapping of ours; the backend is being
+                // dropped, so no allocation of it can be used any more by contract.
+                unsafe { host::unmap(ptr, record.mapped) };
+            }
+        }
+        if leaked > 0 {
+            LEAKED_AT_DROP.fetch_add(leaked, Ordering::AcqRel);
+            eprintln!("tensor-wasm-mem-mock: {leaked} allocation(s) still live at drop (unmapped)");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tensor_wasm_mem_core::BackendError;
+
+    const PAGE: usize = 1 << 16;
+
+    fn small(devices: u32, memory: u64) -> MockBackend {
+        MockBackend::new(MockConfig {
+            device_count: devices,
+            device_memory_bytes: memory,
+            ..MockConfig::default()
+        })
+    }
+
+    #[test]
+    fn device_memory_is_finite() {
+        let mock = small(2, 4 * PAGE as u64);
+        let a = mock.allocate(DeviceId(0), 3 * PAGE).unwrap();
+        let err = mock.allocate(DeviceId(0), 2 * PAGE).unwrap_err();
+        assert_eq!(
+            err,
+            MockError::OutOfMemory {
+                device: DeviceId(0),
+                requested: 2 * PAGE as u64,
+                available: PAGE as u64
+            }
+        );
+        assert_eq!(err.kind(), ErrorKind::OutOfMemory);
+        // The other device has its own memory.
+        let b = mock.allocate(DeviceId(1), 4 * PAGE).unwrap();
+        assert_eq!(mock.device_bytes_used(DeviceId(1)), 4 * PAGE as u64);
+        assert!(matches!(
+            mock.allocate(DeviceId(2), 1),
+            Err(MockError::InvalidDevice { .. })
+        ));
+        assert!(matches!(
+            mock.allocate(DeviceId(0), usize::MAX),
+            Err(MockError::OutOfMemory { .. })
+        ));
+        // SAFETY: `a` came from `mock` and is not used again.
+        unsafe { mock.free(a).unwrap() };
+        // SAFETY: `b` came from `mock` and is not used again.
+        unsafe { mock.free(b).unwrap() };
+        assert_eq!(mock.device_bytes_used(DeviceId(0)), 0);
+        assert_eq!(mock.stats().live_allocations, 0);
+    }
+
+    #[test]
+    fn nth_call_fails_once() {
+        let mock = MockBackend::default();
+        mock.fail_nth(Operation::Allocate, 2);
+        let a = mock.allocate(DeviceId(0), 10).unwrap();
+        let err = mock.allocate(DeviceId(0), 10).unwrap_err();
+        assert_eq!(
+            err,
+            MockError::Injected {
+                op: Operation::Allocate,
+                call: 2,
+                kind: ErrorKind::OutOfMemory
+            }
+        );
+        let b = mock.allocate(DeviceId(0), 10).unwrap();
+        mock.fail_nth_with(Operation::Zero, 1, ErrorKind::Driver);
+        // SAFETY: `a` is live and unaliased.
+        let zeroed = unsafe { mock.zero(&a, 0, 10) };
+        assert_eq!(zeroed.unwrap_err().kind(), ErrorKind::Driver);
+        let s = mock.stats();
+        assert_eq!(s.calls(Operation::Allocate), 3);
+        assert_eq!(s.calls(Operation::Zero), 1);
+        assert_eq!(s.injected_failures, 2);
+        // SAFETY: `a` came from `mock` and is not used again.
+        unsafe { mock.free(a).unwrap() };
+        // SAFETY: `b` came from `mock` and is not used again.
+        unsafe { mock.free(b).unwrap() };
+    }
+
+    #[test]
+    fn failed_free_keeps_the_memory_accounted() {
+        let mock = MockBackend::default();
+        let a = mock.allocate(DeviceId(0), 10).unwrap();
+        mock.fail_nth(Operation::Free, 1);
+        // SAFETY: `a` came from `mock`.
+        assert!(unsafe { mock.free(a) }.is_err());
+        assert_eq!(
+            mock.stats().live_allocations,
+            1,
+            "a failed free frees nothing"
+        );
+        let before = leaked_at_drop();
+        drop(mock);
+        assert!(leaked_at_drop() > before, "the leak is reported at drop");
+    }
+
+    #[test]
+    fn hints_and_residency_are_tracked_per_range() {
+        let mock = small(2, 1 << 30);
+        let a = mock.allocate(DeviceId(0), 4 * PAGE).unwrap();
+        let d1 = Location::Device(DeviceId(1));
+        mock.advise(&a, 0, 2 * PAGE, Advice::SetReadMostly).unwrap();
+        mock.advise(&a, PAGE, 3 * PAGE, Advice::SetPreferredLocation(d1))
+            .unwrap();
+        mock.advise(&a, 0, 4 * PAGE, Advice::SetAccessedBy(Location::Host))
+            .unwrap();
+        mock.advise(&a, 3 * PAGE, PAGE, Advice::UnsetAccessedBy(Location::Host))
+            .unwrap();
+        assert_eq!(
+            mock.hints(&a, PAGE).unwrap(),
+            Hints {
+                read_mostly: true,
+                preferred_location: Some(d1),
+                accessed_by: vec![Location::Host]
+            }
+        );
+        assert_eq!(
+            mock.hints(&a, 3 * PAGE).unwrap(),
+            Hints {
+                read_mostly: false,
+                preferred_location: Some(d1),
+                accessed_by: vec![]
+            }
+        );
+        let stream = mock
+            .acquire_stream(TenantId(1), IsolationLevel::StreamIsolated)
+            .unwrap();
+        assert_eq!(mock.residency(&a, 0).unwrap(), None);
+        mock.prefetch(&a, 0, 4 * PAGE, d1, &stream).unwrap();
+        mock.prefetch(&a, PAGE, PAGE, Location::Host, &stream)
+            .unwrap();
+        assert_eq!(mock.residency(&a, 0).unwrap(), Some(d1));
+        assert_eq!(mock.residency(&a, PAGE).unwrap(), Some(Location::Host));
+        assert_eq!(mock.residency(&a, 2 * PAGE).unwrap(), Some(d1));
+        assert!(mock.residency(&a, 4 * PAGE).is_err());
+        mock.release_stream(stream).unwrap();
+        // SAFETY: `a` came from `mock`.
+        unsafe { mock.free(a).unwrap() };
+    }
+
+    #[test]
+    fn prefetch_needs_a_live_stream_and_concurrent_access() {
+        let mock = MockBackend::new(MockConfig {
+            concurrent_managed_access: false,
+            ..MockConfig::default()
+        });
+        let a = mock.allocate(DeviceId(0), PAGE).unwrap();
+        let shared = mock
+            .acquire_stream(TenantId(1), IsolationLevel::Shared)
+            .unwrap();
+        let err = mock
+            .prefetch(&a, 0, PAGE, Location::Device(DeviceId(0)), &shared)
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Unsupported);
+        mock.prefetch(&a, 0, PAGE, Location::Host, &shared).unwrap();
+        let forged = Stream::new(
+            77,
+            PRIMARY_CONTEXT,
+            IsolationLevel::StreamIsolated,
+            TenantId(1),
+        );
+        assert_eq!(
+            mock.prefetch(&a, 0, PAGE, Location::Host, &forged),
+            Err(MockError::UnknownStream { raw: 77 })
+        );
+        // SAFETY: `a` came from `mock`.
+        unsafe { mock.free(a).unwrap() };
+    }
+
+    #[test]
+    fn poisoned_allocations_are_not_zero() {
+        let mock = MockBackend::new(MockConfig {
+            poison_fresh_allocations: true,
+            ..MockConfig::default()
+        });
+        assert!(!mock.capabilities().comes_zeroed);
+        let a = mock.allocate(DeviceId(0), 100).unwrap();
+        // SAFETY: `a` is a live host-accessible allocation of 100 bytes.
+        let first = unsafe { a.as_ptr().read() };
+        assert_eq!(first, 0xA5);
+        // SAFETY: `a` is live and unaliased.
+        unsafe { mock.zero(&a, 0, 100).unwrap() };
+        // SAFETY: as above.
+        assert_eq!(unsafe { a.as_ptr().wrapping_add(99).read() }, 0);
+        // SAFETY: `a` came from `mock`.
+        unsafe { mock.free(a).unwrap() };
+    }
+
+    #[test]
+    fn large_zero_gives_pages_back_and_zeroes_edges() {
+        let mock = MockBackend::default();
+        let len = 1 << 20;
+        let a = mock.allocate(DeviceId(0), len).unwrap();
+        // SAFETY: live, host-accessible, unaliased.
+        unsafe { a.as_ptr().write_bytes(0xff, len) };
+        // SAFETY: live and unaliased.
+        unsafe { mock.zero(&a, 100, len - 200).unwrap() };
+        // SAFETY: reads inside the live allocation.
+        let byte = |i: usize| unsafe { a.as_ptr().wrapping_add(i).read() };
+        assert_eq!(byte(99), 0xff);
+        assert_eq!(byte(100), 0);
+        assert_eq!(byte(len / 2), 0);
+        assert_eq!(byte(len - 101), 0);
+        assert_eq!(byte(len - 100), 0xff);
+        // SAFETY: `a` came from `mock`.
+        unsafe { mock.free(a).unwrap() };
+    }
+
+    #[test]
+    fn foreign_allocations_are_refused() {
+        let one = MockBackend::default();
+        let two = MockBackend::default();
+        let a = one.allocate(DeviceId(0), PAGE).unwrap();
+        assert!(matches!(
+            two.advise(&a, 0, 1, Advice::SetReadMostly),
+            Err(MockError::UnknownAllocation { .. })
+        ));
+        // SAFETY: `a` is live in `one`; `two` must refuse to touch it.
+        assert!(unsafe { two.zero(&a, 0, 1) }.is_err());
+        // SAFETY: `a` came from `one`.
+        unsafe { one.free(a).unwrap() };
+    }
+}

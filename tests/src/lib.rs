@@ -1,0 +1,64 @@
+//! The conformance suite every tensor-wasm-mem backend must pass.
+//!
+//! A backend joins by implementing [`Harness`] (how to make a fresh instance, and which of its
+//! counters and fault knobs the suite may use), then expanding [`conformance!`] once in a test
+//! module:
+//!
+//! ```ignore
+//! mod with_mock {
+//!     tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::MockHarness);
+//! }
+//! ```
+//!
+//! Each case is one `rstest` case named after the [`suite`] function it runs.
+#![deny(missing_docs)]
+
+pub mod harness;
+pub mod suite;
+
+pub use harness::Harness;
+
+/// Expands to one `rstest` test with a case per [`suite`] function, run against `$harness`.
+#[macro_export]
+macro_rules! conformance {
+    ($harness:ty) => {
+        #[::rstest::rstest]
+        #[case::capabilities_are_honest($crate::suite::capabilities_are_honest::<$harness>)]
+        #[case::allocate_write_zero_free($crate::suite::allocate_write_zero_free::<$harness>)]
+        #[case::allocate_zero_bytes_is_refused($crate::suite::allocate_zero_bytes_is_refused::<$harness>)]
+        #[case::allocate_unknown_device_is_refused($crate::suite::allocate_unknown_device_is_refused::<$harness>)]
+        #[case::allocate_too_much_is_out_of_memory($crate::suite::allocate_too_much_is_out_of_memory::<$harness>)]
+        #[case::allocations_are_aligned_and_disjoint($crate::suite::allocations_are_aligned_and_disjoint::<$harness>)]
+        #[case::zero_rejects_bad_ranges($crate::suite::zero_rejects_bad_ranges::<$harness>)]
+        #[case::free_gives_memory_back($crate::suite::free_gives_memory_back::<$harness>)]
+        #[case::buffer_growth_never_moves_the_base($crate::suite::buffer_growth_never_moves_the_base::<$harness>)]
+        #[case::buffer_window_reads_zero($crate::suite::buffer_window_reads_zero::<$harness>)]
+        #[case::advise_accepts_every_valid_range($crate::suite::advise_accepts_every_valid_range::<$harness>)]
+        #[case::advise_rejects_out_of_range($crate::suite::advise_rejects_out_of_range::<$harness>)]
+        #[case::advise_rejects_overflow($crate::suite::advise_rejects_overflow::<$harness>)]
+        #[case::advise_rejects_unknown_device($crate::suite::advise_rejects_unknown_device::<$harness>)]
+        #[case::prefetch_accepts_every_valid_range($crate::suite::prefetch_accepts_every_valid_range::<$harness>)]
+        #[case::prefetch_rejects_out_of_range($crate::suite::prefetch_rejects_out_of_range::<$harness>)]
+        #[case::prefetch_rejects_overflow($crate::suite::prefetch_rejects_overflow::<$harness>)]
+        #[case::prefetch_rejects_unknown_device($crate::suite::prefetch_rejects_unknown_device::<$harness>)]
+        #[case::shared_stream_is_shared($crate::suite::shared_stream_is_shared::<$harness>)]
+        #[case::isolated_streams_are_distinct_and_released($crate::suite::isolated_streams_are_distinct_and_released::<$harness>)]
+        #[case::context_isolation_is_per_tenant($crate::suite::context_isolation_is_per_tenant::<$harness>)]
+        #[case::unknown_streams_are_refused($crate::suite::unknown_streams_are_refused::<$harness>)]
+        #[case::pool_reuse_scrubs($crate::suite::pool_reuse_scrubs::<$harness>)]
+        #[case::pool_reuse_never_exhausts($crate::suite::pool_reuse_never_exhausts::<$harness>)]
+        #[case::pool_exhaustion_is_typed($crate::suite::pool_exhaustion_is_typed::<$harness>)]
+        #[case::tenants_never_see_each_others_bytes($crate::suite::tenants_never_see_each_others_bytes::<$harness>)]
+        #[case::device_slices_stay_in_the_window($crate::suite::device_slices_stay_in_the_window::<$harness>)]
+        #[case::injected_allocate_failure_rolls_back($crate::suite::injected_allocate_failure_rolls_back::<$harness>)]
+        #[case::injected_zero_failure_rolls_back($crate::suite::injected_zero_failure_rolls_back::<$harness>)]
+        #[case::injected_advise_failure_rolls_back($crate::suite::injected_advise_failure_rolls_back::<$harness>)]
+        #[case::injected_prefetch_failure_rolls_back($crate::suite::injected_prefetch_failure_rolls_back::<$harness>)]
+        #[case::injected_stream_failure_rolls_back($crate::suite::injected_stream_failure_rolls_back::<$harness>)]
+        #[case::injected_free_failure_is_reported($crate::suite::injected_free_failure_is_reported::<$harness>)]
+        #[case::failures_at_every_step_leave_nothing($crate::suite::failures_at_every_step_leave_nothing::<$harness>)]
+        fn conformance(#[case] case: fn()) {
+            case();
+        }
+    };
+}

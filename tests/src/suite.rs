@@ -1,0 +1,915 @@
+//! The conformance cases. Each is generic over a [`Harness`] and panics on a violation.
+//!
+//! Cases that need a counter or fault injection the backend does not offer print that they were
+//! skipped for it and check what they still can.
+
+use std::sync::Arc;
+
+use tensor_wasm_mem_core::{
+    Advice, Advisor, Allocation, BackendError, DeviceId, Error, ErrorKind, IsolationLevel,
+    Location, MIN_ALIGN, ManagedAllocator, Operation, PoolConfig, PoolError, SizeClass, SlotPool,
+    Stream, StreamLease, StreamProvider, TenantContext, TenantId, UnifiedBuffer,
+};
+
+use crate::Harness;
+
+const PAGE: usize = 1 << 16;
+const D0: DeviceId = DeviceId(0);
+
+fn skipped(case: &str, why: &str) {
+    eprintln!("conformance {case}: skipped on this backend: {why}");
+}
+
+fn tenant(id: u64, cap: u64) -> Arc<TenantContext> {
+    Arc::new(TenantContext::new(
+        TenantId(id),
+        cap,
+        IsolationLevel::StreamIsolated,
+    ))
+}
+
+fn all_advice(location: Location) -> [Advice; 6] {
+    [
+        Advice::SetReadMostly,
+        Advice::UnsetReadMostly,
+        Advice::SetPreferredLocation(location),
+        Advice::UnsetPreferredLocation,
+        Advice::SetAccessedBy(location),
+        Advice::UnsetAccessedBy(location),
+    ]
+}
+
+fn assert_no_leaks<H: Harness>(backend: &H::Backend) {
+    if let Some(live) = H::live_allocations(backend) {
+        assert_eq!(live, 0, "allocations leaked");
+    }
+    if let Some(live) = H::live_streams(backend) {
+        assert_eq!(live, 0, "streams leaked");
+    }
+    if let Some(live) = H::live_contexts(backend) {
+        assert_eq!(live, 0, "contexts leaked");
+    }
+}
+
+fn free<B: ManagedAllocator + ?Sized>(backend: &B, allocation: Allocation) {
+    // SAFETY: every allocation passed here came from `backend` and is not used afterwards.
+    unsafe { backend.free(allocation) }.expect("free");
+}
+
+/// Reads `len` bytes at `offset` of a live host-accessible allocation.
+fn host_bytes(allocation: &Allocation, offset: usize, len: usize) -> Vec<u8> {
+    let range = allocation.range(offset, len).expect("range inside");
+    let mut out = vec![0u8; len];
+    // SAFETY: `range` lies inside the live allocation, which callers only use from the host
+    // (no device work) while reading.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            allocation.as_ptr().wrapping_add(range.start),
+            out.as_mut_ptr(),
+            len,
+        );
+    }
+    out
+}
+
+/// Fills `len` bytes at `offset` of a live host-accessible allocation with `byte`.
+fn host_fill(allocation: &Allocation, offset: usize, len: usize, byte: u8) {
+    let range = allocation.range(offset, len).expect("range inside");
+    // SAFETY: `range` lies inside the live allocation; nothing else accesses it meanwhile.
+    unsafe {
+        allocation
+            .as_ptr()
+            .wrapping_add(range.start)
+            .write_bytes(byte, len)
+    };
+}
+
+fn full<A: ManagedAllocator>(buf: &UnifiedBuffer<A>) -> Vec<u8> {
+    let mut out = vec![0u8; buf.len()];
+    buf.read(0, &mut out).expect("read the window");
+    out
+}
+
+/// Capabilities are consistent with each other and with what the memory does.
+pub fn capabilities_are_honest<H: Harness>() {
+    let b = H::backend();
+    let caps = b.capabilities();
+    assert!(
+        b.device_count() >= 1,
+        "a backend serves at least one device"
+    );
+    assert_eq!(
+        caps.is_uvm(),
+        caps.managed && caps.host_accessible && caps.device_accessible
+    );
+    assert!(
+        !(caps.managed && caps.guard_pages),
+        "managed memory cannot carry guard pages"
+    );
+    let a = b.allocate(D0, 3 * PAGE).expect("allocate");
+    if caps.host_accessible {
+        if caps.comes_zeroed {
+            for offset in [0, PAGE, 3 * PAGE - 64] {
+                assert!(
+                    host_bytes(&a, offset, 64).iter().all(|&x| x == 0),
+                    "claims comes_zeroed, but fresh memory at {offset} is not zero"
+                );
+            }
+        }
+        host_fill(&a, 0, 3 * PAGE, 0x5a);
+        assert!(host_bytes(&a, 0, 3 * PAGE).iter().all(|&x| x == 0x5a));
+    }
+    free(&*b, a);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Allocate, write, zero a sub-range exactly, free.
+pub fn allocate_write_zero_free<H: Harness>() {
+    let b = H::backend();
+    let len = 3 * PAGE + 17;
+    let a = b.allocate(D0, len).expect("allocate");
+    assert_eq!(a.len(), len);
+    assert_eq!(a.device(), D0);
+    if b.capabilities().host_accessible {
+        host_fill(&a, 0, len, 0xff);
+        // SAFETY: `a` is live and nothing else touches it.
+        unsafe { b.zero(&a, PAGE + 1, PAGE) }.expect("zero");
+        let bytes = host_bytes(&a, 0, len);
+        assert_eq!(bytes[PAGE], 0xff, "byte before the range untouched");
+        assert!(bytes[PAGE + 1..2 * PAGE + 1].iter().all(|&x| x == 0));
+        assert_eq!(bytes[2 * PAGE + 1], 0xff, "byte after the range untouched");
+        // SAFETY: as above; the whole allocation.
+        unsafe { b.zero(&a, 0, len) }.expect("zero all");
+        assert!(host_bytes(&a, 0, len).iter().all(|&x| x == 0));
+    } else {
+        // SAFETY: as above.
+        unsafe { b.zero(&a, 0, len) }.expect("zero");
+    }
+    free(&*b, a);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Size zero is an invalid argument, as `cuMemAllocManaged` says.
+pub fn allocate_zero_bytes_is_refused<H: Harness>() {
+    let b = H::backend();
+    let err = b.allocate(D0, 0).expect_err("size 0 must be refused");
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    assert_no_leaks::<H>(&b);
+}
+
+/// A device past `device_count()` is an invalid argument.
+pub fn allocate_unknown_device_is_refused<H: Harness>() {
+    let b = H::backend();
+    let device = DeviceId(b.device_count());
+    let err = b.allocate(device, PAGE).expect_err("unknown device");
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    let err = b
+        .allocate(DeviceId(u32::MAX), PAGE)
+        .expect_err("unknown device");
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    assert_no_leaks::<H>(&b);
+}
+
+/// Asking for more than the device has is out-of-memory, and the backend keeps working.
+pub fn allocate_too_much_is_out_of_memory<H: Harness>() {
+    let b = H::backend();
+    let err = b
+        .allocate(D0, H::too_much(&b))
+        .expect_err("more than the device has");
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{err}");
+    let a = b.allocate(D0, PAGE).expect("still serves");
+    free(&*b, a);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Every allocation is aligned to `MIN_ALIGN` and overlaps no other.
+pub fn allocations_are_aligned_and_disjoint<H: Harness>() {
+    let b = H::backend();
+    let sizes = [1, 100, 4096, PAGE, PAGE + 1, 3 * PAGE, 7, 1 << 20];
+    let allocations: Vec<_> = sizes
+        .iter()
+        .map(|&s| b.allocate(D0, s).expect("allocate"))
+        .collect();
+    for a in &allocations {
+        assert_eq!(a.as_ptr() as usize % MIN_ALIGN, 0, "aligned to MIN_ALIGN");
+    }
+    let mut ranges: Vec<_> = allocations
+        .iter()
+        .map(|a| (a.as_ptr() as usize, a.as_ptr() as usize + a.len()))
+        .collect();
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        assert!(w[0].1 <= w[1].0, "allocations overlap");
+    }
+    for a in allocations {
+        free(&*b, a);
+    }
+    assert_no_leaks::<H>(&b);
+}
+
+/// `zero` refuses ranges outside the allocation, and writes nothing then.
+pub fn zero_rejects_bad_ranges<H: Harness>() {
+    let b = H::backend();
+    let len = 2 * PAGE;
+    let a = b.allocate(D0, len).expect("allocate");
+    let host = b.capabilities().host_accessible;
+    if host {
+        host_fill(&a, 0, len, 0x11);
+    }
+    for (offset, n, kind) in [
+        (len, 1, ErrorKind::OutOfRange),
+        (len - 1, 2, ErrorKind::OutOfRange),
+        (0, len + 1, ErrorKind::OutOfRange),
+        (1, usize::MAX, ErrorKind::Overflow),
+        (usize::MAX, 1, ErrorKind::Overflow),
+    ] {
+        // SAFETY: `a` is live and nothing else touches it; the range is bad on purpose.
+        let err = unsafe { b.zero(&a, offset, n) }.expect_err("bad range");
+        assert_eq!(err.kind(), kind, "zero({offset}, {n}): {err}");
+    }
+    if host {
+        assert!(
+            host_bytes(&a, 0, len).iter().all(|&x| x == 0x11),
+            "a refused zero wrote"
+        );
+    }
+    free(&*b, a);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Many allocate/free cycles: every byte comes back.
+pub fn free_gives_memory_back<H: Harness>() {
+    let b = H::backend();
+    for i in 0..200 {
+        let a = b.allocate(D0, PAGE * (1 + i % 5)).expect("allocate");
+        free(&*b, a);
+    }
+    match H::live_allocations(&b) {
+        Some(live) => assert_eq!(live, 0),
+        None => skipped("free_gives_memory_back", "no allocation counter"),
+    }
+}
+
+/// A unified buffer grows by moving its end only, never past its capacity.
+pub fn buffer_growth_never_moves_the_base<H: Harness>() {
+    let b = H::backend();
+    let mut buf = UnifiedBuffer::new(Arc::clone(&b), D0, 16 * PAGE, PAGE).expect("buffer");
+    let base = buf.as_ptr();
+    for pages in 2..=16 {
+        buf.grow_to(pages * PAGE).expect("grow");
+        assert_eq!(buf.as_ptr(), base, "growth moved the base");
+    }
+    let err = buf.grow_to(16 * PAGE + 1).expect_err("past capacity");
+    assert_eq!(err.kind(), ErrorKind::OutOfRange);
+    assert_eq!(buf.len(), 16 * PAGE);
+    assert_eq!(buf.is_uvm_backed(), b.capabilities().is_uvm());
+    drop(buf);
+    assert_no_leaks::<H>(&b);
+}
+
+/// The visible window of a buffer reads as zero, also after growth, whatever the backend hands
+/// out.
+pub fn buffer_window_reads_zero<H: Harness>() {
+    let b = H::backend();
+    if !b.capabilities().host_accessible {
+        return skipped("buffer_window_reads_zero", "not host-accessible");
+    }
+    let mut buf = UnifiedBuffer::new(Arc::clone(&b), D0, 4 * PAGE, PAGE + 3).expect("buffer");
+    assert!(full(&buf).iter().all(|&x| x == 0));
+    buf.write(0, &vec![0xee; PAGE + 3]).expect("write");
+    buf.grow_to(4 * PAGE).expect("grow");
+    let bytes = full(&buf);
+    assert!(bytes[..PAGE + 3].iter().all(|&x| x == 0xee), "data kept");
+    assert!(bytes[PAGE + 3..].iter().all(|&x| x == 0), "new bytes zero");
+    drop(buf);
+    assert_no_leaks::<H>(&b);
+}
+
+fn valid_ranges(len: usize) -> [(usize, usize); 6] {
+    [
+        (0, len),
+        (0, 1),
+        (len - 1, 1),
+        (len, 0),
+        (PAGE, PAGE),
+        (17, len - 17),
+    ]
+}
+
+fn bad_ranges(len: usize) -> [(usize, usize, ErrorKind); 5] {
+    [
+        (len, 1, ErrorKind::OutOfRange),
+        (len - 1, 2, ErrorKind::OutOfRange),
+        (0, len + 1, ErrorKind::OutOfRange),
+        (1, usize::MAX, ErrorKind::Overflow),
+        (usize::MAX, 1, ErrorKind::Overflow),
+    ]
+}
+
+/// Every advice, at host and device 0, on every valid range (empty ranges included).
+pub fn advise_accepts_every_valid_range<H: Harness>() {
+    let b = H::backend();
+    let len = 4 * PAGE;
+    let a = b.allocate(D0, len).expect("allocate");
+    for location in [Location::Host, Location::Device(D0)] {
+        for advice in all_advice(location) {
+            for (offset, n) in valid_ranges(len) {
+                b.advise(&a, offset, n, advice)
+                    .unwrap_or_else(|e| panic!("advise({offset}, {n}, {advice}): {e}"));
+            }
+        }
+    }
+    free(&*b, a);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Ranges outside the allocation are refused as out of range.
+pub fn advise_rejects_out_of_range<H: Harness>() {
+    let b = H::backend();
+    let len = 2 * PAGE;
+    let a = b.allocate(D0, len).expect("allocate");
+    for (offset, n, kind) in bad_ranges(len) {
+        if kind != ErrorKind::OutOfRange {
+            continue;
+        }
+        for advice in all_advice(Location::Host) {
+            let err = b.advise(&a, offset, n, advice).expect_err("out of range");
+            assert_eq!(err.kind(), kind, "advise({offset}, {n}, {advice}): {err}");
+        }
+    }
+    free(&*b, a);
+}
+
+/// Ranges whose end overflows are refused as overflow.
+pub fn advise_rejects_overflow<H: Harness>() {
+    let b = H::backend();
+    let len = 2 * PAGE;
+    let a = b.allocate(D0, len).expect("allocate");
+    for (offset, n, kind) in bad_ranges(len) {
+        if kind != ErrorKind::Overflow {
+            continue;
+        }
+        let err = b
+            .advise(&a, offset, n, Advice::SetReadMostly)
+            .expect_err("overflow");
+        assert_eq!(err.kind(), kind, "advise({offset}, {n}): {err}");
+    }
+    free(&*b, a);
+}
+
+/// Hints naming a device that does not exist are refused.
+pub fn advise_rejects_unknown_device<H: Harness>() {
+    let b = H::backend();
+    let a = b.allocate(D0, PAGE).expect("allocate");
+    let nowhere = Location::Device(DeviceId(b.device_count()));
+    for advice in [
+        Advice::SetPreferredLocation(nowhere),
+        Advice::SetAccessedBy(nowhere),
+        Advice::UnsetAccessedBy(nowhere),
+    ] {
+        let err = b.advise(&a, 0, PAGE, advice).expect_err("unknown device");
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{advice}: {err}");
+    }
+    free(&*b, a);
+}
+
+/// Prefetch of every valid range to the host, and to device 0 where concurrent managed access
+/// allows it (refused as unsupported where it does not), on shared and isolated streams.
+pub fn prefetch_accepts_every_valid_range<H: Harness>() {
+    let b = H::backend();
+    let len = 4 * PAGE;
+    let a = b.allocate(D0, len).expect("allocate");
+    let concurrent = b.capabilities().concurrent_managed_access;
+    for level in [IsolationLevel::Shared, IsolationLevel::StreamIsolated] {
+        let lease = StreamLease::acquire(&*b, TenantId(1), level).expect("stream");
+        for (offset, n) in valid_ranges(len) {
+            b.prefetch(&a, offset, n, Location::Host, lease.stream())
+                .unwrap_or_else(|e| panic!("prefetch({offset}, {n}) to host: {e}"));
+            let to_device = b.prefetch(&a, offset, n, Location::Device(D0), lease.stream());
+            match (concurrent, to_device) {
+                (true, r) => r.unwrap_or_else(|e| panic!("prefetch({offset}, {n}) to device: {e}")),
+                (false, Err(e)) => assert_eq!(e.kind(), ErrorKind::Unsupported),
+                (false, Ok(())) => panic!("prefetch to a device without concurrent access"),
+            }
+        }
+        b.synchronize(lease.stream()).expect("synchronize");
+        lease.release().expect("release");
+    }
+    free(&*b, a);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Prefetch of ranges outside the allocation is refused as out of range.
+pub fn prefetch_rejects_out_of_range<H: Harness>() {
+    let b = H::backend();
+    let len = 2 * PAGE;
+    let a = b.allocate(D0, len).expect("allocate");
+    let lease = StreamLease::acquire(&*b, TenantId(1), IsolationLevel::Shared).expect("stream");
+    for (offset, n, kind) in bad_ranges(len) {
+        if kind != ErrorKind::OutOfRange {
+            continue;
+        }
+        let err = b
+            .prefetch(&a, offset, n, Location::Host, lease.stream())
+            .expect_err("out of range");
+        assert_eq!(err.kind(), kind, "prefetch({offset}, {n}): {err}");
+    }
+    drop(lease);
+    free(&*b, a);
+}
+
+/// Prefetch of ranges whose end overflows is refused as overflow.
+pub fn prefetch_rejects_overflow<H: Harness>() {
+    let b = H::backend();
+    let len = 2 * PAGE;
+    let a = b.allocate(D0, len).expect("allocate");
+    let lease = StreamLease::acquire(&*b, TenantId(1), IsolationLevel::Shared).expect("stream");
+    for (offset, n, kind) in bad_ranges(len) {
+        if kind != ErrorKind::Overflow {
+            continue;
+        }
+        let err = b
+            .prefetch(&a, offset, n, Location::Host, lease.stream())
+            .expect_err("overflow");
+        assert_eq!(err.kind(), kind, "prefetch({offset}, {n}): {err}");
+    }
+    drop(lease);
+    free(&*b, a);
+}
+
+/// Prefetch to a device that does not exist is refused.
+pub fn prefetch_rejects_unknown_device<H: Harness>() {
+    let b = H::backend();
+    let a = b.allocate(D0, PAGE).expect("allocate");
+    let lease = StreamLease::acquire(&*b, TenantId(1), IsolationLevel::Shared).expect("stream");
+    let nowhere = Location::Device(DeviceId(b.device_count()));
+    let err = b
+        .prefetch(&a, 0, PAGE, nowhere, lease.stream())
+        .expect_err("unknown device");
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    drop(lease);
+    free(&*b, a);
+}
+
+/// The shared stream is one stream for everyone; releasing it destroys nothing.
+pub fn shared_stream_is_shared<H: Harness>() {
+    let b = H::backend();
+    let one = b
+        .acquire_stream(TenantId(1), IsolationLevel::Shared)
+        .expect("shared");
+    let two = b
+        .acquire_stream(TenantId(2), IsolationLevel::Shared)
+        .expect("shared");
+    assert_eq!(one.raw(), two.raw(), "shared streams are the same stream");
+    assert_eq!(one.context(), two.context(), "in the same context");
+    assert!(one.is_shared());
+    if let Some(live) = H::live_streams(&b) {
+        assert_eq!(live, 0, "the shared stream is not created per instance");
+    }
+    b.release_stream(one).expect("release");
+    b.synchronize(&two)
+        .expect("still usable after another holder released");
+    b.release_stream(two).expect("release");
+    assert_no_leaks::<H>(&b);
+}
+
+/// Stream-isolated instances get distinct streams, destroyed on release.
+pub fn isolated_streams_are_distinct_and_released<H: Harness>() {
+    let b = H::backend();
+    let shared = b
+        .acquire_stream(TenantId(1), IsolationLevel::Shared)
+        .expect("shared");
+    let streams: Vec<Stream> = (0..4)
+        .map(|_| {
+            b.acquire_stream(TenantId(1), IsolationLevel::StreamIsolated)
+                .expect("isolated")
+        })
+        .collect();
+    let mut raws: Vec<u64> = streams.iter().map(Stream::raw).collect();
+    raws.sort_unstable();
+    raws.dedup();
+    assert_eq!(raws.len(), 4, "isolated streams are distinct");
+    assert!(!raws.contains(&shared.raw()), "and not the shared stream");
+    for s in &streams {
+        assert_eq!(s.context(), shared.context(), "in the primary context");
+    }
+    if let Some(live) = H::live_streams(&b) {
+        assert_eq!(live, 4);
+    }
+    for s in streams {
+        b.synchronize(&s).expect("synchronize");
+        b.release_stream(s).expect("release");
+    }
+    b.release_stream(shared).expect("release shared");
+    assert_no_leaks::<H>(&b);
+}
+
+/// Context isolation: one context per tenant, shared by its streams, destroyed with the last.
+pub fn context_isolation_is_per_tenant<H: Harness>() {
+    let b = H::backend();
+    let level = IsolationLevel::ContextIsolated;
+    let primary = b
+        .acquire_stream(TenantId(9), IsolationLevel::Shared)
+        .expect("shared")
+        .context();
+    let a1 = b.acquire_stream(TenantId(1), level).expect("a1");
+    let a2 = b.acquire_stream(TenantId(1), level).expect("a2");
+    let b1 = b.acquire_stream(TenantId(2), level).expect("b1");
+    assert_eq!(a1.context(), a2.context(), "one context per tenant");
+    assert_ne!(a1.context(), b1.context(), "tenants do not share a context");
+    assert_ne!(a1.context(), primary, "not the primary context");
+    assert_ne!(a1.raw(), a2.raw(), "a stream per instance");
+    if let Some(live) = H::live_contexts(&b) {
+        assert_eq!(live, 2);
+    }
+    b.release_stream(a1).expect("release");
+    if let Some(live) = H::live_contexts(&b) {
+        assert_eq!(live, 2, "the tenant still has a stream");
+    }
+    b.release_stream(a2).expect("release");
+    if let Some(live) = H::live_contexts(&b) {
+        assert_eq!(live, 1, "destroyed with the tenant's last stream");
+    }
+    b.release_stream(b1).expect("release");
+    assert_no_leaks::<H>(&b);
+}
+
+/// Forged and already-released stream handles are refused, never trusted.
+pub fn unknown_streams_are_refused<H: Harness>() {
+    let b = H::backend();
+    let s = b
+        .acquire_stream(TenantId(1), IsolationLevel::StreamIsolated)
+        .expect("stream");
+    let (raw, context) = (s.raw(), s.context());
+    b.release_stream(s).expect("release");
+    let stale = Stream::new(raw, context, IsolationLevel::StreamIsolated, TenantId(1));
+    let err = b.synchronize(&stale).expect_err("released stream");
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    let err = b.release_stream(stale).expect_err("released twice");
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    let forged = Stream::new(
+        0xdead_beef,
+        context,
+        IsolationLevel::StreamIsolated,
+        TenantId(1),
+    );
+    assert!(b.release_stream(forged).is_err(), "forged handle");
+    assert_no_leaks::<H>(&b);
+}
+
+fn pool<H: Harness>(b: &Arc<H::Backend>, classes: &[SizeClass]) -> Arc<SlotPool<Arc<H::Backend>>> {
+    Arc::new(
+        SlotPool::new(Arc::clone(b), PoolConfig::new(D0, classes.iter().copied())).expect("pool"),
+    )
+}
+
+/// A reused slot reads as zeros after its previous holder filled it.
+pub fn pool_reuse_scrubs<H: Harness>() {
+    let b = H::backend();
+    if !b.capabilities().host_accessible {
+        return skipped("pool_reuse_scrubs", "not host-accessible");
+    }
+    let p = pool::<H>(&b, &[SizeClass::new(4 * PAGE, 1)]);
+    let mut first = p.acquire(4 * PAGE, PAGE).expect("slot");
+    first.grow_to(4 * PAGE).expect("grow");
+    first.write(0, &vec![0xff; 4 * PAGE]).expect("fill");
+    let base = first.as_ptr();
+    drop(first);
+    let second = p.acquire(4 * PAGE, 4 * PAGE).expect("slot again");
+    assert_eq!(second.as_ptr(), base, "the same slot");
+    assert!(full(&second).iter().all(|&x| x == 0), "scrubbed");
+    assert!(p.stats().bytes_scrubbed >= 4 * PAGE as u64);
+    drop((second, p));
+    assert_no_leaks::<H>(&b);
+}
+
+/// Acquiring and releasing ten times the slot count never exhausts the pool.
+pub fn pool_reuse_never_exhausts<H: Harness>() {
+    let b = H::backend();
+    let p = pool::<H>(&b, &[SizeClass::new(PAGE, 3), SizeClass::new(2 * PAGE, 2)]);
+    for _ in 0..10 * 5 {
+        let held: Vec<_> = [PAGE, PAGE, PAGE, 2 * PAGE, 2 * PAGE]
+            .iter()
+            .map(|&c| p.acquire(c, PAGE).expect("a slot is free"))
+            .collect();
+        drop(held);
+    }
+    let s = p.stats();
+    assert_eq!((s.in_use(), s.free(), s.exhaustions), (0, 5, 0));
+    drop(p);
+    assert_no_leaks::<H>(&b);
+}
+
+/// When every fitting slot is busy the answer is a typed exhaustion, and freeing one serves again.
+pub fn pool_exhaustion_is_typed<H: Harness>() {
+    let b = H::backend();
+    let p = pool::<H>(&b, &[SizeClass::new(PAGE, 2)]);
+    let one = p.acquire(PAGE, 0).expect("slot");
+    let two = p.acquire(PAGE, 0).expect("slot");
+    let err = p.acquire(PAGE, 0).expect_err("exhausted");
+    assert!(
+        matches!(err, Error::Pool(PoolError::Exhausted { .. })),
+        "{err}"
+    );
+    assert_eq!(err.kind(), ErrorKind::PoolExhausted);
+    let err = p.acquire(PAGE + 1, 0).expect_err("too large");
+    assert!(
+        matches!(err, Error::Pool(PoolError::TooLarge { .. })),
+        "{err}"
+    );
+    drop(one);
+    let three = p.acquire(PAGE, 0).expect("served again");
+    drop((two, three, p));
+    assert_no_leaks::<H>(&b);
+}
+
+/// Two tenants on one pool: neither reads the other's bytes, neither while both hold slots nor
+/// after one slot passes from one tenant to the other.
+pub fn tenants_never_see_each_others_bytes<H: Harness>() {
+    let b = H::backend();
+    if !b.capabilities().host_accessible {
+        return skipped("tenants_never_see_each_others_bytes", "not host-accessible");
+    }
+    let p = pool::<H>(&b, &[SizeClass::new(2 * PAGE, 2)]);
+    let (alice, bob) = (tenant(1, 4 * PAGE as u64), tenant(2, 4 * PAGE as u64));
+    let alice_charge = alice.try_reserve(2 * PAGE as u64).expect("cap");
+    let mut alice_mem = p.acquire(2 * PAGE, 2 * PAGE).expect("slot");
+    let bob_charge = bob.try_reserve(2 * PAGE as u64).expect("cap");
+    let mut bob_mem = p.acquire(2 * PAGE, 2 * PAGE).expect("slot");
+    alice_mem.write(0, &vec![0xa1; 2 * PAGE]).expect("write");
+    bob_mem.write(0, &vec![0xb0; 2 * PAGE]).expect("write");
+    assert!(full(&alice_mem).iter().all(|&x| x == 0xa1));
+    assert!(full(&bob_mem).iter().all(|&x| x == 0xb0));
+    drop((alice_mem, alice_charge));
+    // Bob takes Alice's old slot.
+    let bob_charge2 = bob.try_reserve(2 * PAGE as u64).expect("cap");
+    let bob_second = p.acquire(2 * PAGE, 2 * PAGE).expect("slot");
+    assert!(
+        full(&bob_second).iter().all(|&x| x == 0),
+        "bob sees alice's bytes"
+    );
+    drop((bob_mem, bob_second, bob_charge, bob_charge2, p));
+    assert_eq!(alice.stats().live_bytes, 0);
+    assert_eq!(bob.stats().live_bytes, 0);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Device slices stay inside the visible window; overflow is refused.
+pub fn device_slices_stay_in_the_window<H: Harness>() {
+    let b = H::backend();
+    let buf = UnifiedBuffer::new(Arc::clone(&b), D0, 4 * PAGE, 2 * PAGE).expect("buffer");
+    let whole = buf.device_slice(0, 2 * PAGE).expect("whole window");
+    assert_eq!(whole.device_ptr, buf.device_ptr());
+    let tail = buf.device_slice(2 * PAGE - 1, 1).expect("last byte");
+    assert_eq!(tail.device_ptr, buf.device_ptr() + 2 * PAGE as u64 - 1);
+    assert!(
+        buf.device_slice(2 * PAGE, 1).is_err(),
+        "capacity is not visible"
+    );
+    assert!(buf.device_slice(1, usize::MAX).is_err(), "overflow");
+    assert!(buf.device_slice(usize::MAX, 1).is_err(), "overflow");
+    drop(buf);
+    assert_no_leaks::<H>(&b);
+}
+
+/// An injected allocation failure: typed error, nothing allocated, the tenant charge undone.
+pub fn injected_allocate_failure_rolls_back<H: Harness>() {
+    let b = H::backend();
+    if !H::fail_nth(&b, Operation::Allocate, 1) {
+        return skipped("injected_allocate_failure_rolls_back", "no fault injection");
+    }
+    let t = tenant(1, 16 * PAGE as u64);
+    let result = t
+        .try_reserve(4 * PAGE as u64)
+        .map_err(Error::from)
+        .and_then(|r| UnifiedBuffer::new(Arc::clone(&b), D0, 4 * PAGE, PAGE).map(|buf| (r, buf)));
+    let err = result.expect_err("injected");
+    assert!(
+        matches!(
+            err,
+            Error::Backend {
+                op: Operation::Allocate,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(t.stats().live_bytes, 0, "no tenant charge left");
+    assert_no_leaks::<H>(&b);
+    // The next allocation works.
+    drop(UnifiedBuffer::new(Arc::clone(&b), D0, PAGE, PAGE).expect("works again"));
+    assert_no_leaks::<H>(&b);
+}
+
+/// An injected zeroing failure while a slot is scrubbed: nothing handed out, the slot stays in
+/// the pool, the tenant charge undone; the next try scrubs and succeeds.
+pub fn injected_zero_failure_rolls_back<H: Harness>() {
+    let b = H::backend();
+    let p = pool::<H>(&b, &[SizeClass::new(PAGE, 1)]);
+    drop(p.acquire(PAGE, PAGE).expect("dirty the slot"));
+    if !H::fail_nth(&b, Operation::Zero, 1) {
+        return skipped("injected_zero_failure_rolls_back", "no fault injection");
+    }
+    let t = tenant(1, PAGE as u64);
+    let result = t
+        .try_reserve(PAGE as u64)
+        .map_err(Error::from)
+        .and_then(|r| p.acquire(PAGE, PAGE).map(|m| (r, m)));
+    let err = result.expect_err("injected");
+    assert!(
+        matches!(
+            err,
+            Error::Backend {
+                op: Operation::Zero,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(t.stats().live_bytes, 0);
+    let s = p.stats();
+    assert_eq!((s.in_use(), s.free(), s.scrub_failures), (0, 1, 1));
+    let again = p.acquire(PAGE, PAGE).expect("scrubbed on the next try");
+    if b.capabilities().host_accessible {
+        assert!(full(&again).iter().all(|&x| x == 0));
+    }
+    drop((again, p));
+    assert_no_leaks::<H>(&b);
+}
+
+/// An injected hint failure is reported and changes nothing else.
+pub fn injected_advise_failure_rolls_back<H: Harness>() {
+    let b = H::backend();
+    let mut buf = UnifiedBuffer::new(Arc::clone(&b), D0, PAGE, PAGE).expect("buffer");
+    if !H::fail_nth(&b, Operation::Advise, 1) {
+        return skipped("injected_advise_failure_rolls_back", "no fault injection");
+    }
+    let host = b.capabilities().host_accessible;
+    if host {
+        buf.write(0, b"kept").expect("write");
+    }
+    let err = buf
+        .advise(0, PAGE, Advice::SetReadMostly)
+        .expect_err("injected");
+    assert!(
+        matches!(
+            err,
+            Error::Backend {
+                op: Operation::Advise,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(!err.kind().is_denial(), "a failure, not a denial");
+    buf.advise(0, PAGE, Advice::SetReadMostly)
+        .expect("works again");
+    if host {
+        let mut out = [0u8; 4];
+        buf.read(0, &mut out).expect("read");
+        assert_eq!(&out, b"kept");
+    }
+    drop(buf);
+    assert_no_leaks::<H>(&b);
+}
+
+/// An injected prefetch failure is reported; the stream and memory go back as usual.
+pub fn injected_prefetch_failure_rolls_back<H: Harness>() {
+    let b = H::backend();
+    let buf = UnifiedBuffer::new(Arc::clone(&b), D0, PAGE, PAGE).expect("buffer");
+    let lease = StreamLease::acquire(Arc::clone(&b), TenantId(1), IsolationLevel::StreamIsolated)
+        .expect("stream");
+    if !H::fail_nth(&b, Operation::Prefetch, 1) {
+        return skipped("injected_prefetch_failure_rolls_back", "no fault injection");
+    }
+    let err = buf
+        .prefetch(0, PAGE, Location::Host, lease.stream())
+        .expect_err("injected");
+    assert!(
+        matches!(
+            err,
+            Error::Backend {
+                op: Operation::Prefetch,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    buf.prefetch(0, PAGE, Location::Host, lease.stream())
+        .expect("works again");
+    drop((lease, buf));
+    assert_no_leaks::<H>(&b);
+}
+
+/// An injected stream-creation failure creates nothing.
+pub fn injected_stream_failure_rolls_back<H: Harness>() {
+    let b = H::backend();
+    for level in [
+        IsolationLevel::StreamIsolated,
+        IsolationLevel::ContextIsolated,
+    ] {
+        if !H::fail_nth(&b, Operation::AcquireStream, 1) {
+            return skipped("injected_stream_failure_rolls_back", "no fault injection");
+        }
+        let err = StreamLease::acquire(Arc::clone(&b), TenantId(1), level).expect_err("injected");
+        assert!(!err.kind().is_denial());
+        assert_no_leaks::<H>(&b);
+        drop(StreamLease::acquire(Arc::clone(&b), TenantId(1), level).expect("works again"));
+        assert_no_leaks::<H>(&b);
+    }
+}
+
+/// An injected free failure is reported to the caller (the memory stays accounted as live, as a
+/// failing driver leaves it).
+pub fn injected_free_failure_is_reported<H: Harness>() {
+    let b = H::backend();
+    let a = b.allocate(D0, PAGE).expect("allocate");
+    if !H::fail_nth(&b, Operation::Free, 1) {
+        free(&*b, a);
+        return skipped("injected_free_failure_is_reported", "no fault injection");
+    }
+    // SAFETY: `a` came from `b` and is not used again.
+    let err = unsafe { b.free(a) }.expect_err("injected");
+    assert!(!err.kind().is_denial());
+    if let Some(live) = H::live_allocations(&b) {
+        assert_eq!(live, 1, "a failed free must not pretend the memory is gone");
+    }
+}
+
+/// One instance's life (charge, slot, grow, hints, stream, prefetch, sync), returning the first
+/// error.
+fn instance_life<H: Harness>(
+    b: &Arc<H::Backend>,
+    p: &Arc<SlotPool<Arc<H::Backend>>>,
+    t: &Arc<TenantContext>,
+) -> Result<(), ErrorKind> {
+    let mut charge = t.try_reserve(PAGE as u64).map_err(|e| e.kind())?;
+    let mut memory = p.acquire(4 * PAGE, PAGE).map_err(|e| e.kind())?;
+    charge.try_grow(PAGE as u64).map_err(|e| e.kind())?;
+    memory.grow_to(2 * PAGE).map_err(|e| e.kind())?;
+    memory
+        .advise(
+            0,
+            2 * PAGE,
+            Advice::SetPreferredLocation(Location::Device(D0)),
+        )
+        .map_err(|e| e.kind())?;
+    let lease = StreamLease::acquire(Arc::clone(b), t.id(), t.isolation()).map_err(|e| e.kind())?;
+    memory
+        .prefetch(0, 2 * PAGE, Location::Host, lease.stream())
+        .map_err(|e| e.kind())?;
+    b.synchronize(lease.stream()).map_err(|e| e.kind())?;
+    lease.release().map_err(|e| e.kind())?;
+    let extra = UnifiedBuffer::new(Arc::clone(b), D0, PAGE, PAGE).map_err(|e| e.kind())?;
+    drop((extra, memory, charge));
+    Ok(())
+}
+
+/// A failure injected at every position of a realistic sequence: each run ends with an error the
+/// caller can read (or success, if the injected call never came), and nothing live.
+///
+/// `Free` and `ReleaseStream` are left out: a driver that fails to free or destroy really keeps
+/// the resource, which [`injected_free_failure_is_reported`] checks is reported, not hidden.
+pub fn failures_at_every_step_leave_nothing<H: Harness>() {
+    let ops = [
+        Operation::Allocate,
+        Operation::Zero,
+        Operation::Advise,
+        Operation::Prefetch,
+        Operation::AcquireStream,
+        Operation::Synchronize,
+    ];
+    let mut failed_runs = 0;
+    for op in ops {
+        for nth in 1..=3 {
+            let b = H::backend();
+            let p = pool::<H>(&b, &[SizeClass::new(4 * PAGE, 2)]);
+            let t = Arc::new(TenantContext::new(
+                TenantId(1),
+                16 * PAGE as u64,
+                IsolationLevel::ContextIsolated,
+            ));
+            // Warm the slot so the sequence scrubs it.
+            drop(p.acquire(4 * PAGE, PAGE).expect("warm"));
+            if !H::fail_nth(&b, op, nth) {
+                return skipped("failures_at_every_step_leave_nothing", "no fault injection");
+            }
+            if let Err(kind) = instance_life::<H>(&b, &p, &t) {
+                failed_runs += 1;
+                assert!(!kind.is_denial(), "{op} #{nth}: a failure, not a denial");
+            }
+            H::clear_faults(&b);
+            assert_eq!(t.stats().live_bytes, 0, "{op} #{nth}: tenant charge left");
+            assert_eq!(p.stats().in_use(), 0, "{op} #{nth}: slot leaked");
+            drop(p);
+            assert_no_leaks::<H>(&b);
+            instance_life::<H>(&b, &pool::<H>(&b, &[SizeClass::new(4 * PAGE, 1)]), &t)
+                .unwrap_or_else(|k| panic!("{op} #{nth}: backend unusable afterwards: {k}"));
+            assert_no_leaks::<H>(&b);
+        }
+    }
+    assert!(
+        failed_runs >= ops.len(),
+        "injection must actually fail runs"
+    );
+}
