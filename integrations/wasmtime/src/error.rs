@@ -1,0 +1,127 @@
+//! The integration's error.
+
+use tensor_wasm_mem_core::{Denied, ErrorKind, PlanError, PoolError, RangeError};
+
+/// Everything the Wasmtime integration can refuse or fail with.
+///
+/// Errors reach Wasmtime as `wasmtime::Error` (downcast with
+/// `err.downcast_ref::<TwmError>()`), except from `MemoryCreator::new_memory`, whose signature
+/// only carries a message: there the message is this error's `Display`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TwmError {
+    /// A tenant's cap refused a memory or a growth.
+    #[error("{tenant_name}: {denied}")]
+    Denied {
+        /// The tenant's name.
+        tenant_name: String,
+        /// The ledger's answer (tenant id, cap, live bytes, request).
+        denied: Denied,
+    },
+    /// The memory type cannot be planned under the configured limits.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The engine asked for guard pages the backing cannot provide.
+    #[error(
+        "the engine asks for {guard} bytes of guard pages, which managed memory cannot provide: \
+         set Config::memory_guard_size(0) and Config::signals_based_traps(false) \
+         (tensor_wasm_mem_wasmtime::configure does)"
+    )]
+    GuardNotHonoured {
+        /// Guard bytes asked for.
+        guard: usize,
+    },
+    /// The engine asked for an address-space reservation the backing cannot provide.
+    #[error(
+        "the engine asks for a reservation of {reserved} bytes, which managed memory cannot \
+         provide: set Config::memory_reservation(0) (tensor_wasm_mem_wasmtime::configure does)"
+    )]
+    ReservationNotHonoured {
+        /// Reservation asked for.
+        reserved: usize,
+    },
+    /// Shared memories (threads) are not served by this creator.
+    #[error("shared linear memories are not supported; keep the threads proposal off")]
+    SharedMemory,
+    /// A growth past the memory's fixed capacity.
+    #[error("growth to {requested} bytes exceeds the memory's capacity of {capacity} bytes")]
+    CapacityExceeded {
+        /// Bytes asked for.
+        requested: usize,
+        /// The fixed capacity.
+        capacity: usize,
+    },
+    /// The slot pool could not serve the memory.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// The backend (driver) failed.
+    #[error("backend failed ({kind}): {source}")]
+    Backend {
+        /// Its kind.
+        kind: ErrorKind,
+        /// The backend's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
+    /// The host could not map memory for the guarded backing.
+    #[error("host memory mapping failed: {0}")]
+    HostMapping(#[source] std::io::Error),
+    /// A memory that did not come from this creator (made with `Memory::new`, by the pooling
+    /// allocator, or by another engine) was given where a device-visible memory is required.
+    #[error(
+        "this memory did not come from the tensor-wasm-mem creator (Memory::new, SharedMemory \
+         and the pooling allocator bypass it): it is not device-visible"
+    )]
+    NotOurMemory,
+    /// The memory's backing is not device-accessible.
+    #[error("this memory's backing is not device-accessible")]
+    NotDeviceAccessible,
+    /// A guest range outside the memory's current size, or one that overflows.
+    #[error("guest range refused: {0}")]
+    GuestRange(#[source] RangeError),
+    /// The export named is missing or not a memory.
+    #[error("the instance exports no memory named {0:?}")]
+    NoMemoryExport(String),
+}
+
+impl TwmError {
+    /// The kind of this error.
+    #[must_use]
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Denied { .. } => ErrorKind::CapExceeded,
+            Self::Plan(e) => e.kind(),
+            Self::Pool(e) => e.kind(),
+            Self::CapacityExceeded { .. } => ErrorKind::LimitExceeded,
+            Self::GuestRange(e) => e.kind(),
+            Self::Backend { kind, .. } => *kind,
+            Self::HostMapping(_) => ErrorKind::OutOfMemory,
+            Self::GuardNotHonoured { .. }
+            | Self::ReservationNotHonoured { .. }
+            | Self::SharedMemory
+            | Self::NoMemoryExport(_) => ErrorKind::InvalidArgument,
+            Self::NotOurMemory | Self::NotDeviceAccessible => ErrorKind::Unsupported,
+        }
+    }
+
+    /// Converts a core error carrying a backend error.
+    pub(crate) fn from_core<E: tensor_wasm_mem_core::BackendError>(
+        e: tensor_wasm_mem_core::Error<E>,
+    ) -> Self {
+        use tensor_wasm_mem_core::Error as CoreError;
+        let kind = e.kind();
+        match e {
+            CoreError::Plan(p) => Self::Plan(p),
+            CoreError::Pool(p) => Self::Pool(p),
+            CoreError::Range(r) => Self::GuestRange(r),
+            CoreError::Denied(d) => Self::Denied {
+                tenant_name: d.tenant.to_string(),
+                denied: d,
+            },
+            other => Self::Backend {
+                kind,
+                source: Box::new(other),
+            },
+        }
+    }
+}

@@ -1,0 +1,302 @@
+//! What a guest can ask of the host: the `twm` host functions, and the per-Store state behind
+//! them.
+//!
+//! # The guest ABI (module `twm`)
+//!
+//! ```wat
+//! (import "twm" "advise"   (func (param i32 i32 i32 i32) (result i32))) ;; ptr len advice location
+//! (import "twm" "prefetch" (func (param i32 i32 i32) (result i32)))     ;; ptr len location
+//! ```
+//!
+//! `ptr` and `len` are unsigned 32-bit; the range is checked against the current size of the
+//! guest's exported memory named `memory`. `location`: `-1` is the host, `n >= 0` is device `n`.
+//! `advice`: the codes of [`Advice::guest_code`] (0 set_read_mostly, 1 unset_read_mostly,
+//! 2 set_preferred_location, 3 unset_preferred_location, 4 set_accessed_by, 5 unset_accessed_by).
+//!
+//! | result | constant | meaning |
+//! |---|---|---|
+//! | `0` | [`TWM_OK`] | done |
+//! | `-1` | [`TWM_ERR_OUT_OF_RANGE`] | the range ends past the memory's current size |
+//! | `-2` | [`TWM_ERR_OVERFLOW`] | `ptr + len` wraps the 32-bit address space |
+//! | `-3` | [`TWM_ERR_UNKNOWN_ADVICE`] | no such advice code |
+//! | `-4` | [`TWM_ERR_UNKNOWN_DEVICE`] | a location below `-1`, or a device that does not exist |
+//! | `-5` | [`TWM_ERR_BACKEND`] | the backend (driver) failed |
+//! | `-6` | [`TWM_ERR_NOT_DEVICE_MEMORY`] | no exported `memory`, or one that is not device-visible |
+//!
+//! A bad call never traps and never touches memory outside the guest's.
+
+use std::fmt;
+use std::sync::Arc;
+
+use tensor_wasm_mem_core::{
+    Advice, ErrorKind, IsolationLevel, Location, ManagedAllocator, StreamLease, TenantId,
+};
+use wasmtime::{Caller, Extern, Linker};
+
+use crate::Backend;
+use crate::error::TwmError;
+use crate::memory::{MemoryView, TensorWasmMemoryCreator};
+use crate::tenancy::{ChargeMode, HasTenantLimiter, Tenant, TenantLimiter};
+
+/// Success.
+pub const TWM_OK: i32 = 0;
+/// The range ends past the memory's current size.
+pub const TWM_ERR_OUT_OF_RANGE: i32 = -1;
+/// `ptr + len` wraps the 32-bit address space.
+pub const TWM_ERR_OVERFLOW: i32 = -2;
+/// Unknown advice code.
+pub const TWM_ERR_UNKNOWN_ADVICE: i32 = -3;
+/// Unknown location or device.
+pub const TWM_ERR_UNKNOWN_DEVICE: i32 = -4;
+/// The backend failed.
+pub const TWM_ERR_BACKEND: i32 = -5;
+/// No exported `memory`, or a memory that is not device-visible.
+pub const TWM_ERR_NOT_DEVICE_MEMORY: i32 = -6;
+
+/// The per-Store state the `twm` host functions need: the creator (to resolve guest memory), the
+/// tenant, and the instance's stream (acquired at the tenant's isolation level on first use,
+/// released when the Store drops).
+pub struct GuestContext<B: Backend> {
+    creator: TensorWasmMemoryCreator<B>,
+    tenant: TenantId,
+    isolation: IsolationLevel,
+    stream: Option<StreamLease<Arc<B>>>,
+    calls: u64,
+    failed_calls: u64,
+}
+
+impl<B: Backend> fmt::Debug for GuestContext<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GuestContext")
+            .field("tenant", &self.tenant)
+            .field("isolation", &self.isolation)
+            .field("stream", &self.stream.as_ref().map(|s| s.stream().raw()))
+            .field("calls", &self.calls)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> GuestContext<B> {
+    /// State for a guest of `tenant` using memories from `creator`.
+    pub fn new(creator: TensorWasmMemoryCreator<B>, tenant: &Tenant) -> Self {
+        Self {
+            creator,
+            tenant: tenant.context().id(),
+            isolation: tenant.context().isolation(),
+            stream: None,
+            calls: 0,
+            failed_calls: 0,
+        }
+    }
+
+    /// The creator.
+    #[must_use]
+    pub fn creator(&self) -> &TensorWasmMemoryCreator<B> {
+        &self.creator
+    }
+
+    /// Host calls made, and how many of them returned an error code.
+    #[must_use]
+    pub fn calls(&self) -> (u64, u64) {
+        (self.calls, self.failed_calls)
+    }
+
+    /// The instance's stream, acquired on first use at the tenant's isolation level.
+    pub fn stream(&mut self) -> Result<&StreamLease<Arc<B>>, B::Error> {
+        if self.stream.is_none() {
+            let lease = StreamLease::acquire(
+                Arc::clone(self.creator.backend()),
+                self.tenant,
+                self.isolation,
+            )?;
+            self.stream = Some(lease);
+        }
+        // Set just above when it was empty.
+        Ok(self.stream.as_ref().unwrap_or_else(|| unreachable!()))
+    }
+}
+
+/// Store data that holds a [`GuestContext`].
+pub trait HasGuestContext<B: Backend>: 'static {
+    /// The guest context.
+    fn guest_context(&mut self) -> &mut GuestContext<B>;
+}
+
+/// Ready-made Store data for one tenant's guests: the limiter, the guest context and the
+/// embedder's own data `U`.
+pub struct TenantStore<B: Backend, U = ()> {
+    limiter: TenantLimiter,
+    guest: GuestContext<B>,
+    /// The embedder's data.
+    pub data: U,
+}
+
+impl<B: Backend, U: fmt::Debug> fmt::Debug for TenantStore<B, U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TenantStore")
+            .field("limiter", &self.limiter)
+            .field("guest", &self.guest)
+            .field("data", &self.data)
+            .finish()
+    }
+}
+
+impl<B: Backend, U> TenantStore<B, U> {
+    /// State for `tenant`'s guests on `creator`, charged in `mode`.
+    pub fn new(
+        creator: &TensorWasmMemoryCreator<B>,
+        tenant: &Arc<Tenant>,
+        mode: ChargeMode,
+        data: U,
+    ) -> Self {
+        Self {
+            limiter: TenantLimiter::new(Arc::clone(tenant), mode, creator.limits()),
+            guest: GuestContext::new(creator.clone(), tenant),
+            data,
+        }
+    }
+
+    /// The limiter.
+    #[must_use]
+    pub fn limiter(&self) -> &TenantLimiter {
+        &self.limiter
+    }
+
+    /// The guest context.
+    #[must_use]
+    pub fn guest(&self) -> &GuestContext<B> {
+        &self.guest
+    }
+}
+
+impl<B: Backend, U: 'static> HasTenantLimiter for TenantStore<B, U> {
+    fn tenant_limiter(&mut self) -> &mut TenantLimiter {
+        &mut self.limiter
+    }
+}
+
+impl<B: Backend, U: 'static> HasGuestContext<B> for TenantStore<B, U> {
+    fn guest_context(&mut self) -> &mut GuestContext<B> {
+        &mut self.guest
+    }
+}
+
+fn code_for(error: &TwmError) -> i32 {
+    match error {
+        TwmError::GuestRange(e) if e.kind() == ErrorKind::Overflow => TWM_ERR_OVERFLOW,
+        TwmError::GuestRange(_) => TWM_ERR_OUT_OF_RANGE,
+        TwmError::NotOurMemory | TwmError::NotDeviceAccessible | TwmError::NoMemoryExport(_) => {
+            TWM_ERR_NOT_DEVICE_MEMORY
+        }
+        _ => TWM_ERR_BACKEND,
+    }
+}
+
+/// Decodes and checks `ptr`/`len` (unsigned 32-bit) and `location`.
+fn guest_args<B: Backend>(
+    creator: &TensorWasmMemoryCreator<B>,
+    ptr: i32,
+    len: i32,
+    location: i32,
+) -> Result<(u64, u64, Location), i32> {
+    let (ptr, len) = (u64::from(ptr as u32), u64::from(len as u32));
+    if ptr + len > 1 << 32 {
+        return Err(TWM_ERR_OVERFLOW);
+    }
+    let location = Location::from_guest_code(location).ok_or(TWM_ERR_UNKNOWN_DEVICE)?;
+    if let Location::Device(d) = location
+        && d.0 >= creator.backend().device_count()
+    {
+        return Err(TWM_ERR_UNKNOWN_DEVICE);
+    }
+    Ok((ptr, len, location))
+}
+
+fn guest_memory<T>(caller: &mut Caller<'_, T>) -> Result<wasmtime::Memory, i32> {
+    match caller.get_export("memory") {
+        Some(Extern::Memory(memory)) => Ok(memory),
+        _ => Err(TWM_ERR_NOT_DEVICE_MEMORY),
+    }
+}
+
+fn advise_call<B: Backend, T: HasGuestContext<B>>(
+    caller: &mut Caller<'_, T>,
+    ptr: i32,
+    len: i32,
+    advice: i32,
+    location: i32,
+) -> Result<(), i32> {
+    let creator = caller.data_mut().guest_context().creator.clone();
+    let (offset, len, location) = guest_args(&creator, ptr, len, location)?;
+    let advice = Advice::from_guest_code(advice, location).ok_or(TWM_ERR_UNKNOWN_ADVICE)?;
+    let memory = guest_memory(caller)?;
+    creator
+        .advise(&*caller, &memory, offset, len, advice)
+        .map_err(|e| code_for(&e))
+}
+
+fn prefetch_call<B: Backend, T: HasGuestContext<B>>(
+    caller: &mut Caller<'_, T>,
+    ptr: i32,
+    len: i32,
+    location: i32,
+) -> Result<(), i32> {
+    let creator = caller.data_mut().guest_context().creator.clone();
+    let (offset, len, location) = guest_args(&creator, ptr, len, location)?;
+    let memory = guest_memory(caller)?;
+    let view = MemoryView::of(&*caller, &memory);
+    // Check the range before acquiring a stream, so a bad call creates nothing.
+    creator
+        .resolve_at(view, offset, len)
+        .map_err(|e| code_for(&e))?;
+    let stream = caller
+        .data_mut()
+        .guest_context()
+        .stream()
+        .map_err(|_| TWM_ERR_BACKEND)?;
+    creator
+        .prefetch_at(view, offset, len, location, stream.stream())
+        .map_err(|e| code_for(&e))
+}
+
+fn finish<B: Backend, T: HasGuestContext<B>>(
+    caller: &mut Caller<'_, T>,
+    op: &'static str,
+    result: Result<(), i32>,
+) -> i32 {
+    let context = caller.data_mut().guest_context();
+    let _span =
+        tracing::debug_span!("twm.host", op, isolation = context.isolation.name()).entered();
+    context.calls += 1;
+    match result {
+        Ok(()) => TWM_OK,
+        Err(code) => {
+            context.failed_calls += 1;
+            tracing::debug!(op, code, "twm: host call refused");
+            code
+        }
+    }
+}
+
+/// Adds `twm.advise` and `twm.prefetch` to `linker`.
+pub fn add_to_linker<B: Backend, T: HasGuestContext<B>>(
+    linker: &mut Linker<T>,
+) -> wasmtime::Result<()> {
+    linker.func_wrap(
+        "twm",
+        "advise",
+        |mut caller: Caller<'_, T>, ptr: i32, len: i32, advice: i32, location: i32| -> i32 {
+            let result = advise_call(&mut caller, ptr, len, advice, location);
+            finish(&mut caller, "advise", result)
+        },
+    )?;
+    linker.func_wrap(
+        "twm",
+        "prefetch",
+        |mut caller: Caller<'_, T>, ptr: i32, len: i32, location: i32| -> i32 {
+            let result = prefetch_call(&mut caller, ptr, len, location);
+            finish(&mut caller, "prefetch", result)
+        },
+    )?;
+    Ok(())
+}

@@ -1,0 +1,41 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+mod config;
+mod error;
+mod guarded;
+mod guest;
+mod memory;
+mod tenancy;
+
+use tensor_wasm_mem_core::{Advisor, ManagedAllocator, StreamProvider};
+
+pub use config::{BoundsStrategy, GUARDED_GUARD, GUARDED_RESERVATION, configure, engine_config};
+pub use error::TwmError;
+pub use guarded::{GUARDED_CAPABILITIES, GuardedHostCreator, GuardedHostMemory};
+pub use guest::{
+    GuestContext, HasGuestContext, TWM_ERR_BACKEND, TWM_ERR_NOT_DEVICE_MEMORY,
+    TWM_ERR_OUT_OF_RANGE, TWM_ERR_OVERFLOW, TWM_ERR_UNKNOWN_ADVICE, TWM_ERR_UNKNOWN_DEVICE, TWM_OK,
+    TenantStore, add_to_linker,
+};
+pub use memory::{CreatorBuilder, CreatorStats, TensorWasmLinearMemory, TensorWasmMemoryCreator};
+pub use tenancy::{
+    ChargeMode, HasTenantLimiter, LimiterStats, Tenant, TenantLimiter, TenantStats, instantiate,
+    new_store,
+};
+
+/// Re-exported so embedders use the same versions.
+pub use tensor_wasm_mem_core as core;
+pub use wasmtime;
+
+/// Everything a backend must implement to back Wasm memories: the three core traits, on one
+/// thread-safe type. Implemented for every such type.
+pub trait Backend:
+    ManagedAllocator + Advisor + StreamProvider + std::fmt::Debug + Send + Sync + 'static
+{
+}
+
+impl<T> Backend for T where
+    T: ManagedAllocator + Advisor + StreamProvider + std::fmt::Debug + Send + Sync + 'static
+{
+}

@@ -1,0 +1,552 @@
+//! [`TensorWasmMemoryCreator`] and [`TensorWasmLinearMemory`]: Wasm linear memory on a backend's
+//! managed memory, fresh or from a slot pool, with guest-pointer resolution.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+
+use tensor_wasm_mem_core::{
+    Advice, Capabilities, DeviceId, DeviceSlice, Location, MemoryPlan, MemoryType as PlanType,
+    PlanLimits, PoolConfig, PoolStats, Reservation, SlotPool, Stream, UnifiedBuffer, check_range,
+};
+use wasmtime::{AsContext, Config, Engine, LinearMemory, Memory, MemoryCreator, MemoryType};
+
+use crate::Backend;
+use crate::config::configure;
+use crate::error::TwmError;
+use crate::tenancy::{ChargeMode, Tenant};
+
+/// Where a Wasmtime memory is, read from its Store: the key of the registry.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MemoryView {
+    base: usize,
+    size: usize,
+}
+
+impl MemoryView {
+    pub(crate) fn of(store: impl AsContext, memory: &Memory) -> Self {
+        Self {
+            base: memory.data_ptr(&store) as usize,
+            size: memory.data_size(&store),
+        }
+    }
+}
+
+/// What one live memory shares with the registry (for resolution and host calls).
+struct MemoryShared<B: Backend> {
+    buffer: RwLock<UnifiedBuffer<Arc<B>>>,
+}
+
+struct CreatorInner<B: Backend> {
+    backend: Arc<B>,
+    device: DeviceId,
+    limits: PlanLimits,
+    pool: Option<Arc<SlotPool<Arc<B>>>>,
+    tenant: Option<(Arc<Tenant>, ChargeMode)>,
+    /// Live memories by base address.
+    registry: Mutex<HashMap<usize, Arc<MemoryShared<B>>>>,
+    created: AtomicU64,
+    dropped: AtomicU64,
+    refused: AtomicU64,
+}
+
+impl<B: Backend> CreatorInner<B> {
+    fn registry(&self) -> std::sync::MutexGuard<'_, HashMap<usize, Arc<MemoryShared<B>>>> {
+        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Figures of a creator (and its pool, if it has one).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CreatorStats {
+    /// Memories alive now.
+    pub live_memories: u64,
+    /// Memories ever created (allocations, or slots taken).
+    pub created: u64,
+    /// Memories dropped (frees, or slots given back).
+    pub dropped: u64,
+    /// Memories refused (plan, cap, guard, pool or backend).
+    pub refused: u64,
+    /// The pool's figures, when memories come from a pool.
+    pub pool: Option<PoolStats>,
+}
+
+/// Builds a [`TensorWasmMemoryCreator`].
+pub struct CreatorBuilder<B: Backend> {
+    backend: Arc<B>,
+    device: DeviceId,
+    limits: PlanLimits,
+    pool: Option<PoolConfig>,
+    tenant: Option<(Arc<Tenant>, ChargeMode)>,
+}
+
+impl<B: Backend> fmt::Debug for CreatorBuilder<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CreatorBuilder")
+            .field("device", &self.device)
+            .field("limits", &self.limits)
+            .field("pool", &self.pool)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> CreatorBuilder<B> {
+    /// Allocate on `device` (default device 0).
+    #[must_use]
+    pub fn device(mut self, device: DeviceId) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// Plan memories under `limits` (default: [`PlanLimits::default`], 256 MiB per memory).
+    #[must_use]
+    pub fn limits(mut self, limits: PlanLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Take memories from a slot pool carved as `config` says (its device is used for the slab),
+    /// instead of a fresh allocation each.
+    #[must_use]
+    pub fn pool(mut self, config: PoolConfig) -> Self {
+        self.pool = Some(config);
+        self
+    }
+
+    /// Bind the creator to one tenant (for an Engine per tenant): every memory is charged to it
+    /// here, in the creator, as `mode` says.
+    #[must_use]
+    pub fn tenant(mut self, tenant: Arc<Tenant>, mode: ChargeMode) -> Self {
+        self.tenant = Some((tenant, mode));
+        self
+    }
+
+    /// Builds the creator (allocating the pool's slab, if any).
+    pub fn build(self) -> Result<TensorWasmMemoryCreator<B>, TwmError> {
+        let pool = match self.pool {
+            Some(config) => Some(Arc::new(
+                SlotPool::new(Arc::clone(&self.backend), config).map_err(TwmError::from_core)?,
+            )),
+            None => None,
+        };
+        Ok(TensorWasmMemoryCreator {
+            inner: Arc::new(CreatorInner {
+                backend: self.backend,
+                device: self.device,
+                limits: self.limits,
+                pool,
+                tenant: self.tenant,
+                registry: Mutex::new(HashMap::new()),
+                created: AtomicU64::new(0),
+                dropped: AtomicU64::new(0),
+                refused: AtomicU64::new(0),
+            }),
+        })
+    }
+}
+
+/// A Wasmtime `MemoryCreator` that puts every linear memory in a backend's managed memory.
+///
+/// Cheap to clone (shared state). Install it with [`install`](Self::install) or make an engine
+/// with [`engine`](Self::engine); both apply the safe Config from [`configure`].
+///
+/// ```
+/// use std::sync::Arc;
+/// use tensor_wasm_mem_mock::MockBackend;
+/// use tensor_wasm_mem_wasmtime::TensorWasmMemoryCreator;
+///
+/// let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default())).build()?;
+/// let engine = creator.engine()?;
+/// let module = wasmtime::Module::new(&engine, r#"(module (memory (export "memory") 1 4))"#)?;
+/// let mut store = wasmtime::Store::new(&engine, ());
+/// let instance = wasmtime::Instance::new(&mut store, &module, &[])?;
+/// let memory = instance.get_memory(&mut store, "memory").unwrap();
+/// let slice = creator.resolve(&store, &memory, 16, 64)?; // a checked device pointer
+/// assert_eq!(slice.len, 64);
+/// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+/// ```
+pub struct TensorWasmMemoryCreator<B: Backend> {
+    inner: Arc<CreatorInner<B>>,
+}
+
+impl<B: Backend> Clone for TensorWasmMemoryCreator<B> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<B: Backend> fmt::Debug for TensorWasmMemoryCreator<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TensorWasmMemoryCreator")
+            .field("device", &self.inner.device)
+            .field("limits", &self.inner.limits)
+            .field("pooled", &self.inner.pool.is_some())
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> TensorWasmMemoryCreator<B> {
+    /// Starts building a creator on `backend`.
+    pub fn builder(backend: Arc<B>) -> CreatorBuilder<B> {
+        CreatorBuilder {
+            backend,
+            device: DeviceId(0),
+            limits: PlanLimits::default(),
+            pool: None,
+            tenant: None,
+        }
+    }
+
+    /// The backend.
+    #[must_use]
+    pub fn backend(&self) -> &Arc<B> {
+        &self.inner.backend
+    }
+
+    /// The backend's capabilities.
+    #[must_use]
+    pub fn capabilities(&self) -> Capabilities {
+        self.inner.backend.capabilities()
+    }
+
+    /// The plan limits in force.
+    #[must_use]
+    pub fn limits(&self) -> PlanLimits {
+        self.inner.limits
+    }
+
+    /// The pool, if memories come from one.
+    #[must_use]
+    pub fn pool(&self) -> Option<&Arc<SlotPool<Arc<B>>>> {
+        self.inner.pool.as_ref()
+    }
+
+    /// Makes `config` safe for this backend ([`configure`]) and installs this creator in it.
+    pub fn install<'c>(&self, config: &'c mut Config) -> &'c mut Config {
+        configure(config, &self.capabilities()).with_host_memory(Arc::new(self.clone()))
+    }
+
+    /// An engine with the safe Config and this creator installed.
+    pub fn engine(&self) -> wasmtime::Result<Engine> {
+        let mut config = Config::new();
+        self.install(&mut config);
+        Engine::new(&config)
+    }
+
+    /// A snapshot of the creator's figures.
+    #[must_use]
+    pub fn stats(&self) -> CreatorStats {
+        let created = self.inner.created.load(Ordering::Acquire);
+        let dropped = self.inner.dropped.load(Ordering::Acquire);
+        CreatorStats {
+            live_memories: created - dropped.min(created),
+            created,
+            dropped,
+            refused: self.inner.refused.load(Ordering::Acquire),
+            pool: self.inner.pool.as_ref().map(|p| p.stats()),
+        }
+    }
+
+    fn lookup(&self, view: MemoryView) -> Result<Arc<MemoryShared<B>>, TwmError> {
+        self.inner
+            .registry()
+            .get(&view.base)
+            .cloned()
+            .ok_or(TwmError::NotOurMemory)
+    }
+
+    /// Resolves a guest range of `memory` to a device slice: only when `memory` came from this
+    /// creator, its backing is device-accessible, and `offset..offset + len` lies inside the
+    /// memory's current size without overflow. Any other memory (from `Memory::new`,
+    /// `SharedMemory`, the pooling allocator, another creator) is refused.
+    pub fn resolve(
+        &self,
+        store: impl AsContext,
+        memory: &Memory,
+        offset: u64,
+        len: u64,
+    ) -> Result<DeviceSlice, TwmError> {
+        self.resolve_at(MemoryView::of(store, memory), offset, len)
+    }
+
+    pub(crate) fn resolve_at(
+        &self,
+        view: MemoryView,
+        offset: u64,
+        len: u64,
+    ) -> Result<DeviceSlice, TwmError> {
+        let shared = self.lookup(view)?;
+        let buffer = shared.buffer.read().unwrap_or_else(PoisonError::into_inner);
+        if !buffer.capabilities().device_accessible {
+            return Err(TwmError::NotDeviceAccessible);
+        }
+        let range = guest_range(offset, len, view.size.min(buffer.len()))?;
+        buffer
+            .device_slice(range.start, range.len())
+            .map_err(TwmError::GuestRange)
+    }
+
+    /// Applies `advice` to a guest range of `memory` (checked as in [`resolve`](Self::resolve)).
+    pub fn advise(
+        &self,
+        store: impl AsContext,
+        memory: &Memory,
+        offset: u64,
+        len: u64,
+        advice: Advice,
+    ) -> Result<(), TwmError> {
+        let view = MemoryView::of(store, memory);
+        let shared = self.lookup(view)?;
+        let buffer = shared.buffer.read().unwrap_or_else(PoisonError::into_inner);
+        let range = guest_range(offset, len, view.size.min(buffer.len()))?;
+        buffer
+            .advise(range.start, range.len(), advice)
+            .map_err(TwmError::from_core)
+    }
+
+    /// Prefetches a guest range of `memory` to `to` on `stream` (checked as in
+    /// [`resolve`](Self::resolve)).
+    pub fn prefetch(
+        &self,
+        store: impl AsContext,
+        memory: &Memory,
+        offset: u64,
+        len: u64,
+        to: Location,
+        stream: &Stream,
+    ) -> Result<(), TwmError> {
+        self.prefetch_at(MemoryView::of(store, memory), offset, len, to, stream)
+    }
+
+    pub(crate) fn prefetch_at(
+        &self,
+        view: MemoryView,
+        offset: u64,
+        len: u64,
+        to: Location,
+        stream: &Stream,
+    ) -> Result<(), TwmError> {
+        let shared = self.lookup(view)?;
+        let buffer = shared.buffer.read().unwrap_or_else(PoisonError::into_inner);
+        let range = guest_range(offset, len, view.size.min(buffer.len()))?;
+        buffer
+            .prefetch(range.start, range.len(), to, stream)
+            .map_err(TwmError::from_core)
+    }
+
+    fn refuse(&self, error: TwmError) -> String {
+        self.inner.refused.fetch_add(1, Ordering::AcqRel);
+        tracing::debug!(%error, "twm: memory refused");
+        error.to_string()
+    }
+
+    fn create(
+        &self,
+        ty: &MemoryType,
+        reserved: Option<usize>,
+        guard: usize,
+    ) -> Result<TensorWasmLinearMemory<B>, TwmError> {
+        if ty.is_shared() {
+            return Err(TwmError::SharedMemory);
+        }
+        if guard > 0 {
+            return Err(TwmError::GuardNotHonoured { guard });
+        }
+        if let Some(reserved) = reserved.filter(|&r| r > 0) {
+            return Err(TwmError::ReservationNotHonoured { reserved });
+        }
+        let plan_type = PlanType {
+            minimum_pages: ty.minimum(),
+            maximum_pages: ty.maximum(),
+            page_size_log2: ty.page_size_log2(),
+            memory64: ty.is_64(),
+        };
+        // The hard cap and the configured limit are enforced here, before any allocation.
+        let plan = MemoryPlan::new(&plan_type, &self.inner.limits)?;
+        let initial = plan.initial_usize()?;
+        let capacity = plan.capacity_usize()?;
+        let charge = match &self.inner.tenant {
+            Some((tenant, mode)) => {
+                let bytes = match mode {
+                    ChargeMode::Touched => plan.initial_bytes(),
+                    ChargeMode::Capacity => plan.capacity_bytes(),
+                };
+                Some(tenant.reserve(bytes)?)
+            }
+            None => None,
+        };
+        let level = self
+            .inner
+            .tenant
+            .as_ref()
+            .map_or("unbound", |(t, _)| t.context().isolation().name());
+        let _span = tracing::debug_span!("twm.memory.create", isolation = level, initial, capacity)
+            .entered();
+        // A zero-capacity memory still gets a real (one page) allocation: the base pointer of a
+        // linear memory must be non-null and unique.
+        let allocate = capacity.max(1);
+        let buffer = match &self.inner.pool {
+            Some(pool) => pool.acquire(allocate, initial),
+            None => UnifiedBuffer::new(
+                Arc::clone(&self.inner.backend),
+                self.inner.device,
+                allocate,
+                initial,
+            ),
+        }
+        .map_err(TwmError::from_core)?;
+        let base = buffer.as_ptr() as usize;
+        let shared = Arc::new(MemoryShared {
+            buffer: RwLock::new(buffer),
+        });
+        self.inner.registry().insert(base, Arc::clone(&shared));
+        self.inner.created.fetch_add(1, Ordering::AcqRel);
+        Ok(TensorWasmLinearMemory {
+            creator: Arc::clone(&self.inner),
+            shared,
+            base,
+            len: initial,
+            capacity,
+            charge,
+        })
+    }
+}
+
+/// Checks a guest range against `size`; overflow of the address type is reported as such.
+fn guest_range(offset: u64, len: u64, size: usize) -> Result<std::ops::Range<usize>, TwmError> {
+    let overflow =
+        || TwmError::GuestRange(tensor_wasm_mem_core::RangeError::Overflow { offset, len });
+    let offset = usize::try_from(offset).map_err(|_| overflow())?;
+    let len_usize = usize::try_from(len).map_err(|_| overflow())?;
+    check_range(offset, len_usize, size).map_err(TwmError::GuestRange)
+}
+
+// SAFETY: every memory returned is a `TensorWasmLinearMemory`, whose safety argument is on its
+// `LinearMemory` impl; memory handed out is zero-filled (`UnifiedBuffer` zeroes its visible
+// window, pool slots are scrubbed), and guard or reservation requests that cannot be honoured are
+// refused, so Wasmtime never elides a bounds check this memory cannot back.
+unsafe impl<B: Backend> MemoryCreator for TensorWasmMemoryCreator<B> {
+    fn new_memory(
+        &self,
+        ty: MemoryType,
+        _minimum: usize,
+        _maximum: Option<usize>,
+        reserved_size_in_bytes: Option<usize>,
+        guard_size_in_bytes: usize,
+    ) -> Result<Box<dyn LinearMemory>, String> {
+        match self.create(&ty, reserved_size_in_bytes, guard_size_in_bytes) {
+            Ok(memory) => Ok(Box::new(memory)),
+            Err(e) => Err(self.refuse(e)),
+        }
+    }
+}
+
+/// One Wasm linear memory on managed memory: a fixed capacity, a growing visible size, a base
+/// that never moves. Unregisters itself and frees (or returns its pool slot) on drop.
+pub struct TensorWasmLinearMemory<B: Backend> {
+    creator: Arc<CreatorInner<B>>,
+    shared: Arc<MemoryShared<B>>,
+    base: usize,
+    len: usize,
+    capacity: usize,
+    /// The tenant charge, when the creator is bound to a tenant.
+    charge: Option<Reservation>,
+}
+
+impl<B: Backend> fmt::Debug for TensorWasmLinearMemory<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TensorWasmLinearMemory")
+            .field("base", &(self.base as *const u8))
+            .field("len", &self.len)
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> TensorWasmLinearMemory<B> {
+    /// Visible bytes now.
+    #[must_use]
+    pub fn current_size(&self) -> usize {
+        self.len
+    }
+
+    /// The fixed capacity.
+    #[must_use]
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// `true` when the memory is unified memory a device can use with no copy.
+    #[must_use]
+    pub fn is_uvm_backed(&self) -> bool {
+        self.creator.backend.capabilities().is_uvm()
+    }
+
+    fn grow(&mut self, new_size: usize) -> Result<(), TwmError> {
+        if new_size > self.capacity {
+            return Err(TwmError::CapacityExceeded {
+                requested: new_size,
+                capacity: self.capacity,
+            });
+        }
+        let extra = new_size.saturating_sub(self.len) as u64;
+        let charged = match (&mut self.charge, &self.creator.tenant) {
+            (Some(charge), Some((tenant, ChargeMode::Touched))) if extra > 0 => {
+                charge
+                    .try_grow(extra)
+                    .map_err(|denied| tenant.denied(denied))?;
+                extra
+            }
+            _ => 0,
+        };
+        let grown = self
+            .shared
+            .buffer
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .grow_to(new_size);
+        if let Err(e) = grown {
+            if let Some(charge) = &mut self.charge {
+                charge.shrink_to(charge.bytes() - charged);
+            }
+            return Err(TwmError::from_core(e));
+        }
+        self.len = self.len.max(new_size);
+        Ok(())
+    }
+}
+
+// SAFETY: `as_ptr` is the base of a live allocation (or pool slot) of at least `capacity` bytes,
+// owned by this memory until it drops, and it never changes: growth only bumps `len` up to
+// `capacity`, zeroing newly visible bytes where the backend does not hand out zeroed memory.
+// `byte_size` bytes from the base are always readable and writable from the host.
+unsafe impl<B: Backend> LinearMemory for TensorWasmLinearMemory<B> {
+    fn byte_size(&self) -> usize {
+        self.len
+    }
+
+    fn byte_capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn grow_to(&mut self, new_size: usize) -> wasmtime::Result<()> {
+        self.grow(new_size).map_err(wasmtime::Error::new)
+    }
+
+    fn as_ptr(&self) -> *mut u8 {
+        self.base as *mut u8
+    }
+}
+
+impl<B: Backend> Drop for TensorWasmLinearMemory<B> {
+    fn drop(&mut self) {
+        self.creator.registry().remove(&self.base);
+        self.creator.dropped.fetch_add(1, Ordering::AcqRel);
+        // The buffer is freed (or its slot returned) when the last `Arc` to it drops: here,
+        // or at the end of a host call that is using it right now.
+    }
+}
