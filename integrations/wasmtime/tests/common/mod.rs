@@ -1,0 +1,78 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use tensor_wasm_mem_core::{DeviceId, IsolationLevel, PoolConfig, SizeClass};
+use tensor_wasm_mem_mock::MockBackend;
+use tensor_wasm_mem_wasmtime::wasmtime::{
+    Engine, Instance, Module, Store, Trap, TypedFunc, WasmParams, WasmResults,
+};
+use tensor_wasm_mem_wasmtime::{Tenant, TensorWasmMemoryCreator};
+
+pub const PAGE: usize = 65536;
+
+pub fn mock() -> Arc<MockBackend> {
+    Arc::new(MockBackend::default())
+}
+
+pub fn fresh(backend: &Arc<MockBackend>) -> TensorWasmMemoryCreator<MockBackend> {
+    TensorWasmMemoryCreator::builder(Arc::clone(backend))
+        .build()
+        .expect("creator")
+}
+
+pub fn pooled(
+    backend: &Arc<MockBackend>,
+    slot_bytes: usize,
+    slots: usize,
+) -> TensorWasmMemoryCreator<MockBackend> {
+    TensorWasmMemoryCreator::builder(Arc::clone(backend))
+        .pool(PoolConfig::new(
+            DeviceId(0),
+            [SizeClass::new(slot_bytes, slots)],
+        ))
+        .build()
+        .expect("pooled creator")
+}
+
+pub fn tenant(id: u64, cap: u64) -> Arc<Tenant> {
+    Tenant::new(id, format!("t{id}"), cap, IsolationLevel::StreamIsolated)
+}
+
+/// Memory access functions over `(memory (export "memory") MIN MAX)`.
+pub fn access_module(engine: &Engine, min: u32, max: u32) -> Module {
+    Module::new(
+        engine,
+        format!(
+            r#"(module
+              (memory (export "memory") {min} {max})
+              (func (export "load8") (param i32) (result i32) (i32.load8_u (local.get 0)))
+              (func (export "load32") (param i32) (result i32) (i32.load (local.get 0)))
+              (func (export "load64") (param i32) (result i64) (i64.load (local.get 0)))
+              (func (export "load_off") (param i32) (result i32)
+                (i32.load8_u offset=65536 (local.get 0)))
+              (func (export "store8") (param i32 i32) (i32.store8 (local.get 0) (local.get 1)))
+              (func (export "store32") (param i32 i32) (i32.store (local.get 0) (local.get 1)))
+              (func (export "fill") (param i32 i32 i32)
+                (memory.fill (local.get 0) (local.get 1) (local.get 2)))
+              (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0)))
+              (func (export "size") (result i32) (memory.size)))"#
+        ),
+    )
+    .expect("module")
+}
+
+pub fn func<T, P: WasmParams, R: WasmResults>(
+    store: &mut Store<T>,
+    instance: &Instance,
+    name: &str,
+) -> TypedFunc<P, R> {
+    instance
+        .get_typed_func::<P, R>(&mut *store, name)
+        .unwrap_or_else(|e| panic!("export {name}: {e}"))
+}
+
+pub fn is_oob(error: &tensor_wasm_mem_wasmtime::wasmtime::Error) -> bool {
+    error.downcast_ref::<Trap>() == Some(&Trap::MemoryOutOfBounds)
+}
