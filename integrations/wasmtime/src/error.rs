@@ -11,7 +11,10 @@ use tensor_wasm_mem_core::{Denied, ErrorKind, PlanError, PoolError, RangeError};
 #[non_exhaustive]
 pub enum TwmError {
     /// A tenant's cap refused a memory or a growth.
-    #[error("{tenant_name}: {denied}")]
+    #[error(
+        "{tenant_name:?} ({}) denied {} bytes: its cap is {} bytes and {} are already reserved",
+        .denied.tenant, .denied.requested, .denied.cap, .denied.live
+    )]
     Denied {
         /// The tenant's name.
         tenant_name: String,

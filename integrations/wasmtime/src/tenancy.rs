@@ -123,7 +123,7 @@ impl Tenant {
 
     pub(crate) fn denied(&self, denied: Denied) -> TwmError {
         TwmError::Denied {
-            tenant_name: format!("tenant {:?} ({})", self.name, denied.tenant),
+            tenant_name: self.name.clone(),
             denied,
         }
     }

@@ -1,0 +1,582 @@
+//! `twm bench`: tensor-wasm-mem against Wasmtime's own allocators, in one run, medians and ratios.
+//!
+//! Method (see docs/BENCHMARKS.md): every figure is a median over samples; the guest loop is
+//! measured at several code placements (the module padded with unused functions before the loop)
+//! and the median over placements is reported; resident memory is measured in a fresh child
+//! process per configuration.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{Value, json};
+use tensor_wasm_mem_core::{DeviceId, PlanLimits, PoolConfig, SizeClass};
+use tensor_wasm_mem_mock::MockBackend;
+use tensor_wasm_mem_wasmtime::wasmtime::{
+    Config, Engine, InstanceAllocationStrategy, InstancePre, Linker, Module,
+    PoolingAllocationConfig, Store,
+};
+use tensor_wasm_mem_wasmtime::{GuardedHostCreator, TensorWasmMemoryCreator};
+
+use crate::run::Failure;
+
+/// `twm bench` arguments.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Fewer samples: finishes in well under a minute on 2 cores.
+    #[arg(long)]
+    pub quick: bool,
+    /// Print one JSON object with stable keys instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Internal: measure resident memory of one configuration in this (child) process.
+    #[arg(long, hide = true, value_name = "CONFIG")]
+    pub rss_child: Option<String>,
+}
+
+const SMALL: &str = r#"(module
+  (memory (export "memory") 1 16)
+  (func (export "run") (i32.store (i32.const 0) (i32.const 1))))"#;
+
+const GROW: &str = r#"(module
+  (memory 1 65536)
+  (func (export "grow") (param $n i32) (result i32)
+    (local $i i32)
+    (loop $next
+      (drop (memory.grow (i32.const 1)))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $next (i32.lt_u (local.get $i) (local.get $n))))
+    (memory.size)))"#;
+
+const LOOP_BYTES: u32 = 16 << 20;
+
+#[derive(Clone, Copy)]
+struct Sizes {
+    instantiate_iters: usize,
+    instantiate_batches: usize,
+    grow_samples: usize,
+    grow_per_sample: i32,
+    loop_placements: usize,
+    loop_reps: usize,
+    rss_instances: usize,
+}
+
+impl Sizes {
+    fn new(quick: bool) -> Self {
+        if quick {
+            Self {
+                instantiate_iters: 3_000,
+                instantiate_batches: 15,
+                grow_samples: 15,
+                grow_per_sample: 1000,
+                loop_placements: 4,
+                loop_reps: 3,
+                rss_instances: 1000,
+            }
+        } else {
+            Self {
+                instantiate_iters: 10_000,
+                instantiate_batches: 25,
+                grow_samples: 40,
+                grow_per_sample: 2000,
+                loop_placements: 8,
+                loop_reps: 7,
+                rss_instances: 1000,
+            }
+        }
+    }
+}
+
+fn other(e: impl std::fmt::Display) -> Failure {
+    Failure::Other(e.to_string())
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+/// The configurations compared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Setup {
+    WasmtimeDefault,
+    WasmtimePooling,
+    TwmFresh,
+    TwmPooled,
+    TwmGuarded,
+}
+
+impl Setup {
+    fn key(self) -> &'static str {
+        match self {
+            Self::WasmtimeDefault => "wasmtime_default",
+            Self::WasmtimePooling => "wasmtime_pooling",
+            Self::TwmFresh => "twm_fresh",
+            Self::TwmPooled => "twm_pooled",
+            Self::TwmGuarded => "twm_guarded",
+        }
+    }
+
+    fn from_key(key: &str) -> Option<Self> {
+        [
+            Self::WasmtimeDefault,
+            Self::WasmtimePooling,
+            Self::TwmFresh,
+            Self::TwmPooled,
+            Self::TwmGuarded,
+        ]
+        .into_iter()
+        .find(|s| s.key() == key)
+    }
+
+    /// An engine for this setup. `slots` sizes the pools.
+    fn engine(self, slots: usize) -> Result<Engine, Failure> {
+        let mock = || Arc::new(MockBackend::default());
+        let engine = match self {
+            Self::WasmtimeDefault => Engine::new(&Config::new()),
+            Self::WasmtimePooling => {
+                let mut pooling = PoolingAllocationConfig::new();
+                pooling
+                    .total_memories(slots as u32)
+                    .total_tables(slots as u32)
+                    .total_core_instances(slots as u32)
+                    .max_memory_size(16 << 16);
+                let mut config = Config::new();
+                config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling));
+                Engine::new(&config)
+            }
+            Self::TwmFresh => TensorWasmMemoryCreator::builder(mock())
+                .build()
+                .map_err(other)?
+                .engine(),
+            Self::TwmPooled => TensorWasmMemoryCreator::builder(mock())
+                .limits(PlanLimits::new(16 << 16).map_err(other)?)
+                .pool(PoolConfig::new(
+                    DeviceId(0),
+                    [SizeClass::new(16 << 16, slots)],
+                ))
+                .build()
+                .map_err(other)?
+                .engine(),
+            Self::TwmGuarded => GuardedHostCreator::new(PlanLimits::default()).engine(),
+        };
+        engine.map_err(other)
+    }
+}
+
+fn pre(engine: &Engine, wat: &str) -> Result<InstancePre<()>, Failure> {
+    let module = Module::new(engine, wat).map_err(other)?;
+    Linker::new(engine).instantiate_pre(&module).map_err(other)
+}
+
+/// Microseconds per instantiate + call + drop of `(memory 1 16)`, one Store each.
+fn instantiate_us(setup: Setup, sizes: Sizes, bar: &ProgressBar) -> Result<f64, Failure> {
+    let engine = setup.engine(16)?;
+    let pre = pre(&engine, SMALL)?;
+    let once = || -> Result<(), Failure> {
+        let mut store = Store::new(&engine, ());
+        let instance = pre.instantiate(&mut store).map_err(other)?;
+        let run = instance
+            .get_typed_func::<(), ()>(&mut store, "run")
+            .map_err(other)?;
+        run.call(&mut store, ()).map_err(other)?;
+        Ok(())
+    };
+    for _ in 0..200 {
+        once()?;
+    }
+    let per_batch = sizes.instantiate_iters / sizes.instantiate_batches;
+    let mut samples = Vec::with_capacity(sizes.instantiate_batches);
+    for _ in 0..sizes.instantiate_batches {
+        let start = Instant::now();
+        for _ in 0..per_batch {
+            once()?;
+        }
+        samples.push(start.elapsed().as_secs_f64() * 1e6 / per_batch as f64);
+        bar.inc(1);
+    }
+    Ok(median(&mut samples))
+}
+
+/// Nanoseconds per `memory.grow` of one page, from inside the guest.
+fn grow_ns(setup: Setup, sizes: Sizes, bar: &ProgressBar) -> Result<f64, Failure> {
+    let engine = setup.engine(1)?;
+    let pre = pre(&engine, GROW)?;
+    let mut samples = Vec::with_capacity(sizes.grow_samples);
+    for sample in 0..sizes.grow_samples + 2 {
+        let mut store = Store::new(&engine, ());
+        let instance = pre.instantiate(&mut store).map_err(other)?;
+        let grow = instance
+            .get_typed_func::<i32, i32>(&mut store, "grow")
+            .map_err(other)?;
+        let start = Instant::now();
+        let pages = grow
+            .call(&mut store, sizes.grow_per_sample)
+            .map_err(other)?;
+        let elapsed = start.elapsed();
+        if pages != sizes.grow_per_sample + 1 {
+            return Err(Failure::Other(format!(
+                "{}: memory.grow failed (memory is {pages} pages)",
+                setup.key()
+            )));
+        }
+        if sample >= 2 {
+            samples.push(elapsed.as_secs_f64() * 1e9 / f64::from(sizes.grow_per_sample));
+            bar.inc(1);
+        }
+    }
+    Ok(median(&mut samples))
+}
+
+/// The guest loop module: `padding` unused functions before the loop shift its code placement.
+fn loop_module(padding: usize, growable: bool, simd: bool) -> String {
+    let pages = LOOP_BYTES >> 16;
+    let memory = if growable {
+        format!("(memory {pages} {})", pages * 2)
+    } else {
+        format!("(memory {pages} {pages})")
+    };
+    let pad: String = (0..padding)
+        .map(|i| {
+            let mut expr = "(local.get 0)".to_string();
+            for k in 0..=(i % 5) {
+                expr = format!("(i32.add {expr} (i32.const {k}))");
+            }
+            format!("(func (param i32) (result i32) {expr})")
+        })
+        .collect();
+    let body = if simd {
+        format!(
+            r#"(local $i i32) (local $acc v128) (local $r i32)
+               (loop $rep
+                 (local.set $i (i32.const 0))
+                 (loop $next
+                   (local.set $acc (i32x4.add (local.get $acc) (v128.load (local.get $i))))
+                   (local.set $i (i32.add (local.get $i) (i32.const 16)))
+                   (br_if $next (i32.lt_u (local.get $i) (i32.const {LOOP_BYTES}))))
+                 (local.set $r (i32.add (local.get $r) (i32.const 1)))
+                 (br_if $rep (i32.lt_u (local.get $r) (local.get $reps))))
+               (i32x4.extract_lane 0 (local.get $acc))"#
+        )
+    } else {
+        format!(
+            r#"(local $i i32) (local $acc i32) (local $r i32)
+               (loop $rep
+                 (local.set $i (i32.const 0))
+                 (loop $next
+                   (local.set $acc (i32.add (local.get $acc) (i32.load (local.get $i))))
+                   (local.set $i (i32.add (local.get $i) (i32.const 4)))
+                   (br_if $next (i32.lt_u (local.get $i) (i32.const {LOOP_BYTES}))))
+                 (local.set $r (i32.add (local.get $r) (i32.const 1)))
+                 (br_if $rep (i32.lt_u (local.get $r) (local.get $reps))))
+               (local.get $acc)"#
+        )
+    };
+    format!(
+        r#"(module {memory} {pad}
+             (func (export "sum") (param $reps i32) (result i32) {body}))"#
+    )
+}
+
+/// Milliseconds per pass of a memory-bound loop over 16 MiB: median over code placements of the
+/// median over repetitions.
+fn guest_loop_ms(
+    setup: Setup,
+    sizes: Sizes,
+    growable: bool,
+    simd: bool,
+    bar: &ProgressBar,
+) -> Result<f64, Failure> {
+    let engine = setup.engine(1)?;
+    let mut per_placement = Vec::with_capacity(sizes.loop_placements);
+    for placement in 0..sizes.loop_placements {
+        let pre = pre(&engine, &loop_module(placement * 3, growable, simd))?;
+        let mut store = Store::new(&engine, ());
+        let instance = pre.instantiate(&mut store).map_err(other)?;
+        let sum = instance
+            .get_typed_func::<i32, i32>(&mut store, "sum")
+            .map_err(other)?;
+        black_box(sum.call(&mut store, 1).map_err(other)?);
+        let mut reps = Vec::with_capacity(sizes.loop_reps);
+        for _ in 0..sizes.loop_reps {
+            let start = Instant::now();
+            black_box(sum.call(&mut store, 1).map_err(other)?);
+            reps.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+        per_placement.push(median(&mut reps));
+        bar.inc(1);
+    }
+    Ok(median(&mut per_placement))
+}
+
+fn resident_bytes() -> u64 {
+    let pages = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| {
+            s.split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .unwrap_or(0);
+    pages * 4096
+}
+
+/// In a child process: resident MiB added by `instances` live instances that each touched a page.
+fn rss_child(key: &str, instances: usize) -> Result<(), Failure> {
+    let setup =
+        Setup::from_key(key).ok_or_else(|| Failure::Usage(format!("unknown setup {key}")))?;
+    let engine = setup.engine(instances)?;
+    let pre = pre(&engine, SMALL)?;
+    // Warm up code paths, then measure.
+    {
+        let mut store = Store::new(&engine, ());
+        let instance = pre.instantiate(&mut store).map_err(other)?;
+        let run = instance
+            .get_typed_func::<(), ()>(&mut store, "run")
+            .map_err(other)?;
+        run.call(&mut store, ()).map_err(other)?;
+    }
+    let before = resident_bytes();
+    let mut live = Vec::with_capacity(instances);
+    for _ in 0..instances {
+        let mut store = Store::new(&engine, ());
+        let instance = pre.instantiate(&mut store).map_err(other)?;
+        let run = instance
+            .get_typed_func::<(), ()>(&mut store, "run")
+            .map_err(other)?;
+        run.call(&mut store, ()).map_err(other)?;
+        live.push(store);
+    }
+    let after = resident_bytes();
+    println!("{}", after.saturating_sub(before) as f64 / (1 << 20) as f64);
+    drop(live);
+    Ok(())
+}
+
+fn rss_mib(setup: Setup, instances: usize, bar: &ProgressBar) -> Result<f64, Failure> {
+    let exe = std::env::current_exe().map_err(other)?;
+    let output = std::process::Command::new(exe)
+        .args(["bench", "--rss-child", setup.key()])
+        .output()
+        .map_err(other)?;
+    bar.inc(1);
+    let _ = instances;
+    String::from_utf8_lossy(&output.stdout)
+        .trim()
+        .parse::<f64>()
+        .map_err(|_| {
+            Failure::Other(format!(
+                "resident-memory child for {} failed: {}",
+                setup.key(),
+                String::from_utf8_lossy(&output.stderr)
+            ))
+        })
+}
+
+struct Row {
+    group: &'static str,
+    unit: &'static str,
+    baseline: Setup,
+    values: Vec<(Setup, f64, Option<f64>)>,
+}
+
+pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
+    let sizes = Sizes::new(args.quick);
+    if let Some(key) = &args.rss_child {
+        return rss_child(key, sizes.rss_instances);
+    }
+    let instantiate_setups = [
+        (Setup::WasmtimeDefault, None),
+        (Setup::WasmtimePooling, None),
+        (Setup::TwmFresh, Some((Setup::WasmtimeDefault, 1.0))),
+        (Setup::TwmPooled, Some((Setup::WasmtimePooling, 0.8))),
+    ];
+    let loop_setups = [
+        (Setup::WasmtimeDefault, "wasmtime_default", None),
+        (Setup::TwmFresh, "twm_checked", Some(1.3)),
+        (Setup::TwmGuarded, "twm_guarded", Some(1.05)),
+    ];
+    let details = [(false, false), (true, false), (false, true), (true, true)];
+    let steps = 4 * sizes.instantiate_batches
+        + 2 * sizes.grow_samples
+        + 3 * details.len() * sizes.loop_placements
+        + 2;
+    let bar = ProgressBar::new(steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len}")
+            .map_err(other)?
+            .progress_chars("=> "),
+    );
+
+    let mut instantiate = Vec::new();
+    for (setup, _) in instantiate_setups {
+        bar.set_message(format!("instantiate {}", setup.key()));
+        instantiate.push((setup, instantiate_us(setup, sizes, &bar)?));
+    }
+    let mut grow = Vec::new();
+    for setup in [Setup::WasmtimeDefault, Setup::TwmFresh] {
+        bar.set_message(format!("grow {}", setup.key()));
+        grow.push((setup, grow_ns(setup, sizes, &bar)?));
+    }
+    let mut loops = Vec::new();
+    for (growable, simd) in details {
+        let mut row = Vec::new();
+        for (setup, key, _) in loop_setups {
+            bar.set_message(format!("loop {key}"));
+            row.push((key, guest_loop_ms(setup, sizes, growable, simd, &bar)?));
+        }
+        loops.push(((growable, simd), row));
+    }
+    let mut rss = Vec::new();
+    for setup in [Setup::WasmtimeDefault, Setup::TwmFresh] {
+        bar.set_message(format!("resident {}", setup.key()));
+        rss.push((setup, rss_mib(setup, sizes.rss_instances, &bar)?));
+    }
+    bar.finish_and_clear();
+
+    let get =
+        |v: &[(Setup, f64)], s: Setup| v.iter().find(|(k, _)| *k == s).map_or(f64::NAN, |x| x.1);
+    let headline_loop = &loops[0].1;
+    let loop_get = |key: &str| {
+        headline_loop
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map_or(f64::NAN, |x| x.1)
+    };
+    let twm_key = |s: Setup| if s == Setup::TwmFresh { "twm" } else { s.key() };
+
+    if args.json {
+        let detail: serde_json::Map<String, Value> = loops
+            .iter()
+            .map(|((growable, simd), row)| {
+                let name = format!(
+                    "{}_{}",
+                    if *growable { "growable" } else { "fixed" },
+                    if *simd { "simd" } else { "scalar" }
+                );
+                let values: serde_json::Map<String, Value> = row
+                    .iter()
+                    .map(|(k, v)| ((*k).to_string(), json!(v)))
+                    .collect();
+                (name, Value::Object(values))
+            })
+            .collect();
+        let report = json!({
+            "quick": args.quick,
+            "instantiate_us": instantiate.iter().map(|(s, v)| (s.key().to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+            "grow_ns": grow.iter().map(|(s, v)| (twm_key(*s).to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+            "guest_loop_ms": {
+                "wasmtime_default": loop_get("wasmtime_default"),
+                "twm_checked": loop_get("twm_checked"),
+                "twm_guarded": loop_get("twm_guarded"),
+            },
+            "guest_loop_detail_ms": detail,
+            "rss_1000_mib": rss.iter().map(|(s, v)| (twm_key(*s).to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        });
+        println!("{report}");
+        return Ok(());
+    }
+
+    let rows = [
+        Row {
+            group: "instantiate+call+drop",
+            unit: "us",
+            baseline: Setup::WasmtimeDefault,
+            values: instantiate_setups
+                .iter()
+                .map(|(s, t)| (*s, get(&instantiate, *s), t.map(|t| t.1)))
+                .collect(),
+        },
+        Row {
+            group: "memory.grow 1 page",
+            unit: "ns",
+            baseline: Setup::WasmtimeDefault,
+            values: vec![
+                (
+                    Setup::WasmtimeDefault,
+                    get(&grow, Setup::WasmtimeDefault),
+                    None,
+                ),
+                (Setup::TwmFresh, get(&grow, Setup::TwmFresh), Some(0.1)),
+            ],
+        },
+        Row {
+            group: "resident, 1000 instances",
+            unit: "MiB",
+            baseline: Setup::WasmtimeDefault,
+            values: vec![
+                (
+                    Setup::WasmtimeDefault,
+                    get(&rss, Setup::WasmtimeDefault),
+                    None,
+                ),
+                (Setup::TwmFresh, get(&rss, Setup::TwmFresh), Some(1.5)),
+            ],
+        },
+    ];
+    println!(
+        "twm bench{} (medians; ratio against Wasmtime, target in brackets)\n",
+        if args.quick { " --quick" } else { "" }
+    );
+    println!(
+        "{:<26} {:<18} {:>12} {:>8} {:>8}",
+        "measure", "setup", "value", "ratio", "target"
+    );
+    for row in &rows {
+        let base = row
+            .values
+            .iter()
+            .find(|(s, _, _)| *s == row.baseline)
+            .map_or(f64::NAN, |v| v.1);
+        for (setup, value, target) in &row.values {
+            // Pooled is held against Wasmtime's pooling allocator.
+            let base = if *setup == Setup::TwmPooled {
+                get(&instantiate, Setup::WasmtimePooling)
+            } else {
+                base
+            };
+            let ratio = value / base;
+            println!(
+                "{:<26} {:<18} {:>9.3} {:<3}{:>7.2}x {:>8}",
+                row.group,
+                setup.key(),
+                value,
+                row.unit,
+                ratio,
+                target.map_or(String::new(), |t| format!(
+                    "{}{t}x",
+                    if ratio <= t { "<=" } else { "MISS " }
+                ))
+            );
+        }
+    }
+    for ((growable, simd), row) in &loops {
+        let base = row[0].1;
+        let group = format!(
+            "loop 16MiB {} {}",
+            if *growable { "growable" } else { "fixed" },
+            if *simd { "simd" } else { "scalar" }
+        );
+        for ((key, value), (_, _, target)) in row.iter().zip(loop_setups) {
+            let ratio = value / base;
+            println!(
+                "{:<26} {:<18} {:>9.3} {:<3}{:>7.2}x {:>8}",
+                group,
+                key,
+                value,
+                "ms",
+                ratio,
+                target.map_or(String::new(), |t: f64| format!(
+                    "{}{t}x",
+                    if ratio <= t { "<=" } else { "MISS " }
+                ))
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,83 @@
+//! Stats tables and JSON for tenants and creators.
+
+use serde_json::{Value, json};
+use tensor_wasm_mem_wasmtime::{Backend, CreatorStats, TenantStats, TensorWasmMemoryCreator};
+
+use crate::bytes::format_bytes;
+
+pub fn tenant_json(s: &TenantStats) -> Value {
+    json!({
+        "id": s.id.0,
+        "name": s.name,
+        "isolation": s.isolation.name(),
+        "cap_bytes": s.cap,
+        "live_bytes": s.live_bytes,
+        "peak_bytes": s.peak_bytes,
+        "live_memories": s.live_memories,
+        "memories_created": s.memories_created,
+        "denials": s.denials,
+    })
+}
+
+pub fn creator_json(s: &CreatorStats) -> Value {
+    let pool = s.pool.as_ref().map(|p| {
+        json!({
+            "in_use": p.in_use(),
+            "free": p.free(),
+            "acquisitions": p.acquisitions,
+            "releases": p.releases,
+            "bytes_scrubbed": p.bytes_scrubbed,
+            "exhaustions": p.exhaustions,
+        })
+    });
+    json!({
+        "live_memories": s.live_memories,
+        "created": s.created,
+        "dropped": s.dropped,
+        "refused": s.refused,
+        "pool": pool,
+    })
+}
+
+/// The per-tenant table and the creator / pool line.
+pub fn stats_table<B: Backend>(
+    tenants: &[TenantStats],
+    creator: &TensorWasmMemoryCreator<B>,
+) -> String {
+    let mut out = format!(
+        "{:<10} {:<17} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
+        "tenant", "isolation", "cap", "live", "peak", "memories", "denials"
+    );
+    for s in tenants {
+        out += &format!(
+            "{:<10} {:<17} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
+            s.name,
+            s.isolation.name(),
+            if s.cap == u64::MAX {
+                "none".to_string()
+            } else {
+                format_bytes(s.cap)
+            },
+            format_bytes(s.live_bytes),
+            format_bytes(s.peak_bytes),
+            s.memories_created,
+            s.denials
+        );
+    }
+    let c = creator.stats();
+    out += &format!(
+        "memories: {} created, {} dropped, {} refused",
+        c.created, c.dropped, c.refused
+    );
+    if let Some(p) = &c.pool {
+        out += &format!(
+            "; pool: {} in use, {} free, {} scrubbed, {} exhausted",
+            p.in_use(),
+            p.free(),
+            format_bytes(p.bytes_scrubbed),
+            p.exhaustions
+        );
+    }
+    out.push('\n');
+    out
+}

@@ -1,0 +1,238 @@
+//! The `twm` binary end to end: outputs, exit statuses, JSON, and no panic on any input file.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+const MODULE: &str = r#"(module
+  (import "twm" "advise" (func $advise (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1 4)
+  (global $calls (mut i32) (i32.const 0))
+  (func (export "add") (param i32 i32) (result i32) (i32.add (local.get 0) (local.get 1)))
+  (func (export "two") (result i32 i64) (i32.const 1) (i64.const -2))
+  (func (export "half") (param f64) (result f64) (f64.mul (local.get 0) (f64.const 0.5)))
+  (func (export "oob") (result i32) (i32.load (i32.const 65536)))
+  (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0)))
+  (func (export "advise") (param i32 i32) (result i32)
+    (call $advise (local.get 0) (local.get 1) (i32.const 0) (i32.const -1)))
+  (func (export "first") (result i32)
+    (local $v i32)
+    (local.set $v (i32.load (i32.const 0)))
+    (i32.store (i32.const 0) (i32.const 77))
+    (local.get $v)))"#;
+
+fn twm(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_twm"))
+        .args(args)
+        .output()
+        .expect("run twm")
+}
+
+/// Writes `contents` to a file of its own (tests run in parallel: never share a path).
+fn module_file(name: &str, contents: &[u8]) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("twm-cli-tests-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{n}-{name}"));
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn run(args: &[&str]) -> (i32, String, String) {
+    let path = module_file("m.wat", MODULE.as_bytes());
+    let mut all = vec!["run", path.to_str().unwrap()];
+    all.extend_from_slice(args);
+    let o = twm(&all);
+    (
+        o.status.code().expect("no signal, no panic"),
+        stdout(&o),
+        stderr(&o),
+    )
+}
+
+#[test]
+fn results_one_per_line() {
+    assert_eq!(
+        run(&["--invoke", "add", "2", "3"]),
+        (0, "5\n".into(), String::new())
+    );
+    assert_eq!(run(&["--invoke", "two"]).1, "1\n-2\n");
+    assert_eq!(run(&["--invoke", "add", "-5", "0x10"]).1, "11\n");
+    assert_eq!(
+        run(&["--invoke", "add", "4294967295", "1"]).1,
+        "0\n",
+        "u32 range accepted"
+    );
+    assert_eq!(run(&["--invoke", "half", "3"]).1, "1.5\n");
+    assert_eq!(
+        run(&[]),
+        (0, String::new(), String::new()),
+        "instantiate only"
+    );
+}
+
+#[test]
+fn options_after_the_arguments() {
+    let (code, out, err) = run(&["--invoke", "grow", "3", "--tenant-cap", "128KiB", "--stats"]);
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "-1\n"),
+        "growth past the cap is -1"
+    );
+    assert!(err.contains("cli") && err.contains("128KiB"), "{err}");
+}
+
+#[test]
+fn exit_statuses() {
+    assert_eq!(run(&["--invoke", "oob"]).0, 3, "trap");
+    assert_eq!(
+        run(&["--tenant-cap", "1KiB"]).0,
+        4,
+        "cap refuses instantiation"
+    );
+    assert_eq!(
+        run(&["--memory-limit", "32KiB"]).0,
+        4,
+        "minimum above the limit"
+    );
+    assert_eq!(run(&["--invoke", "add", "1"]).0, 2, "arity");
+    assert_eq!(run(&["--invoke", "add", "x", "1"]).0, 2, "not a number");
+    assert_eq!(
+        run(&["--invoke", "add", "99999999999", "1"]).0,
+        2,
+        "out of i32 range"
+    );
+    assert_eq!(run(&["--invoke", "missing"]).0, 2, "no such export");
+    assert_eq!(run(&["--memory-limit", "5GiB"]).0, 2, "above the hard cap");
+    assert_eq!(run(&["--isolation", "bogus"]).0, 2);
+    assert_eq!(run(&["--tenant-cap", "12XB"]).0, 2);
+    assert_eq!(run(&["--repeat", "0"]).0, 2);
+    assert_eq!(run(&["--pool", "0"]).0, 2);
+    assert_eq!(twm(&["run"]).status.code(), Some(2));
+    assert_eq!(twm(&["frobnicate"]).status.code(), Some(2));
+    assert_eq!(twm(&["run", "/nonexistent/m.wat"]).status.code(), Some(1));
+    let refused = run(&["--tenant-cap", "1KiB"]).2;
+    assert!(
+        refused.contains("\"cli\"") && refused.contains("1024"),
+        "{refused}"
+    );
+}
+
+#[test]
+fn json_is_one_object() {
+    let (code, out, _) = run(&["--invoke", "two", "--json"]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).expect("one JSON object");
+    assert_eq!(v["runs"], serde_json::json!([[1, -2]]));
+    assert_eq!(v["backend"], "mock");
+    assert_eq!(v["tenant"]["live_bytes"], 0);
+    assert_eq!(v["tenant"]["peak_bytes"], 65536);
+    let (code, out, _) = run(&["--invoke", "oob", "--json"]);
+    assert_eq!(code, 3);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["error"]["exit_code"], 3);
+}
+
+#[test]
+fn repeat_reuses_the_pool_and_scrubs() {
+    let (code, out, err) = run(&[
+        "--invoke", "first", "--repeat", "3", "--pool", "1", "--stats",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, "0\n0\n0\n", "each run sees a zeroed slot");
+    assert!(err.contains("pool: 0 in use, 1 free"), "{err}");
+    let (_, out, _) = run(&[
+        "--invoke", "first", "--repeat", "2", "--pool", "1", "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["runs"], serde_json::json!([[0], [0]]));
+    assert_eq!(v["creator"]["pool"]["acquisitions"], 2);
+}
+
+#[test]
+fn host_functions_are_linked() {
+    assert_eq!(run(&["--invoke", "advise", "0", "16"]).1, "0\n");
+    assert_eq!(run(&["--invoke", "advise", "65536", "1"]).1, "-1\n");
+    assert_eq!(run(&["--invoke", "advise", "-1", "2"]).1, "-2\n");
+}
+
+#[test]
+fn binary_modules_run_too() {
+    let wasm = wat::parse_str(MODULE).unwrap();
+    let path = module_file("m.wasm", &wasm);
+    let o = twm(&["run", path.to_str().unwrap(), "--invoke", "add", "20", "22"]);
+    assert_eq!((o.status.code(), stdout(&o)), (Some(0), "42\n".into()));
+}
+
+/// Garbage, truncated and hostile files: a clear error and a status, never a panic (101) or a
+/// signal.
+#[test]
+fn no_panic_on_any_input_file() {
+    let wasm = wat::parse_str(MODULE).unwrap();
+    let mut inputs: Vec<Vec<u8>> = vec![
+        Vec::new(),
+        b"garbage".to_vec(),
+        b"(module".to_vec(),
+        b"\0asm".to_vec(),
+        vec![0xff; 64],
+        b"(module (memory 65536 65536))".to_vec(),
+        b"(module (memory i64 281474976710656))".to_vec(),
+        b"(module (func $f (call $f)) (start $f))".to_vec(),
+        b"(module (import \"env\" \"nothing\" (func)))".to_vec(),
+        b"(module (memory 1) (data (i32.const 65535) \"ab\"))".to_vec(),
+        b"(module (table 100000000 funcref))".to_vec(),
+    ];
+    for cut in [8, 20, wasm.len() / 2, wasm.len() - 1] {
+        inputs.push(wasm[..cut].to_vec());
+    }
+    let mut flipped = wasm.clone();
+    for i in (8..flipped.len()).step_by(7) {
+        flipped[i] ^= 0x5a;
+    }
+    inputs.push(flipped);
+    for (i, input) in inputs.iter().enumerate() {
+        let path = module_file(&format!("bad{i}.wasm"), input);
+        let o = twm(&["run", path.to_str().unwrap()]);
+        let code = o.status.code();
+        assert!(
+            matches!(code, Some(0 | 1 | 3 | 4)),
+            "input {i}: status {code:?}, stderr {}",
+            stderr(&o)
+        );
+        assert!(
+            !stderr(&o).contains("panicked"),
+            "input {i}: {}",
+            stderr(&o)
+        );
+    }
+}
+
+#[test]
+fn demo_runs_and_balances() {
+    let o = twm(&["demo"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("alice") && out.contains("bob") && out.contains("carol"));
+    assert!(!out.contains("WRONG"));
+    assert!(out.contains("every tenant back to zero: true"), "{out}");
+}
+
+#[test]
+fn probe_describes_the_backend() {
+    let o = twm(&["probe", "--json"]);
+    assert_eq!(o.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["backend"], "mock");
+    assert_eq!(v["unified"], true);
+    assert_eq!(v["guard_pages"], false);
+    let o = twm(&["probe"]);
+    assert!(stdout(&o).contains("concurrent managed access"));
+}
