@@ -58,7 +58,8 @@ struct Sizes {
     grow_samples: usize,
     grow_per_sample: i32,
     loop_placements: usize,
-    loop_reps: usize,
+    loop_samples: usize,
+    loop_passes: i32,
     rss_instances: usize,
 }
 
@@ -66,22 +67,24 @@ impl Sizes {
     fn new(quick: bool) -> Self {
         if quick {
             Self {
-                instantiate_iters: 3_000,
+                instantiate_iters: 6_000,
                 instantiate_batches: 15,
-                grow_samples: 15,
+                grow_samples: 21,
                 grow_per_sample: 1000,
-                loop_placements: 4,
-                loop_reps: 3,
+                loop_placements: 6,
+                loop_samples: 5,
+                loop_passes: 4,
                 rss_instances: 1000,
             }
         } else {
             Self {
-                instantiate_iters: 10_000,
+                instantiate_iters: 20_000,
                 instantiate_batches: 25,
-                grow_samples: 40,
+                grow_samples: 41,
                 grow_per_sample: 2000,
-                loop_placements: 8,
-                loop_reps: 7,
+                loop_placements: 12,
+                loop_samples: 9,
+                loop_passes: 8,
                 rss_instances: 1000,
             }
         }
@@ -283,35 +286,51 @@ fn loop_module(padding: usize, growable: bool, simd: bool) -> String {
     )
 }
 
-/// Milliseconds per pass of a memory-bound loop over 16 MiB: median over code placements of the
-/// median over repetitions.
+/// Milliseconds per pass of a memory-bound loop over 16 MiB, for each of `setups`: at each code
+/// placement every setup is measured in turn, sample after sample (so drift hits all alike), the
+/// median over samples is taken per placement, and the median over placements is reported.
 fn guest_loop_ms(
-    setup: Setup,
+    setups: &[Setup],
     sizes: Sizes,
     growable: bool,
     simd: bool,
     bar: &ProgressBar,
-) -> Result<f64, Failure> {
-    let engine = setup.engine(1)?;
-    let mut per_placement = Vec::with_capacity(sizes.loop_placements);
+) -> Result<Vec<f64>, Failure> {
+    let engines = setups
+        .iter()
+        .map(|s| s.engine(1))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut per_placement = vec![Vec::with_capacity(sizes.loop_placements); setups.len()];
     for placement in 0..sizes.loop_placements {
-        let pre = pre(&engine, &loop_module(placement * 3, growable, simd))?;
-        let mut store = Store::new(&engine, ());
-        let instance = pre.instantiate(&mut store).map_err(other)?;
-        let sum = instance
-            .get_typed_func::<i32, i32>(&mut store, "sum")
-            .map_err(other)?;
-        black_box(sum.call(&mut store, 1).map_err(other)?);
-        let mut reps = Vec::with_capacity(sizes.loop_reps);
-        for _ in 0..sizes.loop_reps {
-            let start = Instant::now();
+        let wat = loop_module(placement * 3, growable, simd);
+        let mut runs = Vec::with_capacity(setups.len());
+        for engine in &engines {
+            let pre = pre(engine, &wat)?;
+            let mut store = Store::new(engine, ());
+            let instance = pre.instantiate(&mut store).map_err(other)?;
+            let sum = instance
+                .get_typed_func::<i32, i32>(&mut store, "sum")
+                .map_err(other)?;
+            // Fault every page in before timing.
             black_box(sum.call(&mut store, 1).map_err(other)?);
-            reps.push(start.elapsed().as_secs_f64() * 1e3);
+            runs.push((store, sum));
         }
-        per_placement.push(median(&mut reps));
-        bar.inc(1);
+        let mut samples = vec![Vec::with_capacity(sizes.loop_samples); setups.len()];
+        for sample in 0..sizes.loop_samples {
+            for k in 0..setups.len() {
+                let i = (k + sample) % setups.len();
+                let (store, sum) = &mut runs[i];
+                let start = Instant::now();
+                black_box(sum.call(&mut *store, sizes.loop_passes).map_err(other)?);
+                samples[i].push(start.elapsed().as_secs_f64() * 1e3 / f64::from(sizes.loop_passes));
+            }
+        }
+        for (i, s) in samples.iter_mut().enumerate() {
+            per_placement[i].push(median(s));
+        }
+        bar.inc(setups.len() as u64);
     }
-    Ok(median(&mut per_placement))
+    Ok(per_placement.iter_mut().map(|p| median(p)).collect())
 }
 
 fn resident_bytes() -> u64 {
@@ -424,12 +443,19 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         grow.push((setup, grow_ns(setup, sizes, &bar)?));
     }
     let mut loops = Vec::new();
+    let loop_engines: Vec<Setup> = loop_setups.iter().map(|(s, _, _)| *s).collect();
     for (growable, simd) in details {
-        let mut row = Vec::new();
-        for (setup, key, _) in loop_setups {
-            bar.set_message(format!("loop {key}"));
-            row.push((key, guest_loop_ms(setup, sizes, growable, simd, &bar)?));
-        }
+        bar.set_message(format!(
+            "loop {} {}",
+            if growable { "growable" } else { "fixed" },
+            if simd { "simd" } else { "scalar" }
+        ));
+        let times = guest_loop_ms(&loop_engines, sizes, growable, simd, &bar)?;
+        let row: Vec<(&str, f64)> = loop_setups
+            .iter()
+            .zip(times)
+            .map(|((_, key, _), t)| (*key, t))
+            .collect();
         loops.push(((growable, simd), row));
     }
     let mut rss = Vec::new();

@@ -24,6 +24,11 @@ pub use tenancy::{
     new_store,
 };
 
+/// The workspace README's Rust examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct WorkspaceReadme;
+
 /// Re-exported so embedders use the same versions.
 pub use tensor_wasm_mem_core as core;
 pub use wasmtime;
