@@ -107,3 +107,112 @@ mock_harness!(
         ..MockConfig::default()
     }
 );
+
+/// The cudarc backend: on the real driver where one loads, otherwise on the simulated libcuda
+/// (`tests/cuda-sim`). Cases are serialised (the driver is process-wide), and on the simulator
+/// each case starts from a fresh simulated machine.
+#[derive(Debug)]
+pub struct CudarcHarness;
+
+/// Simulated device memory per device for the conformance cases.
+pub const SIM_MEMORY: u64 = 4 << 30;
+
+fn sim_entry_point(op: Operation) -> Option<&'static str> {
+    Some(match op {
+        Operation::Allocate => "cuMemAllocManaged",
+        Operation::Free => "cuMemFree_v2",
+        Operation::Zero => "cuMemsetD8Async",
+        Operation::Advise => "cuMemAdvise_v2",
+        Operation::Prefetch => "cuMemPrefetchAsync_v2",
+        Operation::AcquireStream => "cuStreamCreate",
+        Operation::ReleaseStream => "cuStreamDestroy_v2",
+        Operation::Synchronize => "cuStreamSynchronize",
+        _ => return None,
+    })
+}
+
+impl Harness for CudarcHarness {
+    type Backend = tensor_wasm_mem_cudarc::CudarcBackend;
+
+    fn backend() -> Arc<Self::Backend> {
+        crate::sim::exclusive();
+        if let Some(sim) = crate::sim::Sim::get() {
+            sim.configure(&crate::sim::SimConfig {
+                memory_bytes: SIM_MEMORY,
+                ..crate::sim::SimConfig::default()
+            });
+            sim.reset();
+        }
+        let source = tensor_wasm_mem_cudarc::DriverSource::SystemOr(crate::sim::SIM_PATH.into());
+        Arc::new(
+            tensor_wasm_mem_cudarc::CudarcBackend::with_driver(&source)
+                .unwrap_or_else(|e| panic!("the cudarc backend did not start: {e}")),
+        )
+    }
+
+    fn live_allocations(b: &Self::Backend) -> Option<u64> {
+        let ours = b.stats().live_allocations;
+        if let Some(sim) = crate::sim::Sim::get() {
+            // The driver's own count must agree: nothing leaked below the backend either.
+            assert_eq!(
+                sim.stats().live_allocations,
+                ours,
+                "driver and backend disagree"
+            );
+        }
+        Some(ours)
+    }
+
+    fn live_streams(b: &Self::Backend) -> Option<u64> {
+        let ours = b.stats().live_streams;
+        if let Some(sim) = crate::sim::Sim::get() {
+            // The simulator also counts the backend's per-device zeroing stream.
+            let zeroing = u64::from(b.device_count());
+            assert_eq!(
+                sim.stats().live_streams,
+                ours + zeroing,
+                "driver and backend disagree"
+            );
+        }
+        Some(ours)
+    }
+
+    fn live_contexts(b: &Self::Backend) -> Option<u64> {
+        let ours = b.stats().live_contexts;
+        if let Some(sim) = crate::sim::Sim::get() {
+            assert_eq!(
+                sim.stats().live_contexts,
+                ours,
+                "driver and backend disagree"
+            );
+        }
+        Some(ours)
+    }
+
+    fn fail_nth(_: &Self::Backend, op: Operation, n: u64) -> bool {
+        let (Some(sim), Some(entry)) = (crate::sim::Sim::get(), sim_entry_point(op)) else {
+            return false;
+        };
+        let error = if op == Operation::Allocate {
+            crate::sim::code::OUT_OF_MEMORY
+        } else {
+            crate::sim::code::UNKNOWN
+        };
+        sim.fail_nth(entry, n, error);
+        true
+    }
+
+    fn clear_faults(_: &Self::Backend) {
+        if let Some(sim) = crate::sim::Sim::get() {
+            sim.clear_faults();
+        }
+    }
+
+    fn too_much(_: &Self::Backend) -> usize {
+        if crate::sim::Sim::get().is_some() {
+            SIM_MEMORY as usize + 1
+        } else {
+            1 << 50
+        }
+    }
+}

@@ -14,6 +14,7 @@
 #![deny(missing_docs)]
 
 pub mod harness;
+pub mod sim;
 pub mod suite;
 
 pub use harness::Harness;

@@ -7,3 +7,7 @@ mod with_mock {
 mod with_poisoned_mock {
     tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::PoisonedMockHarness);
 }
+
+mod with_cudarc {
+    tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::CudarcHarness);
+}

@@ -1,0 +1,111 @@
+//! The cudarc backend's error.
+
+use cudarc::driver::sys::CUresult;
+use tensor_wasm_mem_core::{BackendError, DeviceId, ErrorKind, RangeError};
+
+/// A driver call that failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{call} failed: {result:?}")]
+pub struct DriverError {
+    /// The entry point.
+    pub call: &'static str,
+    /// What it returned.
+    pub result: CUresult,
+}
+
+impl DriverError {
+    /// The kind of this error.
+    #[must_use]
+    pub fn kind(&self) -> ErrorKind {
+        match self.result {
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY => ErrorKind::OutOfMemory,
+            CUresult::CUDA_ERROR_INVALID_VALUE
+            | CUresult::CUDA_ERROR_INVALID_DEVICE
+            | CUresult::CUDA_ERROR_INVALID_HANDLE
+            | CUresult::CUDA_ERROR_INVALID_CONTEXT => ErrorKind::InvalidArgument,
+            CUresult::CUDA_ERROR_NOT_SUPPORTED => ErrorKind::Unsupported,
+            CUresult::CUDA_ERROR_NO_DEVICE => ErrorKind::NoDevice,
+            _ => ErrorKind::Driver,
+        }
+    }
+}
+
+/// Everything the cudarc backend can fail or refuse with.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudarcError {
+    /// No CUDA driver library could be loaded.
+    #[error("no CUDA driver found: {0}")]
+    DriverNotFound(String),
+    /// The driver lacks an entry point this backend needs.
+    #[error(
+        "the CUDA driver lacks `{symbol}` (this backend needs CUDA 12.2 or newer: \
+         cuMemAdvise_v2 / cuMemPrefetchAsync_v2)"
+    )]
+    MissingSymbol {
+        /// The missing entry point.
+        symbol: &'static str,
+    },
+    /// The driver sees no device.
+    #[error("the CUDA driver reports no device")]
+    NoDevice,
+    /// A device cannot allocate managed memory.
+    #[error("{device} does not support managed memory (CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY = 0)")]
+    NoManagedMemory {
+        /// The device.
+        device: DeviceId,
+    },
+    /// A driver call failed.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    /// A size of zero or another malformed argument.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(&'static str),
+    /// No such device.
+    #[error("{device} does not exist ({count} devices)")]
+    InvalidDevice {
+        /// The device asked for.
+        device: DeviceId,
+        /// Devices this backend drives.
+        count: u32,
+    },
+    /// A range outside its allocation.
+    #[error(transparent)]
+    Range(#[from] RangeError),
+    /// An allocation this backend does not know.
+    #[error("unknown allocation at {address:#x}")]
+    UnknownAllocation {
+        /// Its base address.
+        address: u64,
+    },
+    /// A stream this backend did not hand out.
+    #[error("unknown stream {raw:#x}")]
+    UnknownStream {
+        /// The raw handle.
+        raw: u64,
+    },
+    /// The device cannot do this.
+    #[error("{device} does not support {what}")]
+    Unsupported {
+        /// The device.
+        device: DeviceId,
+        /// What it lacks.
+        what: &'static str,
+    },
+}
+
+impl BackendError for CudarcError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            Self::DriverNotFound(_) | Self::MissingSymbol { .. } => ErrorKind::DriverUnavailable,
+            Self::NoDevice => ErrorKind::NoDevice,
+            Self::NoManagedMemory { .. } | Self::Unsupported { .. } => ErrorKind::Unsupported,
+            Self::Driver(e) => e.kind(),
+            Self::Range(e) => e.kind(),
+            Self::InvalidArgument(_)
+            | Self::InvalidDevice { .. }
+            | Self::UnknownAllocation { .. }
+            | Self::UnknownStream { .. } => ErrorKind::InvalidArgument,
+        }
+    }
+}

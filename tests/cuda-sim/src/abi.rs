@@ -1,0 +1,109 @@
+//! The simulator's C ABI types and codes, shared (by `#[path]`) with the tests that drive it.
+#![allow(dead_code)]
+
+/// `CUresult` values used here.
+pub mod code {
+    /// Success.
+    pub const SUCCESS: u32 = 0;
+    /// `CUDA_ERROR_INVALID_VALUE`.
+    pub const INVALID_VALUE: u32 = 1;
+    /// `CUDA_ERROR_OUT_OF_MEMORY`.
+    pub const OUT_OF_MEMORY: u32 = 2;
+    /// `CUDA_ERROR_NOT_INITIALIZED`.
+    pub const NOT_INITIALIZED: u32 = 3;
+    /// `CUDA_ERROR_NO_DEVICE`.
+    pub const NO_DEVICE: u32 = 100;
+    /// `CUDA_ERROR_INVALID_DEVICE`.
+    pub const INVALID_DEVICE: u32 = 101;
+    /// `CUDA_ERROR_INVALID_CONTEXT`.
+    pub const INVALID_CONTEXT: u32 = 201;
+    /// `CUDA_ERROR_INVALID_HANDLE`.
+    pub const INVALID_HANDLE: u32 = 400;
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS`.
+    pub const ILLEGAL_ADDRESS: u32 = 700;
+    /// `CUDA_ERROR_NOT_SUPPORTED`.
+    pub const NOT_SUPPORTED: u32 = 801;
+    /// `CUDA_ERROR_UNKNOWN`.
+    pub const UNKNOWN: u32 = 999;
+
+    /// Name and description of a code.
+    pub fn describe(code: u32) -> Option<(&'static std::ffi::CStr, &'static std::ffi::CStr)> {
+        Some(match code {
+            SUCCESS => (c"CUDA_SUCCESS", c"no error"),
+            INVALID_VALUE => (c"CUDA_ERROR_INVALID_VALUE", c"invalid argument"),
+            OUT_OF_MEMORY => (c"CUDA_ERROR_OUT_OF_MEMORY", c"out of memory"),
+            NOT_INITIALIZED => (c"CUDA_ERROR_NOT_INITIALIZED", c"initialization error"),
+            NO_DEVICE => (
+                c"CUDA_ERROR_NO_DEVICE",
+                c"no CUDA-capable device is detected",
+            ),
+            INVALID_DEVICE => (c"CUDA_ERROR_INVALID_DEVICE", c"invalid device ordinal"),
+            INVALID_CONTEXT => (c"CUDA_ERROR_INVALID_CONTEXT", c"invalid device context"),
+            INVALID_HANDLE => (c"CUDA_ERROR_INVALID_HANDLE", c"invalid resource handle"),
+            ILLEGAL_ADDRESS => (
+                c"CUDA_ERROR_ILLEGAL_ADDRESS",
+                c"an illegal memory access was encountered",
+            ),
+            NOT_SUPPORTED => (c"CUDA_ERROR_NOT_SUPPORTED", c"operation not supported"),
+            UNKNOWN => (c"CUDA_ERROR_UNKNOWN", c"unknown error"),
+            _ => return None,
+        })
+    }
+}
+
+/// How the simulated machine looks (`twm_sim_configure`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimConfig {
+    /// Devices (0 makes `cuDeviceGetCount` say 0, and `cuInit` `CUDA_ERROR_NO_DEVICE`).
+    pub device_count: u32,
+    /// Memory per device in bytes.
+    pub memory_bytes: u64,
+    /// `CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY` (0 or 1).
+    pub managed: u32,
+    /// `CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS` (0 or 1).
+    pub concurrent: u32,
+    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS` (0 or 1).
+    pub pageable: u32,
+    /// Fill fresh managed allocations with `0xA5` (the driver does not zero them).
+    pub poison: u32,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            device_count: 1,
+            memory_bytes: 4 << 30,
+            managed: 1,
+            concurrent: 1,
+            pageable: 0,
+            poison: 0,
+        }
+    }
+}
+
+/// Counters (`twm_sim_stats`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SimStats {
+    /// Managed allocations alive.
+    pub live_allocations: u64,
+    /// Bytes in them.
+    pub live_bytes: u64,
+    /// Allocations ever made.
+    pub allocations: u64,
+    /// Successful frees.
+    pub frees: u64,
+    /// Streams alive.
+    pub live_streams: u64,
+    /// Non-primary contexts alive.
+    pub live_contexts: u64,
+    /// Primary-context references held.
+    pub primary_refs: u64,
+    /// Entry-point calls made.
+    pub calls: u64,
+    /// Calls that returned an error.
+    pub failed_calls: u64,
+    /// Failures injected.
+    pub injected: u64,
+}

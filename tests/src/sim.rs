@@ -1,0 +1,144 @@
+//! The simulated libcuda, seen from the tests: where it is, and its knobs.
+
+use std::ffi::{CString, c_char};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+
+#[path = "../cuda-sim/src/abi.rs"]
+mod abi;
+
+pub use abi::{SimConfig, SimStats, code};
+
+/// The simulator built by `build.rs` (SONAME `libcuda.so.1`).
+pub const SIM_PATH: &str = env!("TWM_CUDA_SIM_PATH");
+
+/// A build of the simulator without `cuMemPrefetchAsync_v2` (for the missing-symbol test).
+pub const SIM_WITHOUT_PREFETCH_PATH: &str = env!("TWM_CUDA_SIM_WITHOUT_PREFETCH_PATH");
+
+/// `true` when a real CUDA driver loads by name in this process (checked before anything else
+/// is loaded): then the driver backends run on it, and the simulator's knobs are not used.
+pub fn real_driver() -> bool {
+    static REAL: OnceLock<bool> = OnceLock::new();
+    *REAL.get_or_init(|| {
+        // SAFETY: probing loads and unloads the driver library, running its initialisers.
+        unsafe { tensor_wasm_mem_cudarc_probe() }
+    })
+}
+
+// SAFETY: see `real_driver`.
+unsafe fn tensor_wasm_mem_cudarc_probe() -> bool {
+    ["libcuda.so", "libcuda.so.1"]
+        .iter()
+        // SAFETY: loading a library runs its initialisers; nothing is called.
+        .any(|name| unsafe { libloading::Library::new(*name) }.is_ok_and(|lib| !is_simulator(&lib)))
+}
+
+fn is_simulator(lib: &libloading::Library) -> bool {
+    // SAFETY: only looks the symbol up.
+    unsafe { lib.get::<unsafe extern "C" fn()>("twm_sim_reset") }.is_ok()
+}
+
+/// The knobs of the loaded simulator.
+pub struct Sim {
+    lib: libloading::Library,
+}
+
+impl std::fmt::Debug for Sim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Sim")
+    }
+}
+
+impl Sim {
+    /// Loads the simulator at `path` (once per process), or `None` on a machine with a real
+    /// driver.
+    pub fn get() -> Option<&'static Sim> {
+        static SIM: OnceLock<Option<Sim>> = OnceLock::new();
+        SIM.get_or_init(|| {
+            if real_driver() {
+                return None;
+            }
+            // SAFETY: the simulator's initialisers are Rust statics; loading runs nothing else.
+            let lib = unsafe { libloading::Library::new(SIM_PATH) }
+                .unwrap_or_else(|e| panic!("loading the simulated libcuda {SIM_PATH}: {e}"));
+            Some(Sim { lib })
+        })
+        .as_ref()
+    }
+
+    fn f<T: Copy>(&self, name: &str) -> T {
+        // SAFETY: each knob is looked up with its exact C signature (see cuda-sim/src/lib.rs).
+        *unsafe { self.lib.get::<T>(name) }.unwrap_or_else(|e| panic!("simulator knob {name}: {e}"))
+    }
+
+    /// Sets the machine (devices, attributes) for the next `cuInit` after [`reset`](Self::reset).
+    pub fn configure(&self, config: &SimConfig) {
+        let f: unsafe extern "C" fn(*const SimConfig) -> u32 = self.f("twm_sim_configure");
+        // SAFETY: `config` is a valid pointer for the call.
+        assert_eq!(unsafe { f(config) }, 0);
+    }
+
+    /// Forgets everything: a fresh machine at the next `cuInit`.
+    pub fn reset(&self) {
+        let f: extern "C" fn() = self.f("twm_sim_reset");
+        f();
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> SimStats {
+        let f: unsafe extern "C" fn(*mut SimStats) -> u32 = self.f("twm_sim_stats");
+        let mut stats = SimStats::default();
+        // SAFETY: `stats` is a valid out-pointer.
+        assert_eq!(unsafe { f(&mut stats) }, 0);
+        stats
+    }
+
+    /// Makes the `nth` call of `entry_point` from now return `error`.
+    pub fn fail_nth(&self, entry_point: &str, nth: u64, error: u32) {
+        let f: unsafe extern "C" fn(*const c_char, u64, u32) -> u32 = self.f("twm_sim_fail_nth");
+        let name = CString::new(entry_point).expect("no NUL in entry point names");
+        // SAFETY: `name` is a valid C string for the call.
+        let result = unsafe { f(name.as_ptr(), nth, error) };
+        assert_eq!(result, 0, "fail_nth({entry_point})");
+    }
+
+    /// Clears pending injected failures.
+    pub fn clear_faults(&self) {
+        let f: extern "C" fn() = self.f("twm_sim_clear_faults");
+        f();
+    }
+
+    /// Calls of `entry_point` so far.
+    pub fn calls(&self, entry_point: &str) -> u64 {
+        let f: unsafe extern "C" fn(*const c_char) -> u64 = self.f("twm_sim_calls");
+        let name = CString::new(entry_point).expect("no NUL in entry point names");
+        // SAFETY: `name` is a valid C string for the call.
+        unsafe { f(name.as_ptr()) }
+    }
+
+    /// The recent call trace.
+    pub fn trace(&self) -> String {
+        let f: unsafe extern "C" fn(*mut u8, usize) -> usize = self.f("twm_sim_trace");
+        // SAFETY: a null buffer asks for the length only.
+        let len = unsafe { f(std::ptr::null_mut(), 0) };
+        let mut buf = vec![0u8; len];
+        // SAFETY: `buf` is valid for `len` bytes.
+        unsafe { f(buf.as_mut_ptr(), len) };
+        String::from_utf8_lossy(&buf).into_owned()
+    }
+}
+
+/// Serialises the tests that use the process-wide driver: the first call on a thread takes a
+/// process-wide lock, held until the thread (one test) ends.
+pub fn exclusive() {
+    static LOCK: Mutex<()> = Mutex::new(());
+    thread_local! {
+        static HELD: std::cell::RefCell<Option<MutexGuard<'static, ()>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    HELD.with(|held| {
+        let mut held = held.borrow_mut();
+        if held.is_none() {
+            *held = Some(LOCK.lock().unwrap_or_else(PoisonError::into_inner));
+        }
+    });
+}
