@@ -145,7 +145,7 @@ impl Harness for CudarcHarness {
         }
         let source = tensor_wasm_mem_cudarc::DriverSource::SystemOr(crate::sim::SIM_PATH.into());
         Arc::new(
-            tensor_wasm_mem_cudarc::CudarcBackend::with_driver(&source)
+            tensor_wasm_mem_cudarc::start(&source)
                 .unwrap_or_else(|e| panic!("the cudarc backend did not start: {e}")),
         )
     }

@@ -5,7 +5,7 @@
 use std::process::Command;
 
 use tensor_wasm_mem_core::{BackendError, DeviceId, ErrorKind};
-use tensor_wasm_mem_cudarc::{CudarcBackend, CudarcError, DriverSource};
+use tensor_wasm_mem_cudarc::{CudarcError, DriverSource, start};
 use tensor_wasm_mem_tests::sim::{
     SIM_PATH, SIM_WITHOUT_PREFETCH_PATH, Sim, SimConfig, real_driver,
 };
@@ -20,13 +20,9 @@ fn startup_child() {
         return;
     };
     let result = match scenario.as_str() {
-        "system_only" => CudarcBackend::with_driver(&DriverSource::System),
-        "no_library" => {
-            CudarcBackend::with_driver(&DriverSource::SystemOr("/nonexistent/libcuda.so.1".into()))
-        }
-        "missing_symbol" => {
-            CudarcBackend::with_driver(&DriverSource::SystemOr(SIM_WITHOUT_PREFETCH_PATH.into()))
-        }
+        "system_only" => start(&DriverSource::System),
+        "no_library" => start(&DriverSource::SystemOr("/nonexistent/libcuda.so.1".into())),
+        "missing_symbol" => start(&DriverSource::SystemOr(SIM_WITHOUT_PREFETCH_PATH.into())),
         "zero_devices" | "no_managed_memory" | "two_devices" => {
             let sim = Sim::get().expect("no real driver in the child");
             sim.configure(&match scenario.as_str() {
@@ -45,14 +41,14 @@ fn startup_child() {
                 },
             });
             sim.reset();
-            CudarcBackend::with_driver(&DriverSource::SystemOr(SIM_PATH.into()))
+            start(&DriverSource::SystemOr(SIM_PATH.into()))
         }
         other => panic!("unknown scenario {other}"),
     };
     match result {
         Ok(backend) => println!(
             "OUTCOME ok devices={} concurrent={}",
-            backend.devices().count(),
+            backend.driver().devices().count(),
             tensor_wasm_mem_core::ManagedAllocator::capabilities(&backend)
                 .concurrent_managed_access
         ),

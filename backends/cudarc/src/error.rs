@@ -1,7 +1,7 @@
 //! The cudarc backend's error.
 
 use cudarc::driver::sys::CUresult;
-use tensor_wasm_mem_core::{BackendError, DeviceId, ErrorKind, RangeError};
+use tensor_wasm_mem_core::{BackendError, DeviceId, ErrorKind, Refusal};
 
 /// A driver call that failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -58,40 +58,9 @@ pub enum CudarcError {
     /// A driver call failed.
     #[error(transparent)]
     Driver(#[from] DriverError),
-    /// A size of zero or another malformed argument.
-    #[error("invalid argument: {0}")]
-    InvalidArgument(&'static str),
-    /// No such device.
-    #[error("{device} does not exist ({count} devices)")]
-    InvalidDevice {
-        /// The device asked for.
-        device: DeviceId,
-        /// Devices this backend drives.
-        count: u32,
-    },
-    /// A range outside its allocation.
+    /// Refused before the driver was asked (a bad range, device or handle).
     #[error(transparent)]
-    Range(#[from] RangeError),
-    /// An allocation this backend does not know.
-    #[error("unknown allocation at {address:#x}")]
-    UnknownAllocation {
-        /// Its base address.
-        address: u64,
-    },
-    /// A stream this backend did not hand out.
-    #[error("unknown stream {raw:#x}")]
-    UnknownStream {
-        /// The raw handle.
-        raw: u64,
-    },
-    /// The device cannot do this.
-    #[error("{device} does not support {what}")]
-    Unsupported {
-        /// The device.
-        device: DeviceId,
-        /// What it lacks.
-        what: &'static str,
-    },
+    Refused(#[from] Refusal),
 }
 
 impl BackendError for CudarcError {
@@ -99,13 +68,9 @@ impl BackendError for CudarcError {
         match self {
             Self::DriverNotFound(_) | Self::MissingSymbol { .. } => ErrorKind::DriverUnavailable,
             Self::NoDevice => ErrorKind::NoDevice,
-            Self::NoManagedMemory { .. } | Self::Unsupported { .. } => ErrorKind::Unsupported,
+            Self::NoManagedMemory { .. } => ErrorKind::Unsupported,
             Self::Driver(e) => e.kind(),
-            Self::Range(e) => e.kind(),
-            Self::InvalidArgument(_)
-            | Self::InvalidDevice { .. }
-            | Self::UnknownAllocation { .. }
-            | Self::UnknownStream { .. } => ErrorKind::InvalidArgument,
+            Self::Refused(r) => r.kind(),
         }
     }
 }
