@@ -3,18 +3,12 @@
 //! `TWM_CUDA_SIM_WITHOUT_PREFETCH_PATH`, baked in at compile time: no environment needed at run
 //! time). The files are never named `libcuda.so`, so they cannot shadow a real driver.
 
-use std::env;
-use std::path::PathBuf;
-use std::process::Command;
+include!("cuda-sim/build_sim.rs");
 
 fn main() {
-    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
-    let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
-    let sim_dir = manifest.join("cuda-sim").join("src");
-    for file in ["lib.rs", "abi.rs"] {
-        println!("cargo:rerun-if-changed={}", sim_dir.join(file).display());
-    }
-    let rustc = env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let manifest = std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("manifest"));
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    let sim_src = manifest.join("cuda-sim").join("src");
     for (env_name, file, cfg) in [
         ("TWM_CUDA_SIM_PATH", "libtwm_cuda_sim.so", None),
         (
@@ -23,35 +17,7 @@ fn main() {
             Some("twm_sim_without_prefetch"),
         ),
     ] {
-        let path = out.join(file);
-        let mut cmd = Command::new(&rustc);
-        cmd.args([
-            "--edition",
-            "2024",
-            "--crate-type",
-            "cdylib",
-            "--crate-name",
-            "twm_cuda_sim",
-            "-C",
-            "opt-level=1",
-            "-C",
-            "debuginfo=0",
-            "-C",
-            "link-arg=-Wl,-soname,libcuda.so.1",
-            "--cap-lints",
-            "warn",
-        ]);
-        if let Some(cfg) = cfg {
-            cmd.args(["--cfg", cfg]);
-        }
-        cmd.arg("-o").arg(&path).arg(sim_dir.join("lib.rs"));
-        let status = cmd
-            .status()
-            .unwrap_or_else(|e| panic!("running {rustc} to build the simulated libcuda: {e}"));
-        assert!(
-            status.success(),
-            "building the simulated libcuda failed: {status}"
-        );
+        let path = build_cuda_sim(&sim_src, &out, file, cfg);
         println!("cargo:rustc-env={env_name}={}", path.display());
     }
 }

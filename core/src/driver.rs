@@ -81,6 +81,22 @@ impl Refusal {
     }
 }
 
+/// The [`ErrorKind`] of a `CUresult` code, for backends that wrap the CUDA driver API.
+#[must_use]
+pub const fn cuda_result_kind(code: u32) -> ErrorKind {
+    match code {
+        // CUDA_ERROR_OUT_OF_MEMORY
+        2 => ErrorKind::OutOfMemory,
+        // INVALID_VALUE, INVALID_DEVICE, INVALID_CONTEXT, INVALID_HANDLE
+        1 | 101 | 201 | 400 => ErrorKind::InvalidArgument,
+        // CUDA_ERROR_NO_DEVICE
+        100 => ErrorKind::NoDevice,
+        // CUDA_ERROR_NOT_SUPPORTED
+        801 => ErrorKind::Unsupported,
+        _ => ErrorKind::Driver,
+    }
+}
+
 /// Per-device facts a [`DriverApi`] reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceFacts {

@@ -70,7 +70,7 @@ fn mock_harness_impl(config: MockConfig) -> Arc<MockBackend> {
 
 macro_rules! mock_harness {
     ($name:ty, $config:expr) => {
-        impl Harness for $name {
+        impl $crate::Harness for $name {
             type Backend = MockBackend;
 
             fn backend() -> Arc<MockBackend> {
@@ -108,111 +108,119 @@ mock_harness!(
     }
 );
 
-/// The cudarc backend: on the real driver where one loads, otherwise on the simulated libcuda
-/// (`tests/cuda-sim`). Cases are serialised (the driver is process-wide), and on the simulator
-/// each case starts from a fresh simulated machine.
-#[derive(Debug)]
-pub struct CudarcHarness;
-
 /// Simulated device memory per device for the conformance cases.
 pub const SIM_MEMORY: u64 = 4 << 30;
 
-fn sim_entry_point(op: Operation) -> Option<&'static str> {
-    Some(match op {
-        Operation::Allocate => "cuMemAllocManaged",
-        Operation::Free => "cuMemFree_v2",
-        Operation::Zero => "cuMemsetD8Async",
-        Operation::Advise => "cuMemAdvise_v2",
-        Operation::Prefetch => "cuMemPrefetchAsync_v2",
-        Operation::AcquireStream => "cuStreamCreate",
-        Operation::ReleaseStream => "cuStreamDestroy_v2",
-        Operation::Synchronize => "cuStreamSynchronize",
-        _ => return None,
-    })
-}
-
-impl Harness for CudarcHarness {
-    type Backend = tensor_wasm_mem_cudarc::CudarcBackend;
-
-    fn backend() -> Arc<Self::Backend> {
-        crate::sim::exclusive();
-        if let Some(sim) = crate::sim::Sim::get() {
-            sim.configure(&crate::sim::SimConfig {
-                memory_bytes: SIM_MEMORY,
-                ..crate::sim::SimConfig::default()
-            });
-            sim.reset();
-        }
-        let source = tensor_wasm_mem_cudarc::DriverSource::SystemOr(crate::sim::SIM_PATH.into());
-        Arc::new(
-            tensor_wasm_mem_cudarc::start(&source)
-                .unwrap_or_else(|e| panic!("the cudarc backend did not start: {e}")),
-        )
-    }
-
-    fn live_allocations(b: &Self::Backend) -> Option<u64> {
-        let ours = b.stats().live_allocations;
-        if let Some(sim) = crate::sim::Sim::get() {
-            // The driver's own count must agree: nothing leaked below the backend either.
-            assert_eq!(
-                sim.stats().live_allocations,
-                ours,
-                "driver and backend disagree"
-            );
-        }
-        Some(ours)
-    }
-
-    fn live_streams(b: &Self::Backend) -> Option<u64> {
-        let ours = b.stats().live_streams;
-        if let Some(sim) = crate::sim::Sim::get() {
-            // The simulator also counts the backend's per-device zeroing stream.
-            let zeroing = u64::from(b.device_count());
-            assert_eq!(
-                sim.stats().live_streams,
-                ours + zeroing,
-                "driver and backend disagree"
-            );
-        }
-        Some(ours)
-    }
-
-    fn live_contexts(b: &Self::Backend) -> Option<u64> {
-        let ours = b.stats().live_contexts;
-        if let Some(sim) = crate::sim::Sim::get() {
-            assert_eq!(
-                sim.stats().live_contexts,
-                ours,
-                "driver and backend disagree"
-            );
-        }
-        Some(ours)
-    }
-
-    fn fail_nth(_: &Self::Backend, op: Operation, n: u64) -> bool {
-        let (Some(sim), Some(entry)) = (crate::sim::Sim::get(), sim_entry_point(op)) else {
-            return false;
-        };
-        let error = if op == Operation::Allocate {
-            crate::sim::code::OUT_OF_MEMORY
-        } else {
-            crate::sim::code::UNKNOWN
-        };
-        sim.fail_nth(entry, n, error);
-        true
-    }
-
-    fn clear_faults(_: &Self::Backend) {
-        if let Some(sim) = crate::sim::Sim::get() {
-            sim.clear_faults();
-        }
-    }
-
-    fn too_much(_: &Self::Backend) -> usize {
-        if crate::sim::Sim::get().is_some() {
-            SIM_MEMORY as usize + 1
-        } else {
-            1 << 50
-        }
+/// Prepares the process-wide driver for one case: serialises the cases that use it and, on the
+/// simulator, starts a fresh simulated machine.
+pub fn fresh_driver() {
+    crate::sim::exclusive();
+    if let Some(sim) = crate::sim::Sim::get() {
+        sim.configure(&crate::sim::SimConfig {
+            memory_bytes: SIM_MEMORY,
+            ..crate::sim::SimConfig::default()
+        });
+        sim.reset();
     }
 }
+
+/// Implements [`Harness`] for a backend built on the core's `DriverBackend`: counters from the
+/// backend (cross-checked against the simulator's, so nothing leaks below the backend either),
+/// faults injected through the simulator at the entry points the backend calls.
+///
+/// A backend that links libcuda at link time (cust) is given its harness in the test file that
+/// uses it, so other test binaries do not need `libcuda.so.1` to load.
+#[macro_export]
+macro_rules! driver_harness {
+    ($(#[$doc:meta])* $name:ident, $backend:ty, $start:expr, advise: $advise:literal, prefetch: $prefetch:literal) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $name;
+
+        impl $crate::Harness for $name {
+            type Backend = $backend;
+
+            fn backend() -> std::sync::Arc<Self::Backend> {
+                $crate::harness::fresh_driver();
+                std::sync::Arc::new($start.unwrap_or_else(|e| panic!("the backend did not start: {e}")))
+            }
+
+            fn live_allocations(b: &Self::Backend) -> Option<u64> {
+                let ours = b.stats().live_allocations;
+                if let Some(sim) = $crate::sim::Sim::get() {
+                    assert_eq!(sim.stats().live_allocations, ours, "driver and backend disagree");
+                }
+                Some(ours)
+            }
+
+            fn live_streams(b: &Self::Backend) -> Option<u64> {
+                let ours = b.stats().live_streams;
+                if let Some(sim) = $crate::sim::Sim::get() {
+                    // The simulator also counts the backend's per-device zeroing stream.
+                    let zeroing = u64::from($crate::core::ManagedAllocator::device_count(b));
+                    assert_eq!(sim.stats().live_streams, ours + zeroing, "driver and backend disagree");
+                }
+                Some(ours)
+            }
+
+            fn live_contexts(b: &Self::Backend) -> Option<u64> {
+                let ours = b.stats().live_contexts;
+                if let Some(sim) = $crate::sim::Sim::get() {
+                    assert_eq!(sim.stats().live_contexts, ours, "driver and backend disagree");
+                }
+                Some(ours)
+            }
+
+            fn fail_nth(_: &Self::Backend, op: $crate::core::Operation, n: u64) -> bool {
+                use $crate::core::Operation;
+                let entry = match op {
+                    Operation::Allocate => "cuMemAllocManaged",
+                    Operation::Free => "cuMemFree_v2",
+                    Operation::Zero => "cuMemsetD8Async",
+                    Operation::Advise => $advise,
+                    Operation::Prefetch => $prefetch,
+                    Operation::AcquireStream => "cuStreamCreate",
+                    Operation::ReleaseStream => "cuStreamDestroy_v2",
+                    Operation::Synchronize => "cuStreamSynchronize",
+                    _ => return false,
+                };
+                let Some(sim) = $crate::sim::Sim::get() else {
+                    return false;
+                };
+                let error = if op == Operation::Allocate {
+                    $crate::sim::code::OUT_OF_MEMORY
+                } else {
+                    $crate::sim::code::UNKNOWN
+                };
+                sim.fail_nth(entry, n, error);
+                true
+            }
+
+            fn clear_faults(_: &Self::Backend) {
+                if let Some(sim) = $crate::sim::Sim::get() {
+                    sim.clear_faults();
+                }
+            }
+
+            fn too_much(_: &Self::Backend) -> usize {
+                if $crate::sim::Sim::get().is_some() {
+                    $crate::harness::SIM_MEMORY as usize + 1
+                } else {
+                    1 << 50
+                }
+            }
+        }
+    };
+}
+
+driver_harness!(
+    /// The cudarc backend: on the real driver where one loads, otherwise on the simulated
+    /// libcuda (`tests/cuda-sim`). Cases are serialised (the driver is process-wide).
+    CudarcHarness,
+    tensor_wasm_mem_cudarc::CudarcBackend,
+    tensor_wasm_mem_cudarc::start(&tensor_wasm_mem_cudarc::DriverSource::SystemOr(
+        crate::sim::SIM_PATH.into()
+    )),
+    advise: "cuMemAdvise_v2",
+    prefetch: "cuMemPrefetchAsync_v2"
+);

@@ -18,6 +18,8 @@ pub mod sim;
 pub mod suite;
 
 pub use harness::Harness;
+/// The core, for the macros.
+pub use tensor_wasm_mem_core as core;
 
 /// Expands to one `rstest` test with a case per [`suite`] function, run against `$harness`.
 #[macro_export]

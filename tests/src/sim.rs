@@ -14,27 +14,36 @@ pub const SIM_PATH: &str = env!("TWM_CUDA_SIM_PATH");
 /// A build of the simulator without `cuMemPrefetchAsync_v2` (for the missing-symbol test).
 pub const SIM_WITHOUT_PREFETCH_PATH: &str = env!("TWM_CUDA_SIM_WITHOUT_PREFETCH_PATH");
 
-/// `true` when a real CUDA driver loads by name in this process (checked before anything else
-/// is loaded): then the driver backends run on it, and the simulator's knobs are not used.
+/// What loads by the driver's name in this process.
+enum ByName {
+    /// Nothing: no driver on this machine.
+    Nothing,
+    /// The simulator (linked in by a backend that links libcuda, or preloaded).
+    Simulator(libloading::Library),
+    /// A real driver.
+    Real,
+}
+
+fn by_name() -> ByName {
+    for name in ["libcuda.so.1", "libcuda.so"] {
+        // SAFETY: loading the driver library runs its initialisers; nothing is called.
+        if let Ok(lib) = unsafe { libloading::Library::new(name) } {
+            // SAFETY: only looks a symbol up.
+            let simulated = unsafe { lib.get::<unsafe extern "C" fn()>("twm_sim_reset") }.is_ok();
+            return if simulated {
+                ByName::Simulator(lib)
+            } else {
+                ByName::Real
+            };
+        }
+    }
+    ByName::Nothing
+}
+
+/// `true` when a real CUDA driver loads by name in this process: then the driver backends run
+/// on it, and the simulator's knobs are not used.
 pub fn real_driver() -> bool {
-    static REAL: OnceLock<bool> = OnceLock::new();
-    *REAL.get_or_init(|| {
-        // SAFETY: probing loads and unloads the driver library, running its initialisers.
-        unsafe { tensor_wasm_mem_cudarc_probe() }
-    })
-}
-
-// SAFETY: see `real_driver`.
-unsafe fn tensor_wasm_mem_cudarc_probe() -> bool {
-    ["libcuda.so", "libcuda.so.1"]
-        .iter()
-        // SAFETY: loading a library runs its initialisers; nothing is called.
-        .any(|name| unsafe { libloading::Library::new(*name) }.is_ok_and(|lib| !is_simulator(&lib)))
-}
-
-fn is_simulator(lib: &libloading::Library) -> bool {
-    // SAFETY: only looks the symbol up.
-    unsafe { lib.get::<unsafe extern "C" fn()>("twm_sim_reset") }.is_ok()
+    matches!(by_name(), ByName::Real)
 }
 
 /// The knobs of the loaded simulator.
@@ -49,18 +58,21 @@ impl std::fmt::Debug for Sim {
 }
 
 impl Sim {
-    /// Loads the simulator at `path` (once per process), or `None` on a machine with a real
-    /// driver.
+    /// The simulator this process uses (once loaded, for good), or `None` on a machine with a
+    /// real driver. A simulator already loaded under the driver's name (by a backend that links
+    /// libcuda) is the one used, so the knobs act on the driver the backends call.
     pub fn get() -> Option<&'static Sim> {
         static SIM: OnceLock<Option<Sim>> = OnceLock::new();
-        SIM.get_or_init(|| {
-            if real_driver() {
-                return None;
+        SIM.get_or_init(|| match by_name() {
+            ByName::Real => None,
+            ByName::Simulator(lib) => Some(Sim { lib }),
+            ByName::Nothing => {
+                // SAFETY: the simulator's initialisers are Rust statics; loading runs nothing
+                // else.
+                let lib = unsafe { libloading::Library::new(SIM_PATH) }
+                    .unwrap_or_else(|e| panic!("loading the simulated libcuda {SIM_PATH}: {e}"));
+                Some(Sim { lib })
             }
-            // SAFETY: the simulator's initialisers are Rust statics; loading runs nothing else.
-            let lib = unsafe { libloading::Library::new(SIM_PATH) }
-                .unwrap_or_else(|e| panic!("loading the simulated libcuda {SIM_PATH}: {e}"));
-            Some(Sim { lib })
         })
         .as_ref()
     }

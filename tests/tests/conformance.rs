@@ -11,3 +11,17 @@ mod with_poisoned_mock {
 mod with_cudarc {
     tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::CudarcHarness);
 }
+
+tensor_wasm_mem_tests::driver_harness!(
+    /// The cust backend: on whatever `libcuda.so.1` the binary loaded (the real driver where
+    /// there is one, the simulator otherwise; see `backends/cust/build.rs`).
+    CustHarness,
+    tensor_wasm_mem_cust::CustBackend,
+    tensor_wasm_mem_cust::start(),
+    advise: "cuMemAdvise",
+    prefetch: "cuMemPrefetchAsync"
+);
+
+mod with_cust {
+    tensor_wasm_mem_tests::conformance!(crate::CustHarness);
+}

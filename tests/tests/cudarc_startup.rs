@@ -72,6 +72,9 @@ fn child(scenario: &str) -> Option<String> {
             "--test-threads=1",
         ])
         .env(SCENARIO, scenario)
+        // `cargo test` puts the cust backend's fallback libcuda.so.1 on the loader path; a
+        // child staging a start-up failure must not find it.
+        .env_remove("LD_LIBRARY_PATH")
         .output()
         .expect("run the child");
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();

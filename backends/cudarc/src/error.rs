@@ -1,7 +1,7 @@
 //! The cudarc backend's error.
 
 use cudarc::driver::sys::CUresult;
-use tensor_wasm_mem_core::{BackendError, DeviceId, ErrorKind, Refusal};
+use tensor_wasm_mem_core::{BackendError, DeviceId, ErrorKind, Refusal, cuda_result_kind};
 
 /// A driver call that failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -17,16 +17,7 @@ impl DriverError {
     /// The kind of this error.
     #[must_use]
     pub fn kind(&self) -> ErrorKind {
-        match self.result {
-            CUresult::CUDA_ERROR_OUT_OF_MEMORY => ErrorKind::OutOfMemory,
-            CUresult::CUDA_ERROR_INVALID_VALUE
-            | CUresult::CUDA_ERROR_INVALID_DEVICE
-            | CUresult::CUDA_ERROR_INVALID_HANDLE
-            | CUresult::CUDA_ERROR_INVALID_CONTEXT => ErrorKind::InvalidArgument,
-            CUresult::CUDA_ERROR_NOT_SUPPORTED => ErrorKind::Unsupported,
-            CUresult::CUDA_ERROR_NO_DEVICE => ErrorKind::NoDevice,
-            _ => ErrorKind::Driver,
-        }
+        cuda_result_kind(self.result as u32)
     }
 }
 

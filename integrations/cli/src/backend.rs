@@ -1,22 +1,57 @@
 //! The backends this build of `twm` can use, chosen with `--backend`.
+//!
+//! Without `--backend`, the first compiled in of `cudarc`, `cust`, `mock`, `cuda-oxide` (see
+//! the table in docs/BACKENDS.md).
 
 use std::fmt;
 
 /// A backend compiled into this `twm`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendKind {
-    /// The simulated device in host memory (always available).
+    /// Real GPUs through cudarc (the system's libcuda, loaded at run time).
+    #[cfg(feature = "cudarc")]
+    Cudarc,
+    /// Real GPUs through cust (libcuda linked at link time).
+    #[cfg(feature = "cust")]
+    Cust,
+    /// The simulated device in host memory.
+    #[cfg(feature = "mock")]
     Mock,
+    /// The reserved cuda-oxide slot (every operation answers NotYetWired).
+    #[cfg(feature = "cuda-oxide")]
+    #[value(name = "cuda-oxide")]
+    CudaOxide,
 }
 
 impl BackendKind {
-    /// The default backend of this build.
-    pub const DEFAULT: Self = Self::Mock;
+    /// The default backend of this build: the first compiled in of cudarc, cust, mock,
+    /// cuda-oxide.
+    pub const DEFAULT: Self = {
+        #[cfg(feature = "cudarc")]
+        let default = Self::Cudarc;
+        #[cfg(all(feature = "cust", not(feature = "cudarc")))]
+        let default = Self::Cust;
+        #[cfg(all(feature = "mock", not(any(feature = "cudarc", feature = "cust"))))]
+        let default = Self::Mock;
+        #[cfg(all(
+            feature = "cuda-oxide",
+            not(any(feature = "cudarc", feature = "cust", feature = "mock"))
+        ))]
+        let default = Self::CudaOxide;
+        default
+    };
 
     /// The stable name.
     pub const fn name(self) -> &'static str {
         match self {
+            #[cfg(feature = "cudarc")]
+            Self::Cudarc => "cudarc",
+            #[cfg(feature = "cust")]
+            Self::Cust => "cust",
+            #[cfg(feature = "mock")]
             Self::Mock => "mock",
+            #[cfg(feature = "cuda-oxide")]
+            Self::CudaOxide => "cuda-oxide",
         }
     }
 }
@@ -27,14 +62,79 @@ impl fmt::Display for BackendKind {
     }
 }
 
-/// Calls `$body` with `$b` bound to an `Arc` of the chosen backend, or returns an error that says
-/// why the backend could not start.
+/// What a backend says about its driver, for `twm probe`.
+pub trait DescribeDriver {
+    /// One line: which driver, which devices.
+    fn driver(&self) -> String;
+}
+
+impl DescribeDriver for tensor_wasm_mem_mock::MockBackend {
+    fn driver(&self) -> String {
+        "simulated device in host memory (no driver)".into()
+    }
+}
+
+#[cfg(feature = "cudarc")]
+impl DescribeDriver for tensor_wasm_mem_cudarc::CudarcBackend {
+    fn driver(&self) -> String {
+        let d = self.driver();
+        let names: Vec<_> = d.devices().map(|i| i.name.clone()).collect();
+        format!("CUDA driver {} ({})", d.driver_version(), names.join(", "))
+    }
+}
+
+#[cfg(feature = "cust")]
+impl DescribeDriver for tensor_wasm_mem_cust::CustBackend {
+    fn driver(&self) -> String {
+        let d = self.driver();
+        let names: Vec<_> = d.devices().map(|i| i.name.clone()).collect();
+        format!("CUDA driver {} ({})", d.driver_version(), names.join(", "))
+    }
+}
+
+#[cfg(feature = "cuda-oxide")]
+impl DescribeDriver for tensor_wasm_mem_cuda_oxide::CudaOxideBackend {
+    fn driver(&self) -> String {
+        "reserved slot: not wired to any driver".into()
+    }
+}
+
+/// Calls `$body` with `$b` bound to an `Arc` of the chosen backend (the body returns
+/// `Result<_, Failure>`), or returns the failure that says why the backend did not start.
 #[macro_export]
 macro_rules! with_backend {
     ($kind:expr, |$b:ident| $body:expr) => {
         match $kind {
+            #[cfg(feature = "cudarc")]
+            $crate::backend::BackendKind::Cudarc => {
+                match tensor_wasm_mem_cudarc::start(&tensor_wasm_mem_cudarc::DriverSource::System) {
+                    Ok(backend) => {
+                        let $b = std::sync::Arc::new(backend);
+                        $body
+                    }
+                    Err(e) => Err($crate::run::Failure::Other(format!(
+                        "the cudarc backend did not start: {e}"
+                    ))),
+                }
+            }
+            #[cfg(feature = "cust")]
+            $crate::backend::BackendKind::Cust => match tensor_wasm_mem_cust::start() {
+                Ok(backend) => {
+                    let $b = std::sync::Arc::new(backend);
+                    $body
+                }
+                Err(e) => Err($crate::run::Failure::Other(format!(
+                    "the cust backend did not start: {e}"
+                ))),
+            },
+            #[cfg(feature = "mock")]
             $crate::backend::BackendKind::Mock => {
                 let $b = std::sync::Arc::new(tensor_wasm_mem_mock::MockBackend::default());
+                $body
+            }
+            #[cfg(feature = "cuda-oxide")]
+            $crate::backend::BackendKind::CudaOxide => {
+                let $b = std::sync::Arc::new(tensor_wasm_mem_cuda_oxide::CudaOxideBackend::new());
                 $body
             }
         }

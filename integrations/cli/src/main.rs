@@ -47,7 +47,12 @@ fn main() -> ExitCode {
         Command::Demo(args) => with_backend!(args.backend, |b| demo::demo(b)),
         Command::Run(args) => with_backend!(args.backend, |b| run::run(b, args)),
         Command::Probe(args) => with_backend!(args.backend, |b| {
-            probe::probe(args.backend, &*b, "simulated (host memory)", args.json);
+            probe::probe(
+                args.backend,
+                &*b,
+                &backend::DescribeDriver::driver(&*b),
+                args.json,
+            );
             Ok::<(), Failure>(())
         }),
         Command::Bench(args) => bench::bench(args),

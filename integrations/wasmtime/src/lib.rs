@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+pub mod backends;
 mod config;
 mod error;
 mod guarded;
@@ -10,6 +11,7 @@ mod tenancy;
 
 use tensor_wasm_mem_core::{Advisor, ManagedAllocator, StreamProvider};
 
+pub use backends::{DefaultBackend, default_backend};
 pub use config::{BoundsStrategy, GUARDED_GUARD, GUARDED_RESERVATION, configure, engine_config};
 pub use error::TwmError;
 pub use guarded::{GUARDED_CAPABILITIES, GuardedHostCreator, GuardedHostMemory};
@@ -35,6 +37,10 @@ pub use wasmtime;
 
 /// Everything a backend must implement to back Wasm memories: the three core traits, on one
 /// thread-safe type. Implemented for every such type.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a tensor-wasm-mem backend",
+    note = "if this is `NoDefaultBackend`, several backend features are on and there is no default: name the backend's type"
+)]
 pub trait Backend:
     ManagedAllocator + Advisor + StreamProvider + std::fmt::Debug + Send + Sync + 'static
 {

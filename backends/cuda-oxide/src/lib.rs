@@ -1,0 +1,107 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+use tensor_wasm_mem_core::{
+    Advice, Advisor, Allocation, BackendError, Capabilities, DeviceId, ErrorKind, ErrorType,
+    IsolationLevel, Location, ManagedAllocator, Operation, Stream, StreamProvider, TenantId,
+};
+
+/// The only error of the reserved slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum OxideError {
+    /// The cuda-oxide backend is a reserved slot: nothing is wired to a driver yet.
+    #[error(
+        "the cuda-oxide backend is a reserved slot and is not wired to a driver yet: cannot \
+         {operation} (use the cudarc or cust backend)"
+    )]
+    NotYetWired {
+        /// The operation asked for.
+        operation: Operation,
+    },
+}
+
+impl BackendError for OxideError {
+    fn kind(&self) -> ErrorKind {
+        ErrorKind::NotYetWired
+    }
+}
+
+fn not_yet(operation: Operation) -> OxideError {
+    OxideError::NotYetWired { operation }
+}
+
+/// The reserved cuda-oxide slot: every operation answers [`OxideError::NotYetWired`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CudaOxideBackend {
+    _private: (),
+}
+
+impl CudaOxideBackend {
+    /// The slot.
+    #[must_use]
+    pub const fn new() -> Self {
+        Self { _private: () }
+    }
+}
+
+impl ErrorType for CudaOxideBackend {
+    type Error = OxideError;
+}
+
+// SAFETY: `allocate` never returns an allocation, `zero` never writes, and the capabilities claim
+// nothing, so no guarantee of the contract can be broken.
+unsafe impl ManagedAllocator for CudaOxideBackend {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::NONE
+    }
+
+    fn device_count(&self) -> u32 {
+        0
+    }
+
+    fn allocate(&self, _device: DeviceId, _bytes: usize) -> Result<Allocation, OxideError> {
+        Err(not_yet(Operation::Allocate))
+    }
+
+    unsafe fn free(&self, _allocation: Allocation) -> Result<(), OxideError> {
+        // Nothing can have come from `allocate`; the handle is dropped untouched.
+        Err(not_yet(Operation::Free))
+    }
+
+    unsafe fn zero(&self, _: &Allocation, _: usize, _: usize) -> Result<(), OxideError> {
+        Err(not_yet(Operation::Zero))
+    }
+}
+
+impl Advisor for CudaOxideBackend {
+    fn advise(&self, _: &Allocation, _: usize, _: usize, _: Advice) -> Result<(), OxideError> {
+        Err(not_yet(Operation::Advise))
+    }
+
+    fn prefetch(
+        &self,
+        _: &Allocation,
+        _: usize,
+        _: usize,
+        _: Location,
+        _: &Stream,
+    ) -> Result<(), OxideError> {
+        Err(not_yet(Operation::Prefetch))
+    }
+}
+
+impl StreamProvider for CudaOxideBackend {
+    fn acquire_stream(&self, _: TenantId, _: IsolationLevel) -> Result<Stream, OxideError> {
+        Err(not_yet(Operation::AcquireStream))
+    }
+
+    fn release_stream(&self, _: Stream) -> Result<(), OxideError> {
+        Err(not_yet(Operation::ReleaseStream))
+    }
+
+    fn synchronize(&self, _: &Stream) -> Result<(), OxideError> {
+        Err(not_yet(Operation::Synchronize))
+    }
+}
