@@ -12,6 +12,8 @@
 //!   primary context when stream-isolated, a context per tenant when context-isolated, destroyed
 //!   with its last stream), and stream handles it did not hand out refused;
 //! - empty ranges accepted without a driver call;
+//! - device memory pools ([`DevicePools`]) on the driver's optional pool calls (drivers without
+//!   them answer `Unsupported`), with their allocations tracked;
 //! - counters, and everything still alive at drop given back to the driver.
 
 use core::fmt;
@@ -24,6 +26,7 @@ use crate::device::{Advice, Capabilities, DeviceId, Location};
 use crate::error::{BackendError, ErrorKind, ErrorType, RangeError};
 use crate::isolation::IsolationLevel;
 use crate::ledger::TenantId;
+use crate::pools::{DevicePoolConfig, DevicePoolStats, DevicePools, PoolAllocation, PoolHandle};
 use crate::stream::{DEFAULT_STREAM, Stream, StreamProvider};
 
 /// What [`DriverBackend`] refuses before calling the driver.
@@ -56,6 +59,15 @@ pub enum Refusal {
         /// The raw handle.
         raw: u64,
     },
+    /// The driver (or its binding) has no stream-ordered memory pools.
+    #[error("this backend has no device memory pools")]
+    NoDevicePools,
+    /// A pool this backend did not make (or destroyed), or an allocation not from it.
+    #[error("unknown pool {raw:#x} (or an allocation not from it)")]
+    UnknownPool {
+        /// The raw handle.
+        raw: u64,
+    },
     /// The device cannot do this.
     #[error("{device} does not support {what}")]
     Unsupported {
@@ -72,8 +84,9 @@ impl Refusal {
     pub const fn kind(&self) -> ErrorKind {
         match self {
             Self::Range(e) => e.kind(),
-            Self::Unsupported { .. } => ErrorKind::Unsupported,
-            Self::ZeroSize
+            Self::Unsupported { .. } | Self::NoDevicePools => ErrorKind::Unsupported,
+            Self::UnknownPool { .. }
+            | Self::ZeroSize
             | Self::InvalidDevice { .. }
             | Self::UnknownAllocation { .. }
             | Self::UnknownStream { .. } => ErrorKind::InvalidArgument,
@@ -175,6 +188,49 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
 
     /// Destroys a context made by `context_create`.
     fn context_destroy(&self, context: u64) -> Result<(), Self::Error>;
+
+    /// Creates a stream-ordered memory pool on `device` (`max_bytes` 0: no driver maximum), with
+    /// `device`'s primary context current. Drivers without pools keep this default.
+    fn pool_create(
+        &self,
+        device: DeviceId,
+        max_bytes: u64,
+        release_threshold: u64,
+    ) -> Result<u64, Self::Error> {
+        let _ = (device, max_bytes, release_threshold);
+        Err(Refusal::NoDevicePools.into())
+    }
+
+    /// Destroys a pool with nothing allocated from it.
+    fn pool_destroy(&self, pool: u64) -> Result<(), Self::Error> {
+        let _ = pool;
+        Err(Refusal::NoDevicePools.into())
+    }
+
+    /// Allocates `bytes` from `pool` on `stream` (with the stream's context current) and
+    /// zero-fills them in stream order.
+    fn pool_alloc(&self, pool: u64, bytes: usize, stream: u64) -> Result<u64, Self::Error> {
+        let _ = (pool, bytes, stream);
+        Err(Refusal::NoDevicePools.into())
+    }
+
+    /// Frees a pool allocation on `stream` (with the stream's context current).
+    fn pool_free(&self, ptr: u64, stream: u64) -> Result<(), Self::Error> {
+        let _ = (ptr, stream);
+        Err(Refusal::NoDevicePools.into())
+    }
+
+    /// Gives the pool's freed memory back until it holds at most `keep_bytes`.
+    fn pool_trim(&self, pool: u64, keep_bytes: u64) -> Result<(), Self::Error> {
+        let _ = (pool, keep_bytes);
+        Err(Refusal::NoDevicePools.into())
+    }
+
+    /// Bytes the driver holds for the pool.
+    fn pool_reserved(&self, pool: u64) -> Result<u64, Self::Error> {
+        let _ = pool;
+        Err(Refusal::NoDevicePools.into())
+    }
 }
 
 /// Counters of a [`DriverBackend`].
@@ -188,8 +244,23 @@ pub struct DriverStats {
     pub live_streams: u64,
     /// Per-tenant contexts alive.
     pub live_contexts: u64,
-    /// Allocations, streams and contexts still alive when the backend dropped (then given back).
+    /// Device memory pools alive.
+    pub live_pools: u64,
+    /// Pool allocations alive.
+    pub live_pool_allocations: u64,
+    /// Allocations, streams, contexts and pools still alive when the backend dropped (then
+    /// given back).
     pub leaked_at_drop: u64,
+}
+
+#[derive(Debug, Default)]
+struct PoolRecord {
+    device: DeviceId,
+    tenant: TenantId,
+    /// device pointer -> length
+    live: HashMap<u64, usize>,
+    live_bytes: u64,
+    peak_bytes: u64,
 }
 
 #[derive(Debug)]
@@ -206,6 +277,7 @@ struct State {
     streams: HashMap<u64, StreamRecord>,
     /// tenant -> (context, live streams in it)
     contexts: HashMap<TenantId, (u64, u64)>,
+    pools: HashMap<u64, PoolRecord>,
     stats: DriverStats,
 }
 
@@ -542,11 +614,151 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
     }
 }
 
+impl<D: DriverApi> DriverBackend<D> {
+    /// The record of a pool handle of ours (device and tenant must match too).
+    fn check_pool(&self, pool: &PoolHandle) -> Result<(), Refusal> {
+        match self.state.lock().pools.get(&pool.raw()) {
+            Some(r) if r.device == pool.device() && r.tenant == pool.tenant() => Ok(()),
+            _ => Err(Refusal::UnknownPool { raw: pool.raw() }),
+        }
+    }
+}
+
+impl<D: DriverApi> DevicePools for DriverBackend<D> {
+    fn create_pool(
+        &self,
+        tenant: TenantId,
+        device: DeviceId,
+        config: &DevicePoolConfig,
+    ) -> Result<PoolHandle, D::Error> {
+        self.check_device(device)?;
+        self.driver
+            .set_current(self.driver.primary_context(device))?;
+        let raw = self
+            .driver
+            .pool_create(device, config.max_bytes, config.release_threshold)?;
+        let mut state = self.state.lock();
+        state.pools.insert(
+            raw,
+            PoolRecord {
+                device,
+                tenant,
+                ..PoolRecord::default()
+            },
+        );
+        state.stats.live_pools += 1;
+        Ok(PoolHandle::new(raw, device, tenant))
+    }
+
+    fn pool_allocate(
+        &self,
+        pool: &PoolHandle,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Result<PoolAllocation, D::Error> {
+        if bytes == 0 {
+            return Err(Refusal::ZeroSize.into());
+        }
+        self.check_pool(pool)?;
+        let context = self.stream_context(stream)?;
+        self.driver.set_current(context)?;
+        let ptr = self.driver.pool_alloc(pool.raw(), bytes, stream.raw())?;
+        let mut state = self.state.lock();
+        if let Some(r) = state.pools.get_mut(&pool.raw()) {
+            r.live.insert(ptr, bytes);
+            r.live_bytes += bytes as u64;
+            r.peak_bytes = r.peak_bytes.max(r.live_bytes);
+        }
+        state.stats.live_pool_allocations += 1;
+        Ok(PoolAllocation::new(ptr, bytes))
+    }
+
+    fn pool_free(
+        &self,
+        pool: &PoolHandle,
+        allocation: PoolAllocation,
+        stream: &Stream,
+    ) -> Result<(), D::Error> {
+        self.check_pool(pool)?;
+        let known = self
+            .state
+            .lock()
+            .pools
+            .get(&pool.raw())
+            .is_some_and(|r| r.live.get(&allocation.device_ptr()) == Some(&allocation.len()));
+        if !known {
+            return Err(Refusal::UnknownPool { raw: pool.raw() }.into());
+        }
+        let context = self.stream_context(stream)?;
+        self.driver.set_current(context)?;
+        self.driver
+            .pool_free(allocation.device_ptr(), stream.raw())?;
+        let mut state = self.state.lock();
+        if let Some(r) = state.pools.get_mut(&pool.raw())
+            && let Some(len) = r.live.remove(&allocation.device_ptr())
+        {
+            r.live_bytes -= len as u64;
+            state.stats.live_pool_allocations -= 1;
+        }
+        Ok(())
+    }
+
+    fn trim_pool(&self, pool: &PoolHandle, keep_bytes: u64) -> Result<(), D::Error> {
+        self.check_pool(pool)?;
+        self.driver
+            .set_current(self.driver.primary_context(pool.device()))?;
+        self.driver.pool_trim(pool.raw(), keep_bytes)
+    }
+
+    fn pool_stats(&self, pool: &PoolHandle) -> Result<DevicePoolStats, D::Error> {
+        self.check_pool(pool)?;
+        self.driver
+            .set_current(self.driver.primary_context(pool.device()))?;
+        let reserved = self.driver.pool_reserved(pool.raw())?;
+        let state = self.state.lock();
+        let r = state
+            .pools
+            .get(&pool.raw())
+            .ok_or(Refusal::UnknownPool { raw: pool.raw() })?;
+        Ok(DevicePoolStats {
+            live_bytes: r.live_bytes,
+            peak_bytes: r.peak_bytes,
+            reserved_bytes: reserved,
+            live_allocations: r.live.len() as u64,
+        })
+    }
+
+    fn destroy_pool(&self, pool: PoolHandle) -> Result<(), D::Error> {
+        self.check_pool(&pool)?;
+        let Some(record) = self.state.lock().pools.remove(&pool.raw()) else {
+            return Err(Refusal::UnknownPool { raw: pool.raw() }.into());
+        };
+        self.driver
+            .set_current(self.driver.primary_context(record.device))?;
+        for &ptr in record.live.keys() {
+            let _ = self.driver.pool_free(ptr, DEFAULT_STREAM);
+        }
+        let mut state = self.state.lock();
+        state.stats.live_pools -= 1;
+        state.stats.live_pool_allocations -= record.live.len() as u64;
+        drop(state);
+        self.driver.pool_destroy(pool.raw())
+    }
+}
+
 impl<D: DriverApi> Drop for DriverBackend<D> {
     fn drop(&mut self) {
         let driver = &self.driver;
         let state = self.state.get_mut();
         let mut leaked = 0;
+        for (raw, record) in state.pools.drain() {
+            let _ = driver.set_current(driver.primary_context(record.device));
+            for &ptr in record.live.keys() {
+                let _ = driver.pool_free(ptr, DEFAULT_STREAM);
+            }
+            let _ = driver.pool_destroy(raw);
+            leaked += 1;
+        }
         for (raw, record) in state.streams.drain() {
             let _ = driver.set_current(record.context);
             let _ = driver.stream_destroy(raw);

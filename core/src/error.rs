@@ -131,6 +131,18 @@ pub enum Operation {
     ReleaseStream,
     /// `StreamProvider::synchronize`.
     Synchronize,
+    /// `DevicePools::create_pool`.
+    CreatePool,
+    /// `DevicePools::pool_allocate`.
+    PoolAllocate,
+    /// `DevicePools::pool_free`.
+    PoolFree,
+    /// `DevicePools::trim_pool`.
+    TrimPool,
+    /// `DevicePools::destroy_pool`.
+    DestroyPool,
+    /// `DevicePools::pool_stats`.
+    PoolStats,
 }
 
 impl Operation {
@@ -146,6 +158,12 @@ impl Operation {
             Self::AcquireStream => "acquire_stream",
             Self::ReleaseStream => "release_stream",
             Self::Synchronize => "synchronize",
+            Self::CreatePool => "create_pool",
+            Self::PoolAllocate => "pool_allocate",
+            Self::PoolFree => "pool_free",
+            Self::TrimPool => "trim_pool",
+            Self::DestroyPool => "destroy_pool",
+            Self::PoolStats => "pool_stats",
         }
     }
 }

@@ -51,6 +51,17 @@ impl Denied {
     }
 }
 
+/// What a reservation pays for. Every purpose counts against the one cap; the figures are kept
+/// apart for reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Purpose {
+    /// Wasm linear memory.
+    #[default]
+    LinearMemory,
+    /// Device-only buffers from the tenant's device memory pools.
+    DevicePool,
+}
+
 /// A snapshot of a tenant's ledger.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LedgerStats {
@@ -66,6 +77,8 @@ pub struct LedgerStats {
     pub granted: u64,
     /// Requests ever denied.
     pub denials: u64,
+    /// Of `live_bytes`, the bytes held in device memory pools.
+    pub device_pool_bytes: u64,
 }
 
 /// A tenant: an identity, a hard byte cap, an isolation level, and the ledger that enforces the
@@ -82,6 +95,7 @@ pub struct TenantContext {
     live_reservations: AtomicU64,
     granted: AtomicU64,
     denials: AtomicU64,
+    device_pool: AtomicU64,
 }
 
 impl TenantContext {
@@ -97,6 +111,7 @@ impl TenantContext {
             live_reservations: AtomicU64::new(0),
             granted: AtomicU64::new(0),
             denials: AtomicU64::new(0),
+            device_pool: AtomicU64::new(0),
         }
     }
 
@@ -134,11 +149,19 @@ impl TenantContext {
             live_reservations: self.live_reservations.load(Ordering::Acquire),
             granted: self.granted.load(Ordering::Relaxed),
             denials: self.denials.load(Ordering::Relaxed),
+            device_pool_bytes: self.device_pool.load(Ordering::Acquire),
+        }
+    }
+
+    fn purpose_counter(&self, purpose: Purpose) -> Option<&AtomicU64> {
+        match purpose {
+            Purpose::LinearMemory => None,
+            Purpose::DevicePool => Some(&self.device_pool),
         }
     }
 
     /// Adds `bytes` to the live total if that keeps it within the cap.
-    fn charge(&self, bytes: u64) -> Result<(), Denied> {
+    fn charge(&self, bytes: u64, purpose: Purpose) -> Result<(), Denied> {
         let cap = self.cap;
         match self
             .live
@@ -148,6 +171,9 @@ impl TenantContext {
             Ok(before) => {
                 // `before + bytes` was checked in the closure.
                 self.peak.fetch_max(before + bytes, Ordering::AcqRel);
+                if let Some(counter) = self.purpose_counter(purpose) {
+                    counter.fetch_add(bytes, Ordering::AcqRel);
+                }
                 self.granted.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
@@ -163,19 +189,32 @@ impl TenantContext {
         }
     }
 
-    fn uncharge(&self, bytes: u64) {
+    fn uncharge(&self, bytes: u64, purpose: Purpose) {
+        if let Some(counter) = self.purpose_counter(purpose) {
+            counter.fetch_sub(bytes, Ordering::AcqRel);
+        }
         let before = self.live.fetch_sub(bytes, Ordering::AcqRel);
         debug_assert!(before >= bytes, "ledger underflow");
     }
 
-    /// Reserves `bytes` against the cap, or says no. The bytes come back when the
-    /// [`Reservation`] drops.
+    /// Reserves `bytes` of linear memory against the cap, or says no. The bytes come back when
+    /// the [`Reservation`] drops.
     pub fn try_reserve(self: &Arc<Self>, bytes: u64) -> Result<Reservation, Denied> {
-        self.charge(bytes)?;
+        self.try_reserve_for(bytes, Purpose::LinearMemory)
+    }
+
+    /// Reserves `bytes` for `purpose` against the same cap.
+    pub fn try_reserve_for(
+        self: &Arc<Self>,
+        bytes: u64,
+        purpose: Purpose,
+    ) -> Result<Reservation, Denied> {
+        self.charge(bytes, purpose)?;
         self.live_reservations.fetch_add(1, Ordering::AcqRel);
         Ok(Reservation {
             tenant: Arc::clone(self),
             bytes,
+            purpose,
         })
     }
 }
@@ -186,6 +225,7 @@ impl TenantContext {
 pub struct Reservation {
     tenant: Arc<TenantContext>,
     bytes: u64,
+    purpose: Purpose,
 }
 
 impl Reservation {
@@ -193,6 +233,12 @@ impl Reservation {
     #[must_use]
     pub const fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// What it pays for.
+    #[must_use]
+    pub const fn purpose(&self) -> Purpose {
+        self.purpose
     }
 
     /// The tenant charged.
@@ -204,7 +250,7 @@ impl Reservation {
     /// Reserves `additional` more bytes into this reservation, or says no (and holds what it
     /// held).
     pub fn try_grow(&mut self, additional: u64) -> Result<(), Denied> {
-        self.tenant.charge(additional)?;
+        self.tenant.charge(additional, self.purpose)?;
         self.bytes += additional;
         Ok(())
     }
@@ -212,7 +258,7 @@ impl Reservation {
     /// Gives back all but `bytes` (no-op if it holds `bytes` or fewer).
     pub fn shrink_to(&mut self, bytes: u64) {
         if bytes < self.bytes {
-            self.tenant.uncharge(self.bytes - bytes);
+            self.tenant.uncharge(self.bytes - bytes, self.purpose);
             self.bytes = bytes;
         }
     }
@@ -220,7 +266,7 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.tenant.uncharge(self.bytes);
+        self.tenant.uncharge(self.bytes, self.purpose);
         self.tenant.live_reservations.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -301,6 +347,27 @@ mod tests {
         drop(r);
         assert_eq!(t.stats().live_bytes, 0);
         assert_eq!(t.stats().live_reservations, 0);
+    }
+
+    #[test]
+    fn purposes_share_one_cap_and_are_reported_apart() {
+        let t = tenant(100);
+        let memory = t.try_reserve(60).unwrap();
+        let mut pool = t.try_reserve_for(30, Purpose::DevicePool).unwrap();
+        assert_eq!(pool.purpose(), Purpose::DevicePool);
+        assert!(
+            t.try_reserve_for(11, Purpose::DevicePool).is_err(),
+            "one cap for both"
+        );
+        pool.try_grow(10).unwrap();
+        let s = t.stats();
+        assert_eq!((s.live_bytes, s.device_pool_bytes), (100, 40));
+        pool.shrink_to(5);
+        assert_eq!(t.stats().device_pool_bytes, 5);
+        drop(pool);
+        drop(memory);
+        let s = t.stats();
+        assert_eq!((s.live_bytes, s.device_pool_bytes), (0, 0));
     }
 
     #[test]

@@ -17,6 +17,7 @@ mod isolation;
 mod ledger;
 mod plan;
 mod pool;
+mod pools;
 mod stream;
 
 #[doc(hidden)]
@@ -31,10 +32,13 @@ pub use device::{Advice, Capabilities, DeviceId, Location, ParseNameError};
 pub use driver::{DeviceFacts, DriverApi, DriverBackend, DriverStats, Refusal, cuda_result_kind};
 pub use error::{BackendError, Error, ErrorKind, ErrorType, Operation, RangeError, check_range};
 pub use isolation::IsolationLevel;
-pub use ledger::{Denied, LedgerStats, Reservation, TenantContext, TenantId};
+pub use ledger::{Denied, LedgerStats, Purpose, Reservation, TenantContext, TenantId};
 pub use plan::{
     DEFAULT_MAX_BYTES, HARD_MAX_LINEAR_MEMORY_BYTES, MemoryPlan, MemoryType, PlanError, PlanLimits,
     WASM_PAGE_SIZE,
 };
 pub use pool::{ClassStats, PoolConfig, PoolError, PoolStats, SLOT_ALIGN, SizeClass, SlotPool};
+pub use pools::{
+    DevicePoolConfig, DevicePoolStats, DevicePools, PoolAllocation, PoolHandle, TenantDevicePool,
+};
 pub use stream::{DEFAULT_STREAM, Stream, StreamLease, StreamProvider};

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use tensor_wasm_mem_core::{Advisor, ManagedAllocator, Operation, StreamProvider};
+use tensor_wasm_mem_core::{Advisor, DevicePools, ManagedAllocator, Operation, StreamProvider};
 use tensor_wasm_mem_mock::{MockBackend, MockConfig};
 
 /// What the suite needs from a backend.
@@ -15,6 +15,7 @@ pub trait Harness: 'static {
     type Backend: ManagedAllocator
         + Advisor
         + StreamProvider
+        + DevicePools
         + std::fmt::Debug
         + Send
         + Sync
@@ -36,6 +37,22 @@ pub trait Harness: 'static {
     /// Per-tenant contexts alive now, if counted.
     fn live_contexts(_backend: &Self::Backend) -> Option<u64> {
         None
+    }
+
+    /// Device memory pools alive now, if counted.
+    fn live_pools(_backend: &Self::Backend) -> Option<u64> {
+        None
+    }
+
+    /// `true` when the backend has device memory pools (others must answer `Unsupported`).
+    fn has_device_pools(_backend: &Self::Backend) -> bool {
+        false
+    }
+
+    /// `true` when pool memory can be read from the host (a simulated device): the suite then
+    /// checks that pool allocations come zero-filled.
+    fn pool_memory_host_readable(_backend: &Self::Backend) -> bool {
+        false
     }
 
     /// Makes the `n`-th call of `op` from now fail; `false` if the backend cannot inject.
@@ -85,6 +102,15 @@ macro_rules! mock_harness {
             fn live_contexts(b: &MockBackend) -> Option<u64> {
                 Some(b.stats().live_contexts)
             }
+            fn live_pools(b: &MockBackend) -> Option<u64> {
+                Some(b.stats().live_pools)
+            }
+            fn has_device_pools(_: &MockBackend) -> bool {
+                true
+            }
+            fn pool_memory_host_readable(_: &MockBackend) -> bool {
+                true
+            }
             fn fail_nth(b: &MockBackend, op: Operation, n: u64) -> bool {
                 b.fail_nth(op, n);
                 true
@@ -132,7 +158,7 @@ pub fn fresh_driver() {
 /// uses it, so other test binaries do not need `libcuda.so.1` to load.
 #[macro_export]
 macro_rules! driver_harness {
-    ($(#[$doc:meta])* $name:ident, $backend:ty, $start:expr, advise: $advise:literal, prefetch: $prefetch:literal) => {
+    ($(#[$doc:meta])* $name:ident, $backend:ty, $start:expr, advise: $advise:literal, prefetch: $prefetch:literal, pools: $pools:expr) => {
         $(#[$doc])*
         #[derive(Debug)]
         pub struct $name;
@@ -171,6 +197,25 @@ macro_rules! driver_harness {
                 Some(ours)
             }
 
+            fn live_pools(b: &Self::Backend) -> Option<u64> {
+                let ours = b.stats().live_pools;
+                if let Some(sim) = $crate::sim::Sim::get() {
+                    let s = sim.stats();
+                    assert_eq!(s.live_pools, ours, "driver and backend disagree");
+                    assert_eq!(s.live_pool_allocations, b.stats().live_pool_allocations);
+                }
+                Some(ours)
+            }
+
+            fn has_device_pools(b: &Self::Backend) -> bool {
+                let pools: fn(&Self::Backend) -> bool = $pools;
+                pools(b)
+            }
+
+            fn pool_memory_host_readable(_: &Self::Backend) -> bool {
+                $crate::sim::Sim::get().is_some()
+            }
+
             fn fail_nth(_: &Self::Backend, op: $crate::core::Operation, n: u64) -> bool {
                 use $crate::core::Operation;
                 let entry = match op {
@@ -182,6 +227,9 @@ macro_rules! driver_harness {
                     Operation::AcquireStream => "cuStreamCreate",
                     Operation::ReleaseStream => "cuStreamDestroy_v2",
                     Operation::Synchronize => "cuStreamSynchronize",
+                    Operation::CreatePool => "cuMemPoolCreate",
+                    Operation::PoolAllocate => "cuMemAllocFromPoolAsync",
+                    Operation::PoolFree => "cuMemFreeAsync",
                     _ => return false,
                 };
                 let Some(sim) = $crate::sim::Sim::get() else {
@@ -222,5 +270,6 @@ driver_harness!(
         crate::sim::SIM_PATH.into()
     )),
     advise: "cuMemAdvise_v2",
-    prefetch: "cuMemPrefetchAsync_v2"
+    prefetch: "cuMemPrefetchAsync_v2",
+    pools: |b| b.driver().has_pools()
 );

@@ -60,6 +60,14 @@ macro_rules! conformance {
         #[case::injected_stream_failure_rolls_back($crate::suite::injected_stream_failure_rolls_back::<$harness>)]
         #[case::injected_free_failure_is_reported($crate::suite::injected_free_failure_is_reported::<$harness>)]
         #[case::failures_at_every_step_leave_nothing($crate::suite::failures_at_every_step_leave_nothing::<$harness>)]
+        #[case::device_pool_cap_is_the_tenant_cap($crate::suite::device_pool_cap_is_the_tenant_cap::<$harness>)]
+        #[case::device_pool_shares_the_cap_with_linear_memory($crate::suite::device_pool_shares_the_cap_with_linear_memory::<$harness>)]
+        #[case::device_pool_tenants_do_not_share_a_ceiling($crate::suite::device_pool_tenants_do_not_share_a_ceiling::<$harness>)]
+        #[case::device_pool_failed_allocation_leaves_no_charge($crate::suite::device_pool_failed_allocation_leaves_no_charge::<$harness>)]
+        #[case::device_pool_drop_frees_everything($crate::suite::device_pool_drop_frees_everything::<$harness>)]
+        #[case::device_pool_memory_comes_zeroed($crate::suite::device_pool_memory_comes_zeroed::<$harness>)]
+        #[case::device_pool_driver_maximum_is_a_second_line($crate::suite::device_pool_driver_maximum_is_a_second_line::<$harness>)]
+        #[case::device_pool_trim_gives_memory_back($crate::suite::device_pool_trim_gives_memory_back::<$harness>)]
         fn conformance(#[case] case: fn()) {
             case();
         }

@@ -6,9 +6,10 @@
 use std::sync::Arc;
 
 use tensor_wasm_mem_core::{
-    Advice, Advisor, Allocation, BackendError, DeviceId, Error, ErrorKind, IsolationLevel,
-    Location, MIN_ALIGN, ManagedAllocator, Operation, PoolConfig, PoolError, SizeClass, SlotPool,
-    Stream, StreamLease, StreamProvider, TenantContext, TenantId, UnifiedBuffer,
+    Advice, Advisor, Allocation, BackendError, DeviceId, DevicePoolConfig, Error, ErrorKind,
+    IsolationLevel, Location, MIN_ALIGN, ManagedAllocator, Operation, PoolAllocation, PoolConfig,
+    PoolError, SizeClass, SlotPool, Stream, StreamLease, StreamProvider, TenantContext,
+    TenantDevicePool, TenantId, UnifiedBuffer,
 };
 
 use crate::Harness;
@@ -48,6 +49,9 @@ fn assert_no_leaks<H: Harness>(backend: &H::Backend) {
     }
     if let Some(live) = H::live_contexts(backend) {
         assert_eq!(live, 0, "contexts leaked");
+    }
+    if let Some(live) = H::live_pools(backend) {
+        assert_eq!(live, 0, "device pools leaked");
     }
 }
 
@@ -912,4 +916,274 @@ pub fn failures_at_every_step_leave_nothing<H: Harness>() {
         failed_runs >= ops.len(),
         "injection must actually fail runs"
     );
+}
+
+/// A tenant's device pool for the pool cases, or `None` (after checking the backend answers
+/// `Unsupported`) when the backend has no pools.
+fn device_pool<H: Harness>(
+    b: &Arc<H::Backend>,
+    tenant: &Arc<TenantContext>,
+    config: &DevicePoolConfig,
+) -> Option<TenantDevicePool<Arc<H::Backend>>> {
+    let made = TenantDevicePool::new(Arc::clone(b), Arc::clone(tenant), D0, config);
+    if H::has_device_pools(b) {
+        Some(made.expect("device pool"))
+    } else {
+        let err = made.expect_err("a backend without pools must refuse");
+        assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+        None
+    }
+}
+
+fn shared(tenant: &TenantContext) -> Stream {
+    Stream::new(
+        tensor_wasm_mem_core::DEFAULT_STREAM,
+        0,
+        IsolationLevel::Shared,
+        tenant.id(),
+    )
+}
+
+/// The tenant's cap is the pool's ceiling: allocate to it, one byte more is denied (the driver
+/// is not asked), free, allocate again.
+pub fn device_pool_cap_is_the_tenant_cap<H: Harness>() {
+    let b = H::backend();
+    let t = tenant(1, 4 * PAGE as u64);
+    let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
+        return skipped(
+            "device_pool_cap_is_the_tenant_cap",
+            "no device pools (Unsupported)",
+        );
+    };
+    let s = shared(&t);
+    let a = pool.allocate(3 * PAGE, &s).expect("under the cap");
+    let c = pool.allocate(PAGE, &s).expect("up to the cap");
+    assert_eq!(t.stats().device_pool_bytes, 4 * PAGE as u64);
+    let err = pool.allocate(1, &s).expect_err("one byte past the cap");
+    assert!(matches!(err, Error::Denied(_)), "{err}");
+    assert!(err.kind().is_denial());
+    assert_eq!(
+        pool.stats().expect("stats").live_bytes,
+        4 * PAGE as u64,
+        "nothing allocated"
+    );
+    pool.free(c, &s).expect("free");
+    let d = pool.allocate(PAGE, &s).expect("usable after a denial");
+    pool.free(a, &s).expect("free");
+    pool.free(d, &s).expect("free");
+    assert_eq!(t.stats().live_bytes, 0);
+    drop(pool);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Linear memory and pool memory share the one cap.
+pub fn device_pool_shares_the_cap_with_linear_memory<H: Harness>() {
+    let b = H::backend();
+    let t = tenant(1, 4 * PAGE as u64);
+    let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
+        return skipped(
+            "device_pool_shares_the_cap_with_linear_memory",
+            "no device pools",
+        );
+    };
+    let memory = t
+        .try_reserve(3 * PAGE as u64)
+        .expect("linear memory charge");
+    let s = shared(&t);
+    let a = pool.allocate(PAGE, &s).expect("the rest of the cap");
+    assert!(matches!(pool.allocate(1, &s), Err(Error::Denied(_))));
+    drop(memory);
+    let c = pool
+        .allocate(3 * PAGE, &s)
+        .expect("freed linear memory is pool headroom");
+    pool.free(a, &s).expect("free");
+    pool.free(c, &s).expect("free");
+    drop(pool);
+    assert_eq!(t.stats().live_bytes, 0);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Two tenants' pools have two ceilings.
+pub fn device_pool_tenants_do_not_share_a_ceiling<H: Harness>() {
+    let b = H::backend();
+    let (alice, bob) = (tenant(1, 2 * PAGE as u64), tenant(2, 3 * PAGE as u64));
+    let Some(pa) = device_pool::<H>(&b, &alice, &DevicePoolConfig::default()) else {
+        return skipped(
+            "device_pool_tenants_do_not_share_a_ceiling",
+            "no device pools",
+        );
+    };
+    let pb = device_pool::<H>(&b, &bob, &DevicePoolConfig::default()).expect("pools");
+    let (sa, sb) = (shared(&alice), shared(&bob));
+    let a = pa.allocate(2 * PAGE, &sa).expect("alice to her cap");
+    assert!(matches!(pa.allocate(1, &sa), Err(Error::Denied(_))));
+    let c = pb
+        .allocate(3 * PAGE, &sb)
+        .expect("bob is not affected by alice's cap");
+    assert!(matches!(pb.allocate(1, &sb), Err(Error::Denied(_))));
+    assert_eq!(alice.stats().live_bytes, 2 * PAGE as u64);
+    assert_eq!(bob.stats().live_bytes, 3 * PAGE as u64);
+    pa.free(a, &sa).expect("free");
+    assert_eq!(bob.stats().live_bytes, 3 * PAGE as u64);
+    pb.free(c, &sb).expect("free");
+    drop((pa, pb));
+    assert_no_leaks::<H>(&b);
+}
+
+/// A failing driver allocation leaves no ledger charge, and the pool stays usable.
+pub fn device_pool_failed_allocation_leaves_no_charge<H: Harness>() {
+    let b = H::backend();
+    let t = tenant(1, 8 * PAGE as u64);
+    let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
+        return skipped(
+            "device_pool_failed_allocation_leaves_no_charge",
+            "no device pools",
+        );
+    };
+    if !H::fail_nth(&b, Operation::PoolAllocate, 1) {
+        drop(pool);
+        return skipped(
+            "device_pool_failed_allocation_leaves_no_charge",
+            "no fault injection",
+        );
+    }
+    let s = shared(&t);
+    let err = pool.allocate(PAGE, &s).expect_err("injected");
+    assert!(
+        matches!(
+            err,
+            Error::Backend {
+                op: Operation::PoolAllocate,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(!err.kind().is_denial());
+    assert_eq!(t.stats().live_bytes, 0, "no ledger charge left");
+    let a = pool.allocate(PAGE, &s).expect("usable again");
+    pool.free(a, &s).expect("free");
+    drop(pool);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Dropping a pool with live allocations frees them and gives every byte back.
+pub fn device_pool_drop_frees_everything<H: Harness>() {
+    let b = H::backend();
+    let t = tenant(1, 16 * PAGE as u64);
+    let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
+        return skipped("device_pool_drop_frees_everything", "no device pools");
+    };
+    let s = shared(&t);
+    let held: Vec<PoolAllocation> = (1..=4)
+        .map(|n| pool.allocate(n * PAGE, &s).expect("allocate"))
+        .collect();
+    assert_eq!(t.stats().device_pool_bytes, 10 * PAGE as u64);
+    assert_eq!(pool.stats().expect("stats").live_allocations, 4);
+    drop(pool);
+    drop(held); // handles only: the memory went with the pool
+    let s = t.stats();
+    assert_eq!((s.live_bytes, s.device_pool_bytes), (0, 0));
+    assert_no_leaks::<H>(&b);
+}
+
+/// Memory a pool hands out is zero-filled, also when it reuses a block its tenant freed.
+pub fn device_pool_memory_comes_zeroed<H: Harness>() {
+    let b = H::backend();
+    let t = tenant(1, 16 * PAGE as u64);
+    let config = DevicePoolConfig {
+        max_bytes: 0,
+        release_threshold: 16 * PAGE as u64,
+    };
+    let Some(pool) = device_pool::<H>(&b, &t, &config) else {
+        return skipped("device_pool_memory_comes_zeroed", "no device pools");
+    };
+    if !H::pool_memory_host_readable(&b) {
+        drop(pool);
+        return skipped(
+            "device_pool_memory_comes_zeroed",
+            "pool memory is not host-readable",
+        );
+    }
+    let s = shared(&t);
+    let read = |a: &PoolAllocation| -> Vec<u8> {
+        let mut out = vec![0u8; a.len()];
+        // SAFETY: on this (simulated) backend pool memory is host memory of `a.len()` bytes at
+        // the device pointer, and nothing else touches it meanwhile.
+        unsafe {
+            std::ptr::copy_nonoverlapping(a.device_ptr() as *const u8, out.as_mut_ptr(), a.len());
+        }
+        out
+    };
+    let a = pool.allocate(2 * PAGE, &s).expect("allocate");
+    assert!(
+        read(&a).iter().all(|&x| x == 0),
+        "a fresh block comes zeroed"
+    );
+    // SAFETY: as in `read`.
+    unsafe { (a.device_ptr() as *mut u8).write_bytes(0xff, a.len()) };
+    pool.free(a, &s).expect("free");
+    let again = pool.allocate(2 * PAGE, &s).expect("reuse");
+    assert!(
+        read(&again).iter().all(|&x| x == 0),
+        "a reused block comes zeroed"
+    );
+    pool.free(again, &s).expect("free");
+    drop(pool);
+    assert_no_leaks::<H>(&b);
+}
+
+/// The driver-side maximum is a second line behind the ledger: past it the driver says out of
+/// memory (a failure, not a denial) and the ledger is untouched.
+pub fn device_pool_driver_maximum_is_a_second_line<H: Harness>() {
+    let b = H::backend();
+    let t = tenant(1, 64 * PAGE as u64);
+    let config = DevicePoolConfig {
+        max_bytes: 2 * PAGE as u64,
+        release_threshold: 0,
+    };
+    let Some(pool) = device_pool::<H>(&b, &t, &config) else {
+        return skipped(
+            "device_pool_driver_maximum_is_a_second_line",
+            "no device pools",
+        );
+    };
+    let s = shared(&t);
+    let a = pool.allocate(2 * PAGE, &s).expect("up to the pool maximum");
+    let err = pool.allocate(PAGE, &s).expect_err("past the pool maximum");
+    assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{err}");
+    assert_eq!(
+        t.stats().live_bytes,
+        2 * PAGE as u64,
+        "the failed request is not charged"
+    );
+    pool.free(a, &s).expect("free");
+    drop(pool);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Trimming gives kept memory back to the driver.
+pub fn device_pool_trim_gives_memory_back<H: Harness>() {
+    let b = H::backend();
+    let t = tenant(1, 64 * PAGE as u64);
+    let config = DevicePoolConfig {
+        max_bytes: 0,
+        release_threshold: 64 * PAGE as u64,
+    };
+    let Some(pool) = device_pool::<H>(&b, &t, &config) else {
+        return skipped("device_pool_trim_gives_memory_back", "no device pools");
+    };
+    let s = shared(&t);
+    let a = pool.allocate(4 * PAGE, &s).expect("allocate");
+    pool.free(a, &s).expect("free");
+    let kept = pool.stats().expect("stats");
+    assert_eq!(kept.live_bytes, 0);
+    assert!(
+        kept.reserved_bytes >= 4 * PAGE as u64,
+        "kept under the release threshold"
+    );
+    pool.trim(0).expect("trim");
+    assert_eq!(pool.stats().expect("stats").reserved_bytes, 0);
+    drop(pool);
+    assert_no_leaks::<H>(&b);
 }

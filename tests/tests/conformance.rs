@@ -19,7 +19,8 @@ tensor_wasm_mem_tests::driver_harness!(
     tensor_wasm_mem_cust::CustBackend,
     tensor_wasm_mem_cust::start(),
     advise: "cuMemAdvise",
-    prefetch: "cuMemPrefetchAsync"
+    prefetch: "cuMemPrefetchAsync",
+    pools: |_| false
 );
 
 mod with_cust {

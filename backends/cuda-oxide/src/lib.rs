@@ -3,8 +3,9 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use tensor_wasm_mem_core::{
-    Advice, Advisor, Allocation, BackendError, Capabilities, DeviceId, ErrorKind, ErrorType,
-    IsolationLevel, Location, ManagedAllocator, Operation, Stream, StreamProvider, TenantId,
+    Advice, Advisor, Allocation, BackendError, Capabilities, DeviceId, DevicePoolConfig,
+    DevicePoolStats, DevicePools, ErrorKind, ErrorType, IsolationLevel, Location, ManagedAllocator,
+    Operation, PoolAllocation, PoolHandle, Stream, StreamProvider, TenantId,
 };
 
 /// The only error of the reserved slot.
@@ -20,11 +21,20 @@ pub enum OxideError {
         /// The operation asked for.
         operation: Operation,
     },
+    /// Device memory pools are not offered by this slot.
+    #[error("the cuda-oxide slot has no device memory pools: cannot {operation}")]
+    NoDevicePools {
+        /// The operation asked for.
+        operation: Operation,
+    },
 }
 
 impl BackendError for OxideError {
     fn kind(&self) -> ErrorKind {
-        ErrorKind::NotYetWired
+        match self {
+            Self::NotYetWired { .. } => ErrorKind::NotYetWired,
+            Self::NoDevicePools { .. } => ErrorKind::Unsupported,
+        }
     }
 }
 
@@ -103,5 +113,47 @@ impl StreamProvider for CudaOxideBackend {
 
     fn synchronize(&self, _: &Stream) -> Result<(), OxideError> {
         Err(not_yet(Operation::Synchronize))
+    }
+}
+
+fn no_pools(operation: Operation) -> OxideError {
+    OxideError::NoDevicePools { operation }
+}
+
+/// The slot has no device memory pools: every call answers [`OxideError::NoDevicePools`]
+/// (kind `Unsupported`).
+impl DevicePools for CudaOxideBackend {
+    fn create_pool(
+        &self,
+        _: TenantId,
+        _: DeviceId,
+        _: &DevicePoolConfig,
+    ) -> Result<PoolHandle, OxideError> {
+        Err(no_pools(Operation::CreatePool))
+    }
+
+    fn pool_allocate(
+        &self,
+        _: &PoolHandle,
+        _: usize,
+        _: &Stream,
+    ) -> Result<PoolAllocation, OxideError> {
+        Err(no_pools(Operation::PoolAllocate))
+    }
+
+    fn pool_free(&self, _: &PoolHandle, _: PoolAllocation, _: &Stream) -> Result<(), OxideError> {
+        Err(no_pools(Operation::PoolFree))
+    }
+
+    fn trim_pool(&self, _: &PoolHandle, _: u64) -> Result<(), OxideError> {
+        Err(no_pools(Operation::TrimPool))
+    }
+
+    fn pool_stats(&self, _: &PoolHandle) -> Result<DevicePoolStats, OxideError> {
+        Err(no_pools(Operation::PoolStats))
+    }
+
+    fn destroy_pool(&self, _: PoolHandle) -> Result<(), OxideError> {
+        Err(no_pools(Operation::DestroyPool))
     }
 }

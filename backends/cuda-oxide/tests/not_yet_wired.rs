@@ -98,3 +98,37 @@ fn what_is_built_on_it_refuses_cleanly() {
     assert_eq!(err.kind(), ErrorKind::NotYetWired);
     assert!(StreamLease::acquire(slot, TenantId(1), IsolationLevel::StreamIsolated).is_err());
 }
+
+#[test]
+fn device_pools_are_unsupported() {
+    use tensor_wasm_mem_core::{DevicePoolConfig, DevicePools, PoolAllocation, PoolHandle};
+    let slot = CudaOxideBackend::new();
+    let err = slot
+        .create_pool(TenantId(1), DeviceId(0), &DevicePoolConfig::default())
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unsupported);
+    let pool = PoolHandle::new(1, DeviceId(0), TenantId(1));
+    let stream = Stream::new(0, 0, IsolationLevel::Shared, TenantId(1));
+    assert_eq!(
+        slot.pool_allocate(&pool, 64, &stream).unwrap_err().kind(),
+        ErrorKind::Unsupported
+    );
+    assert_eq!(
+        slot.pool_free(&pool, PoolAllocation::new(1, 1), &stream)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::Unsupported
+    );
+    assert_eq!(
+        slot.trim_pool(&pool, 0).unwrap_err().kind(),
+        ErrorKind::Unsupported
+    );
+    assert_eq!(
+        slot.pool_stats(&pool).unwrap_err().kind(),
+        ErrorKind::Unsupported
+    );
+    assert_eq!(
+        slot.destroy_pool(pool).unwrap_err().kind(),
+        ErrorKind::Unsupported
+    );
+}

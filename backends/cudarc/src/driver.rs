@@ -38,6 +38,18 @@ pub(crate) const SYMBOLS: &[&str] = &[
     "cuGetErrorString",
 ];
 
+/// The entry points of stream-ordered memory pools: optional (a driver without them has no
+/// device pools; everything else still works).
+pub(crate) const POOL_SYMBOLS: &[&str] = &[
+    "cuMemPoolCreate",
+    "cuMemPoolDestroy",
+    "cuMemAllocFromPoolAsync",
+    "cuMemFreeAsync",
+    "cuMemPoolTrimTo",
+    "cuMemPoolSetAttribute",
+    "cuMemPoolGetAttribute",
+];
+
 /// `CU_MEM_ATTACH_GLOBAL`.
 const ATTACH_GLOBAL: u32 = 1;
 /// `CU_STREAM_NON_BLOCKING`.
@@ -61,11 +73,11 @@ pub(crate) fn library_present() -> bool {
 /// The first symbol of [`SYMBOLS`] the loaded driver lacks, if any.
 ///
 /// Call only after [`library_present`] said `true` (cudarc panics otherwise).
-pub(crate) fn missing_symbol() -> Option<&'static str> {
+pub(crate) fn missing_symbol(symbols: &[&'static str]) -> Option<&'static str> {
     // SAFETY: `library_present()` was true, so `culib()` finds a library and does not panic;
     // looking a symbol up calls nothing.
     let lib = unsafe { sys::culib() };
-    SYMBOLS
+    symbols
         .iter()
         // SAFETY: the symbol is only looked up, never called through this pointer.
         .find(|name| unsafe { lib.get::<unsafe extern "C" fn()>(**name) }.is_err())
@@ -252,4 +264,113 @@ pub(crate) fn prefetch(
     check("cuMemPrefetchAsync_v2", unsafe {
         sys::cuMemPrefetchAsync_v2(ptr, len, location(device), 0, stream as CUstream)
     })
+}
+
+/// `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`.
+const ATTR_RELEASE_THRESHOLD: u32 = 4;
+/// `CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`.
+const ATTR_RESERVED_MEM_CURRENT: u32 = 5;
+
+/// Creates a pinned device-memory pool on `device`; `max_size` is set only where the driver
+/// knows the field (CUDA 12.2 and later, `with_max_size`).
+pub(crate) fn pool_create(
+    device: i32,
+    max_size: u64,
+    with_max_size: bool,
+    release_threshold: u64,
+) -> Result<usize, DriverError> {
+    // SAFETY: an all-zero CUmemPoolProps is valid (every field is an integer, a pointer or an
+    // array of bytes); the fields that matter are set below.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+    props.location = location(Some(device));
+    if with_max_size {
+        props.maxSize = max_size as usize;
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out-pointer and `props` a valid CUmemPoolProps.
+    check("cuMemPoolCreate", unsafe {
+        sys::cuMemPoolCreate(&mut pool, &props)
+    })?;
+    let mut threshold = release_threshold;
+    // SAFETY: the release threshold attribute takes a `cuuint64_t`.
+    let set = check("cuMemPoolSetAttribute", unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            pool_attribute(ATTR_RELEASE_THRESHOLD),
+            (&raw mut threshold).cast(),
+        )
+    });
+    if let Err(e) = set {
+        // SAFETY: the pool was just made and has no allocations.
+        let _ = unsafe { sys::cuMemPoolDestroy(pool) };
+        return Err(e);
+    }
+    Ok(pool as usize)
+}
+
+fn pool_attribute(value: u32) -> sys::CUmemPool_attribute {
+    match value {
+        ATTR_RELEASE_THRESHOLD => sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+        _ => sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+    }
+}
+
+pub(crate) fn pool_destroy(pool: usize) -> Result<(), DriverError> {
+    // SAFETY: `pool` came from `pool_create` and is destroyed once.
+    check("cuMemPoolDestroy", unsafe {
+        sys::cuMemPoolDestroy(pool as sys::CUmemoryPool)
+    })
+}
+
+/// Allocates from `pool` on `stream` and zero-fills it in stream order.
+pub(crate) fn pool_alloc(pool: usize, bytes: usize, stream: usize) -> Result<u64, DriverError> {
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: `ptr` is a valid out-pointer; `pool` and `stream` are live handles of ours.
+    check("cuMemAllocFromPoolAsync", unsafe {
+        sys::cuMemAllocFromPoolAsync(
+            &mut ptr,
+            bytes,
+            pool as sys::CUmemoryPool,
+            stream as CUstream,
+        )
+    })?;
+    // SAFETY: `ptr..ptr + bytes` was just allocated on `stream`; the memset is ordered after it.
+    let zeroed = check("cuMemsetD8Async", unsafe {
+        sys::cuMemsetD8Async(ptr, 0, bytes, stream as CUstream)
+    });
+    if let Err(e) = zeroed {
+        // SAFETY: the allocation was never handed out.
+        let _ = unsafe { sys::cuMemFreeAsync(ptr, stream as CUstream) };
+        return Err(e);
+    }
+    Ok(ptr)
+}
+
+pub(crate) fn pool_free(ptr: u64, stream: usize) -> Result<(), DriverError> {
+    // SAFETY: `ptr` is a live pool allocation of ours, freed once, ordered on `stream`.
+    check("cuMemFreeAsync", unsafe {
+        sys::cuMemFreeAsync(ptr, stream as CUstream)
+    })
+}
+
+pub(crate) fn pool_trim(pool: usize, keep: u64) -> Result<(), DriverError> {
+    // SAFETY: `pool` is a live pool of ours.
+    check("cuMemPoolTrimTo", unsafe {
+        sys::cuMemPoolTrimTo(pool as sys::CUmemoryPool, keep as usize)
+    })
+}
+
+pub(crate) fn pool_reserved(pool: usize) -> Result<u64, DriverError> {
+    let mut v: u64 = 0;
+    // SAFETY: the reserved-memory attribute writes a `cuuint64_t` into `v`.
+    check("cuMemPoolGetAttribute", unsafe {
+        sys::cuMemPoolGetAttribute(
+            pool as sys::CUmemoryPool,
+            pool_attribute(ATTR_RESERVED_MEM_CURRENT),
+            (&raw mut v).cast(),
+        )
+    })?;
+    Ok(v)
 }

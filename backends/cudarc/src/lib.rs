@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::{CUdevice, CUdevice_attribute, CUmem_advise};
-use tensor_wasm_mem_core::{Advice, DeviceFacts, DeviceId, DriverApi, DriverBackend, Location};
+use tensor_wasm_mem_core::{
+    Advice, DeviceFacts, DeviceId, DriverApi, DriverBackend, Location, Refusal,
+};
 
 pub use error::{CudarcError, DriverError};
 
@@ -93,6 +95,8 @@ struct Device {
 pub struct CudarcDriver {
     devices: Vec<Device>,
     version: i32,
+    /// The driver has stream-ordered memory pools.
+    pools: bool,
 }
 
 /// The cudarc backend: [`DriverBackend`] on [`CudarcDriver`].
@@ -122,9 +126,10 @@ impl CudarcDriver {
     /// Finds, probes and initialises the driver, and retains every device's primary context.
     pub fn start(source: &DriverSource) -> Result<Self, CudarcError> {
         locate(source)?;
-        if let Some(symbol) = driver::missing_symbol() {
+        if let Some(symbol) = driver::missing_symbol(driver::SYMBOLS) {
             return Err(CudarcError::MissingSymbol { symbol });
         }
+        let pools = driver::missing_symbol(driver::POOL_SYMBOLS).is_none();
         match driver::init() {
             Err(e) if e.result == cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE => {
                 return Err(CudarcError::NoDevice);
@@ -140,6 +145,7 @@ impl CudarcDriver {
         let mut this = Self {
             devices: Vec::new(),
             version,
+            pools,
         };
         for ordinal in 0..count {
             let id = DeviceId(ordinal as u32);
@@ -186,6 +192,20 @@ impl CudarcDriver {
     /// The devices driven.
     pub fn devices(&self) -> impl Iterator<Item = &DeviceInfo> {
         self.devices.iter().map(|d| &d.info)
+    }
+
+    /// `true` when the driver has stream-ordered memory pools (device pools work).
+    #[must_use]
+    pub fn has_pools(&self) -> bool {
+        self.pools
+    }
+
+    fn pools(&self) -> Result<(), CudarcError> {
+        if self.pools {
+            Ok(())
+        } else {
+            Err(Refusal::NoDevicePools.into())
+        }
     }
 
     fn device(&self, id: DeviceId) -> &Device {
@@ -282,6 +302,46 @@ unsafe impl DriverApi for CudarcDriver {
 
     fn context_destroy(&self, context: u64) -> Result<(), CudarcError> {
         Ok(driver::context_destroy(context as usize)?)
+    }
+
+    fn pool_create(
+        &self,
+        device: DeviceId,
+        max_bytes: u64,
+        release_threshold: u64,
+    ) -> Result<u64, CudarcError> {
+        self.pools()?;
+        // CUmemPoolProps.maxSize exists from CUDA 12.2: a second line behind the tenant ledger.
+        let with_max_size = self.version >= 12020;
+        Ok(
+            driver::pool_create(device.0 as i32, max_bytes, with_max_size, release_threshold)?
+                as u64,
+        )
+    }
+
+    fn pool_destroy(&self, pool: u64) -> Result<(), CudarcError> {
+        self.pools()?;
+        Ok(driver::pool_destroy(pool as usize)?)
+    }
+
+    fn pool_alloc(&self, pool: u64, bytes: usize, stream: u64) -> Result<u64, CudarcError> {
+        self.pools()?;
+        Ok(driver::pool_alloc(pool as usize, bytes, stream as usize)?)
+    }
+
+    fn pool_free(&self, ptr: u64, stream: u64) -> Result<(), CudarcError> {
+        self.pools()?;
+        Ok(driver::pool_free(ptr, stream as usize)?)
+    }
+
+    fn pool_trim(&self, pool: u64, keep_bytes: u64) -> Result<(), CudarcError> {
+        self.pools()?;
+        Ok(driver::pool_trim(pool as usize, keep_bytes)?)
+    }
+
+    fn pool_reserved(&self, pool: u64) -> Result<u64, CudarcError> {
+        self.pools()?;
+        Ok(driver::pool_reserved(pool as usize)?)
     }
 }
 

@@ -59,6 +59,12 @@ pub enum MockError {
         /// The raw stream value given.
         raw: u64,
     },
+    /// A pool this mock did not make (or destroyed), or an allocation not from it.
+    #[error("unknown pool {raw:#x} (or an allocation not from it)")]
+    UnknownPool {
+        /// The raw pool handle.
+        raw: u64,
+    },
     /// A failure injected with [`MockBackend::fail_nth`](crate::MockBackend::fail_nth).
     #[error("injected failure of {op} call #{call}")]
     Injected {
@@ -77,7 +83,8 @@ impl BackendError for MockError {
             Self::InvalidValue(_)
             | Self::InvalidDevice { .. }
             | Self::UnknownAllocation { .. }
-            | Self::UnknownStream { .. } => ErrorKind::InvalidArgument,
+            | Self::UnknownStream { .. }
+            | Self::UnknownPool { .. } => ErrorKind::InvalidArgument,
             Self::NotSupported { .. } => ErrorKind::Unsupported,
             Self::Range(e) => e.kind(),
             Self::OutOfMemory { .. } | Self::HostMapFailed { .. } => ErrorKind::OutOfMemory,

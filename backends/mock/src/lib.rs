@@ -5,14 +5,16 @@ mod error;
 mod host;
 mod ranges;
 
+use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use ranges::RangeMap;
 use tensor_wasm_mem_core::{
-    Advice, Advisor, Allocation, Capabilities, DEFAULT_STREAM, DeviceId, ErrorKind, ErrorType,
-    IsolationLevel, Location, ManagedAllocator, Operation, Stream, StreamProvider, TenantId,
+    Advice, Advisor, Allocation, Capabilities, DEFAULT_STREAM, DeviceId, DevicePoolConfig,
+    DevicePoolStats, DevicePools, ErrorKind, ErrorType, IsolationLevel, Location, ManagedAllocator,
+    Operation, PoolAllocation, PoolHandle, Stream, StreamProvider, TenantId,
 };
 
 pub use error::MockError;
@@ -75,8 +77,9 @@ pub struct Hints {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MockStats {
     /// Calls per operation, in [`Operation`] order: allocate, free, zero, advise, prefetch,
-    /// acquire_stream, release_stream, synchronize.
-    pub calls: [u64; 8],
+    /// acquire_stream, release_stream, synchronize, create_pool, pool_allocate, pool_free,
+    /// trim_pool, destroy_pool, pool_stats.
+    pub calls: [u64; 14],
     /// Allocations alive now.
     pub live_allocations: u64,
     /// Bytes allocated now (requested sizes).
@@ -101,6 +104,12 @@ pub struct MockStats {
     pub contexts_destroyed: u64,
     /// Failures injected so far.
     pub injected_failures: u64,
+    /// Device memory pools alive.
+    pub live_pools: u64,
+    /// Pool allocations alive.
+    pub live_pool_allocations: u64,
+    /// Bytes the pools hold (live plus kept free memory).
+    pub pool_reserved_bytes: u64,
 }
 
 impl MockStats {
@@ -121,6 +130,12 @@ fn op_index(op: Operation) -> Option<usize> {
         Operation::AcquireStream => 5,
         Operation::ReleaseStream => 6,
         Operation::Synchronize => 7,
+        Operation::CreatePool => 8,
+        Operation::PoolAllocate => 9,
+        Operation::PoolFree => 10,
+        Operation::TrimPool => 11,
+        Operation::DestroyPool => 12,
+        Operation::PoolStats => 13,
         _ => return None,
     })
 }
@@ -134,6 +149,27 @@ struct Record {
     preferred: RangeMap<Location>,
     accessed_by: Vec<(Location, RangeMap<()>)>,
     residency: RangeMap<Location>,
+}
+
+#[derive(Debug)]
+struct PoolBlock {
+    ptr: usize,
+    layout: Layout,
+}
+
+#[derive(Debug)]
+struct MockPool {
+    device: DeviceId,
+    tenant: TenantId,
+    max_bytes: u64,
+    release_threshold: u64,
+    /// Freed blocks the pool keeps, by size.
+    cached: Vec<PoolBlock>,
+    /// ptr -> block
+    live: HashMap<usize, PoolBlock>,
+    used: u64,
+    peak: u64,
+    reserved: u64,
 }
 
 #[derive(Debug)]
@@ -160,6 +196,8 @@ struct State {
     next_stream: u64,
     next_context: u64,
     faults: Vec<Fault>,
+    pools: HashMap<u64, MockPool>,
+    next_pool: u64,
     stats: MockStats,
 }
 
@@ -619,13 +657,220 @@ impl StreamProvider for MockBackend {
     }
 }
 
+impl MockPool {
+    /// Gives kept blocks back until the pool holds at most `keep` bytes (or what is live).
+    fn release_down_to(&mut self, keep: u64, device_used: &mut u64, stats: &mut MockStats) {
+        while self.reserved > keep.max(self.used) {
+            let Some(block) = self.cached.pop() else {
+                break;
+            };
+            let size = block.layout.size() as u64;
+            self.reserved -= size;
+            *device_used -= size;
+            stats.pool_reserved_bytes -= size;
+            // SAFETY: a block this pool allocated with this layout, kept free (no holder).
+            unsafe { dealloc(block.ptr as *mut u8, block.layout) };
+        }
+    }
+
+    /// Frees every block (live and kept).
+    fn release_all(&mut self, device_used: &mut u64, stats: &mut MockStats) {
+        let live: Vec<_> = self.live.drain().map(|(_, b)| b).collect();
+        stats.live_pool_allocations -= live.len() as u64;
+        self.used = 0;
+        self.cached.extend(live);
+        self.release_down_to(0, device_used, stats);
+    }
+}
+
+impl MockBackend {
+    fn pool<'s>(
+        pools: &'s mut HashMap<u64, MockPool>,
+        pool: &PoolHandle,
+    ) -> Result<&'s mut MockPool, MockError> {
+        pools
+            .get_mut(&pool.raw())
+            .filter(|p| p.device == pool.device() && p.tenant == pool.tenant())
+            .ok_or(MockError::UnknownPool { raw: pool.raw() })
+    }
+}
+
+/// Device memory pools on host memory: per tenant, capped by `max_bytes` (as the driver's
+/// `maxSize`), keeping freed blocks up to the release threshold, every allocation zero-filled.
+impl DevicePools for MockBackend {
+    fn create_pool(
+        &self,
+        tenant: TenantId,
+        device: DeviceId,
+        config: &DevicePoolConfig,
+    ) -> Result<PoolHandle, MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::CreatePool)?;
+        self.check_device(device)?;
+        state.next_pool += 1;
+        let raw = 0x9000 + state.next_pool;
+        state.pools.insert(
+            raw,
+            MockPool {
+                device,
+                tenant,
+                max_bytes: config.max_bytes,
+                release_threshold: config.release_threshold,
+                cached: Vec::new(),
+                live: HashMap::new(),
+                used: 0,
+                peak: 0,
+                reserved: 0,
+            },
+        );
+        state.stats.live_pools += 1;
+        Ok(PoolHandle::new(raw, device, tenant))
+    }
+
+    fn pool_allocate(
+        &self,
+        pool: &PoolHandle,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Result<PoolAllocation, MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::PoolAllocate)?;
+        if bytes == 0 {
+            return Err(MockError::InvalidValue("pool allocation size is zero"));
+        }
+        Self::check_stream(&state, stream)?;
+        let layout = Layout::from_size_align(bytes, 256).map_err(|_| MockError::OutOfMemory {
+            device: pool.device(),
+            requested: bytes as u64,
+            available: 0,
+        })?;
+        let device_memory = self.config.device_memory_bytes;
+        let state = &mut *state;
+        let device_used = &mut state.used[pool.device().0 as usize];
+        let p = Self::pool(&mut state.pools, pool)?;
+        let block = match p.cached.iter().position(|b| b.layout == layout) {
+            Some(i) => p.cached.swap_remove(i),
+            None => {
+                let size = layout.size() as u64;
+                let over_pool = p.max_bytes > 0 && p.reserved + size > p.max_bytes;
+                if over_pool || *device_used + size > device_memory {
+                    return Err(MockError::OutOfMemory {
+                        device: pool.device(),
+                        requested: size,
+                        available: if over_pool {
+                            p.max_bytes.saturating_sub(p.reserved)
+                        } else {
+                            device_memory.saturating_sub(*device_used)
+                        },
+                    });
+                }
+                // SAFETY: `layout` has a non-zero size.
+                let ptr = unsafe { alloc_zeroed(layout) };
+                if ptr.is_null() {
+                    return Err(MockError::HostMapFailed {
+                        requested: size,
+                        errno: 12,
+                    });
+                }
+                p.reserved += size;
+                *device_used += size;
+                state.stats.pool_reserved_bytes += size;
+                PoolBlock {
+                    ptr: ptr as usize,
+                    layout,
+                }
+            }
+        };
+        // Zero-filled whatever the block held before (a freed block of this tenant's).
+        // SAFETY: the block is `layout.size()` bytes of ours, held by no one.
+        unsafe { (block.ptr as *mut u8).write_bytes(0, layout.size()) };
+        let ptr = block.ptr;
+        p.live.insert(ptr, block);
+        p.used += bytes as u64;
+        p.peak = p.peak.max(p.used);
+        state.stats.live_pool_allocations += 1;
+        Ok(PoolAllocation::new(ptr as u64, bytes))
+    }
+
+    fn pool_free(
+        &self,
+        pool: &PoolHandle,
+        allocation: PoolAllocation,
+        stream: &Stream,
+    ) -> Result<(), MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::PoolFree)?;
+        Self::check_stream(&state, stream)?;
+        let state = &mut *state;
+        let device_used = &mut state.used[pool.device().0 as usize];
+        let p = Self::pool(&mut state.pools, pool)?;
+        let ptr = allocation.device_ptr() as usize;
+        match p.live.get(&ptr) {
+            Some(b) if b.layout.size() == allocation.len() => {}
+            _ => return Err(MockError::UnknownPool { raw: pool.raw() }),
+        }
+        if let Some(block) = p.live.remove(&ptr) {
+            p.used -= block.layout.size() as u64;
+            p.cached.push(block);
+            state.stats.live_pool_allocations -= 1;
+        }
+        let threshold = p.release_threshold;
+        p.release_down_to(threshold, device_used, &mut state.stats);
+        Ok(())
+    }
+
+    fn trim_pool(&self, pool: &PoolHandle, keep_bytes: u64) -> Result<(), MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::TrimPool)?;
+        let state = &mut *state;
+        let device_used = &mut state.used[pool.device().0 as usize];
+        let p = Self::pool(&mut state.pools, pool)?;
+        p.release_down_to(keep_bytes, device_used, &mut state.stats);
+        Ok(())
+    }
+
+    fn pool_stats(&self, pool: &PoolHandle) -> Result<DevicePoolStats, MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::PoolStats)?;
+        let p = Self::pool(&mut state.pools, pool)?;
+        Ok(DevicePoolStats {
+            live_bytes: p.used,
+            peak_bytes: p.peak,
+            reserved_bytes: p.reserved,
+            live_allocations: p.live.len() as u64,
+        })
+    }
+
+    fn destroy_pool(&self, pool: PoolHandle) -> Result<(), MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::DestroyPool)?;
+        Self::pool(&mut state.pools, &pool)?;
+        let state = &mut *state;
+        let device_used = &mut state.used[pool.device().0 as usize];
+        if let Some(mut p) = state.pools.remove(&pool.raw()) {
+            p.release_all(device_used, &mut state.stats);
+            state.stats.live_pools -= 1;
+        }
+        Ok(())
+    }
+}
+
 impl Drop for MockBackend {
     fn drop(&mut self) {
         let state = self
             .state
             .get_mut()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let leaked = state.allocations.len() as u64;
+        let leaked_pools = state.pools.len() as u64;
+        for (_, mut p) in state.pools.drain() {
+            let mut unused = 0u64;
+            let device_used = state
+                .used
+                .get_mut(p.device.0 as usize)
+                .unwrap_or(&mut unused);
+            p.release_all(device_used, &mut state.stats);
+        }
+        let leaked = state.allocations.len() as u64 + leaked_pools;
         for (address, record) in state.allocations.drain() {
             if let Some(ptr) = core::ptr::NonNull::new(address as *mut u8) {
                 // SAFETY: every table entry is a live mapping of ours; the backend is being

@@ -4,7 +4,10 @@
 
 use std::sync::Arc;
 
-use tensor_wasm_mem_core::{DeviceId, DeviceSlice, IsolationLevel, PoolConfig, SizeClass};
+use tensor_wasm_mem_core::{
+    DEFAULT_STREAM, DeviceId, DevicePoolConfig, DeviceSlice, ErrorKind, IsolationLevel, PoolConfig,
+    SizeClass, Stream, TenantDevicePool,
+};
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
 use tensor_wasm_mem_wasmtime::{
     Backend, ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, add_to_linker, instantiate,
@@ -95,6 +98,39 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
         "twm demo: {} tenants on one engine, memories from a pool of 6 slots of 4MiB",
         tenants.len()
     );
+    // Each tenant's kernel scratch comes from its own device memory pool, under the same cap as
+    // its linear memory.
+    let scratch_bytes = 64 << 10;
+    let pool_config = DevicePoolConfig {
+        max_bytes: 0,
+        release_threshold: 1 << 20,
+    };
+    let mut scratch = Vec::new();
+    for (tenant, _) in &tenants {
+        let shared = Stream::new(
+            DEFAULT_STREAM,
+            0,
+            IsolationLevel::Shared,
+            tenant.context().id(),
+        );
+        match TenantDevicePool::new(
+            std::sync::Arc::clone(creator.backend()),
+            std::sync::Arc::clone(tenant.context()),
+            DeviceId(0),
+            &pool_config,
+        ) {
+            Ok(pool) => {
+                let buffer = pool
+                    .allocate(scratch_bytes, &shared)
+                    .map_err(|e| other(&e))?;
+                scratch.push((pool, buffer));
+            }
+            Err(e) if e.kind() == ErrorKind::Unsupported => {
+                println!("({}: no device pools on this backend)", tenant.name());
+            }
+            Err(e) => return Err(other(&e)),
+        }
+    }
     println!(
         "\n{:<6} {:<6} {:<17} {:>6} {:>6} {:>7} {:>12} {:>12} {:>7}",
         "round", "tenant", "isolation", "cap", "asked", "got", "sum before", "sum after", "kernel"
@@ -148,10 +184,16 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
         }
     }
     let stats: Vec<_> = tenants.iter().map(|(t, _)| t.stats()).collect();
-    println!("\n{}", stats_table(&stats, &creator));
     println!(
-        "every tenant back to zero: {}",
-        stats.iter().all(|s| s.live_bytes == 0)
+        "\n(each tenant still holds {} of kernel scratch in its device pool)\n{}",
+        format_bytes(scratch_bytes as u64),
+        stats_table(&stats, &creator)
+    );
+    drop(scratch);
+    let after: Vec<_> = tenants.iter().map(|(t, _)| t.stats()).collect();
+    println!(
+        "every tenant back to zero once the pools are dropped: {}",
+        after.iter().all(|s| s.live_bytes == 0)
     );
     Ok(())
 }

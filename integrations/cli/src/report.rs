@@ -16,6 +16,7 @@ pub fn tenant_json(s: &TenantStats) -> Value {
         "live_memories": s.live_memories,
         "memories_created": s.memories_created,
         "denials": s.denials,
+        "device_pool_bytes": s.device_pool_bytes,
     })
 }
 
@@ -45,12 +46,12 @@ pub fn stats_table<B: Backend>(
     creator: &TensorWasmMemoryCreator<B>,
 ) -> String {
     let mut out = format!(
-        "{:<10} {:<17} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
-        "tenant", "isolation", "cap", "live", "peak", "memories", "denials"
+        "{:<10} {:<17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
+        "tenant", "isolation", "cap", "live", "peak", "in pools", "memories", "denials"
     );
     for s in tenants {
         out += &format!(
-            "{:<10} {:<17} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
+            "{:<10} {:<17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
             s.name,
             s.isolation.name(),
             if s.cap == u64::MAX {
@@ -60,6 +61,7 @@ pub fn stats_table<B: Backend>(
             },
             format_bytes(s.live_bytes),
             format_bytes(s.peak_bytes),
+            format_bytes(s.device_pool_bytes),
             s.memories_created,
             s.denials
         );

@@ -222,7 +222,11 @@ fn demo_runs_and_balances() {
     let out = stdout(&o);
     assert!(out.contains("alice") && out.contains("bob") && out.contains("carol"));
     assert!(!out.contains("WRONG"));
-    assert!(out.contains("every tenant back to zero: true"), "{out}");
+    assert!(
+        out.contains("every tenant back to zero once the pools are dropped: true"),
+        "{out}"
+    );
+    assert!(out.contains("in pools"), "{out}");
 }
 
 #[test]

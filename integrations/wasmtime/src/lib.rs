@@ -9,7 +9,7 @@ mod guest;
 mod memory;
 mod tenancy;
 
-use tensor_wasm_mem_core::{Advisor, ManagedAllocator, StreamProvider};
+use tensor_wasm_mem_core::{Advisor, DevicePools, ManagedAllocator, StreamProvider};
 
 pub use backends::{DefaultBackend, default_backend};
 pub use config::{BoundsStrategy, GUARDED_GUARD, GUARDED_RESERVATION, configure, engine_config};
@@ -35,18 +35,26 @@ pub struct WorkspaceReadme;
 pub use tensor_wasm_mem_core as core;
 pub use wasmtime;
 
-/// Everything a backend must implement to back Wasm memories: the three core traits, on one
-/// thread-safe type. Implemented for every such type.
+/// Everything a backend must implement to back Wasm memories: the three core traits and device
+/// pools (which may answer `Unsupported`), on one thread-safe type. Implemented for every such
+/// type.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a tensor-wasm-mem backend",
     note = "if this is `NoDefaultBackend`, several backend features are on and there is no default: name the backend's type"
 )]
 pub trait Backend:
-    ManagedAllocator + Advisor + StreamProvider + std::fmt::Debug + Send + Sync + 'static
+    ManagedAllocator + Advisor + StreamProvider + DevicePools + std::fmt::Debug + Send + Sync + 'static
 {
 }
 
 impl<T> Backend for T where
-    T: ManagedAllocator + Advisor + StreamProvider + std::fmt::Debug + Send + Sync + 'static
+    T: ManagedAllocator
+        + Advisor
+        + StreamProvider
+        + DevicePools
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static
 {
 }

@@ -74,6 +74,8 @@ pub struct TenantStats {
     pub memories_created: u64,
     /// Requests the cap refused.
     pub denials: u64,
+    /// Of `live_bytes`, the bytes in the tenant's device memory pools.
+    pub device_pool_bytes: u64,
 }
 
 impl Tenant {
@@ -118,6 +120,7 @@ impl Tenant {
             live_memories: self.live_memories.load(Ordering::Acquire),
             memories_created: self.memories_created.load(Ordering::Acquire),
             denials: ledger.denials,
+            device_pool_bytes: ledger.device_pool_bytes,
         }
     }
 

@@ -106,4 +106,10 @@ pub struct SimStats {
     pub failed_calls: u64,
     /// Failures injected.
     pub injected: u64,
+    /// Memory pools alive.
+    pub live_pools: u64,
+    /// Bytes the pools hold from the devices (live plus kept free memory).
+    pub pool_reserved_bytes: u64,
+    /// Pool allocations alive.
+    pub live_pool_allocations: u64,
 }

@@ -75,6 +75,41 @@ struct Allocation {
     len: usize,
     layout: Layout,
     device: usize,
+    /// The pool it came from (`None`: managed memory from cuMemAllocManaged).
+    pool: Option<u64>,
+}
+
+#[derive(Debug)]
+struct Pool {
+    device: usize,
+    max_size: u64,
+    release_threshold: u64,
+    reserved: u64,
+    reserved_high: u64,
+    used: u64,
+    used_high: u64,
+    /// Freed blocks kept (not zeroed: the driver does not zero pool memory).
+    cached: Vec<(u64, Layout)>,
+}
+
+/// `CUmemPoolProps` (CUDA 12.6+ layout; `maxSize` since 12.2).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct MemPoolProps {
+    /// `CUmemAllocationType`: 1 = pinned (the only one pools take).
+    pub alloc_type: c_uint,
+    /// `CUmemAllocationHandleType`.
+    pub handle_types: c_uint,
+    /// Where the pool's memory lives.
+    pub location: MemLocation,
+    /// Windows only.
+    pub win32_security_attributes: *mut c_void,
+    /// The most the pool may reserve (0: no maximum).
+    pub max_size: usize,
+    /// Usage flags.
+    pub usage: u16,
+    /// Must be zero.
+    pub reserved: [u8; 54],
 }
 
 #[derive(Debug)]
@@ -92,6 +127,7 @@ struct Sim {
     contexts: BTreeMap<u64, Context>,
     streams: BTreeMap<u64, u64>,
     allocations: BTreeMap<u64, Allocation>,
+    pools: BTreeMap<u64, Pool>,
     next_handle: u64,
     calls: BTreeMap<String, u64>,
     faults: Vec<Fault>,
@@ -179,6 +215,32 @@ impl Sim {
             .get(&current_context())
             .map(|c| c.device)
             .ok_or(code::INVALID_CONTEXT)
+    }
+
+    /// The managed allocation holding `ptr..ptr + count` (pool memory is not managed).
+    fn managed_range(&self, ptr: u64, count: usize) -> Result<&Allocation, u32> {
+        let allocation = self.range(ptr, count)?;
+        if allocation.pool.is_some() {
+            return Err(code::INVALID_VALUE);
+        }
+        Ok(allocation)
+    }
+
+    /// Gives kept blocks of `pool` back until it holds at most `keep` bytes (or what is live).
+    fn release_pool_memory(&mut self, pool: u64, keep: u64) {
+        let Some(p) = self.pools.get_mut(&pool) else {
+            return;
+        };
+        while p.reserved > keep.max(p.used) {
+            let Some((ptr, layout)) = p.cached.pop() else {
+                break;
+            };
+            p.reserved -= layout.size() as u64;
+            self.devices[p.device].used -= layout.size() as u64;
+            self.stats.pool_reserved_bytes -= layout.size() as u64;
+            // SAFETY: a kept block of this pool, allocated with this layout, held by no one.
+            unsafe { dealloc(ptr as *mut u8, layout) };
+        }
     }
 
     /// The allocation holding `ptr..ptr + count`.
@@ -512,7 +574,7 @@ entry! {
             unsafe { memory.write_bytes(0xA5, bytes) };
         }
         let address = memory as u64;
-        sim.allocations.insert(address, Allocation { len: bytes, layout, device: d });
+        sim.allocations.insert(address, Allocation { len: bytes, layout, device: d, pool: None });
         sim.devices[d].used += bytes as u64;
         sim.stats.allocations += 1;
         sim.stats.live_allocations += 1;
@@ -525,6 +587,9 @@ entry! {
     /// `cuMemFree_v2`: `ptr` must be the base of a live allocation.
     fn cuMemFree_v2(ptr: u64) |sim| {
         sim.context_device()?;
+        if sim.allocations.get(&ptr).is_none_or(|a| a.pool.is_some()) {
+            return Err(code::INVALID_VALUE);
+        }
         let allocation = sim.allocations.remove(&ptr).ok_or(code::INVALID_VALUE)?;
         sim.devices[allocation.device].used -= allocation.len as u64;
         sim.stats.frees += 1;
@@ -556,7 +621,7 @@ entry! {
         if count == 0 || !(1..=6).contains(&advice) {
             return Err(code::INVALID_VALUE);
         }
-        sim.range(ptr, count)?;
+        sim.managed_range(ptr, count)?;
         if matches!(advice, 3 | 5 | 6) {
             sim.location(location)?;
         }
@@ -571,7 +636,7 @@ entry! {
         if count == 0 || !(1..=6).contains(&advice) {
             return Err(code::INVALID_VALUE);
         }
-        sim.range(ptr, count)?;
+        sim.managed_range(ptr, count)?;
         if matches!(advice, 3 | 5 | 6) && device != CU_DEVICE_CPU {
             sim.device(device)?;
         }
@@ -587,7 +652,7 @@ entry! {
         if count == 0 || flags != 0 {
             return Err(code::INVALID_VALUE);
         }
-        sim.range(ptr, count)?;
+        sim.managed_range(ptr, count)?;
         sim.stream(stream as u64)?;
         if sim.location(location)?.is_some() && sim.config().concurrent == 0 {
             return Err(code::INVALID_DEVICE);
@@ -603,7 +668,7 @@ entry! {
         if count == 0 {
             return Err(code::INVALID_VALUE);
         }
-        sim.range(ptr, count)?;
+        sim.managed_range(ptr, count)?;
         sim.stream(stream as u64)?;
         if device != CU_DEVICE_CPU {
             sim.device(device)?;
@@ -647,6 +712,182 @@ entry! {
     fn cuStreamSynchronize(stream: *mut c_void) |sim| {
         sim.context_device()?;
         sim.stream(stream as u64)
+    }
+}
+
+entry! {
+    /// `cuMemPoolCreate`: pinned device memory on one device, `maxSize` honoured.
+    fn cuMemPoolCreate(pool: *mut *mut c_void, props: *const MemPoolProps) |sim| {
+        sim.initialized()?;
+        if pool.is_null() || props.is_null() {
+            return Err(code::INVALID_VALUE);
+        }
+        // SAFETY: non-null, valid by the caller's contract.
+        let props = props.read();
+        if props.alloc_type != 1 || props.location.kind != LOCATION_DEVICE {
+            return Err(code::INVALID_VALUE);
+        }
+        let device = sim.device(props.location.id)?;
+        let h = sim.handle();
+        sim.pools.insert(h, Pool {
+            device,
+            max_size: props.max_size as u64,
+            release_threshold: 0,
+            reserved: 0,
+            reserved_high: 0,
+            used: 0,
+            used_high: 0,
+            cached: Vec::new(),
+        });
+        sim.stats.live_pools += 1;
+        put(pool, h as *mut c_void)
+    }
+}
+
+entry! {
+    /// `cuMemPoolDestroy`: frees what is still allocated from the pool.
+    fn cuMemPoolDestroy(pool: *mut c_void) |sim| {
+        sim.initialized()?;
+        let h = pool as u64;
+        if !sim.pools.contains_key(&h) {
+            return Err(code::INVALID_VALUE);
+        }
+        let live: Vec<u64> = sim
+            .allocations
+            .iter()
+            .filter(|(_, a)| a.pool == Some(h))
+            .map(|(&p, _)| p)
+            .collect();
+        for ptr in live {
+            if let Some(a) = sim.allocations.remove(&ptr) {
+                sim.stats.live_pool_allocations -= 1;
+                if let Some(p) = sim.pools.get_mut(&h) {
+                    p.used -= a.len as u64;
+                    p.cached.push((ptr, a.layout));
+                }
+            }
+        }
+        sim.release_pool_memory(h, 0);
+        sim.pools.remove(&h);
+        sim.stats.live_pools -= 1;
+        Ok(())
+    }
+}
+
+entry! {
+    /// `cuMemAllocFromPoolAsync`: memory is not zeroed (a kept block keeps what it held; a new
+    /// one is filled with `0xA5`, as uninitialised device memory would hold anything).
+    fn cuMemAllocFromPoolAsync(ptr: *mut u64, bytes: usize, pool: *mut c_void, stream: *mut c_void) |sim| {
+        sim.context_device()?;
+        sim.stream(stream as u64)?;
+        let h = pool as u64;
+        if ptr.is_null() || bytes == 0 {
+            return Err(code::INVALID_VALUE);
+        }
+        let memory = sim.config().memory_bytes;
+        let layout = Layout::from_size_align(bytes, 256).map_err(|_| code::OUT_OF_MEMORY)?;
+        let p = sim.pools.get_mut(&h).ok_or(code::INVALID_VALUE)?;
+        let device = p.device;
+        let address = match p.cached.iter().position(|(_, l)| *l == layout) {
+            Some(i) => p.cached.swap_remove(i).0,
+            None => {
+                let size = layout.size() as u64;
+                if (p.max_size > 0 && p.reserved + size > p.max_size)
+                    || sim.devices[device].used + size > memory
+                {
+                    return Err(code::OUT_OF_MEMORY);
+                }
+                // SAFETY: `layout` has a non-zero size.
+                let block = unsafe { alloc_zeroed(layout) };
+                if block.is_null() {
+                    return Err(code::OUT_OF_MEMORY);
+                }
+                // SAFETY: a fresh block of `bytes` bytes.
+                unsafe { block.write_bytes(0xA5, bytes) };
+                p.reserved += size;
+                p.reserved_high = p.reserved_high.max(p.reserved);
+                sim.devices[device].used += size;
+                sim.stats.pool_reserved_bytes += size;
+                block as u64
+            }
+        };
+        let p = sim.pools.get_mut(&h).ok_or(code::INVALID_VALUE)?;
+        p.used += bytes as u64;
+        p.used_high = p.used_high.max(p.used);
+        sim.allocations.insert(address, Allocation { len: bytes, layout, device, pool: Some(h) });
+        sim.stats.live_pool_allocations += 1;
+        put(ptr, address)
+    }
+}
+
+entry! {
+    /// `cuMemFreeAsync`: back to the pool, which keeps up to its release threshold.
+    fn cuMemFreeAsync(ptr: u64, stream: *mut c_void) |sim| {
+        sim.context_device()?;
+        sim.stream(stream as u64)?;
+        let Some(h) = sim.allocations.get(&ptr).and_then(|a| a.pool) else {
+            return Err(code::INVALID_VALUE);
+        };
+        let allocation = sim.allocations.remove(&ptr).ok_or(code::INVALID_VALUE)?;
+        sim.stats.live_pool_allocations -= 1;
+        let threshold = match sim.pools.get_mut(&h) {
+            Some(p) => {
+                p.used -= allocation.len as u64;
+                p.cached.push((ptr, allocation.layout));
+                p.release_threshold
+            }
+            None => return Err(code::INVALID_VALUE),
+        };
+        sim.release_pool_memory(h, threshold);
+        Ok(())
+    }
+}
+
+entry! {
+    /// `cuMemPoolTrimTo`.
+    fn cuMemPoolTrimTo(pool: *mut c_void, keep: usize) |sim| {
+        sim.initialized()?;
+        let h = pool as u64;
+        if !sim.pools.contains_key(&h) {
+            return Err(code::INVALID_VALUE);
+        }
+        sim.release_pool_memory(h, keep as u64);
+        Ok(())
+    }
+}
+
+entry! {
+    /// `cuMemPoolSetAttribute`: the release threshold (4) and the reuse flags (1-3).
+    fn cuMemPoolSetAttribute(pool: *mut c_void, attribute: c_uint, value: *mut c_void) |sim| {
+        sim.initialized()?;
+        let p = sim.pools.get_mut(&(pool as u64)).ok_or(code::INVALID_VALUE)?;
+        if value.is_null() {
+            return Err(code::INVALID_VALUE);
+        }
+        match attribute {
+            1..=3 => Ok(()),
+            // SAFETY: a `cuuint64_t` for this attribute, by the caller's contract.
+            4 => { p.release_threshold = value.cast::<u64>().read(); Ok(()) }
+            _ => Err(code::INVALID_VALUE),
+        }
+    }
+}
+
+entry! {
+    /// `cuMemPoolGetAttribute`: threshold (4), reserved current/high (5, 6), used current/high
+    /// (7, 8).
+    fn cuMemPoolGetAttribute(pool: *mut c_void, attribute: c_uint, value: *mut c_void) |sim| {
+        sim.initialized()?;
+        let p = sim.pools.get(&(pool as u64)).ok_or(code::INVALID_VALUE)?;
+        let v = match attribute {
+            4 => p.release_threshold,
+            5 => p.reserved,
+            6 => p.reserved_high,
+            7 => p.used,
+            8 => p.used_high,
+            _ => return Err(code::INVALID_VALUE),
+        };
+        put(value.cast::<u64>(), v)
     }
 }
 
@@ -711,6 +952,10 @@ pub extern "C" fn twm_sim_reset() {
     for (address, allocation) in old.allocations {
         // SAFETY: every table entry is a live allocation made with this layout.
         unsafe { dealloc(address as *mut u8, allocation.layout) };
+    }
+    for (address, layout) in old.pools.into_values().flat_map(|p| p.cached) {
+        // SAFETY: every kept pool block was allocated with this layout and has no holder.
+        unsafe { dealloc(address as *mut u8, layout) };
     }
     *guard = Some(Sim {
         config: old.config,

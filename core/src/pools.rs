@@ -1,0 +1,324 @@
+//! Per-tenant device memory pools with a real cap.
+//!
+//! A tenant's GPU work needs device-only buffers besides its linear memory (scratch space,
+//! tensors a kernel writes). Drivers offer stream-ordered memory pools for that, but a pool's
+//! "release threshold" only says how much *freed* memory the pool keeps: it is no ceiling.
+//! [`TenantDevicePool`] is the ceiling: every byte is charged to the tenant's one
+//! [`TenantContext`] ledger (the same cap as its linear memories, [`Purpose::DevicePool`]) before
+//! the driver is asked, and given back when freed. The driver's own pool maximum
+//! ([`DevicePoolConfig::max_bytes`], `CUmemPoolProps.maxSize` where the driver has it) is a second
+//! line behind the ledger.
+//!
+//! **Scrubbing.** Pools are per tenant, so memory a tenant frees returns to its own pool and is
+//! only ever reused by the same tenant. But a pool gives memory back to the driver (trimming, or
+//! above its release threshold), and the driver may hand those pages to another tenant's pool:
+//! so every [`DevicePools::pool_allocate`] returns memory zero-filled (stream-ordered, before any
+//! later work on the stream), whatever the driver gave it.
+//!
+//! Backends without pools (cust 0.3 has no pool API; the reserved cuda-oxide slot) answer every
+//! call with an error of kind [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported).
+
+use alloc::sync::Arc;
+use core::fmt;
+
+use hashbrown::HashMap;
+
+use crate::device::DeviceId;
+use crate::error::{Error, ErrorType, Operation};
+use crate::isolation::IsolationLevel;
+use crate::ledger::{Purpose, Reservation, TenantContext, TenantId};
+use crate::stream::{DEFAULT_STREAM, Stream};
+
+/// How to make a device memory pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DevicePoolConfig {
+    /// The driver-side maximum size of the pool in bytes (`0`: no driver-side maximum; the
+    /// tenant's ledger is the ceiling either way).
+    pub max_bytes: u64,
+    /// How many freed bytes the pool may keep instead of giving them back to the driver.
+    pub release_threshold: u64,
+}
+
+/// A pool handle: the backend's raw value, its device and tenant. Not `Clone`: destroyed once.
+#[derive(Debug, PartialEq, Eq)]
+pub struct PoolHandle {
+    raw: u64,
+    device: DeviceId,
+    tenant: TenantId,
+}
+
+impl PoolHandle {
+    /// Builds a handle (for backends).
+    #[must_use]
+    pub const fn new(raw: u64, device: DeviceId, tenant: TenantId) -> Self {
+        Self {
+            raw,
+            device,
+            tenant,
+        }
+    }
+
+    /// The backend's raw pool value.
+    #[must_use]
+    pub const fn raw(&self) -> u64 {
+        self.raw
+    }
+
+    /// The device.
+    #[must_use]
+    pub const fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    /// The tenant it was made for.
+    #[must_use]
+    pub const fn tenant(&self) -> TenantId {
+        self.tenant
+    }
+}
+
+/// A device-only buffer from a pool: a device pointer and a length. Not `Clone`: freed once.
+/// It grants no host access (device memory is not host-accessible).
+#[derive(Debug, PartialEq, Eq, Hash)]
+pub struct PoolAllocation {
+    ptr: u64,
+    len: usize,
+}
+
+impl PoolAllocation {
+    /// Builds a handle (for backends).
+    #[must_use]
+    pub const fn new(ptr: u64, len: usize) -> Self {
+        Self { ptr, len }
+    }
+
+    /// The device pointer.
+    #[must_use]
+    pub const fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The length in bytes.
+    #[must_use]
+    pub const fn len(&self) -> usize {
+        self.len
+    }
+
+    /// `true` for an empty buffer (never handed out).
+    #[must_use]
+    pub const fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Figures of one pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DevicePoolStats {
+    /// Bytes allocated from the pool and not freed.
+    pub live_bytes: u64,
+    /// The most ever live at once.
+    pub peak_bytes: u64,
+    /// Bytes the driver holds for the pool (live plus kept free memory).
+    pub reserved_bytes: u64,
+    /// Allocations alive.
+    pub live_allocations: u64,
+}
+
+/// Stream-ordered device memory pools.
+///
+/// Implementors guarantee that [`pool_allocate`](Self::pool_allocate) returns memory of at least
+/// `bytes` bytes, zero-filled in stream order, disjoint from every other live allocation, and
+/// that [`destroy_pool`](Self::destroy_pool) frees what is still allocated from the pool.
+/// Backends without pools answer every call with an error of kind `Unsupported`.
+pub trait DevicePools: ErrorType {
+    /// Makes a pool on `device` for `tenant`.
+    fn create_pool(
+        &self,
+        tenant: TenantId,
+        device: DeviceId,
+        config: &DevicePoolConfig,
+    ) -> Result<PoolHandle, Self::Error>;
+
+    /// Allocates `bytes` (non-zero) from `pool`, ordered on `stream`, zero-filled.
+    fn pool_allocate(
+        &self,
+        pool: &PoolHandle,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Result<PoolAllocation, Self::Error>;
+
+    /// Frees an allocation of `pool`, ordered on `stream`.
+    fn pool_free(
+        &self,
+        pool: &PoolHandle,
+        allocation: PoolAllocation,
+        stream: &Stream,
+    ) -> Result<(), Self::Error>;
+
+    /// Gives freed memory back to the driver until the pool holds at most `keep_bytes` (or what
+    /// is live).
+    fn trim_pool(&self, pool: &PoolHandle, keep_bytes: u64) -> Result<(), Self::Error>;
+
+    /// The pool's figures.
+    fn pool_stats(&self, pool: &PoolHandle) -> Result<DevicePoolStats, Self::Error>;
+
+    /// Destroys the pool, freeing what is still allocated from it.
+    fn destroy_pool(&self, pool: PoolHandle) -> Result<(), Self::Error>;
+}
+
+macro_rules! forward_pools {
+    ($($ty:ty),*) => {$(
+        impl<T: DevicePools + ?Sized> DevicePools for $ty {
+            fn create_pool(
+                &self,
+                tenant: TenantId,
+                device: DeviceId,
+                config: &DevicePoolConfig,
+            ) -> Result<PoolHandle, Self::Error> {
+                T::create_pool(self, tenant, device, config)
+            }
+            fn pool_allocate(
+                &self,
+                pool: &PoolHandle,
+                bytes: usize,
+                stream: &Stream,
+            ) -> Result<PoolAllocation, Self::Error> {
+                T::pool_allocate(self, pool, bytes, stream)
+            }
+            fn pool_free(
+                &self,
+                pool: &PoolHandle,
+                allocation: PoolAllocation,
+                stream: &Stream,
+            ) -> Result<(), Self::Error> {
+                T::pool_free(self, pool, allocation, stream)
+            }
+            fn trim_pool(&self, pool: &PoolHandle, keep_bytes: u64) -> Result<(), Self::Error> {
+                T::trim_pool(self, pool, keep_bytes)
+            }
+            fn pool_stats(&self, pool: &PoolHandle) -> Result<DevicePoolStats, Self::Error> {
+                T::pool_stats(self, pool)
+            }
+            fn destroy_pool(&self, pool: PoolHandle) -> Result<(), Self::Error> {
+                T::destroy_pool(self, pool)
+            }
+        }
+    )*};
+}
+
+forward_pools!(&T, alloc::boxed::Box<T>, alloc::sync::Arc<T>);
+
+/// A tenant's device memory pool with the tenant's cap as its ceiling. See the
+/// [module docs](self).
+///
+/// Dropping it frees every allocation still live (on the shared default stream), destroys the
+/// pool and gives every byte back to the ledger.
+pub struct TenantDevicePool<P: DevicePools> {
+    backend: P,
+    tenant: Arc<TenantContext>,
+    pool: Option<PoolHandle>,
+    /// device pointer -> the ledger charge for it
+    live: spin::Mutex<HashMap<u64, Reservation>>,
+}
+
+impl<P: DevicePools> fmt::Debug for TenantDevicePool<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TenantDevicePool")
+            .field("tenant", &self.tenant.id())
+            .field("pool", &self.pool)
+            .field("live_allocations", &self.live.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<P: DevicePools> TenantDevicePool<P> {
+    /// Makes a pool for `tenant` on `device`.
+    pub fn new(
+        backend: P,
+        tenant: Arc<TenantContext>,
+        device: DeviceId,
+        config: &DevicePoolConfig,
+    ) -> Result<Self, Error<P::Error>> {
+        let pool = backend
+            .create_pool(tenant.id(), device, config)
+            .map_err(|e| Error::backend(Operation::CreatePool, e))?;
+        Ok(Self {
+            backend,
+            tenant,
+            pool: Some(pool),
+            live: spin::Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn handle(&self) -> &PoolHandle {
+        // `Some` from construction until drop.
+        self.pool.as_ref().unwrap_or_else(|| unreachable!())
+    }
+
+    /// The tenant.
+    pub fn tenant(&self) -> &Arc<TenantContext> {
+        &self.tenant
+    }
+
+    /// Allocates `bytes` (zero-filled, ordered on `stream`), charging the tenant first: past its
+    /// cap this is [`Error::Denied`] and the driver is never asked.
+    pub fn allocate(
+        &self,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Result<PoolAllocation, Error<P::Error>> {
+        let charge = self
+            .tenant
+            .try_reserve_for(bytes as u64, Purpose::DevicePool)?;
+        // On failure `charge` drops here: no ledger charge is left.
+        let allocation = self
+            .backend
+            .pool_allocate(self.handle(), bytes, stream)
+            .map_err(|e| Error::backend(Operation::PoolAllocate, e))?;
+        self.live.lock().insert(allocation.device_ptr(), charge);
+        Ok(allocation)
+    }
+
+    /// Frees an allocation of this pool (ordered on `stream`) and gives its bytes back to the
+    /// ledger.
+    pub fn free(&self, allocation: PoolAllocation, stream: &Stream) -> Result<(), Error<P::Error>> {
+        let ptr = allocation.device_ptr();
+        self.backend
+            .pool_free(self.handle(), allocation, stream)
+            .map_err(|e| Error::backend(Operation::PoolFree, e))?;
+        self.live.lock().remove(&ptr);
+        Ok(())
+    }
+
+    /// Gives freed memory back to the driver, keeping at most `keep_bytes`.
+    pub fn trim(&self, keep_bytes: u64) -> Result<(), Error<P::Error>> {
+        self.backend
+            .trim_pool(self.handle(), keep_bytes)
+            .map_err(|e| Error::backend(Operation::TrimPool, e))
+    }
+
+    /// The pool's figures.
+    pub fn stats(&self) -> Result<DevicePoolStats, Error<P::Error>> {
+        self.backend
+            .pool_stats(self.handle())
+            .map_err(|e| Error::backend(Operation::PoolStats, e))
+    }
+}
+
+impl<P: DevicePools> Drop for TenantDevicePool<P> {
+    fn drop(&mut self) {
+        let Some(pool) = self.pool.take() else {
+            return;
+        };
+        let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, self.tenant.id());
+        let live: alloc::vec::Vec<_> = self.live.lock().drain().collect();
+        for (ptr, charge) in live {
+            // A `PoolAllocation` is rebuilt from what this pool handed out; its length is the
+            // charge.
+            let allocation = PoolAllocation::new(ptr, charge.bytes() as usize);
+            let _ = self.backend.pool_free(&pool, allocation, &shared);
+            drop(charge);
+        }
+        let _ = self.backend.destroy_pool(pool);
+    }
+}
