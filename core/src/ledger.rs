@@ -418,3 +418,94 @@ mod tests {
         assert!(s.granted > 0);
     }
 }
+
+#[cfg(test)]
+mod model {
+    //! The ledger against a plain model: random sequences of reserve, grow, shrink and release.
+    use super::*;
+    use alloc::vec::Vec;
+    use proptest::prelude::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Reserve(u64, bool),
+        Grow(usize, u64),
+        Shrink(usize, u64),
+        Release(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u64..400, any::<bool>()).prop_map(|(b, pool)| Op::Reserve(b, pool)),
+            (any::<usize>(), 0u64..200).prop_map(|(i, b)| Op::Grow(i, b)),
+            (any::<usize>(), 0u64..400).prop_map(|(i, b)| Op::Shrink(i, b)),
+            any::<usize>().prop_map(Op::Release),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        #[test]
+        fn ledger_matches_the_model(cap in 0u64..1000, ops in proptest::collection::vec(op(), 1..60)) {
+            let t = Arc::new(TenantContext::new(TenantId(1), cap, IsolationLevel::Shared));
+            // The model: the bytes and purpose of each live reservation, and the counters.
+            let mut held: Vec<(Reservation, u64, bool)> = Vec::new();
+            let (mut peak, mut denials, mut granted) = (0u64, 0u64, 0u64);
+            for op in ops {
+                let live: u64 = held.iter().map(|h| h.1).sum();
+                match op {
+                    Op::Reserve(bytes, pool) => {
+                        let purpose = if pool { Purpose::DevicePool } else { Purpose::LinearMemory };
+                        let fits = live + bytes <= cap;
+                        match t.try_reserve_for(bytes, purpose) {
+                            Ok(r) => {
+                                prop_assert!(fits);
+                                held.push((r, bytes, pool));
+                                granted += 1;
+                            }
+                            Err(d) => {
+                                prop_assert!(!fits);
+                                prop_assert_eq!(d.live, live);
+                                denials += 1;
+                            }
+                        }
+                    }
+                    Op::Grow(i, bytes) if !held.is_empty() => {
+                        let i = i % held.len();
+                        let fits = live + bytes <= cap;
+                        prop_assert_eq!(held[i].0.try_grow(bytes).is_ok(), fits);
+                        if fits {
+                            held[i].1 += bytes;
+                            granted += 1;
+                        } else {
+                            denials += 1;
+                        }
+                    }
+                    Op::Shrink(i, bytes) if !held.is_empty() => {
+                        let i = i % held.len();
+                        held[i].0.shrink_to(bytes);
+                        held[i].1 = held[i].1.min(bytes);
+                    }
+                    Op::Release(i) if !held.is_empty() => {
+                        let i = i % held.len();
+                        drop(held.swap_remove(i));
+                    }
+                    _ => {}
+                }
+                let live: u64 = held.iter().map(|h| h.1).sum();
+                peak = peak.max(live);
+                let s = t.stats();
+                prop_assert_eq!(s.live_bytes, live);
+                prop_assert!(s.live_bytes <= cap);
+                prop_assert_eq!(s.peak_bytes, peak);
+                prop_assert_eq!(s.live_reservations, held.len() as u64);
+                prop_assert_eq!(s.denials, denials);
+                prop_assert_eq!(s.granted, granted);
+                let pool: u64 = held.iter().filter(|h| h.2).map(|h| h.1).sum();
+                prop_assert_eq!(s.device_pool_bytes, pool);
+            }
+            drop(held);
+            prop_assert_eq!(t.stats().live_bytes, 0);
+        }
+    }
+}

@@ -770,3 +770,105 @@ mod tests {
         assert_eq!(s.free(), 4);
     }
 }
+
+#[cfg(test)]
+mod model {
+    //! The slot pool against a plain model: random sequences of acquire, grow, write and release.
+    use super::*;
+    use crate::doc_support::HeapAllocator;
+    use proptest::prelude::*;
+
+    const PAGE: usize = SLOT_ALIGN;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// Acquire a slot of `pages` capacity with `visible` pages visible.
+        Acquire(usize, usize),
+        /// Grow holder `i` to `pages`.
+        Grow(usize, usize),
+        /// Fill holder `i`'s window with a byte.
+        Write(usize, u8),
+        /// Release holder `i`.
+        Release(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (1usize..=4, 0usize..=4).prop_map(|(c, v)| Op::Acquire(c, v)),
+            (any::<usize>(), 0usize..=4).prop_map(|(i, p)| Op::Grow(i, p)),
+            (any::<usize>(), 1u8..=255).prop_map(|(i, b)| Op::Write(i, b)),
+            any::<usize>().prop_map(Op::Release),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        #[test]
+        fn pool_matches_the_model(ops in proptest::collection::vec(op(), 1..40)) {
+            // Classes: 2 slots of 1 page, 2 slots of 4 pages.
+            let pool = Arc::new(
+                SlotPool::new(
+                    HeapAllocator::new(),
+                    PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 2), SizeClass::new(4 * PAGE, 2)]),
+                )
+                .unwrap(),
+            );
+            // The model: per holder, (capacity, visible bytes); free slots per class.
+            let mut holders: Vec<(UnifiedBuffer<HeapAllocator>, usize, usize)> = Vec::new();
+            let mut scrubbed = 0u64;
+            // Per slot base address: bytes its last holder made visible (what must be scrubbed).
+            let mut dirty: HashMap<usize, usize> = HashMap::new();
+            for op in ops {
+                match op {
+                    Op::Acquire(cap_pages, visible_pages) => {
+                        let (capacity, visible) = (cap_pages * PAGE, visible_pages.min(cap_pages) * PAGE);
+                        let small_free = 2 - holders.iter().filter(|h| h.0.slot_bytes() == Some(PAGE)).count();
+                        let large_free = 2 - holders.iter().filter(|h| h.0.slot_bytes() == Some(4 * PAGE)).count();
+                        let fits = (capacity <= PAGE && small_free > 0) || large_free > 0;
+                        match pool.acquire(capacity, visible) {
+                            Ok(buf) => {
+                                prop_assert!(fits, "acquired with no fitting slot free");
+                                let base = buf.as_ptr() as usize;
+                                scrubbed += dirty.remove(&base).unwrap_or(0) as u64;
+                                let mut bytes = alloc::vec![1u8; visible];
+                                buf.read(0, &mut bytes).unwrap();
+                                prop_assert!(bytes.iter().all(|&b| b == 0), "a slot must come zeroed");
+                                holders.push((buf, capacity, visible));
+                            }
+                            Err(e) => {
+                                prop_assert!(!fits, "refused with a fitting slot free: {:?}", e);
+                                prop_assert_eq!(e.kind(), ErrorKind::PoolExhausted);
+                            }
+                        }
+                    }
+                    Op::Grow(i, pages) if !holders.is_empty() => {
+                        let i = i % holders.len();
+                        let (buf, capacity, visible) = &mut holders[i];
+                        let target = pages * PAGE;
+                        let ok = buf.grow_to(target).is_ok();
+                        prop_assert_eq!(ok, target <= *capacity);
+                        if ok {
+                            *visible = (*visible).max(target);
+                        }
+                        prop_assert_eq!(buf.len(), *visible);
+                    }
+                    Op::Write(i, byte) if !holders.is_empty() => {
+                        let i = i % holders.len();
+                        let (buf, _, visible) = &mut holders[i];
+                        let data = alloc::vec![byte; *visible];
+                        buf.write(0, &data).unwrap();
+                    }
+                    Op::Release(i) if !holders.is_empty() => {
+                        let i = i % holders.len();
+                        let (buf, _, visible) = holders.swap_remove(i);
+                        dirty.insert(buf.as_ptr() as usize, visible);
+                    }
+                    _ => {}
+                }
+                let s = pool.stats();
+                prop_assert_eq!(s.in_use(), holders.len());
+                prop_assert_eq!(s.bytes_scrubbed, scrubbed, "scrubbing is exactly the high-water marks");
+            }
+        }
+    }
+}

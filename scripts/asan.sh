@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The core, mock and Wasmtime-integration test suites under AddressSanitizer (with LeakSanitizer),
+# on the nightly toolchain (no rust-src needed: std itself is not instrumented, our code and every
+# dependency are). `--target` keeps build scripts and proc-macros uninstrumented, as
+# -Zsanitizer requires. Doc tests are left out (rustdoc would need the flags too).
+#
+# Usage: scripts/asan.sh            (prints a one-line summary at the end)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! rustup run nightly rustc --version >/dev/null 2>&1; then
+    echo "asan: the nightly toolchain is not installed; skipped" >&2
+    exit 0
+fi
+target="$(rustc -vV | sed -n 's/^host: //p')"
+export RUSTFLAGS="-Zsanitizer=address"
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"
+log="$(mktemp)"
+set +e
+cargo +nightly test --locked --target "$target" --target-dir target/asan \
+    -p tensor-wasm-mem-core -p tensor-wasm-mem-mock -p tensor-wasm-mem-wasmtime \
+    --lib --tests 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+passed=$(grep -E '^test result:' "$log" | awk '{s += $4} END {print s + 0}')
+failed=$(grep -E '^test result:' "$log" | awk '{s += $6} END {print s + 0}')
+reports=$(grep -c 'ERROR: AddressSanitizer\|ERROR: LeakSanitizer' "$log" || true)
+echo "asan: $passed passed, $failed failed, $reports sanitizer reports (exit $status)"
+rm -f "$log"
+exit "$status"

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The GPU validation kit: the same tests against a real driver, in one short run.
+#
+#   scripts/gpu-check.sh build            here (cargo): release builds of the conformance suite,
+#                                         twm (cudarc + cust) and gpu-check, copied to gpu-kit/
+#   scripts/gpu-check.sh run              on the GPU machine (no cargo): runs the kit against the
+#                                         real driver and prints one short table; the full log
+#                                         goes to $OUT/gpu-check.log (or gpu-kit/out/)
+#   scripts/gpu-check.sh run --dry-run    here: the same run against the simulated libcuda
+#
+# The kit never contains the simulator, so on the GPU machine only the real driver can load.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kit=gpu-kit
+mode="${1:-}"
+
+build() {
+    rm -rf "$kit" && mkdir -p "$kit/bin"
+    echo "gpu-check: building release binaries (this takes a few minutes)"
+    cargo build --locked --release -q -p tensor-wasm-mem-tests --bin gpu-check
+    cargo build --locked --release -q -p tensor-wasm-mem-cli --no-default-features \
+        --features mock,cudarc,cust
+    local exe
+    exe=$(cargo test --locked --release -q -p tensor-wasm-mem-tests --test conformance --no-run \
+        --message-format=json 2>/dev/null |
+        sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
+    [ -n "$exe" ] || { echo "gpu-check: no conformance executable found" >&2; exit 1; }
+    cp "$exe" "$kit/bin/conformance"
+    cp target/release/gpu-check "$kit/bin/gpu-check"
+    cp target/release/twm "$kit/bin/twm"
+    strip "$kit"/bin/* 2>/dev/null || true
+    cp scripts/gpu-check.sh "$kit/gpu-check.sh"
+    du -sh "$kit" | sed 's/^/gpu-check: kit size /'
+}
+
+run() {
+    local dry=0
+    [ "${1:-}" = "--dry-run" ] && dry=1
+    [ -x "$kit/bin/conformance" ] || { echo "gpu-check: no kit; run '$0 build' first" >&2; exit 1; }
+    local out="${OUT:-$kit/out}"
+    mkdir -p "$out"
+    local log="$out/gpu-check.log"
+    : > "$log"
+    if [ "$dry" = 1 ]; then
+        # The cust-linked binaries need a libcuda.so.1: the simulator that cargo would put on the
+        # loader path (only built on machines without a driver; never part of the kit).
+        local sim
+        sim=$(ls -d target/release/build/tensor-wasm-mem-cust-*/out/runtime 2>/dev/null | head -n 1 || true)
+        [ -n "$sim" ] || { echo "gpu-check: no simulated libcuda built (is there a real driver here?)" >&2; exit 1; }
+        export LD_LIBRARY_PATH="$sim${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        echo "gpu-check: DRY RUN on the simulated libcuda" | tee -a "$log"
+    fi
+    local rows=() status=0
+    row() { rows+=("$(printf '%-34s %s' "$1" "$2")"); }
+    step() { # name, command...
+        local name="$1"; shift
+        echo "== $name: $*" >>"$log"
+        if "$@" >>"$log" 2>&1; then return 0; else status=1; return 1; fi
+    }
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        step "nvidia-smi" nvidia-smi || true
+        row "device" "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)"
+    else
+        row "device" "no nvidia-smi"
+    fi
+    for backend in cudarc cust; do
+        if step "conformance $backend" "$kit/bin/conformance" "with_$backend::" --test-threads=1; then
+            row "conformance ($backend)" "$(grep -E '^test result' "$log" | tail -n 1 | sed 's/test result: //; s/; finished.*//')"
+        else
+            row "conformance ($backend)" "FAILED (see $log)"
+        fi
+    done
+    local skipped
+    skipped=$(grep -c 'skipped on this backend' "$log" || true)
+    row "cases skipped (no fault knobs)" "$skipped"
+    if step "twm probe" "$kit/bin/twm" probe --backend cudarc; then
+        row "twm probe --backend cudarc" "$(grep -E '^driver ' "$log" | tail -n 1 | sed 's/^driver *//')"
+    else
+        row "twm probe --backend cudarc" "FAILED"
+    fi
+    if step "twm demo" "$kit/bin/twm" demo --backend cudarc; then
+        row "twm demo --backend cudarc" "$(grep -E 'back to zero' "$log" | tail -n 1)"
+    else
+        row "twm demo --backend cudarc" "FAILED"
+    fi
+    echo "== gpu-check" >>"$log"
+    local checks
+    if checks=$("$kit/bin/gpu-check" 2>&1); then :; else status=1; fi
+    echo "$checks" >>"$log"
+    echo
+    printf '%s\n' "${rows[@]}"
+    echo "$checks"
+    echo
+    echo "gpu-check: full log in $log"
+    return "$status"
+}
+
+case "$mode" in
+    build) build ;;
+    run) shift; run "$@" ;;
+    *) echo "usage: $0 build | run [--dry-run]" >&2; exit 2 ;;
+esac
