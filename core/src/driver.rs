@@ -779,3 +779,29 @@ impl<D: DriverApi> Drop for DriverBackend<D> {
         state.stats.leaked_at_drop += leaked;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_results_map_to_kinds() {
+        assert_eq!(cuda_result_kind(2), ErrorKind::OutOfMemory);
+        assert_eq!(cuda_result_kind(1), ErrorKind::InvalidArgument);
+        assert_eq!(cuda_result_kind(400), ErrorKind::InvalidArgument);
+        assert_eq!(cuda_result_kind(100), ErrorKind::NoDevice);
+        assert_eq!(cuda_result_kind(801), ErrorKind::Unsupported);
+        assert_eq!(cuda_result_kind(999), ErrorKind::Driver);
+    }
+
+    #[test]
+    fn refusals_are_typed() {
+        assert_eq!(Refusal::ZeroSize.kind(), ErrorKind::InvalidArgument);
+        assert_eq!(Refusal::NoDevicePools.kind(), ErrorKind::Unsupported);
+        assert_eq!(
+            Refusal::Range(RangeError::Overflow { offset: 1, len: 2 }).kind(),
+            ErrorKind::Overflow
+        );
+        assert!(!Refusal::UnknownStream { raw: 7 }.kind().is_denial());
+    }
+}

@@ -322,3 +322,112 @@ impl<P: DevicePools> Drop for TenantDevicePool<P> {
         let _ = self.backend.destroy_pool(pool);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::{BackendError, ErrorKind, ErrorType};
+    use alloc::string::ToString;
+
+    /// A driver-less pool: hands out increasing addresses, fails when told to.
+    #[derive(Default)]
+    struct Counting {
+        next: spin::Mutex<u64>,
+        live: spin::Mutex<u64>,
+        fail: spin::Mutex<bool>,
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("counting pool failed")]
+    struct Failed;
+
+    impl BackendError for Failed {
+        fn kind(&self) -> ErrorKind {
+            ErrorKind::OutOfMemory
+        }
+    }
+
+    impl ErrorType for Counting {
+        type Error = Failed;
+    }
+
+    impl DevicePools for Counting {
+        fn create_pool(
+            &self,
+            tenant: TenantId,
+            device: DeviceId,
+            _: &DevicePoolConfig,
+        ) -> Result<PoolHandle, Failed> {
+            Ok(PoolHandle::new(1, device, tenant))
+        }
+        fn pool_allocate(
+            &self,
+            _: &PoolHandle,
+            bytes: usize,
+            _: &Stream,
+        ) -> Result<PoolAllocation, Failed> {
+            if *self.fail.lock() {
+                return Err(Failed);
+            }
+            let mut next = self.next.lock();
+            *next += 0x1000;
+            *self.live.lock() += 1;
+            Ok(PoolAllocation::new(*next, bytes))
+        }
+        fn pool_free(&self, _: &PoolHandle, _: PoolAllocation, _: &Stream) -> Result<(), Failed> {
+            *self.live.lock() -= 1;
+            Ok(())
+        }
+        fn trim_pool(&self, _: &PoolHandle, _: u64) -> Result<(), Failed> {
+            Ok(())
+        }
+        fn pool_stats(&self, _: &PoolHandle) -> Result<DevicePoolStats, Failed> {
+            Ok(DevicePoolStats {
+                live_allocations: *self.live.lock(),
+                ..DevicePoolStats::default()
+            })
+        }
+        fn destroy_pool(&self, _: PoolHandle) -> Result<(), Failed> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_ledger_is_the_ceiling_and_drop_gives_everything_back() {
+        let backend = Counting::default();
+        let tenant = Arc::new(TenantContext::new(TenantId(4), 100, IsolationLevel::Shared));
+        let stream = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, TenantId(4));
+        let pool = TenantDevicePool::new(
+            &backend,
+            Arc::clone(&tenant),
+            DeviceId(0),
+            &DevicePoolConfig::default(),
+        )
+        .unwrap();
+        let a = pool.allocate(60, &stream).unwrap();
+        let err = pool.allocate(41, &stream).unwrap_err();
+        assert!(matches!(err, Error::Denied(_)));
+        assert_eq!(
+            *backend.live.lock(),
+            1,
+            "denied before the driver was asked"
+        );
+        *backend.fail.lock() = true;
+        let err = pool.allocate(10, &stream).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::OutOfMemory);
+        assert!(err.to_string().contains("pool_allocate"), "{err}");
+        assert_eq!(
+            tenant.stats().live_bytes,
+            60,
+            "a failed allocation leaves no charge"
+        );
+        *backend.fail.lock() = false;
+        let _b = pool.allocate(40, &stream).unwrap();
+        assert_eq!(tenant.stats().device_pool_bytes, 100);
+        pool.free(a, &stream).unwrap();
+        assert_eq!(tenant.stats().live_bytes, 40);
+        drop(pool);
+        assert_eq!(tenant.stats().live_bytes, 0);
+        assert_eq!(*backend.live.lock(), 0, "drop freed the live allocation");
+    }
+}
