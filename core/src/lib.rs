@@ -29,7 +29,10 @@ pub use advisor::Advisor;
 pub use allocator::{Allocation, MIN_ALIGN, ManagedAllocator};
 pub use buffer::{DeviceSlice, UnifiedBuffer};
 pub use device::{Advice, Capabilities, DeviceId, Location, ParseNameError};
-pub use driver::{DeviceFacts, DriverApi, DriverBackend, DriverStats, Refusal, cuda_result_kind};
+pub use driver::{
+    CudaCallError, DeviceFacts, DriverApi, DriverBackend, DriverStats, Refusal, cuda_result_kind,
+    cuda_result_name,
+};
 pub use error::{BackendError, Error, ErrorKind, ErrorType, Operation, RangeError, check_range};
 pub use isolation::IsolationLevel;
 pub use ledger::{Denied, LedgerStats, Purpose, Reservation, TenantContext, TenantId};

@@ -1,17 +1,11 @@
-//! The only place this crate calls the CUDA driver: one safe-signature function per entry point,
-//! each turning the `CUresult` into a `Result`. Handles cross this boundary as integers.
-//!
-//! Every function here is `unsafe`-free to call except where a raw address is involved; the
-//! callers in `lib.rs` uphold the ranges (they check them against their allocation table first).
+//! cudarc's binding-specific driver calls: probing the library and its entry points, hints and
+//! prefetch with `CUmemLocation` (the `_v2` forms), and stream-ordered memory pools. The calls both
+//! driver backends share are in `backends/cuda-common/cuda_driver.rs` (the `cuda` module).
 
-use std::ffi::{CStr, c_char, c_int};
+use cudarc::driver::sys::{self, CUmem_advise, CUmemLocation, CUmemLocationType, CUstream};
+use tensor_wasm_mem_core::CudaCallError;
 
-use cudarc::driver::sys::{
-    self, CUcontext, CUdevice, CUdevice_attribute, CUmem_advise, CUmemLocation, CUmemLocationType,
-    CUresult, CUstream,
-};
-
-use crate::error::DriverError;
+use crate::cuda::check;
 
 /// Every driver entry point this backend calls: probed before the first call, because cudarc
 /// resolves symbols lazily and panics on a missing one.
@@ -50,19 +44,6 @@ pub(crate) const POOL_SYMBOLS: &[&str] = &[
     "cuMemPoolGetAttribute",
 ];
 
-/// `CU_MEM_ATTACH_GLOBAL`.
-const ATTACH_GLOBAL: u32 = 1;
-/// `CU_STREAM_NON_BLOCKING`.
-const STREAM_NON_BLOCKING: u32 = 1;
-
-fn check(call: &'static str, result: CUresult) -> Result<(), DriverError> {
-    if result == CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(DriverError { call, result })
-    }
-}
-
 /// `true` when a library named like libcuda loads.
 pub(crate) fn library_present() -> bool {
     // SAFETY: loading the driver library runs its initialisers, which is what using it means;
@@ -84,150 +65,6 @@ pub(crate) fn missing_symbol(symbols: &[&'static str]) -> Option<&'static str> {
         .copied()
 }
 
-pub(crate) fn init() -> Result<(), DriverError> {
-    // SAFETY: every symbol was probed; cuInit takes no pointers.
-    check("cuInit", unsafe { sys::cuInit(0) })
-}
-
-pub(crate) fn driver_version() -> Result<i32, DriverError> {
-    let mut v: c_int = 0;
-    // SAFETY: `v` is a valid out-pointer.
-    check("cuDriverGetVersion", unsafe {
-        sys::cuDriverGetVersion(&mut v)
-    })?;
-    Ok(v)
-}
-
-pub(crate) fn device_count() -> Result<i32, DriverError> {
-    let mut n: c_int = 0;
-    // SAFETY: `n` is a valid out-pointer.
-    check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
-    Ok(n)
-}
-
-pub(crate) fn device(ordinal: i32) -> Result<CUdevice, DriverError> {
-    let mut d: CUdevice = 0;
-    // SAFETY: `d` is a valid out-pointer.
-    check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut d, ordinal) })?;
-    Ok(d)
-}
-
-pub(crate) fn attribute(
-    device: CUdevice,
-    attribute: CUdevice_attribute,
-) -> Result<i32, DriverError> {
-    let mut v: c_int = 0;
-    // SAFETY: `v` is a valid out-pointer; `device` came from cuDeviceGet.
-    check("cuDeviceGetAttribute", unsafe {
-        sys::cuDeviceGetAttribute(&mut v, attribute, device)
-    })?;
-    Ok(v)
-}
-
-pub(crate) fn device_name(device: CUdevice) -> Result<String, DriverError> {
-    let mut buf = [0 as c_char; 256];
-    // SAFETY: `buf` is valid for its length, which is passed.
-    check("cuDeviceGetName", unsafe {
-        sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as c_int, device)
-    })?;
-    // SAFETY: the driver wrote a NUL-terminated string into `buf` (and the last byte is NUL
-    // either way: the driver writes at most `len` bytes including the terminator).
-    let name = unsafe { CStr::from_ptr(buf.as_ptr()) };
-    Ok(name.to_string_lossy().into_owned())
-}
-
-pub(crate) fn primary_context_retain(device: CUdevice) -> Result<usize, DriverError> {
-    let mut ctx: CUcontext = std::ptr::null_mut();
-    // SAFETY: `ctx` is a valid out-pointer.
-    check("cuDevicePrimaryCtxRetain", unsafe {
-        sys::cuDevicePrimaryCtxRetain(&mut ctx, device)
-    })?;
-    Ok(ctx as usize)
-}
-
-pub(crate) fn primary_context_release(device: CUdevice) -> Result<(), DriverError> {
-    // SAFETY: releases one reference this backend retained.
-    check("cuDevicePrimaryCtxRelease_v2", unsafe {
-        sys::cuDevicePrimaryCtxRelease_v2(device)
-    })
-}
-
-pub(crate) fn set_current(ctx: usize) -> Result<(), DriverError> {
-    // SAFETY: `ctx` is a live context of this backend (primary or created by it).
-    check("cuCtxSetCurrent", unsafe {
-        sys::cuCtxSetCurrent(ctx as CUcontext)
-    })
-}
-
-pub(crate) fn context_create(device: CUdevice) -> Result<usize, DriverError> {
-    let mut ctx: CUcontext = std::ptr::null_mut();
-    // SAFETY: `ctx` is a valid out-pointer.
-    check("cuCtxCreate_v2", unsafe {
-        sys::cuCtxCreate_v2(&mut ctx, 0, device)
-    })?;
-    Ok(ctx as usize)
-}
-
-pub(crate) fn context_destroy(ctx: usize) -> Result<(), DriverError> {
-    // SAFETY: `ctx` was created by `context_create` and has no users left.
-    check("cuCtxDestroy_v2", unsafe {
-        sys::cuCtxDestroy_v2(ctx as CUcontext)
-    })
-}
-
-pub(crate) fn alloc_managed(bytes: usize) -> Result<u64, DriverError> {
-    let mut ptr: sys::CUdeviceptr = 0;
-    // SAFETY: `ptr` is a valid out-pointer.
-    check("cuMemAllocManaged", unsafe {
-        sys::cuMemAllocManaged(&mut ptr, bytes, ATTACH_GLOBAL)
-    })?;
-    Ok(ptr)
-}
-
-/// # Safety
-///
-/// `ptr` must be the base of a live managed allocation no one uses any more.
-pub(crate) unsafe fn free(ptr: u64) -> Result<(), DriverError> {
-    // SAFETY: guaranteed by the caller.
-    check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(ptr) })
-}
-
-/// Zeroes `ptr..ptr + len` on `stream` and waits for it.
-///
-/// # Safety
-///
-/// The range must lie inside a live managed allocation that nothing else accesses meanwhile.
-pub(crate) unsafe fn zero(ptr: u64, len: usize, stream: usize) -> Result<(), DriverError> {
-    // SAFETY: guaranteed by the caller; `stream` is a live stream of the current context.
-    check("cuMemsetD8Async", unsafe {
-        sys::cuMemsetD8Async(ptr, 0, len, stream as CUstream)
-    })?;
-    synchronize(stream)
-}
-
-pub(crate) fn stream_create() -> Result<usize, DriverError> {
-    let mut s: CUstream = std::ptr::null_mut();
-    // SAFETY: `s` is a valid out-pointer.
-    check("cuStreamCreate", unsafe {
-        sys::cuStreamCreate(&mut s, STREAM_NON_BLOCKING)
-    })?;
-    Ok(s as usize)
-}
-
-pub(crate) fn stream_destroy(stream: usize) -> Result<(), DriverError> {
-    // SAFETY: `stream` was created by `stream_create` and is released once.
-    check("cuStreamDestroy_v2", unsafe {
-        sys::cuStreamDestroy_v2(stream as CUstream)
-    })
-}
-
-pub(crate) fn synchronize(stream: usize) -> Result<(), DriverError> {
-    // SAFETY: `stream` is 0 (the legacy default stream) or a live stream of this backend.
-    check("cuStreamSynchronize", unsafe {
-        sys::cuStreamSynchronize(stream as CUstream)
-    })
-}
-
 /// A `CUmemLocation`: `None` is the host, `Some(n)` device `n`.
 fn location(device: Option<i32>) -> CUmemLocation {
     match device {
@@ -247,7 +84,7 @@ pub(crate) fn advise(
     len: usize,
     advice: CUmem_advise,
     device: Option<i32>,
-) -> Result<(), DriverError> {
+) -> Result<(), CudaCallError> {
     // SAFETY: hints change no memory contents; the caller checked the range.
     check("cuMemAdvise_v2", unsafe {
         sys::cuMemAdvise_v2(ptr, len, advice, location(device))
@@ -259,7 +96,7 @@ pub(crate) fn prefetch(
     len: usize,
     device: Option<i32>,
     stream: usize,
-) -> Result<(), DriverError> {
+) -> Result<(), CudaCallError> {
     // SAFETY: migration changes no memory contents; the caller checked the range and stream.
     check("cuMemPrefetchAsync_v2", unsafe {
         sys::cuMemPrefetchAsync_v2(ptr, len, location(device), 0, stream as CUstream)
@@ -278,7 +115,7 @@ pub(crate) fn pool_create(
     max_size: u64,
     with_max_size: bool,
     release_threshold: u64,
-) -> Result<usize, DriverError> {
+) -> Result<usize, CudaCallError> {
     // SAFETY: an all-zero CUmemPoolProps is valid (every field is an integer, a pointer or an
     // array of bytes); the fields that matter are set below.
     let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
@@ -317,7 +154,7 @@ fn pool_attribute(value: u32) -> sys::CUmemPool_attribute {
     }
 }
 
-pub(crate) fn pool_destroy(pool: usize) -> Result<(), DriverError> {
+pub(crate) fn pool_destroy(pool: usize) -> Result<(), CudaCallError> {
     // SAFETY: `pool` came from `pool_create` and is destroyed once.
     check("cuMemPoolDestroy", unsafe {
         sys::cuMemPoolDestroy(pool as sys::CUmemoryPool)
@@ -325,7 +162,7 @@ pub(crate) fn pool_destroy(pool: usize) -> Result<(), DriverError> {
 }
 
 /// Allocates from `pool` on `stream` and zero-fills it in stream order.
-pub(crate) fn pool_alloc(pool: usize, bytes: usize, stream: usize) -> Result<u64, DriverError> {
+pub(crate) fn pool_alloc(pool: usize, bytes: usize, stream: usize) -> Result<u64, CudaCallError> {
     let mut ptr: sys::CUdeviceptr = 0;
     // SAFETY: `ptr` is a valid out-pointer; `pool` and `stream` are live handles of ours.
     check("cuMemAllocFromPoolAsync", unsafe {
@@ -348,21 +185,21 @@ pub(crate) fn pool_alloc(pool: usize, bytes: usize, stream: usize) -> Result<u64
     Ok(ptr)
 }
 
-pub(crate) fn pool_free(ptr: u64, stream: usize) -> Result<(), DriverError> {
+pub(crate) fn pool_free(ptr: u64, stream: usize) -> Result<(), CudaCallError> {
     // SAFETY: `ptr` is a live pool allocation of ours, freed once, ordered on `stream`.
     check("cuMemFreeAsync", unsafe {
         sys::cuMemFreeAsync(ptr, stream as CUstream)
     })
 }
 
-pub(crate) fn pool_trim(pool: usize, keep: u64) -> Result<(), DriverError> {
+pub(crate) fn pool_trim(pool: usize, keep: u64) -> Result<(), CudaCallError> {
     // SAFETY: `pool` is a live pool of ours.
     check("cuMemPoolTrimTo", unsafe {
         sys::cuMemPoolTrimTo(pool as sys::CUmemoryPool, keep as usize)
     })
 }
 
-pub(crate) fn pool_reserved(pool: usize) -> Result<u64, DriverError> {
+pub(crate) fn pool_reserved(pool: usize) -> Result<u64, CudaCallError> {
     let mut v: u64 = 0;
     // SAFETY: the reserved-memory attribute writes a `cuuint64_t` into `v`.
     check("cuMemPoolGetAttribute", unsafe {

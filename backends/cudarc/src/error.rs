@@ -1,25 +1,8 @@
 //! The cudarc backend's error.
 
-use cudarc::driver::sys::CUresult;
-use tensor_wasm_mem_core::{BackendError, DeviceId, ErrorKind, Refusal, cuda_result_kind};
+use tensor_wasm_mem_core::{BackendError, CudaCallError, DeviceId, ErrorKind, Refusal};
 
-/// A driver call that failed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{call} failed: {result:?}")]
-pub struct DriverError {
-    /// The entry point.
-    pub call: &'static str,
-    /// What it returned.
-    pub result: CUresult,
-}
-
-impl DriverError {
-    /// The kind of this error.
-    #[must_use]
-    pub fn kind(&self) -> ErrorKind {
-        cuda_result_kind(self.result as u32)
-    }
-}
+use crate::cuda::StartError;
 
 /// Everything the cudarc backend can fail or refuse with.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -48,10 +31,20 @@ pub enum CudarcError {
     },
     /// A driver call failed.
     #[error(transparent)]
-    Driver(#[from] DriverError),
+    Driver(#[from] CudaCallError),
     /// Refused before the driver was asked (a bad range, device or handle).
     #[error(transparent)]
     Refused(#[from] Refusal),
+}
+
+impl From<StartError> for CudarcError {
+    fn from(e: StartError) -> Self {
+        match e {
+            StartError::NoDevice => Self::NoDevice,
+            StartError::NoManagedMemory(device) => Self::NoManagedMemory { device },
+            StartError::Call(e) => Self::Driver(e),
+        }
+    }
 }
 
 impl BackendError for CudarcError {

@@ -1,16 +1,8 @@
 //! The cust backend's error.
 
-use tensor_wasm_mem_core::{BackendError, DeviceId, ErrorKind, Refusal, cuda_result_kind};
+use tensor_wasm_mem_core::{BackendError, CudaCallError, DeviceId, ErrorKind, Refusal};
 
-/// A driver call that failed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{call} failed with CUresult {code}")]
-pub struct DriverError {
-    /// The entry point.
-    pub call: &'static str,
-    /// The `CUresult` it returned.
-    pub code: u32,
-}
+use crate::cuda::StartError;
 
 /// Everything the cust backend can fail or refuse with.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -27,10 +19,20 @@ pub enum CustError {
     },
     /// A driver call failed.
     #[error(transparent)]
-    Driver(#[from] DriverError),
+    Driver(#[from] CudaCallError),
     /// Refused before the driver was asked (a bad range, device or handle).
     #[error(transparent)]
     Refused(#[from] Refusal),
+}
+
+impl From<StartError> for CustError {
+    fn from(e: StartError) -> Self {
+        match e {
+            StartError::NoDevice => Self::NoDevice,
+            StartError::NoManagedMemory(device) => Self::NoManagedMemory { device },
+            StartError::Call(e) => Self::Driver(e),
+        }
+    }
 }
 
 impl BackendError for CustError {
@@ -38,7 +40,7 @@ impl BackendError for CustError {
         match self {
             Self::NoDevice => ErrorKind::NoDevice,
             Self::NoManagedMemory { .. } => ErrorKind::Unsupported,
-            Self::Driver(e) => cuda_result_kind(e.code),
+            Self::Driver(e) => e.kind(),
             Self::Refused(r) => r.kind(),
         }
     }
