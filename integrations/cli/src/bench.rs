@@ -177,19 +177,23 @@ fn pre(engine: &Engine, wat: &str) -> Result<InstancePre<()>, Failure> {
     Linker::new(engine).instantiate_pre(&module).map_err(other)
 }
 
+/// One life of the small module: a new Store, instantiate, call `run` (which touches a page).
+/// Returns the Store, still holding the instance.
+fn small_life(engine: &Engine, pre: &InstancePre<()>) -> Result<Store<()>, Failure> {
+    let mut store = Store::new(engine, ());
+    let instance = pre.instantiate(&mut store).map_err(other)?;
+    let run = instance
+        .get_typed_func::<(), ()>(&mut store, "run")
+        .map_err(other)?;
+    run.call(&mut store, ()).map_err(other)?;
+    Ok(store)
+}
+
 /// Microseconds per instantiate + call + drop of `(memory 1 16)`, one Store each.
 fn instantiate_us(setup: Setup, sizes: Sizes, bar: &ProgressBar) -> Result<f64, Failure> {
     let engine = setup.engine(16)?;
     let pre = pre(&engine, SMALL)?;
-    let once = || -> Result<(), Failure> {
-        let mut store = Store::new(&engine, ());
-        let instance = pre.instantiate(&mut store).map_err(other)?;
-        let run = instance
-            .get_typed_func::<(), ()>(&mut store, "run")
-            .map_err(other)?;
-        run.call(&mut store, ()).map_err(other)?;
-        Ok(())
-    };
+    let once = || small_life(&engine, &pre).map(drop);
     for _ in 0..200 {
         once()?;
     }
@@ -352,25 +356,11 @@ fn rss_child(key: &str, instances: usize) -> Result<(), Failure> {
     let engine = setup.engine(instances)?;
     let pre = pre(&engine, SMALL)?;
     // Warm up code paths, then measure.
-    {
-        let mut store = Store::new(&engine, ());
-        let instance = pre.instantiate(&mut store).map_err(other)?;
-        let run = instance
-            .get_typed_func::<(), ()>(&mut store, "run")
-            .map_err(other)?;
-        run.call(&mut store, ()).map_err(other)?;
-    }
+    drop(small_life(&engine, &pre)?);
     let before = resident_bytes();
-    let mut live = Vec::with_capacity(instances);
-    for _ in 0..instances {
-        let mut store = Store::new(&engine, ());
-        let instance = pre.instantiate(&mut store).map_err(other)?;
-        let run = instance
-            .get_typed_func::<(), ()>(&mut store, "run")
-            .map_err(other)?;
-        run.call(&mut store, ()).map_err(other)?;
-        live.push(store);
-    }
+    let live = (0..instances)
+        .map(|_| small_life(&engine, &pre))
+        .collect::<Result<Vec<_>, _>>()?;
     let after = resident_bytes();
     println!("{}", after.saturating_sub(before) as f64 / (1 << 20) as f64);
     drop(live);
