@@ -251,12 +251,21 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         }
     }
 
-    fn lookup(&self, view: MemoryView) -> Result<Arc<MemoryShared<B>>, TwmError> {
-        self.inner
+    /// Runs `f` on the buffer of a memory this creator made (any other is `NotOurMemory`), with
+    /// its visible size as the guest sees it.
+    fn with_buffer<R>(
+        &self,
+        view: MemoryView,
+        f: impl FnOnce(&UnifiedBuffer<Arc<B>>, usize) -> Result<R, TwmError>,
+    ) -> Result<R, TwmError> {
+        let shared = self
+            .inner
             .registry()
             .get(&view.base)
             .cloned()
-            .ok_or(TwmError::NotOurMemory)
+            .ok_or(TwmError::NotOurMemory)?;
+        let buffer = shared.buffer.read().unwrap_or_else(PoisonError::into_inner);
+        f(&buffer, view.size.min(buffer.len()))
     }
 
     /// Resolves a guest range of `memory` to a device slice: only when `memory` came from this
@@ -279,15 +288,15 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         offset: u64,
         len: u64,
     ) -> Result<DeviceSlice, TwmError> {
-        let shared = self.lookup(view)?;
-        let buffer = shared.buffer.read().unwrap_or_else(PoisonError::into_inner);
-        if !buffer.capabilities().device_accessible {
-            return Err(TwmError::NotDeviceAccessible);
-        }
-        let range = guest_range(offset, len, view.size.min(buffer.len()))?;
-        buffer
-            .device_slice(range.start, range.len())
-            .map_err(TwmError::GuestRange)
+        self.with_buffer(view, |buffer, size| {
+            if !buffer.capabilities().device_accessible {
+                return Err(TwmError::NotDeviceAccessible);
+            }
+            let range = guest_range(offset, len, size)?;
+            buffer
+                .device_slice(range.start, range.len())
+                .map_err(TwmError::GuestRange)
+        })
     }
 
     /// Applies `advice` to a guest range of `memory` (checked as in [`resolve`](Self::resolve)).
@@ -299,13 +308,12 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         len: u64,
         advice: Advice,
     ) -> Result<(), TwmError> {
-        let view = MemoryView::of(store, memory);
-        let shared = self.lookup(view)?;
-        let buffer = shared.buffer.read().unwrap_or_else(PoisonError::into_inner);
-        let range = guest_range(offset, len, view.size.min(buffer.len()))?;
-        buffer
-            .advise(range.start, range.len(), advice)
-            .map_err(TwmError::from_core)
+        self.with_buffer(MemoryView::of(store, memory), |buffer, size| {
+            let range = guest_range(offset, len, size)?;
+            buffer
+                .advise(range.start, range.len(), advice)
+                .map_err(TwmError::from_core)
+        })
     }
 
     /// Prefetches a guest range of `memory` to `to` on `stream` (checked as in
@@ -330,12 +338,12 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         to: Location,
         stream: &Stream,
     ) -> Result<(), TwmError> {
-        let shared = self.lookup(view)?;
-        let buffer = shared.buffer.read().unwrap_or_else(PoisonError::into_inner);
-        let range = guest_range(offset, len, view.size.min(buffer.len()))?;
-        buffer
-            .prefetch(range.start, range.len(), to, stream)
-            .map_err(TwmError::from_core)
+        self.with_buffer(view, |buffer, size| {
+            let range = guest_range(offset, len, size)?;
+            buffer
+                .prefetch(range.start, range.len(), to, stream)
+                .map_err(TwmError::from_core)
+        })
     }
 
     fn refuse(&self, error: TwmError) -> String {
