@@ -107,19 +107,47 @@ fn primary_context_release(device: CUdevice) -> Result<(), CudaCallError> {
     })
 }
 
-pub(crate) fn set_current(ctx: usize) -> Result<(), CudaCallError> {
+pub(crate) fn push_current(ctx: usize) -> Result<(), CudaCallError> {
     // SAFETY: `ctx` is a live context of this backend (primary or created by it).
-    check("cuCtxSetCurrent", unsafe {
-        sys::cuCtxSetCurrent(ctx as CUcontext)
+    check("cuCtxPushCurrent_v2", unsafe {
+        sys::cuCtxPushCurrent_v2(ctx as CUcontext)
     })
 }
 
+pub(crate) fn pop_current() -> Result<(), CudaCallError> {
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    // SAFETY: `ctx` is a valid out-pointer.
+    check("cuCtxPopCurrent_v2", unsafe {
+        sys::cuCtxPopCurrent_v2(&mut ctx)
+    })
+}
+
+/// Runs `f` with `ctx` pushed on the calling thread's context stack, then pops it.
+fn in_context<T>(
+    ctx: usize,
+    f: impl FnOnce() -> Result<T, CudaCallError>,
+) -> Result<T, CudaCallError> {
+    push_current(ctx)?;
+    let result = f();
+    let popped = pop_current();
+    let value = result?;
+    popped?;
+    Ok(value)
+}
+
+/// Creates a context on `device`; `cuCtxCreate` pushes it, and it is popped again, so the
+/// calling thread's context stack is left as it was.
 fn context_create(device: CUdevice) -> Result<usize, CudaCallError> {
     let mut ctx: CUcontext = std::ptr::null_mut();
     // SAFETY: `ctx` is a valid out-pointer.
     check("cuCtxCreate_v2", unsafe {
         sys::cuCtxCreate_v2(&mut ctx, 0, device)
     })?;
+    if let Err(e) = pop_current() {
+        // SAFETY: the context was just made here and no one else has it.
+        let _ = unsafe { sys::cuCtxDestroy_v2(ctx) };
+        return Err(e);
+    }
     Ok(ctx as usize)
 }
 
@@ -265,7 +293,7 @@ impl Devices {
                 )?,
             };
             let primary = primary_context_retain(cu)?;
-            let scrub_stream = match set_current(primary).and_then(|()| stream_create()) {
+            let scrub_stream = match in_context(primary, stream_create) {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = primary_context_release(cu);
@@ -349,8 +377,7 @@ impl Devices {
 impl Drop for Devices {
     fn drop(&mut self) {
         for d in &self.devices {
-            let _ = set_current(d.primary);
-            let _ = stream_destroy(d.scrub_stream);
+            let _ = in_context(d.primary, || stream_destroy(d.scrub_stream));
             let _ = primary_context_release(d.cu);
         }
     }
@@ -372,8 +399,12 @@ macro_rules! common_driver_api {
             self.devices.primary(device)
         }
 
-        fn set_current(&self, context: u64) -> Result<(), $error> {
-            Ok(cuda::set_current(context as usize)?)
+        fn push_current(&self, context: u64) -> Result<(), $error> {
+            Ok(cuda::push_current(context as usize)?)
+        }
+
+        fn pop_current(&self) -> Result<(), $error> {
+            Ok(cuda::pop_current()?)
         }
 
         fn alloc_managed(&self, _device: DeviceId, bytes: usize) -> Result<u64, $error> {

@@ -476,7 +476,12 @@ mod tests {
         let first = pool.acquire(PAGE, PAGE).unwrap();
         let second = pool.acquire(PAGE, PAGE).unwrap();
         second.advise(8, 16, Advice::SetReadMostly).unwrap();
-        let stream = Stream::new(0, 0, IsolationLevel::Shared, TenantId(0));
+        let stream = Stream::new(
+            0,
+            0,
+            IsolationLevel::Shared,
+            crate::TenantKey::fresh(TenantId(0)),
+        );
         second.prefetch(0, PAGE, Location::Host, &stream).unwrap();
         // Out of the window: refused before the backend is asked (`times(1)` above).
         assert_eq!(

@@ -16,7 +16,9 @@
 //!   them answer `Unsupported`), with their allocations tracked;
 //! - counters, and everything still alive at drop given back to the driver.
 
+use alloc::vec::Vec;
 use core::fmt;
+use core::sync::atomic::{AtomicU64, Ordering};
 
 use hashbrown::HashMap;
 
@@ -25,7 +27,7 @@ use crate::allocator::{Allocation, ManagedAllocator};
 use crate::device::{Advice, Capabilities, DeviceId, Location};
 use crate::error::{BackendError, ErrorKind, ErrorType, RangeError};
 use crate::isolation::IsolationLevel;
-use crate::ledger::TenantId;
+use crate::ledger::TenantKey;
 use crate::pools::{DevicePoolConfig, DevicePoolStats, DevicePools, PoolAllocation, PoolHandle};
 use crate::stream::{DEFAULT_STREAM, Stream, StreamProvider};
 
@@ -188,8 +190,13 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
     /// The primary context of `device`, retained for the life of the driver value.
     fn primary_context(&self, device: DeviceId) -> u64;
 
-    /// Makes `context` current on the calling thread.
-    fn set_current(&self, context: u64) -> Result<(), Self::Error>;
+    /// Pushes `context` on the calling thread's context stack (`cuCtxPushCurrent`): it is
+    /// current until the matching [`pop_current`](Self::pop_current). [`DriverBackend`] pairs
+    /// every push with a pop, so the caller's current context is what it was before each call.
+    fn push_current(&self, context: u64) -> Result<(), Self::Error>;
+
+    /// Pops the calling thread's context stack (`cuCtxPopCurrent`).
+    fn pop_current(&self) -> Result<(), Self::Error>;
 
     /// Allocates managed memory, attached globally, with `device`'s primary context current.
     fn alloc_managed(&self, device: DeviceId, bytes: usize) -> Result<u64, Self::Error>;
@@ -226,10 +233,11 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
     /// Waits for `stream` (0: the default stream), with its context current.
     fn synchronize(&self, stream: u64) -> Result<(), Self::Error>;
 
-    /// Creates a context on `device` (it may become current).
+    /// Creates a context on `device` and leaves the calling thread's context stack as it was
+    /// (`cuCtxCreate` pushes the new context: the implementation pops it).
     fn context_create(&self, device: DeviceId) -> Result<u64, Self::Error>;
 
-    /// Destroys a context made by `context_create`.
+    /// Destroys a context made by `context_create` (current on no thread of ours).
     fn context_destroy(&self, context: u64) -> Result<(), Self::Error>;
 
     /// Creates a stream-ordered memory pool on `device` (`max_bytes` 0: no driver maximum), with
@@ -277,51 +285,137 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
 }
 
 /// Counters of a [`DriverBackend`].
+///
+/// A resource the driver refused to release (a failed `cuStreamDestroy`, `cuCtxDestroy`,
+/// `cuMemPoolDestroy`, `cuMemFreeAsync`) is still held by the driver: it stays counted as live,
+/// is counted in [`release_failures`](Self::release_failures), and is tried again when the
+/// backend drops. Nothing the driver still holds is ever dropped from these figures.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DriverStats {
     /// Allocations alive.
     pub live_allocations: u64,
     /// Bytes in them.
     pub live_bytes: u64,
-    /// Streams alive (the shared default stream not counted).
+    /// Streams the driver holds for this backend (the shared default stream not counted),
+    /// including retired ones whose destroy failed.
     pub live_streams: u64,
-    /// Per-tenant contexts alive.
+    /// Per-tenant contexts the driver holds, including retired ones whose destroy failed.
     pub live_contexts: u64,
-    /// Device memory pools alive.
+    /// Device memory pools the driver holds, including retired ones whose destroy failed.
     pub live_pools: u64,
     /// Pool allocations alive.
     pub live_pool_allocations: u64,
-    /// Allocations, streams, contexts and pools still alive when the backend dropped (then
-    /// given back).
-    pub leaked_at_drop: u64,
+    /// Releases the driver refused so far (stream, context and pool destroys, pool frees, and
+    /// context-stack pops).
+    pub release_failures: u64,
+    /// Streams, contexts and pools now retired (handed to no one) but still held by the driver
+    /// after a failed release: they are tried again at drop.
+    pub pending_releases: u64,
 }
 
-#[derive(Debug, Default)]
+/// Resources still live when a [`DriverBackend`] dropped that it gave back then, process-wide.
+static RECLAIMED_AT_DROP: AtomicU64 = AtomicU64::new(0);
+/// Resources a dropping [`DriverBackend`] could not give back (the driver refused again).
+static UNRELEASED_AT_DROP: AtomicU64 = AtomicU64::new(0);
+
+/// Driver resources (allocations, streams, contexts, pools, pool blocks) that were still live
+/// when their [`DriverBackend`] dropped and that it gave back then, over the whole process: what
+/// embedders forgot to release, or what a failed release left for the drop to retry.
+#[must_use]
+pub fn reclaimed_at_drop() -> u64 {
+    RECLAIMED_AT_DROP.load(Ordering::Acquire)
+}
+
+/// Driver resources that dropped [`DriverBackend`]s could not give back even at drop (the driver
+/// refused the retry as well), over the whole process. Non-zero means the driver still holds
+/// them: a real leak, reported here because a `Drop` cannot return an error.
+#[must_use]
+pub fn unreleased_at_drop() -> u64 {
+    UNRELEASED_AT_DROP.load(Ordering::Acquire)
+}
+
+/// A live managed allocation of ours.
+#[derive(Debug)]
+struct AllocationRecord {
+    len: usize,
+    device: DeviceId,
+}
+
+/// A device memory pool of ours.
+#[derive(Debug)]
 struct PoolRecord {
     device: DeviceId,
-    tenant: TenantId,
-    /// device pointer -> length
+    tenant: TenantKey,
+    /// Device pointer -> length of each live allocation.
     live: HashMap<u64, usize>,
     live_bytes: u64,
     peak_bytes: u64,
+    /// Being destroyed, or its destroy failed: refused to callers, retried at drop.
+    retired: bool,
 }
 
+/// A stream of ours.
 #[derive(Debug)]
 struct StreamRecord {
-    tenant: TenantId,
+    tenant: TenantKey,
     context: u64,
-    level: IsolationLevel,
+    /// Being released, or its destroy failed: refused to callers, retried at drop.
+    retired: bool,
+}
+
+/// A context-isolated tenant's context. Changed only under the state lock, so "first user makes
+/// it" and "last user destroys it" are each one decision: `users` counts the tenant's streams in
+/// it plus the acquirers between [`join`](DriverBackend::join_tenant_context) and their stream
+/// (or their failure), and the entry leaves the table in the same step that takes `users` to 0.
+#[derive(Debug, Default)]
+struct TenantContextEntry {
+    context: Option<u64>,
+    users: u64,
 }
 
 #[derive(Debug, Default)]
 struct State {
-    /// base -> (len, device)
-    allocations: HashMap<u64, (usize, DeviceId)>,
+    allocations: HashMap<u64, AllocationRecord>,
     streams: HashMap<u64, StreamRecord>,
-    /// tenant -> (context, live streams in it)
-    contexts: HashMap<TenantId, (u64, u64)>,
+    contexts: HashMap<TenantKey, TenantContextEntry>,
+    /// Contexts whose destroy the driver refused: counted live, retried at drop.
+    retired_contexts: Vec<u64>,
     pools: HashMap<u64, PoolRecord>,
     stats: DriverStats,
+}
+
+impl State {
+    /// Counts a release the driver refused of a resource that is now retired.
+    fn release_failed(&mut self, retired: bool) {
+        self.stats.release_failures += 1;
+        if retired {
+            self.stats.pending_releases += 1;
+        }
+    }
+}
+
+/// Runs `f` with `context` pushed on the calling thread's context stack, and pops it after.
+/// Returns `f`'s answer and whether the pop succeeded.
+fn with_context<D: DriverApi, T>(
+    driver: &D,
+    context: u64,
+    f: impl FnOnce(&D) -> Result<T, D::Error>,
+) -> (Result<T, D::Error>, bool) {
+    if let Err(e) = driver.push_current(context) {
+        return (Err(e), true);
+    }
+    /// Pops if `f` unwinds, so a panic leaves the stack balanced too.
+    struct PopOnUnwind<'d, D: DriverApi>(&'d D);
+    impl<D: DriverApi> Drop for PopOnUnwind<'_, D> {
+        fn drop(&mut self) {
+            let _ = self.0.pop_current();
+        }
+    }
+    let guard = PopOnUnwind(driver);
+    let result = f(driver);
+    core::mem::forget(guard);
+    let popped = driver.pop_current().is_ok();
+    (result, popped)
 }
 
 /// The three backend traits on a [`DriverApi`]. See the [module docs](self).
@@ -379,6 +473,29 @@ impl<D: DriverApi> DriverBackend<D> {
         self.state.lock().stats
     }
 
+    /// Runs `f` with `context` current on the calling thread, and restores the thread's previous
+    /// current context after (a push and a pop: the caller's context stack is left as it was).
+    fn in_context<T>(
+        &self,
+        context: u64,
+        f: impl FnOnce(&D) -> Result<T, D::Error>,
+    ) -> Result<T, D::Error> {
+        let (result, popped) = with_context(&self.driver, context, f);
+        if !popped {
+            self.state.lock().release_failed(false);
+        }
+        result
+    }
+
+    /// [`in_context`](Self::in_context) with `device`'s primary context.
+    fn in_primary<T>(
+        &self,
+        device: DeviceId,
+        f: impl FnOnce(&D) -> Result<T, D::Error>,
+    ) -> Result<T, D::Error> {
+        self.in_context(self.driver.primary_context(device), f)
+    }
+
     fn check_device(&self, device: DeviceId) -> Result<(), Refusal> {
         let count = self.driver.device_count();
         if device.0 < count {
@@ -404,25 +521,101 @@ impl<D: DriverApi> DriverBackend<D> {
     ) -> Result<(DeviceId, core::ops::Range<usize>), Refusal> {
         let address = allocation.device_ptr();
         let device = match self.state.lock().allocations.get(&address) {
-            Some(&(l, d)) if l == allocation.len() => d,
+            Some(r) if r.len == allocation.len() => r.device,
             _ => return Err(Refusal::UnknownAllocation { address }),
         };
         Ok((device, allocation.range(offset, len)?))
     }
 
-    /// The context a stream handle belongs to, if this backend handed it out.
+    /// The context a stream handle belongs to, if this backend handed it out and it is live.
     fn stream_context(&self, stream: &Stream) -> Result<u64, Refusal> {
         if stream.raw() == DEFAULT_STREAM {
             if stream.is_shared() {
                 return Ok(self.driver.primary_context(DeviceId(0)));
             }
         } else if let Some(r) = self.state.lock().streams.get(&stream.raw())
-            && r.tenant == stream.tenant()
+            && !r.retired
+            && r.tenant == stream.tenant_key()
             && r.context == stream.context()
         {
             return Ok(r.context);
         }
         Err(Refusal::UnknownStream { raw: stream.raw() })
+    }
+
+    /// Joins `tenant`'s context on `device`, making it if the tenant has none: one more user
+    /// until [`leave_tenant_context`](Self::leave_tenant_context).
+    ///
+    /// The context is made outside the lock (it is slow on a GPU). Two first users of one tenant
+    /// may both make one; the first to install it wins, the other destroys its own, so the
+    /// tenant never has two.
+    fn join_tenant_context(&self, tenant: TenantKey, device: DeviceId) -> Result<u64, D::Error> {
+        let installed = {
+            let mut state = self.state.lock();
+            let entry = state.contexts.entry(tenant).or_default();
+            entry.users += 1;
+            entry.context
+        };
+        if let Some(context) = installed {
+            return Ok(context);
+        }
+        let made = match self.driver.context_create(device) {
+            Ok(made) => made,
+            Err(e) => {
+                // A failed leave is counted where it happens; the creation error is the answer.
+                let _ = self.leave_tenant_context(tenant);
+                return Err(e);
+            }
+        };
+        let mut state = self.state.lock();
+        // This call's user keeps the entry in the table.
+        let entry = state.contexts.entry(tenant).or_default();
+        match entry.context {
+            Some(installed) => {
+                drop(state);
+                // The other user's context serves; a failed destroy of ours is counted there.
+                let _ = self.destroy_context(made);
+                Ok(installed)
+            }
+            None => {
+                entry.context = Some(made);
+                state.stats.live_contexts += 1;
+                Ok(made)
+            }
+        }
+    }
+
+    /// One user of `tenant`'s context leaves; the last one destroys it.
+    fn leave_tenant_context(&self, tenant: TenantKey) -> Result<(), D::Error> {
+        let last = {
+            let mut state = self.state.lock();
+            let Some(entry) = state.contexts.get_mut(&tenant) else {
+                return Ok(());
+            };
+            entry.users = entry.users.saturating_sub(1);
+            if entry.users > 0 {
+                return Ok(());
+            }
+            let context = state.contexts.remove(&tenant).and_then(|e| e.context);
+            if context.is_some() {
+                state.stats.live_contexts -= 1;
+            }
+            context
+        };
+        match last {
+            Some(context) => self.destroy_context(context),
+            None => Ok(()),
+        }
+    }
+
+    /// Destroys a context no one uses; if the driver refuses, it stays counted and retired.
+    fn destroy_context(&self, context: u64) -> Result<(), D::Error> {
+        self.driver.context_destroy(context).inspect_err(|_| {
+            let mut state = self.state.lock();
+            state.retired_contexts.push(context);
+            state.stats.live_contexts += 1;
+            state.release_failed(true);
+        })
     }
 }
 
@@ -448,14 +641,14 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
             return Err(Refusal::ZeroSize.into());
         }
         self.check_device(device)?;
-        self.driver
-            .set_current(self.driver.primary_context(device))?;
-        let address = self.driver.alloc_managed(device, bytes)?;
+        let address = self.in_primary(device, |d| d.alloc_managed(device, bytes))?;
         let Some(ptr) = core::ptr::NonNull::new(address as usize as *mut u8) else {
             return Err(Refusal::UnknownAllocation { address }.into());
         };
         let mut state = self.state.lock();
-        state.allocations.insert(address, (bytes, device));
+        state
+            .allocations
+            .insert(address, AllocationRecord { len: bytes, device });
         state.stats.live_allocations += 1;
         state.stats.live_bytes += bytes as u64;
         // SAFETY: the `DriverApi` contract: a fresh managed allocation of `bytes` bytes.
@@ -465,15 +658,13 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
     unsafe fn free(&self, allocation: Allocation) -> Result<(), D::Error> {
         let (device, _) = self.checked(&allocation, 0, 0)?;
         let address = allocation.device_ptr();
-        self.driver
-            .set_current(self.driver.primary_context(device))?;
         // SAFETY: `address` is the base of a live allocation of ours (checked), and the caller
         // guarantees it is not used afterwards.
-        unsafe { self.driver.free(address) }?;
+        self.in_primary(device, |d| unsafe { d.free(address) })?;
         let mut state = self.state.lock();
-        if let Some((len, _)) = state.allocations.remove(&address) {
+        if let Some(record) = state.allocations.remove(&address) {
             state.stats.live_allocations -= 1;
-            state.stats.live_bytes -= len as u64;
+            state.stats.live_bytes -= record.len as u64;
         }
         Ok(())
     }
@@ -488,17 +679,10 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         if range.is_empty() {
             return Ok(());
         }
-        self.driver
-            .set_current(self.driver.primary_context(device))?;
+        let start = allocation.device_ptr() + range.start as u64;
         // SAFETY: the range lies inside a live allocation of ours (checked); the caller
         // guarantees nothing else accesses it meanwhile.
-        unsafe {
-            self.driver.zero(
-                device,
-                allocation.device_ptr() + range.start as u64,
-                range.len(),
-            )
-        }
+        self.in_primary(device, |d| unsafe { d.zero(device, start, range.len()) })
     }
 }
 
@@ -517,13 +701,8 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         if range.is_empty() {
             return Ok(());
         }
-        self.driver
-            .set_current(self.driver.primary_context(device))?;
-        self.driver.advise(
-            allocation.device_ptr() + range.start as u64,
-            range.len(),
-            advice,
-        )
+        let start = allocation.device_ptr() + range.start as u64;
+        self.in_primary(device, |d| d.advise(start, range.len(), advice))
     }
 
     fn prefetch(
@@ -549,144 +728,160 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         if range.is_empty() {
             return Ok(());
         }
-        self.driver.set_current(context)?;
-        self.driver.prefetch(
-            allocation.device_ptr() + range.start as u64,
-            range.len(),
-            to,
-            stream.raw(),
-        )
+        let start = allocation.device_ptr() + range.start as u64;
+        self.in_context(context, |d| {
+            d.prefetch(start, range.len(), to, stream.raw())
+        })
     }
 }
 
 impl<D: DriverApi> StreamProvider for DriverBackend<D> {
-    fn acquire_stream(&self, tenant: TenantId, level: IsolationLevel) -> Result<Stream, D::Error> {
-        let primary = self.driver.primary_context(DeviceId(0));
+    fn acquire_stream(&self, tenant: TenantKey, level: IsolationLevel) -> Result<Stream, D::Error> {
+        let device = DeviceId(0);
         let context = match level {
             IsolationLevel::Shared => {
+                let primary = self.driver.primary_context(device);
                 return Ok(Stream::new(DEFAULT_STREAM, primary, level, tenant));
             }
-            IsolationLevel::StreamIsolated => primary,
-            IsolationLevel::ContextIsolated => {
-                let existing = self.state.lock().contexts.get(&tenant).map(|c| c.0);
-                match existing {
-                    Some(ctx) => ctx,
-                    None => {
-                        let ctx = self.driver.context_create(DeviceId(0))?;
-                        let mut state = self.state.lock();
-                        state.contexts.insert(tenant, (ctx, 0));
-                        state.stats.live_contexts += 1;
-                        ctx
-                    }
-                }
-            }
+            IsolationLevel::StreamIsolated => self.driver.primary_context(device),
+            IsolationLevel::ContextIsolated => self.join_tenant_context(tenant, device)?,
         };
-        let created = self
-            .driver
-            .set_current(context)
-            .and_then(|()| self.driver.stream_create());
-        let raw = match created {
-            Ok(raw) => raw,
-            Err(e) => {
-                // A context made for this stream alone goes again.
+        match self.in_context(context, D::stream_create) {
+            Ok(raw) => {
                 let mut state = self.state.lock();
-                if level == IsolationLevel::ContextIsolated
-                    && let Some(&(ctx, 0)) = state.contexts.get(&tenant)
-                {
-                    state.contexts.remove(&tenant);
-                    state.stats.live_contexts -= 1;
-                    drop(state);
-                    let _ = self.driver.set_current(primary);
-                    let _ = self.driver.context_destroy(ctx);
-                }
-                return Err(e);
+                state.streams.insert(
+                    raw,
+                    StreamRecord {
+                        tenant,
+                        context,
+                        retired: false,
+                    },
+                );
+                state.stats.live_streams += 1;
+                Ok(Stream::new(raw, context, level, tenant))
             }
-        };
-        let mut state = self.state.lock();
-        if level == IsolationLevel::ContextIsolated
-            && let Some(entry) = state.contexts.get_mut(&tenant)
-        {
-            entry.1 += 1;
+            Err(e) => {
+                if level == IsolationLevel::ContextIsolated {
+                    // A failed leave is counted where it happens; the creation error is the
+                    // answer.
+                    let _ = self.leave_tenant_context(tenant);
+                }
+                Err(e)
+            }
         }
-        state.streams.insert(
-            raw,
-            StreamRecord {
-                tenant,
-                context,
-                level,
-            },
-        );
-        state.stats.live_streams += 1;
-        Ok(Stream::new(raw, context, level, tenant))
     }
 
     fn release_stream(&self, stream: Stream) -> Result<(), D::Error> {
-        let context = self.stream_context(&stream)?;
-        if stream.raw() == DEFAULT_STREAM {
+        let raw = stream.raw();
+        if raw == DEFAULT_STREAM {
+            self.stream_context(&stream)?;
             return Ok(());
         }
-        self.driver.set_current(context)?;
-        self.driver.stream_destroy(stream.raw())?;
-        let mut state = self.state.lock();
-        let Some(record) = state.streams.remove(&stream.raw()) else {
-            return Ok(());
+        // Retired under the lock: from here no caller can use it, and a second release of the
+        // same handle value finds nothing to release.
+        let context = {
+            let mut state = self.state.lock();
+            match state.streams.get_mut(&raw) {
+                Some(r)
+                    if !r.retired
+                        && r.tenant == stream.tenant_key()
+                        && r.context == stream.context() =>
+                {
+                    r.retired = true;
+                    r.context
+                }
+                _ => return Err(Refusal::UnknownStream { raw }.into()),
+            }
         };
-        state.stats.live_streams -= 1;
-        if record.level != IsolationLevel::ContextIsolated {
-            return Ok(());
+        let destroyed = self.in_context(context, |d| d.stream_destroy(raw));
+        let mut state = self.state.lock();
+        if let Err(e) = destroyed {
+            // The driver still has the stream (and so its context): both stay counted.
+            state.release_failed(true);
+            return Err(e);
         }
-        let last = state.contexts.get_mut(&record.tenant).is_some_and(|entry| {
-            entry.1 -= 1;
-            entry.1 == 0
-        });
-        if last {
-            state.contexts.remove(&record.tenant);
-            state.stats.live_contexts -= 1;
-            drop(state);
-            self.driver
-                .set_current(self.driver.primary_context(DeviceId(0)))?;
-            self.driver.context_destroy(record.context)?;
+        state.streams.remove(&raw);
+        state.stats.live_streams -= 1;
+        drop(state);
+        if stream.level() == IsolationLevel::ContextIsolated {
+            self.leave_tenant_context(stream.tenant_key())?;
         }
         Ok(())
     }
 
     fn synchronize(&self, stream: &Stream) -> Result<(), D::Error> {
         let context = self.stream_context(stream)?;
-        self.driver.set_current(context)?;
-        self.driver.synchronize(stream.raw())
+        self.in_context(context, |d| d.synchronize(stream.raw()))
     }
 }
 
 impl<D: DriverApi> DriverBackend<D> {
+    /// Checks a pool handle against a live (not retired) pool record of ours.
+    fn pool_record<'s>(
+        state: &'s mut State,
+        pool: &PoolHandle,
+    ) -> Result<&'s mut PoolRecord, Refusal> {
+        state
+            .pools
+            .get_mut(&pool.raw())
+            .filter(|r| !r.retired && r.device == pool.device() && r.tenant == pool.tenant_key())
+            .ok_or(Refusal::UnknownPool { raw: pool.raw() })
+    }
+
     /// The record of a pool handle of ours (device and tenant must match too).
     fn check_pool(&self, pool: &PoolHandle) -> Result<(), Refusal> {
-        match self.state.lock().pools.get(&pool.raw()) {
-            Some(r) if r.device == pool.device() && r.tenant == pool.tenant() => Ok(()),
-            _ => Err(Refusal::UnknownPool { raw: pool.raw() }),
-        }
+        Self::pool_record(&mut self.state.lock(), pool).map(|_| ())
+    }
+
+    /// Frees the live blocks of a retired pool, then destroys it; what the driver refuses stays
+    /// in the record (retired, counted, retried at drop).
+    fn release_pool(&self, raw: u64, device: DeviceId, blocks: &[u64]) -> Result<(), D::Error> {
+        self.in_primary(device, |d| {
+            for &ptr in blocks {
+                let freed = d.pool_free(ptr, DEFAULT_STREAM);
+                let mut state = self.state.lock();
+                if let Err(e) = freed {
+                    state.release_failed(true);
+                    return Err(e);
+                }
+                if let Some(r) = state.pools.get_mut(&raw)
+                    && let Some(len) = r.live.remove(&ptr)
+                {
+                    r.live_bytes -= len as u64;
+                    state.stats.live_pool_allocations -= 1;
+                }
+            }
+            d.pool_destroy(raw)
+        })
+        .inspect_err(|_| self.state.lock().release_failed(true))?;
+        let mut state = self.state.lock();
+        state.pools.remove(&raw);
+        state.stats.live_pools -= 1;
+        Ok(())
     }
 }
 
 impl<D: DriverApi> DevicePools for DriverBackend<D> {
     fn create_pool(
         &self,
-        tenant: TenantId,
+        tenant: TenantKey,
         device: DeviceId,
         config: &DevicePoolConfig,
     ) -> Result<PoolHandle, D::Error> {
         self.check_device(device)?;
-        self.driver
-            .set_current(self.driver.primary_context(device))?;
-        let raw = self
-            .driver
-            .pool_create(device, config.max_bytes, config.release_threshold)?;
+        let raw = self.in_primary(device, |d| {
+            d.pool_create(device, config.max_bytes, config.release_threshold)
+        })?;
         let mut state = self.state.lock();
         state.pools.insert(
             raw,
             PoolRecord {
                 device,
                 tenant,
-                ..PoolRecord::default()
+                live: HashMap::new(),
+                live_bytes: 0,
+                peak_bytes: 0,
+                retired: false,
             },
         );
         state.stats.live_pools += 1;
@@ -704,8 +899,7 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         }
         self.check_pool(pool)?;
         let context = self.stream_context(stream)?;
-        self.driver.set_current(context)?;
-        let ptr = self.driver.pool_alloc(pool.raw(), bytes, stream.raw())?;
+        let ptr = self.in_context(context, |d| d.pool_alloc(pool.raw(), bytes, stream.raw()))?;
         let mut state = self.state.lock();
         if let Some(r) = state.pools.get_mut(&pool.raw()) {
             r.live.insert(ptr, bytes);
@@ -722,47 +916,49 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         allocation: PoolAllocation,
         stream: &Stream,
     ) -> Result<(), D::Error> {
-        self.check_pool(pool)?;
-        let known = self
-            .state
-            .lock()
-            .pools
-            .get(&pool.raw())
-            .is_some_and(|r| r.live.get(&allocation.device_ptr()) == Some(&allocation.len()));
-        if !known {
-            return Err(Refusal::UnknownPool { raw: pool.raw() }.into());
-        }
         let context = self.stream_context(stream)?;
-        self.driver.set_current(context)?;
-        self.driver
-            .pool_free(allocation.device_ptr(), stream.raw())?;
-        let mut state = self.state.lock();
-        if let Some(r) = state.pools.get_mut(&pool.raw())
-            && let Some(len) = r.live.remove(&allocation.device_ptr())
+        let (ptr, len) = (allocation.device_ptr(), allocation.len());
+        // The record leaves the table before the driver frees: once the driver has the block
+        // back it may hand the same address to another thread's `pool_allocate`, whose record
+        // this call must not touch.
         {
+            let mut state = self.state.lock();
+            let r = Self::pool_record(&mut state, pool)?;
+            if r.live.get(&ptr) != Some(&len) {
+                return Err(Refusal::UnknownPool { raw: pool.raw() }.into());
+            }
+            r.live.remove(&ptr);
             r.live_bytes -= len as u64;
-            state.stats.live_pool_allocations -= 1;
         }
-        Ok(())
+        let freed = self.in_context(context, |d| d.pool_free(ptr, stream.raw()));
+        let mut state = self.state.lock();
+        match freed {
+            Ok(()) => {
+                state.stats.live_pool_allocations -= 1;
+                Ok(())
+            }
+            Err(e) => {
+                // Still the pool's: back in the record, freed when the pool is destroyed.
+                if let Some(r) = state.pools.get_mut(&pool.raw()) {
+                    r.live.insert(ptr, len);
+                    r.live_bytes += len as u64;
+                }
+                state.release_failed(false);
+                Err(e)
+            }
+        }
     }
 
     fn trim_pool(&self, pool: &PoolHandle, keep_bytes: u64) -> Result<(), D::Error> {
         self.check_pool(pool)?;
-        self.driver
-            .set_current(self.driver.primary_context(pool.device()))?;
-        self.driver.pool_trim(pool.raw(), keep_bytes)
+        self.in_primary(pool.device(), |d| d.pool_trim(pool.raw(), keep_bytes))
     }
 
     fn pool_stats(&self, pool: &PoolHandle) -> Result<DevicePoolStats, D::Error> {
         self.check_pool(pool)?;
-        self.driver
-            .set_current(self.driver.primary_context(pool.device()))?;
-        let reserved = self.driver.pool_reserved(pool.raw())?;
-        let state = self.state.lock();
-        let r = state
-            .pools
-            .get(&pool.raw())
-            .ok_or(Refusal::UnknownPool { raw: pool.raw() })?;
+        let reserved = self.in_primary(pool.device(), |d| d.pool_reserved(pool.raw()))?;
+        let mut state = self.state.lock();
+        let r = Self::pool_record(&mut state, pool)?;
         Ok(DevicePoolStats {
             live_bytes: r.live_bytes,
             peak_bytes: r.peak_bytes,
@@ -772,54 +968,64 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
     }
 
     fn destroy_pool(&self, pool: PoolHandle) -> Result<(), D::Error> {
-        self.check_pool(&pool)?;
-        let Some(record) = self.state.lock().pools.remove(&pool.raw()) else {
-            return Err(Refusal::UnknownPool { raw: pool.raw() }.into());
+        // Retired under the lock: no allocation or free of it starts after this.
+        let blocks: Vec<u64> = {
+            let mut state = self.state.lock();
+            let r = Self::pool_record(&mut state, &pool)?;
+            r.retired = true;
+            r.live.keys().copied().collect()
         };
-        self.driver
-            .set_current(self.driver.primary_context(record.device))?;
-        for &ptr in record.live.keys() {
-            let _ = self.driver.pool_free(ptr, DEFAULT_STREAM);
-        }
-        let mut state = self.state.lock();
-        state.stats.live_pools -= 1;
-        state.stats.live_pool_allocations -= record.live.len() as u64;
-        drop(state);
-        self.driver.pool_destroy(pool.raw())
+        self.release_pool(pool.raw(), pool.device(), &blocks)
     }
 }
 
 impl<D: DriverApi> Drop for DriverBackend<D> {
+    /// Gives back everything still live, retired resources included (a retry of each release
+    /// the driver refused before), and reports the outcome in [`reclaimed_at_drop`] and
+    /// [`unreleased_at_drop`].
     fn drop(&mut self) {
         let driver = &self.driver;
         let state = self.state.get_mut();
-        let mut leaked = 0;
-        for (raw, record) in state.pools.drain() {
-            let _ = driver.set_current(driver.primary_context(record.device));
-            for &ptr in record.live.keys() {
-                let _ = driver.pool_free(ptr, DEFAULT_STREAM);
+        let (mut reclaimed, mut unreleased) = (0u64, 0u64);
+        let mut tally = |ok: bool| {
+            if ok {
+                reclaimed += 1;
+            } else {
+                unreleased += 1;
             }
-            let _ = driver.pool_destroy(raw);
-            leaked += 1;
+        };
+        for (raw, record) in state.pools.drain() {
+            let primary = driver.primary_context(record.device);
+            let (entered, _) = with_context(driver, primary, |d| {
+                for &ptr in record.live.keys() {
+                    tally(d.pool_free(ptr, DEFAULT_STREAM).is_ok());
+                }
+                tally(d.pool_destroy(raw).is_ok());
+                Ok(())
+            });
+            if entered.is_err() {
+                for _ in 0..=record.live.len() {
+                    tally(false);
+                }
+            }
         }
         for (raw, record) in state.streams.drain() {
-            let _ = driver.set_current(record.context);
-            let _ = driver.stream_destroy(raw);
-            leaked += 1;
+            let (destroyed, _) = with_context(driver, record.context, |d| d.stream_destroy(raw));
+            tally(destroyed.is_ok());
         }
-        let _ = driver.set_current(driver.primary_context(DeviceId(0)));
-        for (_, (ctx, _)) in state.contexts.drain() {
-            let _ = driver.context_destroy(ctx);
-            leaked += 1;
+        let contexts = state.contexts.drain().filter_map(|(_, e)| e.context);
+        for context in contexts.chain(state.retired_contexts.drain(..)) {
+            tally(driver.context_destroy(context).is_ok());
         }
-        for (address, (_, device)) in state.allocations.drain() {
-            let _ = driver.set_current(driver.primary_context(device));
+        for (address, record) in state.allocations.drain() {
+            let primary = driver.primary_context(record.device);
             // SAFETY: a live allocation of ours; the backend is going away, and by the
             // `Allocation` contract nothing may use its memory past the backend's life.
-            let _ = unsafe { driver.free(address) };
-            leaked += 1;
+            let (freed, _) = with_context(driver, primary, |d| unsafe { d.free(address) });
+            tally(freed.is_ok());
         }
-        state.stats.leaked_at_drop += leaked;
+        RECLAIMED_AT_DROP.fetch_add(reclaimed, Ordering::AcqRel);
+        UNRELEASED_AT_DROP.fetch_add(unreleased, Ordering::AcqRel);
     }
 }
 

@@ -258,6 +258,12 @@ pub enum Error<E> {
     /// The memory is not accessible from the host, so it cannot be read or written there.
     #[error("memory is not host-accessible on this backend")]
     NotHostAccessible,
+    /// A device-pool allocation this pool did not hand out (or already freed).
+    #[error("no live allocation at {ptr:#x} in this device pool")]
+    UnknownPoolAllocation {
+        /// The device pointer.
+        ptr: u64,
+    },
     /// The backend failed.
     #[error("backend failed to {op}: {source}")]
     Backend {
@@ -284,6 +290,7 @@ impl<E: BackendError> Error<E> {
             Self::Range(e) => e.kind(),
             Self::Pool(e) => e.kind(),
             Self::NotHostAccessible => ErrorKind::Unsupported,
+            Self::UnknownPoolAllocation { .. } => ErrorKind::InvalidArgument,
             Self::Backend { source, .. } => source.kind(),
         }
     }

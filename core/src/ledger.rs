@@ -19,9 +19,63 @@ use core::sync::atomic::{AtomicU64, Ordering};
 use crate::error::ErrorKind;
 use crate::isolation::IsolationLevel;
 
-/// Identifies a tenant.
+/// Identifies a tenant to people: the embedder's number, used in messages, spans and metrics.
+///
+/// Two tenants may share an id by accident; backends never key anything on it alone but on a
+/// [`TenantKey`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct TenantId(pub u64);
+
+/// Identifies one tenant object in a backend's tables: its [`TenantId`] and a serial number
+/// unique in the process, minted by [`TenantKey::fresh`] (each [`TenantContext`] mints its own).
+///
+/// Two tenants made with the same id get different keys, so they never share an isolated context,
+/// a stream or a pool, and cannot release each other's: identity cannot collide by accident.
+///
+/// ```
+/// use tensor_wasm_mem_core::{IsolationLevel, TenantContext, TenantId};
+///
+/// let a = TenantContext::new(TenantId(7), 1 << 20, IsolationLevel::ContextIsolated);
+/// let b = TenantContext::new(TenantId(7), 1 << 20, IsolationLevel::ContextIsolated);
+/// assert_eq!(a.key().id(), b.key().id());
+/// assert_ne!(a.key(), b.key());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TenantKey {
+    id: TenantId,
+    serial: u64,
+}
+
+/// The next serial [`TenantKey::fresh`] hands out.
+static NEXT_TENANT_SERIAL: AtomicU64 = AtomicU64::new(1);
+
+impl TenantKey {
+    /// A key no other call of this function has returned in this process.
+    #[must_use]
+    pub fn fresh(id: TenantId) -> Self {
+        // Relaxed: only uniqueness matters, which the atomic read-modify-write gives.
+        let serial = NEXT_TENANT_SERIAL.fetch_add(1, Ordering::Relaxed);
+        Self { id, serial }
+    }
+
+    /// The embedder's id.
+    #[must_use]
+    pub const fn id(self) -> TenantId {
+        self.id
+    }
+
+    /// The process-unique serial number.
+    #[must_use]
+    pub const fn serial(self) -> u64 {
+        self.serial
+    }
+}
+
+impl fmt::Display for TenantKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (#{})", self.id, self.serial)
+    }
+}
 
 impl fmt::Display for TenantId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -87,7 +141,7 @@ pub struct LedgerStats {
 /// Reserving is lock-free and atomic: under any contention the live total never exceeds the cap.
 #[derive(Debug)]
 pub struct TenantContext {
-    id: TenantId,
+    key: TenantKey,
     cap: u64,
     isolation: IsolationLevel,
     live: AtomicU64,
@@ -99,11 +153,12 @@ pub struct TenantContext {
 }
 
 impl TenantContext {
-    /// A tenant with a cap of `cap_bytes` (`u64::MAX` for none) at `isolation`.
+    /// A tenant with a cap of `cap_bytes` (`u64::MAX` for none) at `isolation`, with a fresh
+    /// [`TenantKey`].
     #[must_use]
-    pub const fn new(id: TenantId, cap_bytes: u64, isolation: IsolationLevel) -> Self {
+    pub fn new(id: TenantId, cap_bytes: u64, isolation: IsolationLevel) -> Self {
         Self {
-            id,
+            key: TenantKey::fresh(id),
             cap: cap_bytes,
             isolation,
             live: AtomicU64::new(0),
@@ -118,7 +173,13 @@ impl TenantContext {
     /// The tenant's id.
     #[must_use]
     pub const fn id(&self) -> TenantId {
-        self.id
+        self.key.id
+    }
+
+    /// The tenant's identity in backends' tables (streams, contexts, pools).
+    #[must_use]
+    pub const fn key(&self) -> TenantKey {
+        self.key
     }
 
     /// The cap in bytes.
@@ -180,7 +241,7 @@ impl TenantContext {
             Err(live) => {
                 self.denials.fetch_add(1, Ordering::Relaxed);
                 Err(Denied {
-                    tenant: self.id,
+                    tenant: self.key.id,
                     cap,
                     live,
                     requested: bytes,

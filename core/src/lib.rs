@@ -31,11 +31,11 @@ pub use buffer::{DeviceSlice, UnifiedBuffer};
 pub use device::{Advice, Capabilities, DeviceId, Location, ParseNameError};
 pub use driver::{
     CudaCallError, DeviceFacts, DriverApi, DriverBackend, DriverStats, Refusal, cuda_result_kind,
-    cuda_result_name,
+    cuda_result_name, reclaimed_at_drop, unreleased_at_drop,
 };
 pub use error::{BackendError, Error, ErrorKind, ErrorType, Operation, RangeError, check_range};
 pub use isolation::IsolationLevel;
-pub use ledger::{Denied, LedgerStats, Purpose, Reservation, TenantContext, TenantId};
+pub use ledger::{Denied, LedgerStats, Purpose, Reservation, TenantContext, TenantId, TenantKey};
 pub use plan::{
     DEFAULT_MAX_BYTES, HARD_MAX_LINEAR_MEMORY_BYTES, MemoryPlan, MemoryType, PlanError, PlanLimits,
     WASM_PAGE_SIZE,

@@ -6,7 +6,7 @@
 
 use crate::{
     Advice, Advisor, Allocation, BackendError, Capabilities, DeviceId, ErrorKind, ErrorType,
-    IsolationLevel, Location, ManagedAllocator, Stream, StreamProvider, TenantId,
+    IsolationLevel, Location, ManagedAllocator, Stream, StreamProvider, TenantKey,
 };
 
 /// The error type of [`MockBackend`]: whatever kind the test chooses.
@@ -63,7 +63,7 @@ mockall::mock! {
     impl StreamProvider for Backend {
         fn acquire_stream(
             &self,
-            tenant: TenantId,
+            tenant: TenantKey,
             level: IsolationLevel,
         ) -> Result<Stream, MockError>;
         fn release_stream(&self, stream: Stream) -> Result<(), MockError>;

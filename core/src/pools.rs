@@ -26,7 +26,7 @@ use hashbrown::HashMap;
 use crate::device::DeviceId;
 use crate::error::{Error, ErrorType, Operation};
 use crate::isolation::IsolationLevel;
-use crate::ledger::{Purpose, Reservation, TenantContext, TenantId};
+use crate::ledger::{Purpose, Reservation, TenantContext, TenantId, TenantKey};
 use crate::stream::{DEFAULT_STREAM, Stream};
 
 /// How to make a device memory pool.
@@ -44,13 +44,13 @@ pub struct DevicePoolConfig {
 pub struct PoolHandle {
     raw: u64,
     device: DeviceId,
-    tenant: TenantId,
+    tenant: TenantKey,
 }
 
 impl PoolHandle {
     /// Builds a handle (for backends).
     #[must_use]
-    pub const fn new(raw: u64, device: DeviceId, tenant: TenantId) -> Self {
+    pub const fn new(raw: u64, device: DeviceId, tenant: TenantKey) -> Self {
         Self {
             raw,
             device,
@@ -70,9 +70,15 @@ impl PoolHandle {
         self.device
     }
 
-    /// The tenant it was made for.
+    /// The id of the tenant it was made for.
     #[must_use]
     pub const fn tenant(&self) -> TenantId {
+        self.tenant.id()
+    }
+
+    /// The identity of the tenant it was made for (what backends check).
+    #[must_use]
+    pub const fn tenant_key(&self) -> TenantKey {
         self.tenant
     }
 }
@@ -134,7 +140,7 @@ pub trait DevicePools: ErrorType {
     /// Makes a pool on `device` for `tenant`.
     fn create_pool(
         &self,
-        tenant: TenantId,
+        tenant: TenantKey,
         device: DeviceId,
         config: &DevicePoolConfig,
     ) -> Result<PoolHandle, Self::Error>;
@@ -171,7 +177,7 @@ macro_rules! forward_pools {
         impl<T: DevicePools + ?Sized> DevicePools for $ty {
             fn create_pool(
                 &self,
-                tenant: TenantId,
+                tenant: TenantKey,
                 device: DeviceId,
                 config: &DevicePoolConfig,
             ) -> Result<PoolHandle, Self::Error> {
@@ -240,7 +246,7 @@ impl<P: DevicePools> TenantDevicePool<P> {
         config: &DevicePoolConfig,
     ) -> Result<Self, Error<P::Error>> {
         let pool = backend
-            .create_pool(tenant.id(), device, config)
+            .create_pool(tenant.key(), device, config)
             .map_err(|e| Error::backend(Operation::CreatePool, e))?;
         Ok(Self {
             backend,
@@ -280,14 +286,35 @@ impl<P: DevicePools> TenantDevicePool<P> {
     }
 
     /// Frees an allocation of this pool (ordered on `stream`) and gives its bytes back to the
-    /// ledger.
+    /// ledger. An allocation this pool does not hold is refused before the driver is asked.
+    ///
+    /// The charge leaves the pool's record *before* the driver frees: once the driver has the
+    /// block back it may hand the same address to another thread's [`allocate`](Self::allocate)
+    /// at once, whose record must not be touched by this call. If the driver refuses the free,
+    /// the charge goes back into the record (the block is still the tenant's, and is freed when
+    /// the pool drops).
     pub fn free(&self, allocation: PoolAllocation, stream: &Stream) -> Result<(), Error<P::Error>> {
         let ptr = allocation.device_ptr();
-        self.backend
-            .pool_free(self.handle(), allocation, stream)
-            .map_err(|e| Error::backend(Operation::PoolFree, e))?;
-        self.live.lock().remove(&ptr);
-        Ok(())
+        let charge = {
+            let mut live = self.live.lock();
+            match live.get(&ptr) {
+                Some(c) if c.bytes() == allocation.len() as u64 => live.remove(&ptr),
+                _ => None,
+            }
+        };
+        let Some(charge) = charge else {
+            return Err(Error::UnknownPoolAllocation { ptr });
+        };
+        match self.backend.pool_free(self.handle(), allocation, stream) {
+            Ok(()) => {
+                drop(charge);
+                Ok(())
+            }
+            Err(e) => {
+                self.live.lock().insert(ptr, charge);
+                Err(Error::backend(Operation::PoolFree, e))
+            }
+        }
     }
 
     /// Gives freed memory back to the driver, keeping at most `keep_bytes`.
@@ -310,7 +337,7 @@ impl<P: DevicePools> Drop for TenantDevicePool<P> {
         let Some(pool) = self.pool.take() else {
             return;
         };
-        let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, self.tenant.id());
+        let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, self.tenant.key());
         let live: alloc::vec::Vec<_> = self.live.lock().drain().collect();
         for (ptr, charge) in live {
             // A `PoolAllocation` is rebuilt from what this pool handed out; its length is the
@@ -354,7 +381,7 @@ mod tests {
     impl DevicePools for Counting {
         fn create_pool(
             &self,
-            tenant: TenantId,
+            tenant: TenantKey,
             device: DeviceId,
             _: &DevicePoolConfig,
         ) -> Result<PoolHandle, Failed> {
@@ -396,7 +423,7 @@ mod tests {
     fn the_ledger_is_the_ceiling_and_drop_gives_everything_back() {
         let backend = Counting::default();
         let tenant = Arc::new(TenantContext::new(TenantId(4), 100, IsolationLevel::Shared));
-        let stream = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, TenantId(4));
+        let stream = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
         let pool = TenantDevicePool::new(
             &backend,
             Arc::clone(&tenant),

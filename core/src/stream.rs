@@ -13,7 +13,7 @@
 
 use crate::error::ErrorType;
 use crate::isolation::IsolationLevel;
-use crate::ledger::TenantId;
+use crate::ledger::{TenantId, TenantKey};
 
 /// The raw value of the shared (default) stream.
 pub const DEFAULT_STREAM: u64 = 0;
@@ -26,13 +26,13 @@ pub struct Stream {
     raw: u64,
     context: u64,
     level: IsolationLevel,
-    tenant: TenantId,
+    tenant: TenantKey,
 }
 
 impl Stream {
     /// Builds a handle (for backends).
     #[must_use]
-    pub const fn new(raw: u64, context: u64, level: IsolationLevel, tenant: TenantId) -> Self {
+    pub const fn new(raw: u64, context: u64, level: IsolationLevel, tenant: TenantKey) -> Self {
         Self {
             raw,
             context,
@@ -60,9 +60,15 @@ impl Stream {
         self.level
     }
 
-    /// The tenant it was acquired for.
+    /// The id of the tenant it was acquired for.
     #[must_use]
     pub const fn tenant(&self) -> TenantId {
+        self.tenant.id()
+    }
+
+    /// The identity of the tenant it was acquired for (what backends check).
+    #[must_use]
+    pub const fn tenant_key(&self) -> TenantKey {
         self.tenant
     }
 
@@ -76,9 +82,12 @@ impl Stream {
 /// Hands out streams by isolation level. See the [module docs](self) for the contract.
 pub trait StreamProvider: ErrorType {
     /// A stream for one instance of `tenant` at `level`.
+    ///
+    /// Context-isolated streams of one [`TenantKey`] share one context; two keys never do, even
+    /// when their [`TenantId`]s are equal.
     fn acquire_stream(
         &self,
-        tenant: TenantId,
+        tenant: TenantKey,
         level: IsolationLevel,
     ) -> Result<Stream, Self::Error>;
 
@@ -96,7 +105,7 @@ macro_rules! forward_streams {
         impl<T: StreamProvider + ?Sized> StreamProvider for $ty {
             fn acquire_stream(
                 &self,
-                tenant: TenantId,
+                tenant: TenantKey,
                 level: IsolationLevel,
             ) -> Result<Stream, Self::Error> {
                 T::acquire_stream(self, tenant, level)
@@ -122,7 +131,11 @@ pub struct StreamLease<P: StreamProvider> {
 
 impl<P: StreamProvider> StreamLease<P> {
     /// Acquires a stream from `provider` (which may be `&T`, `Arc<T>` or an owned provider).
-    pub fn acquire(provider: P, tenant: TenantId, level: IsolationLevel) -> Result<Self, P::Error> {
+    pub fn acquire(
+        provider: P,
+        tenant: TenantKey,
+        level: IsolationLevel,
+    ) -> Result<Self, P::Error> {
         let stream = provider.acquire_stream(tenant, level)?;
         Ok(Self {
             provider,
@@ -176,14 +189,13 @@ mod tests {
             .withf(|s| s.raw() == 42 && s.tenant() == TenantId(5))
             .times(2)
             .returning(|_| Ok(()));
-        let lease =
-            StreamLease::acquire(&mock, TenantId(5), IsolationLevel::StreamIsolated).unwrap();
+        let tenant = TenantKey::fresh(TenantId(5));
+        let lease = StreamLease::acquire(&mock, tenant, IsolationLevel::StreamIsolated).unwrap();
         assert_eq!(lease.stream().raw(), 42);
         assert_eq!(lease.stream().context(), 7);
         assert!(!lease.stream().is_shared());
         drop(lease);
-        let lease =
-            StreamLease::acquire(&mock, TenantId(5), IsolationLevel::StreamIsolated).unwrap();
+        let lease = StreamLease::acquire(&mock, tenant, IsolationLevel::StreamIsolated).unwrap();
         lease.release().unwrap();
     }
 
@@ -193,7 +205,11 @@ mod tests {
         mock.expect_acquire_stream()
             .returning(|_, _| Err(MockError(ErrorKind::Driver)));
         mock.expect_release_stream().never();
-        let result = StreamLease::acquire(&mock, TenantId(1), IsolationLevel::ContextIsolated);
+        let result = StreamLease::acquire(
+            &mock,
+            TenantKey::fresh(TenantId(1)),
+            IsolationLevel::ContextIsolated,
+        );
         assert_eq!(result.err(), Some(MockError(ErrorKind::Driver)));
     }
 }

@@ -9,7 +9,7 @@ use tensor_wasm_mem_core::{
     Advice, Advisor, Allocation, BackendError, DeviceId, DevicePoolConfig, Error, ErrorKind,
     IsolationLevel, Location, MIN_ALIGN, ManagedAllocator, Operation, PoolAllocation, PoolConfig,
     PoolError, SizeClass, SlotPool, Stream, StreamLease, StreamProvider, TenantContext,
-    TenantDevicePool, TenantId, UnifiedBuffer,
+    TenantDevicePool, TenantId, TenantKey, UnifiedBuffer,
 };
 
 use crate::Harness;
@@ -27,6 +27,21 @@ fn tenant(id: u64, cap: u64) -> Arc<TenantContext> {
         cap,
         IsolationLevel::StreamIsolated,
     ))
+}
+
+/// The one tenant identity of number `id` in this process (the conformance cases speak of "tenant
+/// 1" the way an embedder holds one tenant object).
+fn key(id: u64) -> TenantKey {
+    static KEYS: std::sync::Mutex<Vec<(u64, TenantKey)>> = std::sync::Mutex::new(Vec::new());
+    let mut keys = KEYS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(&(_, k)) = keys.iter().find(|(n, _)| *n == id) {
+        return k;
+    }
+    let k = TenantKey::fresh(TenantId(id));
+    keys.push((id, k));
+    k
 }
 
 fn all_advice(location: Location) -> [Advice; 6] {
@@ -385,7 +400,7 @@ pub fn prefetch_accepts_every_valid_range<H: Harness>() {
     let a = b.allocate(D0, len).expect("allocate");
     let concurrent = b.capabilities().concurrent_managed_access;
     for level in [IsolationLevel::Shared, IsolationLevel::StreamIsolated] {
-        let lease = StreamLease::acquire(&*b, TenantId(1), level).expect("stream");
+        let lease = StreamLease::acquire(&*b, key(1), level).expect("stream");
         for (offset, n) in valid_ranges(len) {
             b.prefetch(&a, offset, n, Location::Host, lease.stream())
                 .unwrap_or_else(|e| panic!("prefetch({offset}, {n}) to host: {e}"));
@@ -408,7 +423,7 @@ pub fn prefetch_rejects_out_of_range<H: Harness>() {
     let b = H::backend();
     let len = 2 * PAGE;
     let a = b.allocate(D0, len).expect("allocate");
-    let lease = StreamLease::acquire(&*b, TenantId(1), IsolationLevel::Shared).expect("stream");
+    let lease = StreamLease::acquire(&*b, key(1), IsolationLevel::Shared).expect("stream");
     for (offset, n, kind) in bad_ranges(len) {
         if kind != ErrorKind::OutOfRange {
             continue;
@@ -427,7 +442,7 @@ pub fn prefetch_rejects_overflow<H: Harness>() {
     let b = H::backend();
     let len = 2 * PAGE;
     let a = b.allocate(D0, len).expect("allocate");
-    let lease = StreamLease::acquire(&*b, TenantId(1), IsolationLevel::Shared).expect("stream");
+    let lease = StreamLease::acquire(&*b, key(1), IsolationLevel::Shared).expect("stream");
     for (offset, n, kind) in bad_ranges(len) {
         if kind != ErrorKind::Overflow {
             continue;
@@ -445,7 +460,7 @@ pub fn prefetch_rejects_overflow<H: Harness>() {
 pub fn prefetch_rejects_unknown_device<H: Harness>() {
     let b = H::backend();
     let a = b.allocate(D0, PAGE).expect("allocate");
-    let lease = StreamLease::acquire(&*b, TenantId(1), IsolationLevel::Shared).expect("stream");
+    let lease = StreamLease::acquire(&*b, key(1), IsolationLevel::Shared).expect("stream");
     let nowhere = Location::Device(DeviceId(b.device_count()));
     let err = b
         .prefetch(&a, 0, PAGE, nowhere, lease.stream())
@@ -459,10 +474,10 @@ pub fn prefetch_rejects_unknown_device<H: Harness>() {
 pub fn shared_stream_is_shared<H: Harness>() {
     let b = H::backend();
     let one = b
-        .acquire_stream(TenantId(1), IsolationLevel::Shared)
+        .acquire_stream(key(1), IsolationLevel::Shared)
         .expect("shared");
     let two = b
-        .acquire_stream(TenantId(2), IsolationLevel::Shared)
+        .acquire_stream(key(2), IsolationLevel::Shared)
         .expect("shared");
     assert_eq!(one.raw(), two.raw(), "shared streams are the same stream");
     assert_eq!(one.context(), two.context(), "in the same context");
@@ -481,11 +496,11 @@ pub fn shared_stream_is_shared<H: Harness>() {
 pub fn isolated_streams_are_distinct_and_released<H: Harness>() {
     let b = H::backend();
     let shared = b
-        .acquire_stream(TenantId(1), IsolationLevel::Shared)
+        .acquire_stream(key(1), IsolationLevel::Shared)
         .expect("shared");
     let streams: Vec<Stream> = (0..4)
         .map(|_| {
-            b.acquire_stream(TenantId(1), IsolationLevel::StreamIsolated)
+            b.acquire_stream(key(1), IsolationLevel::StreamIsolated)
                 .expect("isolated")
         })
         .collect();
@@ -513,12 +528,12 @@ pub fn context_isolation_is_per_tenant<H: Harness>() {
     let b = H::backend();
     let level = IsolationLevel::ContextIsolated;
     let primary = b
-        .acquire_stream(TenantId(9), IsolationLevel::Shared)
+        .acquire_stream(key(9), IsolationLevel::Shared)
         .expect("shared")
         .context();
-    let a1 = b.acquire_stream(TenantId(1), level).expect("a1");
-    let a2 = b.acquire_stream(TenantId(1), level).expect("a2");
-    let b1 = b.acquire_stream(TenantId(2), level).expect("b1");
+    let a1 = b.acquire_stream(key(1), level).expect("a1");
+    let a2 = b.acquire_stream(key(1), level).expect("a2");
+    let b1 = b.acquire_stream(key(2), level).expect("b1");
     assert_eq!(a1.context(), a2.context(), "one context per tenant");
     assert_ne!(a1.context(), b1.context(), "tenants do not share a context");
     assert_ne!(a1.context(), primary, "not the primary context");
@@ -542,21 +557,16 @@ pub fn context_isolation_is_per_tenant<H: Harness>() {
 pub fn unknown_streams_are_refused<H: Harness>() {
     let b = H::backend();
     let s = b
-        .acquire_stream(TenantId(1), IsolationLevel::StreamIsolated)
+        .acquire_stream(key(1), IsolationLevel::StreamIsolated)
         .expect("stream");
     let (raw, context) = (s.raw(), s.context());
     b.release_stream(s).expect("release");
-    let stale = Stream::new(raw, context, IsolationLevel::StreamIsolated, TenantId(1));
+    let stale = Stream::new(raw, context, IsolationLevel::StreamIsolated, key(1));
     let err = b.synchronize(&stale).expect_err("released stream");
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
     let err = b.release_stream(stale).expect_err("released twice");
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
-    let forged = Stream::new(
-        0xdead_beef,
-        context,
-        IsolationLevel::StreamIsolated,
-        TenantId(1),
-    );
+    let forged = Stream::new(0xdead_beef, context, IsolationLevel::StreamIsolated, key(1));
     assert!(b.release_stream(forged).is_err(), "forged handle");
     assert_no_leaks::<H>(&b);
 }
@@ -781,7 +791,7 @@ pub fn injected_advise_failure_rolls_back<H: Harness>() {
 pub fn injected_prefetch_failure_rolls_back<H: Harness>() {
     let b = H::backend();
     let buf = UnifiedBuffer::new(Arc::clone(&b), D0, PAGE, PAGE).expect("buffer");
-    let lease = StreamLease::acquire(Arc::clone(&b), TenantId(1), IsolationLevel::StreamIsolated)
+    let lease = StreamLease::acquire(Arc::clone(&b), key(1), IsolationLevel::StreamIsolated)
         .expect("stream");
     if !H::fail_nth(&b, Operation::Prefetch, 1) {
         return skipped("injected_prefetch_failure_rolls_back", "no fault injection");
@@ -815,10 +825,10 @@ pub fn injected_stream_failure_rolls_back<H: Harness>() {
         if !H::fail_nth(&b, Operation::AcquireStream, 1) {
             return skipped("injected_stream_failure_rolls_back", "no fault injection");
         }
-        let err = StreamLease::acquire(Arc::clone(&b), TenantId(1), level).expect_err("injected");
+        let err = StreamLease::acquire(Arc::clone(&b), key(1), level).expect_err("injected");
         assert!(!err.kind().is_denial());
         assert_no_leaks::<H>(&b);
-        drop(StreamLease::acquire(Arc::clone(&b), TenantId(1), level).expect("works again"));
+        drop(StreamLease::acquire(Arc::clone(&b), key(1), level).expect("works again"));
         assert_no_leaks::<H>(&b);
     }
 }
@@ -858,7 +868,8 @@ fn instance_life<H: Harness>(
             Advice::SetPreferredLocation(Location::Device(D0)),
         )
         .map_err(|e| e.kind())?;
-    let lease = StreamLease::acquire(Arc::clone(b), t.id(), t.isolation()).map_err(|e| e.kind())?;
+    let lease =
+        StreamLease::acquire(Arc::clone(b), t.key(), t.isolation()).map_err(|e| e.kind())?;
     memory
         .prefetch(0, 2 * PAGE, Location::Host, lease.stream())
         .map_err(|e| e.kind())?;
@@ -940,7 +951,7 @@ fn shared(tenant: &TenantContext) -> Stream {
         tensor_wasm_mem_core::DEFAULT_STREAM,
         0,
         IsolationLevel::Shared,
-        tenant.id(),
+        tenant.key(),
     )
 }
 

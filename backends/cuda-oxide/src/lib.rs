@@ -5,7 +5,7 @@
 use tensor_wasm_mem_core::{
     Advice, Advisor, Allocation, BackendError, Capabilities, DeviceId, DevicePoolConfig,
     DevicePoolStats, DevicePools, ErrorKind, ErrorType, IsolationLevel, Location, ManagedAllocator,
-    Operation, PoolAllocation, PoolHandle, Stream, StreamProvider, TenantId,
+    Operation, PoolAllocation, PoolHandle, Stream, StreamProvider, TenantKey,
 };
 
 /// The only error of the reserved slot.
@@ -103,7 +103,7 @@ impl Advisor for CudaOxideBackend {
 }
 
 impl StreamProvider for CudaOxideBackend {
-    fn acquire_stream(&self, _: TenantId, _: IsolationLevel) -> Result<Stream, OxideError> {
+    fn acquire_stream(&self, _: TenantKey, _: IsolationLevel) -> Result<Stream, OxideError> {
         Err(not_yet(Operation::AcquireStream))
     }
 
@@ -125,7 +125,7 @@ fn no_pools(operation: Operation) -> OxideError {
 impl DevicePools for CudaOxideBackend {
     fn create_pool(
         &self,
-        _: TenantId,
+        _: TenantKey,
         _: DeviceId,
         _: &DevicePoolConfig,
     ) -> Result<PoolHandle, OxideError> {

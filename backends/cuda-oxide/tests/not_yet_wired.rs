@@ -8,7 +8,7 @@ use tensor_wasm_mem_core::doc_support::HeapAllocator;
 use tensor_wasm_mem_core::{
     Advice, Advisor, BackendError, Capabilities, DeviceId, ErrorKind, IsolationLevel, Location,
     ManagedAllocator, Operation, PoolConfig, SizeClass, SlotPool, Stream, StreamLease,
-    StreamProvider, TenantId, UnifiedBuffer,
+    StreamProvider, TenantId, TenantKey, UnifiedBuffer,
 };
 use tensor_wasm_mem_cuda_oxide::{CudaOxideBackend, OxideError};
 
@@ -46,7 +46,7 @@ fn every_other_operation() {
     // The slot never hands out memory, so these operations get a handle from elsewhere; the slot
     // must refuse without touching it.
     let heap = HeapAllocator::new();
-    let stream = Stream::new(0, 0, IsolationLevel::Shared, TenantId(1));
+    let stream = Stream::new(0, 0, IsolationLevel::Shared, TenantKey::fresh(TenantId(1)));
     let a = heap.allocate(DeviceId(0), 4096).unwrap();
     // SAFETY: the slot does not touch the memory (it refuses), and `a` stays live.
     assert_not_yet(unsafe { slot.zero(&a, 0, 16) }, Operation::Zero);
@@ -73,7 +73,7 @@ fn every_other_operation() {
     };
     for level in IsolationLevel::ALL {
         assert_not_yet(
-            slot.acquire_stream(TenantId(1), level),
+            slot.acquire_stream(TenantKey::fresh(TenantId(1)), level),
             Operation::AcquireStream,
         );
     }
@@ -96,7 +96,14 @@ fn what_is_built_on_it_refuses_cleanly() {
     )
     .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotYetWired);
-    assert!(StreamLease::acquire(slot, TenantId(1), IsolationLevel::StreamIsolated).is_err());
+    assert!(
+        StreamLease::acquire(
+            slot,
+            TenantKey::fresh(TenantId(1)),
+            IsolationLevel::StreamIsolated
+        )
+        .is_err()
+    );
 }
 
 #[test]
@@ -104,11 +111,15 @@ fn device_pools_are_unsupported() {
     use tensor_wasm_mem_core::{DevicePoolConfig, DevicePools, PoolAllocation, PoolHandle};
     let slot = CudaOxideBackend::new();
     let err = slot
-        .create_pool(TenantId(1), DeviceId(0), &DevicePoolConfig::default())
+        .create_pool(
+            TenantKey::fresh(TenantId(1)),
+            DeviceId(0),
+            &DevicePoolConfig::default(),
+        )
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unsupported);
-    let pool = PoolHandle::new(1, DeviceId(0), TenantId(1));
-    let stream = Stream::new(0, 0, IsolationLevel::Shared, TenantId(1));
+    let pool = PoolHandle::new(1, DeviceId(0), TenantKey::fresh(TenantId(1)));
+    let stream = Stream::new(0, 0, IsolationLevel::Shared, TenantKey::fresh(TenantId(1)));
     assert_eq!(
         slot.pool_allocate(&pool, 64, &stream).unwrap_err().kind(),
         ErrorKind::Unsupported

@@ -14,7 +14,7 @@ use ranges::RangeMap;
 use tensor_wasm_mem_core::{
     Advice, Advisor, Allocation, Capabilities, DEFAULT_STREAM, DeviceId, DevicePoolConfig,
     DevicePoolStats, DevicePools, ErrorKind, ErrorType, IsolationLevel, Location, ManagedAllocator,
-    Operation, PoolAllocation, PoolHandle, Stream, StreamProvider, TenantId,
+    Operation, PoolAllocation, PoolHandle, Stream, StreamProvider, TenantKey,
 };
 
 pub use error::MockError;
@@ -160,7 +160,7 @@ struct PoolBlock {
 #[derive(Debug)]
 struct MockPool {
     device: DeviceId,
-    tenant: TenantId,
+    tenant: TenantKey,
     max_bytes: u64,
     release_threshold: u64,
     /// Freed blocks the pool keeps, by size.
@@ -174,7 +174,7 @@ struct MockPool {
 
 #[derive(Debug)]
 struct StreamRecord {
-    tenant: TenantId,
+    tenant: TenantKey,
     level: IsolationLevel,
     context: u64,
 }
@@ -192,7 +192,7 @@ struct State {
     used: Vec<u64>,
     streams: HashMap<u64, StreamRecord>,
     /// tenant -> (context, live streams in it)
-    contexts: HashMap<TenantId, (u64, u64)>,
+    contexts: HashMap<TenantKey, (u64, u64)>,
     next_stream: u64,
     next_context: u64,
     faults: Vec<Fault>,
@@ -392,7 +392,7 @@ impl MockBackend {
             state
                 .streams
                 .get(&stream.raw())
-                .is_some_and(|s| s.tenant == stream.tenant() && s.context == stream.context())
+                .is_some_and(|s| s.tenant == stream.tenant_key() && s.context == stream.context())
         };
         if known {
             Ok(())
@@ -587,7 +587,11 @@ impl Advisor for MockBackend {
 }
 
 impl StreamProvider for MockBackend {
-    fn acquire_stream(&self, tenant: TenantId, level: IsolationLevel) -> Result<Stream, MockError> {
+    fn acquire_stream(
+        &self,
+        tenant: TenantKey,
+        level: IsolationLevel,
+    ) -> Result<Stream, MockError> {
         let mut state = self.state();
         self.enter(&mut state, Operation::AcquireStream)?;
         let context = match level {
@@ -690,7 +694,7 @@ impl MockBackend {
     ) -> Result<&'s mut MockPool, MockError> {
         pools
             .get_mut(&pool.raw())
-            .filter(|p| p.device == pool.device() && p.tenant == pool.tenant())
+            .filter(|p| p.device == pool.device() && p.tenant == pool.tenant_key())
             .ok_or(MockError::UnknownPool { raw: pool.raw() })
     }
 }
@@ -700,7 +704,7 @@ impl MockBackend {
 impl DevicePools for MockBackend {
     fn create_pool(
         &self,
-        tenant: TenantId,
+        tenant: TenantKey,
         device: DeviceId,
         config: &DevicePoolConfig,
     ) -> Result<PoolHandle, MockError> {
@@ -1008,7 +1012,10 @@ mod tests {
             }
         );
         let stream = mock
-            .acquire_stream(TenantId(1), IsolationLevel::StreamIsolated)
+            .acquire_stream(
+                TenantKey::fresh(tensor_wasm_mem_core::TenantId(1)),
+                IsolationLevel::StreamIsolated,
+            )
             .unwrap();
         assert_eq!(mock.residency(&a, 0).unwrap(), None);
         mock.prefetch(&a, 0, 4 * PAGE, d1, &stream).unwrap();
@@ -1031,7 +1038,10 @@ mod tests {
         });
         let a = mock.allocate(DeviceId(0), PAGE).unwrap();
         let shared = mock
-            .acquire_stream(TenantId(1), IsolationLevel::Shared)
+            .acquire_stream(
+                TenantKey::fresh(tensor_wasm_mem_core::TenantId(1)),
+                IsolationLevel::Shared,
+            )
             .unwrap();
         let err = mock
             .prefetch(&a, 0, PAGE, Location::Device(DeviceId(0)), &shared)
@@ -1042,7 +1052,7 @@ mod tests {
             77,
             PRIMARY_CONTEXT,
             IsolationLevel::StreamIsolated,
-            TenantId(1),
+            TenantKey::fresh(tensor_wasm_mem_core::TenantId(1)),
         );
         assert_eq!(
             mock.prefetch(&a, 0, PAGE, Location::Host, &forged),

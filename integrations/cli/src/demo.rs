@@ -111,7 +111,7 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
             DEFAULT_STREAM,
             0,
             IsolationLevel::Shared,
-            tenant.context().id(),
+            tenant.context().key(),
         );
         match TenantDevicePool::new(
             std::sync::Arc::clone(creator.backend()),

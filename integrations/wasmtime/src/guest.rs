@@ -29,7 +29,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use tensor_wasm_mem_core::{
-    Advice, ErrorKind, IsolationLevel, Location, ManagedAllocator, StreamLease, TenantId,
+    Advice, ErrorKind, IsolationLevel, Location, ManagedAllocator, StreamLease, TenantKey,
 };
 use wasmtime::{Caller, Extern, Linker};
 
@@ -58,7 +58,7 @@ pub const TWM_ERR_NOT_DEVICE_MEMORY: i32 = -6;
 /// released when the Store drops).
 pub struct GuestContext<B: Backend> {
     creator: TensorWasmMemoryCreator<B>,
-    tenant: TenantId,
+    tenant: TenantKey,
     isolation: IsolationLevel,
     stream: Option<StreamLease<Arc<B>>>,
     calls: u64,
@@ -81,7 +81,7 @@ impl<B: Backend> GuestContext<B> {
     pub fn new(creator: TensorWasmMemoryCreator<B>, tenant: &Tenant) -> Self {
         Self {
             creator,
-            tenant: tenant.context().id(),
+            tenant: tenant.context().key(),
             isolation: tenant.context().isolation(),
             stream: None,
             calls: 0,

@@ -17,7 +17,7 @@ use std::time::Instant;
 use cudarc::driver::sys;
 use tensor_wasm_mem_core::{
     DeviceId, IsolationLevel, Location, ManagedAllocator, PoolConfig, SizeClass, SlotPool,
-    StreamLease, StreamProvider, TenantId, UnifiedBuffer,
+    StreamLease, StreamProvider, TenantId, TenantKey, UnifiedBuffer,
 };
 use tensor_wasm_mem_cudarc::{CudarcBackend, DriverSource};
 use tensor_wasm_mem_tests::sim::{SIM_PATH, Sim};
@@ -198,7 +198,7 @@ fn zero_copy(
     }
     let lease = StreamLease::acquire(
         Arc::clone(backend),
-        TenantId(1),
+        TenantKey::fresh(TenantId(1)),
         IsolationLevel::StreamIsolated,
     )
     .map_err(|e| e.to_string())?;
@@ -275,7 +275,7 @@ fn timings(backend: &Arc<CudarcBackend>, label: &str, report: &mut Report) -> Re
     }
     let lease = StreamLease::acquire(
         Arc::clone(backend),
-        TenantId(1),
+        TenantKey::fresh(TenantId(1)),
         IsolationLevel::StreamIsolated,
     )
     .map_err(|e| e.to_string())?;
