@@ -63,10 +63,56 @@ pub trait Harness: 'static {
     /// Removes pending injected failures.
     fn clear_faults(_backend: &Self::Backend) {}
 
+    /// Makes the `n`-th driver release of `what` from now fail; `false` if the backend cannot
+    /// inject it.
+    fn fail_release(_backend: &Self::Backend, _what: Release, _n: u64) -> bool {
+        false
+    }
+
+    /// Makes the next call of `op` (`PoolFree` at least) return `micros` microseconds after it
+    /// took effect; `false` if the backend cannot.
+    fn delay_next(_backend: &Self::Backend, _op: Operation, _micros: u64) -> bool {
+        false
+    }
+
+    /// The calling thread's driver context stack (depth, current context), where the driver has
+    /// one to inspect.
+    fn context_stack(_backend: &Self::Backend) -> Option<(u64, u64)> {
+        None
+    }
+
+    /// Pushes `context` on the calling thread's context stack, as an embedder's own CUDA code
+    /// would; `false` where there is no context stack.
+    fn push_context(_backend: &Self::Backend, _context: u64) -> bool {
+        false
+    }
+
+    /// Pops the calling thread's context stack.
+    fn pop_context(_backend: &Self::Backend) {}
+
+    /// What the driver below still holds (allocations, streams, contexts, pools) once every
+    /// backend has dropped, where it can be inspected.
+    fn driver_holds() -> Option<[u64; 4]> {
+        None
+    }
+
     /// The largest request that must fail with out-of-memory on this backend.
     fn too_much(_backend: &Self::Backend) -> usize {
         usize::MAX / 2
     }
+}
+
+/// A driver release a case makes fail (beyond the trait operations of `Operation`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Release {
+    /// Destroying a stream (`cuStreamDestroy`).
+    StreamDestroy,
+    /// Destroying a tenant's context (`cuCtxDestroy`).
+    ContextDestroy,
+    /// Destroying a device pool (`cuMemPoolDestroy`).
+    PoolDestroy,
+    /// Making a context current (`cuCtxPushCurrent`).
+    ContextPush,
 }
 
 /// The mock backend, in its default configuration (memory comes zeroed).
@@ -117,6 +163,21 @@ macro_rules! mock_harness {
             }
             fn clear_faults(b: &MockBackend) {
                 b.clear_faults();
+            }
+            fn fail_release(b: &MockBackend, what: $crate::harness::Release, n: u64) -> bool {
+                use $crate::harness::Release;
+                let op = match what {
+                    Release::StreamDestroy => Operation::ReleaseStream,
+                    Release::PoolDestroy => Operation::DestroyPool,
+                    // The mock has no contexts to destroy and no context stack.
+                    Release::ContextDestroy | Release::ContextPush => return false,
+                };
+                b.fail_nth(op, n);
+                true
+            }
+            fn delay_next(b: &MockBackend, op: Operation, micros: u64) -> bool {
+                b.delay_next(op, std::time::Duration::from_micros(micros));
+                true
             }
             fn too_much(b: &MockBackend) -> usize {
                 usize::try_from(b.config().device_memory_bytes).unwrap_or(usize::MAX) + 1
@@ -248,6 +309,60 @@ macro_rules! driver_harness {
                 if let Some(sim) = $crate::sim::Sim::get() {
                     sim.clear_faults();
                 }
+            }
+
+            fn fail_release(_: &Self::Backend, what: $crate::harness::Release, n: u64) -> bool {
+                use $crate::harness::Release;
+                let entry = match what {
+                    Release::StreamDestroy => "cuStreamDestroy_v2",
+                    Release::ContextDestroy => "cuCtxDestroy_v2",
+                    Release::PoolDestroy => "cuMemPoolDestroy",
+                    Release::ContextPush => "cuCtxPushCurrent_v2",
+                };
+                let Some(sim) = $crate::sim::Sim::get() else {
+                    return false;
+                };
+                sim.fail_nth(entry, n, $crate::sim::code::UNKNOWN);
+                true
+            }
+
+            fn delay_next(_: &Self::Backend, op: $crate::core::Operation, micros: u64) -> bool {
+                use $crate::core::Operation;
+                let entry = match op {
+                    Operation::PoolFree => "cuMemFreeAsync",
+                    Operation::Free => "cuMemFree_v2",
+                    _ => return false,
+                };
+                let Some(sim) = $crate::sim::Sim::get() else {
+                    return false;
+                };
+                sim.delay_next(entry, micros);
+                true
+            }
+
+            fn context_stack(_: &Self::Backend) -> Option<(u64, u64)> {
+                $crate::sim::Sim::get().map(|sim| sim.context_stack())
+            }
+
+            fn push_context(_: &Self::Backend, context: u64) -> bool {
+                let Some(sim) = $crate::sim::Sim::get() else {
+                    return false;
+                };
+                sim.push_context(context);
+                true
+            }
+
+            fn pop_context(_: &Self::Backend) {
+                if let Some(sim) = $crate::sim::Sim::get() {
+                    sim.pop_context();
+                }
+            }
+
+            fn driver_holds() -> Option<[u64; 4]> {
+                $crate::sim::Sim::get().map(|sim| {
+                    let s = sim.stats();
+                    [s.live_allocations, s.live_streams, s.live_contexts, s.live_pools]
+                })
             }
 
             fn too_much(_: &Self::Backend) -> usize {

@@ -14,6 +14,7 @@
 #![deny(missing_docs)]
 
 pub mod harness;
+pub mod races;
 pub mod sim;
 pub mod suite;
 
@@ -68,6 +69,15 @@ macro_rules! conformance {
         #[case::device_pool_memory_comes_zeroed($crate::suite::device_pool_memory_comes_zeroed::<$harness>)]
         #[case::device_pool_driver_maximum_is_a_second_line($crate::suite::device_pool_driver_maximum_is_a_second_line::<$harness>)]
         #[case::device_pool_trim_gives_memory_back($crate::suite::device_pool_trim_gives_memory_back::<$harness>)]
+        #[case::context_first_stream_race_gives_one_context($crate::races::context_first_stream_race_gives_one_context::<$harness>)]
+        #[case::context_storm_keeps_every_stream_usable($crate::races::context_storm_keeps_every_stream_usable::<$harness>)]
+        #[case::tenants_sharing_an_id_are_isolated($crate::races::tenants_sharing_an_id_are_isolated::<$harness>)]
+        #[case::device_pool_cap_holds_when_a_free_returns_late($crate::races::device_pool_cap_holds_when_a_free_returns_late::<$harness>)]
+        #[case::device_pool_cap_holds_under_contention($crate::races::device_pool_cap_holds_under_contention::<$harness>)]
+        #[case::failed_stream_destroy_stays_counted_until_drop($crate::races::failed_stream_destroy_stays_counted_until_drop::<$harness>)]
+        #[case::failed_context_destroy_stays_counted_until_drop($crate::races::failed_context_destroy_stays_counted_until_drop::<$harness>)]
+        #[case::failed_pool_destroy_stays_counted_until_drop($crate::races::failed_pool_destroy_stays_counted_until_drop::<$harness>)]
+        #[case::context_stack_is_left_as_it_was($crate::races::context_stack_is_left_as_it_was::<$harness>)]
         fn conformance(#[case] case: fn()) {
             case();
         }

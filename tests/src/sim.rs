@@ -113,6 +113,40 @@ impl Sim {
         assert_eq!(result, 0, "fail_nth({entry_point})");
     }
 
+    /// Makes the next call of `entry_point` return only `micros` microseconds after it took
+    /// effect (with the simulator unlocked meanwhile).
+    pub fn delay_next(&self, entry_point: &str, micros: u64) {
+        let f: unsafe extern "C" fn(*const c_char, u64) -> u32 = self.f("twm_sim_delay_next");
+        let name = CString::new(entry_point).expect("no NUL in entry point names");
+        // SAFETY: `name` is a valid C string for the call.
+        assert_eq!(unsafe { f(name.as_ptr(), micros) }, 0);
+    }
+
+    /// The calling thread's context stack: its depth and its top (0: none current).
+    pub fn context_stack(&self) -> (u64, u64) {
+        let depth: extern "C" fn() -> u64 = self.f("twm_sim_context_depth");
+        let current: unsafe extern "C" fn(*mut usize) -> u32 = self.f("cuCtxGetCurrent");
+        let mut top = 0usize;
+        // SAFETY: `top` is a valid out-pointer for a context handle.
+        let code = unsafe { current(&mut top) };
+        (depth(), if code == 0 { top as u64 } else { 0 })
+    }
+
+    /// Pushes `context` on the calling thread's context stack (as an embedder's own code would).
+    pub fn push_context(&self, context: u64) {
+        let push: unsafe extern "C" fn(usize) -> u32 = self.f("cuCtxPushCurrent_v2");
+        // SAFETY: the simulator checks the handle.
+        assert_eq!(unsafe { push(context as usize) }, 0, "push {context:#x}");
+    }
+
+    /// Pops the calling thread's context stack.
+    pub fn pop_context(&self) {
+        let pop: unsafe extern "C" fn(*mut usize) -> u32 = self.f("cuCtxPopCurrent_v2");
+        let mut popped = 0usize;
+        // SAFETY: `popped` is a valid out-pointer.
+        assert_eq!(unsafe { pop(&mut popped) }, 0, "pop");
+    }
+
     /// Clears pending injected failures.
     pub fn clear_faults(&self) {
         let f: extern "C" fn() = self.f("twm_sim_clear_faults");

@@ -177,6 +177,8 @@ struct StreamRecord {
     tenant: TenantKey,
     level: IsolationLevel,
     context: u64,
+    /// Its release failed: refused to callers, still counted.
+    retired: bool,
 }
 
 #[derive(Debug)]
@@ -196,6 +198,8 @@ struct State {
     next_stream: u64,
     next_context: u64,
     faults: Vec<Fault>,
+    /// Operations whose next call returns late, after taking effect (see `delay_next`).
+    delays: Vec<(Operation, std::time::Duration)>,
     pools: HashMap<u64, MockPool>,
     next_pool: u64,
     stats: MockStats,
@@ -278,9 +282,31 @@ impl MockBackend {
         });
     }
 
-    /// Removes every pending injected failure.
+    /// Removes every pending injected failure and delay.
     pub fn clear_faults(&self) {
-        self.state().faults.clear();
+        let mut state = self.state();
+        state.faults.clear();
+        state.delays.clear();
+    }
+
+    /// Makes the next call of `op` return to its caller `delay` after it has taken effect, with
+    /// the mock unlocked meanwhile (a slow driver, or a thread preempted right after the call):
+    /// for tests of what other threads may do in that window. Honoured by
+    /// [`DevicePools::pool_free`] and [`ManagedAllocator::free`].
+    pub fn delay_next(&self, op: Operation, delay: std::time::Duration) {
+        self.state().delays.push((op, delay));
+    }
+
+    /// Sleeps for the delay set for `op`, if any (called with the state unlocked).
+    fn late_return(&self, op: Operation) {
+        let delay = {
+            let mut state = self.state();
+            let i = state.delays.iter().position(|(o, _)| *o == op);
+            i.map(|i| state.delays.swap_remove(i).1)
+        };
+        if let Some(delay) = delay {
+            std::thread::sleep(delay);
+        }
     }
 
     /// Where `offset` of `allocation` was last prefetched to (`None`: never prefetched).
@@ -389,10 +415,9 @@ impl MockBackend {
         let known = if stream.raw() == DEFAULT_STREAM {
             stream.is_shared()
         } else {
-            state
-                .streams
-                .get(&stream.raw())
-                .is_some_and(|s| s.tenant == stream.tenant_key() && s.context == stream.context())
+            state.streams.get(&stream.raw()).is_some_and(|s| {
+                !s.retired && s.tenant == stream.tenant_key() && s.context == stream.context()
+            })
         };
         if known {
             Ok(())
@@ -495,6 +520,7 @@ unsafe impl ManagedAllocator for MockBackend {
         // SAFETY: `ptr..ptr + mapped` is the mapping made for this allocation (found in our
         // table and removed from it), and the caller guarantees it is not used afterwards.
         unsafe { host::unmap(ptr, record.mapped) };
+        self.late_return(Operation::Free);
         Ok(())
     }
 
@@ -621,6 +647,7 @@ impl StreamProvider for MockBackend {
                 tenant,
                 level,
                 context,
+                retired: false,
             },
         );
         state.stats.streams_created += 1;
@@ -630,8 +657,15 @@ impl StreamProvider for MockBackend {
 
     fn release_stream(&self, stream: Stream) -> Result<(), MockError> {
         let mut state = self.state();
-        self.enter(&mut state, Operation::ReleaseStream)?;
         Self::check_stream(&state, &stream)?;
+        if let Err(e) = self.enter(&mut state, Operation::ReleaseStream) {
+            // As a driver that refused to destroy it: the stream stays, counted, handed to no
+            // one.
+            if let Some(record) = state.streams.get_mut(&stream.raw()) {
+                record.retired = true;
+            }
+            return Err(e);
+        }
         if stream.raw() == DEFAULT_STREAM {
             return Ok(());
         }
@@ -802,10 +836,10 @@ impl DevicePools for MockBackend {
         allocation: PoolAllocation,
         stream: &Stream,
     ) -> Result<(), MockError> {
-        let mut state = self.state();
-        self.enter(&mut state, Operation::PoolFree)?;
-        Self::check_stream(&state, stream)?;
-        let state = &mut *state;
+        let mut guard = self.state();
+        self.enter(&mut guard, Operation::PoolFree)?;
+        Self::check_stream(&guard, stream)?;
+        let state = &mut *guard;
         let device_used = &mut state.used[pool.device().0 as usize];
         let p = Self::pool(&mut state.pools, pool)?;
         let ptr = allocation.device_ptr() as usize;
@@ -820,6 +854,8 @@ impl DevicePools for MockBackend {
         }
         let threshold = p.release_threshold;
         p.release_down_to(threshold, device_used, &mut state.stats);
+        drop(guard);
+        self.late_return(Operation::PoolFree);
         Ok(())
     }
 

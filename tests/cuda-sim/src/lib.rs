@@ -131,6 +131,8 @@ struct Sim {
     next_handle: u64,
     calls: BTreeMap<String, u64>,
     faults: Vec<Fault>,
+    /// Entry point -> microseconds to sleep after the call, outside the lock (one use each).
+    delays: Vec<(String, u64)>,
     trace: VecDeque<String>,
     stats: SimStats,
 }
@@ -293,6 +295,17 @@ fn call(name: &str, body: impl FnOnce(&mut Sim) -> Result<(), u32>) -> u32 {
         sim.trace.pop_front();
     }
     sim.trace.push_back(format!("{name} -> {code}"));
+    let delay = sim
+        .delays
+        .iter()
+        .position(|(n, _)| n == name)
+        .map(|i| sim.delays.swap_remove(i).1);
+    drop(guard);
+    if let Some(micros) = delay {
+        // The call has taken effect; its caller only hears of it later (a slow driver, or a
+        // thread preempted right after the call): what other threads do meanwhile is the test.
+        std::thread::sleep(std::time::Duration::from_micros(micros));
+    }
     code
 }
 
@@ -525,7 +538,8 @@ entry! {
 }
 
 entry! {
-    /// `cuCtxDestroy_v2`: destroys a non-primary context and its streams.
+    /// `cuCtxDestroy_v2`: destroys a non-primary context and its streams; popped from the
+    /// calling thread's stack if it is current there.
     fn cuCtxDestroy_v2(context: *mut c_void) |sim| {
         sim.initialized()?;
         let ctx = context as u64;
@@ -544,7 +558,14 @@ entry! {
         for s in streams {
             sim.destroy_stream(s);
         }
-        CONTEXTS.with(|s| s.borrow_mut().retain(|&c| c != ctx));
+        // As the driver: popped if it is current to the calling thread; anywhere else in a
+        // thread's stack it stays, dangling (later calls there fail with INVALID_CONTEXT).
+        CONTEXTS.with(|s| {
+            let mut s = s.borrow_mut();
+            if s.last() == Some(&ctx) {
+                s.pop();
+            }
+        });
         Ok(())
     }
 }
@@ -1005,10 +1026,41 @@ pub unsafe extern "C" fn twm_sim_fail_nth(name: *const c_char, nth: u64, error: 
     code::SUCCESS
 }
 
-/// Removes every pending injected failure.
+/// Removes every pending injected failure and delay.
 #[unsafe(no_mangle)]
 pub extern "C" fn twm_sim_clear_faults() {
-    lock().get_or_insert_with(Sim::default).faults.clear();
+    let mut guard = lock();
+    let sim = guard.get_or_insert_with(Sim::default);
+    sim.faults.clear();
+    sim.delays.clear();
+}
+
+/// Makes the next call of the entry point `name` return to its caller only `micros`
+/// microseconds after it has taken effect (the simulator's lock released meanwhile).
+///
+/// # Safety
+///
+/// `name` must be a valid NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn twm_sim_delay_next(name: *const c_char, micros: u64) -> c_uint {
+    if name.is_null() {
+        return code::INVALID_VALUE;
+    }
+    // SAFETY: a valid C string by the caller's contract.
+    let name = unsafe { CStr::from_ptr(name) }
+        .to_string_lossy()
+        .into_owned();
+    lock()
+        .get_or_insert_with(Sim::default)
+        .delays
+        .push((name, micros));
+    code::SUCCESS
+}
+
+/// The depth of the calling thread's context stack.
+#[unsafe(no_mangle)]
+pub extern "C" fn twm_sim_context_depth() -> u64 {
+    CONTEXTS.with(|s| s.borrow().len() as u64)
 }
 
 /// Calls of the entry point `name` so far.
