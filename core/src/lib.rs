@@ -13,6 +13,8 @@ mod buffer;
 mod device;
 mod driver;
 mod error;
+#[cfg(test)]
+mod interleavings;
 mod isolation;
 mod ledger;
 mod plan;
