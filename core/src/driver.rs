@@ -346,12 +346,20 @@ struct AllocationRecord {
 struct PoolRecord {
     device: DeviceId,
     tenant: TenantKey,
-    /// Device pointer -> length of each live allocation.
-    live: HashMap<u64, usize>,
+    /// Device pointer -> each live allocation.
+    live: HashMap<u64, PoolBlock>,
     live_bytes: u64,
     peak_bytes: u64,
     /// Being destroyed, or its destroy failed: refused to callers, retried at drop.
     retired: bool,
+}
+
+/// A live allocation from a device pool: its length, and the stream it was allocated on (the
+/// stream its work is ordered on, so its free at teardown is ordered after that work).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PoolBlock {
+    len: usize,
+    stream: u64,
 }
 
 /// A stream of ours.
@@ -793,7 +801,15 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
                 _ => return Err(Refusal::UnknownStream { raw }.into()),
             }
         };
-        let destroyed = self.in_context(context, |d| d.stream_destroy(raw));
+        // Synchronised first: work queued on the stream is done before the stream is gone, so
+        // whatever is torn down after (a pool block freed on the default stream, a slot scrubbed
+        // for the next tenant) is ordered after it. A failed wait (a context the driver has
+        // poisoned) does not keep the stream: it is still destroyed, and the error reported.
+        let mut waited = Ok(());
+        let destroyed = self.in_context(context, |d| {
+            waited = d.synchronize(raw);
+            d.stream_destroy(raw)
+        });
         let mut state = self.state.lock();
         if let Err(e) = destroyed {
             // The driver still has the stream (and so its context): both stay counted.
@@ -806,7 +822,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
         if stream.level() == IsolationLevel::ContextIsolated {
             self.leave_tenant_context(stream.tenant_key())?;
         }
-        Ok(())
+        waited
     }
 
     fn synchronize(&self, stream: &Stream) -> Result<(), D::Error> {
@@ -833,27 +849,41 @@ impl<D: DriverApi> DriverBackend<D> {
         Self::pool_record(&mut self.state.lock(), pool).map(|_| ())
     }
 
-    /// Frees the live blocks of a retired pool, then destroys it; what the driver refuses stays
-    /// in the record (retired, counted, retried at drop).
-    fn release_pool(&self, raw: u64, device: DeviceId, blocks: &[u64]) -> Result<(), D::Error> {
-        self.in_primary(device, |d| {
-            for &ptr in blocks {
-                let freed = d.pool_free(ptr, DEFAULT_STREAM);
-                let mut state = self.state.lock();
-                if let Err(e) = freed {
-                    state.release_failed(true);
-                    return Err(e);
-                }
-                if let Some(r) = state.pools.get_mut(&raw)
-                    && let Some(len) = r.live.remove(&ptr)
-                {
-                    r.live_bytes -= len as u64;
-                    state.stats.live_pool_allocations -= 1;
-                }
+    /// Where a pool block's free at teardown goes: on the stream it was allocated on while that
+    /// stream lives (ordered after the work queued there), else on the default stream of its
+    /// device (a released stream was synchronised before it was destroyed: its work is done).
+    fn teardown_stream(&self, device: DeviceId, block: PoolBlock) -> (u64, u64) {
+        let state = self.state.lock();
+        match state.streams.get(&block.stream) {
+            Some(r) if !r.retired => (r.context, block.stream),
+            _ => (self.driver.primary_context(device), DEFAULT_STREAM),
+        }
+    }
+
+    /// Frees the live blocks of a retired pool (each ordered on its own stream), then destroys
+    /// it; what the driver refuses stays in the record (retired, counted, retried at drop).
+    fn release_pool(&self, raw: u64, device: DeviceId) -> Result<(), D::Error> {
+        let blocks: Vec<(u64, PoolBlock)> = match self.state.lock().pools.get(&raw) {
+            Some(r) => r.live.iter().map(|(&p, &b)| (p, b)).collect(),
+            None => Vec::new(),
+        };
+        for (ptr, block) in blocks {
+            let (context, stream) = self.teardown_stream(device, block);
+            let freed = self.in_context(context, |d| d.pool_free(ptr, stream));
+            let mut state = self.state.lock();
+            if let Err(e) = freed {
+                state.release_failed(true);
+                return Err(e);
             }
-            d.pool_destroy(raw)
-        })
-        .inspect_err(|_| self.state.lock().release_failed(true))?;
+            if let Some(r) = state.pools.get_mut(&raw)
+                && r.live.remove(&ptr).is_some()
+            {
+                r.live_bytes -= block.len as u64;
+                state.stats.live_pool_allocations -= 1;
+            }
+        }
+        self.in_primary(device, |d| d.pool_destroy(raw))
+            .inspect_err(|_| self.state.lock().release_failed(true))?;
         let mut state = self.state.lock();
         state.pools.remove(&raw);
         state.stats.live_pools -= 1;
@@ -902,7 +932,13 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         let ptr = self.in_context(context, |d| d.pool_alloc(pool.raw(), bytes, stream.raw()))?;
         let mut state = self.state.lock();
         if let Some(r) = state.pools.get_mut(&pool.raw()) {
-            r.live.insert(ptr, bytes);
+            r.live.insert(
+                ptr,
+                PoolBlock {
+                    len: bytes,
+                    stream: stream.raw(),
+                },
+            );
             r.live_bytes += bytes as u64;
             r.peak_bytes = r.peak_bytes.max(r.live_bytes);
         }
@@ -921,15 +957,17 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         // The record leaves the table before the driver frees: once the driver has the block
         // back it may hand the same address to another thread's `pool_allocate`, whose record
         // this call must not touch.
-        {
+        let block = {
             let mut state = self.state.lock();
             let r = Self::pool_record(&mut state, pool)?;
-            if r.live.get(&ptr) != Some(&len) {
-                return Err(Refusal::UnknownPool { raw: pool.raw() }.into());
-            }
+            let block = match r.live.get(&ptr) {
+                Some(&b) if b.len == len => b,
+                _ => return Err(Refusal::UnknownPool { raw: pool.raw() }.into()),
+            };
             r.live.remove(&ptr);
             r.live_bytes -= len as u64;
-        }
+            block
+        };
         let freed = self.in_context(context, |d| d.pool_free(ptr, stream.raw()));
         let mut state = self.state.lock();
         match freed {
@@ -940,7 +978,7 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
             Err(e) => {
                 // Still the pool's: back in the record, freed when the pool is destroyed.
                 if let Some(r) = state.pools.get_mut(&pool.raw()) {
-                    r.live.insert(ptr, len);
+                    r.live.insert(ptr, block);
                     r.live_bytes += len as u64;
                 }
                 state.release_failed(false);
@@ -969,13 +1007,8 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
 
     fn destroy_pool(&self, pool: PoolHandle) -> Result<(), D::Error> {
         // Retired under the lock: no allocation or free of it starts after this.
-        let blocks: Vec<u64> = {
-            let mut state = self.state.lock();
-            let r = Self::pool_record(&mut state, &pool)?;
-            r.retired = true;
-            r.live.keys().copied().collect()
-        };
-        self.release_pool(pool.raw(), pool.device(), &blocks)
+        Self::pool_record(&mut self.state.lock(), &pool)?.retired = true;
+        self.release_pool(pool.raw(), pool.device())
     }
 }
 
@@ -996,18 +1029,17 @@ impl<D: DriverApi> Drop for DriverBackend<D> {
         };
         for (raw, record) in state.pools.drain() {
             let primary = driver.primary_context(record.device);
-            let (entered, _) = with_context(driver, primary, |d| {
-                for &ptr in record.live.keys() {
-                    tally(d.pool_free(ptr, DEFAULT_STREAM).is_ok());
-                }
-                tally(d.pool_destroy(raw).is_ok());
-                Ok(())
-            });
-            if entered.is_err() {
-                for _ in 0..=record.live.len() {
-                    tally(false);
-                }
+            for (&ptr, block) in &record.live {
+                // Ordered on the block's own stream while it lives (it is destroyed below).
+                let (context, stream) = match state.streams.get(&block.stream) {
+                    Some(r) if !r.retired => (r.context, block.stream),
+                    _ => (primary, DEFAULT_STREAM),
+                };
+                let (freed, _) = with_context(driver, context, |d| d.pool_free(ptr, stream));
+                tally(freed.is_ok());
             }
+            let (destroyed, _) = with_context(driver, primary, |d| d.pool_destroy(raw));
+            tally(destroyed.is_ok());
         }
         for (raw, record) in state.streams.drain() {
             let (destroyed, _) = with_context(driver, record.context, |d| d.stream_destroy(raw));

@@ -206,6 +206,8 @@ struct FakeState {
     streams: BTreeMap<u64, u64>,
     pool_free_blocks: Vec<u64>,
     pool_live: BTreeSet<u64>,
+    /// Stream calls in order: (call, stream).
+    events: Vec<(&'static str, u64)>,
 }
 
 std::thread_local! {
@@ -299,12 +301,15 @@ unsafe impl DriverApi for Fake {
         let mut s = self.lock();
         self.stream(&s, stream)?;
         s.streams.remove(&stream);
+        s.events.push(("stream_destroy", stream));
         Ok(())
     }
     fn synchronize(&self, stream: u64) -> Result<(), FakeError> {
         switch();
-        let s = self.lock();
-        self.stream(&s, stream)
+        let mut s = self.lock();
+        self.stream(&s, stream)?;
+        s.events.push(("synchronize", stream));
+        Ok(())
     }
     fn context_create(&self, _: DeviceId) -> Result<u64, FakeError> {
         switch();
@@ -352,6 +357,7 @@ unsafe impl DriverApi for Fake {
             return Err(FakeError::Code(INVALID_HANDLE));
         }
         s.pool_free_blocks.push(ptr);
+        s.events.push(("pool_free", stream));
         // The caller hears back later: the window another thread's allocation can fall into.
         drop(s);
         switch();
@@ -484,4 +490,52 @@ fn a_pool_free_racing_an_allocation_keeps_the_ledger_exact() {
         (vec![freeing, allocating], check as Box<dyn FnOnce()>)
     });
     assert!(runs > 2, "{runs} schedules explored");
+}
+
+#[test]
+fn teardown_is_ordered_on_the_stream_that_used_the_memory() {
+    let backend = Arc::new(DriverBackend::new(Fake::default()));
+    let tenant = Arc::new(TenantContext::new(
+        TenantId(1),
+        u64::MAX,
+        IsolationLevel::ContextIsolated,
+    ));
+    let pool = TenantDevicePool::new(
+        Arc::clone(&backend),
+        Arc::clone(&tenant),
+        DeviceId(0),
+        &DevicePoolConfig::default(),
+    )
+    .expect("pool");
+    let live = backend
+        .acquire_stream(tenant.key(), IsolationLevel::ContextIsolated)
+        .expect("stream");
+    let gone = backend
+        .acquire_stream(tenant.key(), IsolationLevel::ContextIsolated)
+        .expect("stream");
+    let _on_live = pool.allocate(BLOCK, &live).expect("block");
+    let _on_gone = pool.allocate(BLOCK, &gone).expect("block");
+    let gone_raw = gone.raw();
+    backend.release_stream(gone).expect("release");
+    drop(pool);
+    let events = core::mem::take(&mut backend.driver().lock().events);
+    assert_eq!(
+        &events[..2],
+        &[("synchronize", gone_raw), ("stream_destroy", gone_raw)],
+        "a stream is waited for before it is destroyed"
+    );
+    let mut frees: Vec<u64> = events
+        .iter()
+        .filter(|(call, _)| *call == "pool_free")
+        .map(|&(_, stream)| stream)
+        .collect();
+    frees.sort_unstable();
+    assert_eq!(
+        frees,
+        [DEFAULT_STREAM, live.raw()],
+        "each block freed on its own stream while it lives, else (its stream waited for and \
+         gone) on the default stream"
+    );
+    backend.release_stream(live).expect("release");
+    assert_eq!(tenant.stats().live_bytes, 0);
 }

@@ -290,6 +290,13 @@ pub struct Reservation {
 }
 
 impl Reservation {
+    /// Ends the reservation but leaves its bytes charged to the tenant for good: for memory the
+    /// driver refused to give back, which the tenant's budget must go on counting (the cap is
+    /// never lower than what is really held).
+    pub fn keep_charged(mut self) {
+        self.bytes = 0;
+    }
+
     /// Bytes held.
     #[must_use]
     pub const fn bytes(&self) -> u64 {

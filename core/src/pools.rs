@@ -25,9 +25,8 @@ use hashbrown::HashMap;
 
 use crate::device::DeviceId;
 use crate::error::{Error, ErrorType, Operation};
-use crate::isolation::IsolationLevel;
 use crate::ledger::{Purpose, Reservation, TenantContext, TenantId, TenantKey};
-use crate::stream::{DEFAULT_STREAM, Stream};
+use crate::stream::Stream;
 
 /// How to make a device memory pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -333,20 +332,19 @@ impl<P: DevicePools> TenantDevicePool<P> {
 }
 
 impl<P: DevicePools> Drop for TenantDevicePool<P> {
+    /// Destroys the pool, which frees every allocation still live (the backend orders each free
+    /// after the work on the stream the allocation was made on), then gives the bytes back to
+    /// the ledger. If the backend refuses, the driver still holds the memory: the tenant stays
+    /// charged for it (the backend counts the pool and retries at its own drop).
     fn drop(&mut self) {
         let Some(pool) = self.pool.take() else {
             return;
         };
-        let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, self.tenant.key());
-        let live: alloc::vec::Vec<_> = self.live.lock().drain().collect();
-        for (ptr, charge) in live {
-            // A `PoolAllocation` is rebuilt from what this pool handed out; its length is the
-            // charge.
-            let allocation = PoolAllocation::new(ptr, charge.bytes() as usize);
-            let _ = self.backend.pool_free(&pool, allocation, &shared);
-            drop(charge);
+        let charges: alloc::vec::Vec<Reservation> =
+            self.live.lock().drain().map(|(_, charge)| charge).collect();
+        if self.backend.destroy_pool(pool).is_err() {
+            charges.into_iter().for_each(Reservation::keep_charged);
         }
-        let _ = self.backend.destroy_pool(pool);
     }
 }
 
@@ -354,6 +352,8 @@ impl<P: DevicePools> Drop for TenantDevicePool<P> {
 mod tests {
     use super::*;
     use crate::error::{BackendError, ErrorKind, ErrorType};
+    use crate::isolation::IsolationLevel;
+    use crate::stream::DEFAULT_STREAM;
     use alloc::string::ToString;
 
     /// A driver-less pool: hands out increasing addresses, fails when told to.
@@ -415,6 +415,11 @@ mod tests {
             })
         }
         fn destroy_pool(&self, _: PoolHandle) -> Result<(), Failed> {
+            if *self.fail.lock() {
+                return Err(Failed);
+            }
+            // Frees what is still allocated, as the trait asks.
+            *self.live.lock() = 0;
             Ok(())
         }
     }
@@ -456,5 +461,34 @@ mod tests {
         drop(pool);
         assert_eq!(tenant.stats().live_bytes, 0);
         assert_eq!(*backend.live.lock(), 0, "drop freed the live allocation");
+    }
+
+    #[test]
+    fn a_refused_destroy_keeps_the_tenant_charged() {
+        let backend = Counting::default();
+        let tenant = Arc::new(TenantContext::new(TenantId(4), 100, IsolationLevel::Shared));
+        let stream = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
+        let pool = TenantDevicePool::new(
+            &backend,
+            Arc::clone(&tenant),
+            DeviceId(0),
+            &DevicePoolConfig::default(),
+        )
+        .unwrap();
+        let _a = pool.allocate(60, &stream).unwrap();
+        let err = pool
+            .free(PoolAllocation::new(0xbad, 60), &stream)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::UnknownPoolAllocation { ptr: 0xbad }),
+            "{err}"
+        );
+        *backend.fail.lock() = true;
+        drop(pool);
+        assert_eq!(
+            tenant.stats().live_bytes,
+            60,
+            "the driver still holds the block: still charged"
+        );
     }
 }

@@ -91,8 +91,10 @@ pub trait StreamProvider: ErrorType {
         level: IsolationLevel,
     ) -> Result<Stream, Self::Error>;
 
-    /// Gives a stream back; destroys it (and the tenant's context after its last stream) where
-    /// the level says so. The handle is consumed either way: on an error the driver may still
+    /// Gives a stream back: waits for the work queued on it, then destroys it (and the
+    /// tenant's context after its last stream) where the level says so. The wait is what orders
+    /// teardown after the tenant's GPU work: once this returns, nothing of the stream's can
+    /// still touch memory that is then scrubbed, freed or handed to another tenant. The handle is consumed either way: on an error the driver may still
     /// hold the stream, and the backend counts it as live rather than hiding the leak.
     fn release_stream(&self, stream: Stream) -> Result<(), Self::Error>;
 
