@@ -24,7 +24,7 @@ fi
 target="$(rustc -vV | sed -n 's/^host: //p')"
 # The precompiled std is not instrumented: the ABI check would refuse to link it.
 export RUSTFLAGS="-Zsanitizer=thread -Cunsafe-allow-abi-mismatch=sanitizer"
-export TSAN_OPTIONS="halt_on_error=0 second_deadlock_stack=1 suppressions=$PWD/scripts/tsan.supp"
+export TSAN_OPTIONS="halt_on_error=0 second_deadlock_stack=1 print_suppressions=1 suppressions=$PWD/scripts/tsan.supp"
 log="$(mktemp)"
 set +e
 {
@@ -40,7 +40,8 @@ set -e
 passed=$(grep -E '^test result:' "$log" | awk '{s += $4} END {print s + 0}')
 failed=$(grep -E '^test result:' "$log" | awk '{s += $6} END {print s + 0}')
 reports=$(grep -c 'WARNING: ThreadSanitizer' "$log" || true)
-suppressed=$(grep -E 'ThreadSanitizer: Matched [0-9]+ suppressions' -A50 "$log" | grep -cE '^\s*[0-9]+ ' || true)
+# What was suppressed, per pattern, summed over the test binaries.
+grep -E '^\s*[0-9]+ race:' "$log" | awk '{n[$2] += $1} END {for (p in n) print "tsan: suppressed " n[p] " x " p}' | sort
 echo "tsan: $passed passed, $failed failed, $reports unsuppressed reports (exit $status)"
 rm -f "$log"
 if [ "$reports" -gt 0 ] || [ "$failed" -gt 0 ]; then
