@@ -13,6 +13,7 @@
 //! Each case is one `rstest` case named after the [`suite`] function it runs.
 #![deny(missing_docs)]
 
+pub mod guests;
 pub mod harness;
 pub mod races;
 pub mod sim;

@@ -27,7 +27,8 @@ struct Cli {
 enum Command {
     /// Several tenants, pooled memories, a host "kernel" on guest data, and the figures.
     Demo(demo::DemoArgs),
-    /// Run a .wat or .wasm module (exit 0 ok, 2 bad command line, 3 trap, 4 refused, 1 other).
+    /// Run a .wat or .wasm module (exit 0 ok, 2 bad command line, 3 trap, 4 refused, 1 other;
+    /// a WASI guest's own `proc_exit` status otherwise).
     Run(run::RunArgs),
     /// What the backend and device offer.
     Probe(probe::ProbeArgs),
@@ -60,7 +61,9 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(failure) => {
-            eprintln!("twm: {}", failure.message());
+            if !failure.message().is_empty() {
+                eprintln!("twm: {}", failure.message());
+            }
             ExitCode::from(failure.exit_code())
         }
     }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use serde_json::{Value, json};
 use tensor_wasm_mem_core::{DeviceId, IsolationLevel, PlanLimits, PoolConfig, SizeClass};
+use tensor_wasm_mem_wasmtime::wasi::{FsPerms, WasiCtxBuilder, WasiP1Ctx, add_wasi_to_linker};
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module, Trap, Val, ValType};
 use tensor_wasm_mem_wasmtime::{
     Backend, ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, TwmError, add_to_linker,
@@ -53,6 +54,77 @@ pub struct RunArgs {
     /// Print one JSON object instead of plain results.
     #[arg(long)]
     pub json: bool,
+    /// An environment variable for a WASI guest (repeatable).
+    #[arg(long = "env", value_name = "NAME=VALUE")]
+    pub env: Vec<String>,
+    /// Preopen a host directory for a WASI guest, at GUEST (default: the same path); repeatable.
+    #[arg(long = "dir", value_name = "HOST[::GUEST]")]
+    pub dirs: Vec<String>,
+    /// Arguments for a WASI guest's `argv` (after `--`; `argv[0]` is the module's file name).
+    #[arg(last = true, value_name = "GUEST_ARGS")]
+    pub guest_args: Vec<String>,
+}
+
+/// What a WASI guest gets: arguments, environment and preopened directories (stdio is
+/// inherited). Checked once, before anything runs; each Store gets a context built from it.
+#[derive(Debug)]
+struct WasiSetup {
+    argv: Vec<String>,
+    env: Vec<(String, String)>,
+    dirs: Vec<(PathBuf, String)>,
+}
+
+impl WasiSetup {
+    fn parse(args: &RunArgs) -> Result<Self, Failure> {
+        let mut argv = vec![args.file.display().to_string()];
+        argv.extend(args.guest_args.iter().cloned());
+        let env = args
+            .env
+            .iter()
+            .map(|kv| match kv.split_once('=') {
+                Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
+                _ => Err(Failure::Usage(format!(
+                    "--env {kv:?}: expected NAME=VALUE with a non-empty NAME"
+                ))),
+            })
+            .collect::<Result<_, _>>()?;
+        let dirs = args
+            .dirs
+            .iter()
+            .map(|spec| {
+                let (host, guest) = spec.split_once("::").unwrap_or((spec, spec));
+                if host.is_empty() || guest.is_empty() {
+                    return Err(Failure::Usage(format!(
+                        "--dir {spec:?}: expected HOST or HOST::GUEST"
+                    )));
+                }
+                if !std::path::Path::new(host).is_dir() {
+                    return Err(Failure::Usage(format!(
+                        "--dir {spec:?}: {host} is not a directory"
+                    )));
+                }
+                Ok((PathBuf::from(host), guest.to_owned()))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self { argv, env, dirs })
+    }
+
+    /// A fresh WASI context for one Store.
+    fn context(&self) -> Result<WasiP1Ctx, Failure> {
+        let mut builder = WasiCtxBuilder::new();
+        builder.inherit_stdio().args(&self.argv);
+        for (k, v) in &self.env {
+            builder.env(k, v);
+        }
+        for (host, guest) in &self.dirs {
+            builder
+                .preopened_dir(host, guest, FsPerms::ReadWrite)
+                .map_err(|e| {
+                    Failure::Usage(format!("--dir: cannot open {}: {e:#}", host.display()))
+                })?;
+        }
+        Ok(builder.build_p1())
+    }
 }
 
 fn parse_isolation(text: &str) -> Result<IsolationLevel, String> {
@@ -72,6 +144,8 @@ pub enum Failure {
     Refused(String),
     /// Exit 1: anything else.
     Other(String),
+    /// A WASI guest called `proc_exit` with this status: `twm run` exits with it.
+    Exit(i32),
 }
 
 impl Failure {
@@ -81,12 +155,28 @@ impl Failure {
             Self::Usage(_) => 2,
             Self::Trap(_) => 3,
             Self::Refused(_) => 4,
+            // WASI statuses are 0..=255 on every host that runs `twm`; anything else is 1.
+            Self::Exit(code) => u8::try_from(*code).unwrap_or(1),
         }
     }
 
+    /// What `twm` prints to stderr (nothing for a guest's own exit status).
     pub fn message(&self) -> &str {
         match self {
             Self::Usage(m) | Self::Trap(m) | Self::Refused(m) | Self::Other(m) => m,
+            Self::Exit(_) => "",
+        }
+    }
+
+    /// The failure for an error that ended a guest call: its `proc_exit` status, a trap, or
+    /// anything else.
+    fn of_call(what: &str, error: &wasmtime::Error) -> Self {
+        if let Some(code) = tensor_wasm_mem_wasmtime::wasi::exit_code(error) {
+            Self::Exit(code)
+        } else if is_trap(error) {
+            Self::Trap(format!("{what} trapped: {error:#}"))
+        } else {
+            Self::Other(format!("{what} failed: {error:#}"))
         }
     }
 }
@@ -182,8 +272,10 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
         .map_err(|e| Failure::Other(format!("cannot build the engine: {e:#}")))?;
     let module = Module::new(&engine, &bytes)
         .map_err(|e| Failure::Other(format!("{}: {e:#}", args.file.display())))?;
+    let wasi = WasiSetup::parse(args)?;
     let mut linker = Linker::new(&engine);
     add_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
+    add_wasi_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
     let tenant = Tenant::new(
         1,
         "cli",
@@ -194,7 +286,7 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
     let mut runs = Vec::new();
     let mut outcome = Ok(());
     for _ in 0..args.repeat {
-        match run_once(&engine, &linker, &module, &creator, &tenant, args) {
+        match run_once(&engine, &linker, &module, &creator, &tenant, &wasi, args) {
             Ok(results) => {
                 if !args.json {
                     for (text, _) in &results {
@@ -203,6 +295,8 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
                 }
                 runs.push(Value::Array(results.into_iter().map(|(_, v)| v).collect()));
             }
+            // A guest that ends with status 0 ran to completion.
+            Err(Failure::Exit(0)) => runs.push(Value::Array(Vec::new())),
             Err(failure) => {
                 outcome = Err(failure);
                 break;
@@ -232,18 +326,21 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
 
 fn run_once<B: Backend>(
     engine: &wasmtime::Engine,
-    linker: &Linker<TenantStore<B>>,
+    linker: &Linker<TenantStore<B, WasiP1Ctx>>,
     module: &Module,
     creator: &TensorWasmMemoryCreator<B>,
     tenant: &Arc<Tenant>,
+    wasi: &WasiSetup,
     args: &RunArgs,
 ) -> Result<Vec<(String, Value)>, Failure> {
     let mut store = new_store(
         engine,
-        TenantStore::new(creator, tenant, ChargeMode::Touched, ()),
+        TenantStore::new(creator, tenant, ChargeMode::Touched, wasi.context()?),
     );
     let instance = instantiate(&mut store, linker, module).map_err(|e| {
-        if is_trap(&e) {
+        if let Some(code) = tensor_wasm_mem_wasmtime::wasi::exit_code(&e) {
+            Failure::Exit(code)
+        } else if is_trap(&e) {
             Failure::Trap(format!("trapped during instantiation: {e:#}"))
         } else if let Some(twm) = e.downcast_ref::<TwmError>() {
             Failure::Refused(format!("instantiation refused: {twm}"))
@@ -252,7 +349,15 @@ fn run_once<B: Backend>(
         }
     })?;
     let Some(name) = &args.invoke else {
-        return Ok(Vec::new());
+        // A command module (clang, wasm32-wasip1) runs its `_start`; anything else was only
+        // to be instantiated.
+        return match instance.get_typed_func::<(), ()>(&mut store, "_start") {
+            Ok(start) => start
+                .call(&mut store, ())
+                .map(|()| Vec::new())
+                .map_err(|e| Failure::of_call("_start", &e)),
+            Err(_) => Ok(Vec::new()),
+        };
     };
     let func = instance
         .get_func(&mut store, name)
@@ -273,12 +378,7 @@ fn run_once<B: Backend>(
         .map(|(a, t)| parse_arg(a, t))
         .collect::<Result<Vec<_>, _>>()?;
     let mut results = vec![Val::I32(0); ty.results().len()];
-    func.call(&mut store, &values, &mut results).map_err(|e| {
-        if is_trap(&e) {
-            Failure::Trap(format!("{name} trapped: {e:#}"))
-        } else {
-            Failure::Other(format!("{name} failed: {e:#}"))
-        }
-    })?;
+    func.call(&mut store, &values, &mut results)
+        .map_err(|e| Failure::of_call(name, &e))?;
     Ok(results.iter().map(show).collect())
 }

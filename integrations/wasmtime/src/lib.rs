@@ -8,6 +8,8 @@ mod guarded;
 mod guest;
 mod memory;
 mod tenancy;
+#[cfg(feature = "wasi")]
+pub mod wasi;
 
 use tensor_wasm_mem_core::{Advisor, DevicePools, ManagedAllocator, StreamProvider};
 

@@ -1,0 +1,117 @@
+//! Real guests: the C programs under `tests/guests/`, built at test time with clang for
+//! `wasm32-wasi` against wasi-libc and the SDK header `sdk/c/twm.h`.
+//!
+//! The toolchain is Debian's `clang`, `lld`, `wasi-libc` and `libclang-rt-14-dev-wasm32`
+//! (`.ci/run` installs them). Where it is missing, [`c_guest`] says so loudly on stderr and
+//! returns `None`, so `cargo test` still passes on a machine with only Rust; with
+//! `TWM_REQUIRE_C_GUESTS=1` (set by `.ci/run`) a missing toolchain fails the test instead.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+/// The compiler: `$TWM_CLANG`, or `clang` on the path.
+fn clang() -> String {
+    std::env::var("TWM_CLANG").unwrap_or_else(|_| "clang".to_owned())
+}
+
+/// The workspace root.
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+}
+
+/// The source of a guest.
+#[must_use]
+pub fn source(name: &str) -> PathBuf {
+    root()
+        .join("tests")
+        .join("guests")
+        .join(format!("{name}.c"))
+}
+
+fn unavailable(why: &str) -> Option<PathBuf> {
+    let message = format!(
+        "C guests need clang with a wasm32-wasi sysroot (Debian: apt-get install clang lld \
+         wasi-libc libclang-rt-14-dev-wasm32): {why}"
+    );
+    if std::env::var_os("TWM_REQUIRE_C_GUESTS").is_some_and(|v| v == "1") {
+        panic!("{message}");
+    }
+    eprintln!("SKIPPED (no C toolchain for wasm32-wasi): {message}");
+    None
+}
+
+/// Builds `tests/guests/<name>.c` (once per process) and returns the `.wasm` path, or `None`
+/// (after saying why on stderr) where the toolchain is missing.
+pub fn c_guest(name: &str) -> Option<PathBuf> {
+    static BUILT: OnceLock<Mutex<HashMap<String, Option<PathBuf>>>> = OnceLock::new();
+    let mut built = BUILT
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if let Some(path) = built.get(name) {
+        return path.clone();
+    }
+    let path = build(name);
+    built.insert(name.to_owned(), path.clone());
+    path
+}
+
+/// Whether clang can build a wasi-libc program here (checked once, on a probe program), or
+/// why not.
+fn toolchain() -> Result<(), String> {
+    static PROBE: OnceLock<Result<(), String>> = OnceLock::new();
+    PROBE
+        .get_or_init(|| {
+            let dir = Path::new(env!("OUT_DIR")).join("c-guests");
+            std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            let probe = dir.join("probe.c");
+            std::fs::write(
+                &probe,
+                "#include <stdio.h>\nint main(void) { puts(\"ok\"); }\n",
+            )
+            .map_err(|e| format!("{}: {e}", probe.display()))?;
+            let output = Command::new(clang())
+                .args(["--target=wasm32-wasi", "-o"])
+                .arg(dir.join("probe.wasm"))
+                .arg(&probe)
+                .output()
+                .map_err(|e| format!("cannot run {}: {e}", clang()))?;
+            if output.status.success() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{} cannot build a wasi-libc program: {}",
+                    clang(),
+                    String::from_utf8_lossy(&output.stderr)
+                ))
+            }
+        })
+        .clone()
+}
+
+fn build(name: &str) -> Option<PathBuf> {
+    if let Err(why) = toolchain() {
+        return unavailable(&why);
+    }
+    let wasm = Path::new(env!("OUT_DIR"))
+        .join("c-guests")
+        .join(format!("{name}.wasm"));
+    let output = Command::new(clang())
+        .args(["--target=wasm32-wasi", "-O2", "-Wall", "-Werror", "-I"])
+        .arg(root().join("sdk").join("c"))
+        .arg("-o")
+        .arg(&wasm)
+        .arg(source(name))
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", clang()));
+    assert!(
+        output.status.success(),
+        "building {name}.c failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Some(wasm)
+}
