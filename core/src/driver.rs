@@ -26,10 +26,12 @@ use crate::advisor::Advisor;
 use crate::allocator::{Allocation, ManagedAllocator};
 use crate::device::{Advice, Capabilities, DeviceId, Location};
 use crate::error::{BackendError, ErrorKind, ErrorType, RangeError};
-use crate::isolation::IsolationLevel;
 use crate::ledger::TenantKey;
-use crate::pools::{DevicePoolConfig, DevicePoolStats, DevicePools, PoolAllocation, PoolHandle};
-use crate::stream::{DEFAULT_STREAM, Stream, StreamProvider};
+
+use crate::stream::{DEFAULT_STREAM, Stream};
+
+mod device_pools;
+mod streams;
 
 /// What [`DriverBackend`] refuses before calling the driver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -70,6 +72,14 @@ pub enum Refusal {
         /// The raw handle.
         raw: u64,
     },
+    /// A stream that is not the pool's tenant's, or is on another device than the pool.
+    #[error("stream {raw:#x} is not a stream of pool {pool:#x}'s tenant on its device")]
+    ForeignStream {
+        /// The stream's raw handle.
+        raw: u64,
+        /// The pool's raw handle.
+        pool: u64,
+    },
     /// The device cannot do this.
     #[error("{device} does not support {what}")]
     Unsupported {
@@ -91,7 +101,8 @@ impl Refusal {
             | Self::ZeroSize
             | Self::InvalidDevice { .. }
             | Self::UnknownAllocation { .. }
-            | Self::UnknownStream { .. } => ErrorKind::InvalidArgument,
+            | Self::UnknownStream { .. }
+            | Self::ForeignStream { .. } => ErrorKind::InvalidArgument,
         }
     }
 }
@@ -287,9 +298,9 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
 /// Counters of a [`DriverBackend`].
 ///
 /// A resource the driver refused to release (a failed `cuStreamDestroy`, `cuCtxDestroy`,
-/// `cuMemPoolDestroy`, `cuMemFreeAsync`) is still held by the driver: it stays counted as live,
-/// is counted in [`release_failures`](Self::release_failures), and is tried again when the
-/// backend drops. Nothing the driver still holds is ever dropped from these figures.
+/// `cuMemPoolDestroy`, `cuMemFreeAsync`, `cuMemFree`) is still held by the driver: it stays in
+/// the backend's tables, counted as live, is counted in
+/// [`release_failures`](Self::release_failures), and is tried again when the backend drops.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DriverStats {
     /// Allocations alive.
@@ -334,6 +345,18 @@ pub fn unreleased_at_drop() -> u64 {
     UNRELEASED_AT_DROP.load(Ordering::Acquire)
 }
 
+/// Where a stream or pool record is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Life {
+    /// In service.
+    Live,
+    /// Released while a driver call was using it: refused to new callers, torn down by the last
+    /// user.
+    Releasing,
+    /// The driver refused to tear it down: refused to callers, counted, retried at drop.
+    Failed,
+}
+
 /// A live managed allocation of ours.
 #[derive(Debug)]
 struct AllocationRecord {
@@ -341,59 +364,20 @@ struct AllocationRecord {
     device: DeviceId,
 }
 
-/// A device memory pool of ours.
-#[derive(Debug)]
-struct PoolRecord {
-    device: DeviceId,
-    tenant: TenantKey,
-    /// Device pointer -> each live allocation.
-    live: HashMap<u64, PoolBlock>,
-    live_bytes: u64,
-    peak_bytes: u64,
-    /// Being destroyed, or its destroy failed: refused to callers, retried at drop.
-    retired: bool,
-}
-
-/// A live allocation from a device pool: its length, and the stream it was allocated on (the
-/// stream its work is ordered on, so its free at teardown is ordered after that work).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct PoolBlock {
-    len: usize,
-    stream: u64,
-}
-
-/// A stream of ours.
-#[derive(Debug)]
-struct StreamRecord {
-    tenant: TenantKey,
-    context: u64,
-    /// Being released, or its destroy failed: refused to callers, retried at drop.
-    retired: bool,
-}
-
-/// A context-isolated tenant's context. Changed only under the state lock, so "first user makes
-/// it" and "last user destroys it" are each one decision: `users` counts the tenant's streams in
-/// it plus the acquirers between [`join`](DriverBackend::join_tenant_context) and their stream
-/// (or their failure), and the entry leaves the table in the same step that takes `users` to 0.
-#[derive(Debug, Default)]
-struct TenantContextEntry {
-    context: Option<u64>,
-    users: u64,
-}
-
 #[derive(Debug, Default)]
 struct State {
     allocations: HashMap<u64, AllocationRecord>,
-    streams: HashMap<u64, StreamRecord>,
-    contexts: HashMap<TenantKey, TenantContextEntry>,
+    streams: HashMap<u64, streams::StreamRecord>,
+    contexts: HashMap<TenantKey, streams::TenantContextEntry>,
     /// Contexts whose destroy the driver refused: counted live, retried at drop.
     retired_contexts: Vec<u64>,
-    pools: HashMap<u64, PoolRecord>,
+    pools: HashMap<u64, device_pools::PoolRecord>,
     stats: DriverStats,
 }
 
 impl State {
-    /// Counts a release the driver refused of a resource that is now retired.
+    /// Counts a release the driver refused; `retired`: of a stream, context or pool now held
+    /// for the retry at drop.
     fn release_failed(&mut self, retired: bool) {
         self.stats.release_failures += 1;
         if retired {
@@ -426,7 +410,8 @@ fn with_context<D: DriverApi, T>(
     (result, popped)
 }
 
-/// The three backend traits on a [`DriverApi`]. See the [module docs](self).
+/// The three backend traits and [`DevicePools`] on a [`DriverApi`]. See the
+/// [module docs](self).
 ///
 /// Streams are made on device 0 (the trait's `acquire_stream` names no device).
 pub struct DriverBackend<D: DriverApi> {
@@ -534,97 +519,6 @@ impl<D: DriverApi> DriverBackend<D> {
         };
         Ok((device, allocation.range(offset, len)?))
     }
-
-    /// The context a stream handle belongs to, if this backend handed it out and it is live.
-    fn stream_context(&self, stream: &Stream) -> Result<u64, Refusal> {
-        if stream.raw() == DEFAULT_STREAM {
-            if stream.is_shared() {
-                return Ok(self.driver.primary_context(DeviceId(0)));
-            }
-        } else if let Some(r) = self.state.lock().streams.get(&stream.raw())
-            && !r.retired
-            && r.tenant == stream.tenant_key()
-            && r.context == stream.context()
-        {
-            return Ok(r.context);
-        }
-        Err(Refusal::UnknownStream { raw: stream.raw() })
-    }
-
-    /// Joins `tenant`'s context on `device`, making it if the tenant has none: one more user
-    /// until [`leave_tenant_context`](Self::leave_tenant_context).
-    ///
-    /// The context is made outside the lock (it is slow on a GPU). Two first users of one tenant
-    /// may both make one; the first to install it wins, the other destroys its own, so the
-    /// tenant never has two.
-    fn join_tenant_context(&self, tenant: TenantKey, device: DeviceId) -> Result<u64, D::Error> {
-        let installed = {
-            let mut state = self.state.lock();
-            let entry = state.contexts.entry(tenant).or_default();
-            entry.users += 1;
-            entry.context
-        };
-        if let Some(context) = installed {
-            return Ok(context);
-        }
-        let made = match self.driver.context_create(device) {
-            Ok(made) => made,
-            Err(e) => {
-                // A failed leave is counted where it happens; the creation error is the answer.
-                let _ = self.leave_tenant_context(tenant);
-                return Err(e);
-            }
-        };
-        let mut state = self.state.lock();
-        // This call's user keeps the entry in the table.
-        let entry = state.contexts.entry(tenant).or_default();
-        match entry.context {
-            Some(installed) => {
-                drop(state);
-                // The other user's context serves; a failed destroy of ours is counted there.
-                let _ = self.destroy_context(made);
-                Ok(installed)
-            }
-            None => {
-                entry.context = Some(made);
-                state.stats.live_contexts += 1;
-                Ok(made)
-            }
-        }
-    }
-
-    /// One user of `tenant`'s context leaves; the last one destroys it.
-    fn leave_tenant_context(&self, tenant: TenantKey) -> Result<(), D::Error> {
-        let last = {
-            let mut state = self.state.lock();
-            let Some(entry) = state.contexts.get_mut(&tenant) else {
-                return Ok(());
-            };
-            entry.users = entry.users.saturating_sub(1);
-            if entry.users > 0 {
-                return Ok(());
-            }
-            let context = state.contexts.remove(&tenant).and_then(|e| e.context);
-            if context.is_some() {
-                state.stats.live_contexts -= 1;
-            }
-            context
-        };
-        match last {
-            Some(context) => self.destroy_context(context),
-            None => Ok(()),
-        }
-    }
-
-    /// Destroys a context no one uses; if the driver refuses, it stays counted and retired.
-    fn destroy_context(&self, context: u64) -> Result<(), D::Error> {
-        self.driver.context_destroy(context).inspect_err(|_| {
-            let mut state = self.state.lock();
-            state.retired_contexts.push(context);
-            state.stats.live_contexts += 1;
-            state.release_failed(true);
-        })
-    }
 }
 
 impl<D: DriverApi> ErrorType for DriverBackend<D> {
@@ -664,17 +558,38 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
     }
 
     unsafe fn free(&self, allocation: Allocation) -> Result<(), D::Error> {
-        let (device, _) = self.checked(&allocation, 0, 0)?;
         let address = allocation.device_ptr();
-        // SAFETY: `address` is the base of a live allocation of ours (checked), and the caller
-        // guarantees it is not used afterwards.
-        self.in_primary(device, |d| unsafe { d.free(address) })?;
-        let mut state = self.state.lock();
-        if let Some(record) = state.allocations.remove(&address) {
-            state.stats.live_allocations -= 1;
-            state.stats.live_bytes -= record.len as u64;
+        // The record leaves the table before the driver frees: once freed, the driver may hand
+        // the same address to another thread's `allocate` at once, whose record this call must
+        // not touch. It goes back if the driver refuses.
+        let record = {
+            let mut state = self.state.lock();
+            match state.allocations.remove(&address) {
+                Some(r) if r.len == allocation.len() => r,
+                Some(r) => {
+                    state.allocations.insert(address, r);
+                    return Err(Refusal::UnknownAllocation { address }.into());
+                }
+                None => return Err(Refusal::UnknownAllocation { address }.into()),
+            }
+        };
+        let device = record.device;
+        // SAFETY: `address` is the base of a live allocation of ours (its record was in the
+        // table), and the caller guarantees it is not used afterwards.
+        match self.in_primary(device, |d| unsafe { d.free(address) }) {
+            Ok(()) => {
+                let mut state = self.state.lock();
+                state.stats.live_allocations -= 1;
+                state.stats.live_bytes -= record.len as u64;
+                Ok(())
+            }
+            Err(e) => {
+                let mut state = self.state.lock();
+                state.allocations.insert(address, record);
+                state.release_failed(false);
+                Err(e)
+            }
         }
-        Ok(())
     }
 
     unsafe fn zero(
@@ -732,290 +647,22 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
             }
             .into());
         }
-        let context = self.stream_context(stream)?;
+        let using = self.stream_use(stream)?;
         if range.is_empty() {
             return Ok(());
         }
         let start = allocation.device_ptr() + range.start as u64;
-        self.in_context(context, |d| {
-            d.prefetch(start, range.len(), to, stream.raw())
+        self.in_context(using.context, |d| {
+            d.prefetch(start, range.len(), to, using.raw())
         })
-    }
-}
-
-impl<D: DriverApi> StreamProvider for DriverBackend<D> {
-    fn acquire_stream(&self, tenant: TenantKey, level: IsolationLevel) -> Result<Stream, D::Error> {
-        let device = DeviceId(0);
-        let context = match level {
-            IsolationLevel::Shared => {
-                let primary = self.driver.primary_context(device);
-                return Ok(Stream::new(DEFAULT_STREAM, primary, level, tenant));
-            }
-            IsolationLevel::StreamIsolated => self.driver.primary_context(device),
-            IsolationLevel::ContextIsolated => self.join_tenant_context(tenant, device)?,
-        };
-        match self.in_context(context, D::stream_create) {
-            Ok(raw) => {
-                let mut state = self.state.lock();
-                state.streams.insert(
-                    raw,
-                    StreamRecord {
-                        tenant,
-                        context,
-                        retired: false,
-                    },
-                );
-                state.stats.live_streams += 1;
-                Ok(Stream::new(raw, context, level, tenant))
-            }
-            Err(e) => {
-                if level == IsolationLevel::ContextIsolated {
-                    // A failed leave is counted where it happens; the creation error is the
-                    // answer.
-                    let _ = self.leave_tenant_context(tenant);
-                }
-                Err(e)
-            }
-        }
-    }
-
-    fn release_stream(&self, stream: Stream) -> Result<(), D::Error> {
-        let raw = stream.raw();
-        if raw == DEFAULT_STREAM {
-            self.stream_context(&stream)?;
-            return Ok(());
-        }
-        // Retired under the lock: from here no caller can use it, and a second release of the
-        // same handle value finds nothing to release.
-        let context = {
-            let mut state = self.state.lock();
-            match state.streams.get_mut(&raw) {
-                Some(r)
-                    if !r.retired
-                        && r.tenant == stream.tenant_key()
-                        && r.context == stream.context() =>
-                {
-                    r.retired = true;
-                    r.context
-                }
-                _ => return Err(Refusal::UnknownStream { raw }.into()),
-            }
-        };
-        // Synchronised first: work queued on the stream is done before the stream is gone, so
-        // whatever is torn down after (a pool block freed on the default stream, a slot scrubbed
-        // for the next tenant) is ordered after it. A failed wait (a context the driver has
-        // poisoned) does not keep the stream: it is still destroyed, and the error reported.
-        let mut waited = Ok(());
-        let destroyed = self.in_context(context, |d| {
-            waited = d.synchronize(raw);
-            d.stream_destroy(raw)
-        });
-        let mut state = self.state.lock();
-        if let Err(e) = destroyed {
-            // The driver still has the stream (and so its context): both stay counted.
-            state.release_failed(true);
-            return Err(e);
-        }
-        state.streams.remove(&raw);
-        state.stats.live_streams -= 1;
-        drop(state);
-        if stream.level() == IsolationLevel::ContextIsolated {
-            self.leave_tenant_context(stream.tenant_key())?;
-        }
-        waited
-    }
-
-    fn synchronize(&self, stream: &Stream) -> Result<(), D::Error> {
-        let context = self.stream_context(stream)?;
-        self.in_context(context, |d| d.synchronize(stream.raw()))
-    }
-}
-
-impl<D: DriverApi> DriverBackend<D> {
-    /// Checks a pool handle against a live (not retired) pool record of ours.
-    fn pool_record<'s>(
-        state: &'s mut State,
-        pool: &PoolHandle,
-    ) -> Result<&'s mut PoolRecord, Refusal> {
-        state
-            .pools
-            .get_mut(&pool.raw())
-            .filter(|r| !r.retired && r.device == pool.device() && r.tenant == pool.tenant_key())
-            .ok_or(Refusal::UnknownPool { raw: pool.raw() })
-    }
-
-    /// The record of a pool handle of ours (device and tenant must match too).
-    fn check_pool(&self, pool: &PoolHandle) -> Result<(), Refusal> {
-        Self::pool_record(&mut self.state.lock(), pool).map(|_| ())
-    }
-
-    /// Where a pool block's free at teardown goes: on the stream it was allocated on while that
-    /// stream lives (ordered after the work queued there), else on the default stream of its
-    /// device (a released stream was synchronised before it was destroyed: its work is done).
-    fn teardown_stream(&self, device: DeviceId, block: PoolBlock) -> (u64, u64) {
-        let state = self.state.lock();
-        match state.streams.get(&block.stream) {
-            Some(r) if !r.retired => (r.context, block.stream),
-            _ => (self.driver.primary_context(device), DEFAULT_STREAM),
-        }
-    }
-
-    /// Frees the live blocks of a retired pool (each ordered on its own stream), then destroys
-    /// it; what the driver refuses stays in the record (retired, counted, retried at drop).
-    fn release_pool(&self, raw: u64, device: DeviceId) -> Result<(), D::Error> {
-        let blocks: Vec<(u64, PoolBlock)> = match self.state.lock().pools.get(&raw) {
-            Some(r) => r.live.iter().map(|(&p, &b)| (p, b)).collect(),
-            None => Vec::new(),
-        };
-        for (ptr, block) in blocks {
-            let (context, stream) = self.teardown_stream(device, block);
-            let freed = self.in_context(context, |d| d.pool_free(ptr, stream));
-            let mut state = self.state.lock();
-            if let Err(e) = freed {
-                state.release_failed(true);
-                return Err(e);
-            }
-            if let Some(r) = state.pools.get_mut(&raw)
-                && r.live.remove(&ptr).is_some()
-            {
-                r.live_bytes -= block.len as u64;
-                state.stats.live_pool_allocations -= 1;
-            }
-        }
-        self.in_primary(device, |d| d.pool_destroy(raw))
-            .inspect_err(|_| self.state.lock().release_failed(true))?;
-        let mut state = self.state.lock();
-        state.pools.remove(&raw);
-        state.stats.live_pools -= 1;
-        Ok(())
-    }
-}
-
-impl<D: DriverApi> DevicePools for DriverBackend<D> {
-    fn create_pool(
-        &self,
-        tenant: TenantKey,
-        device: DeviceId,
-        config: &DevicePoolConfig,
-    ) -> Result<PoolHandle, D::Error> {
-        self.check_device(device)?;
-        let raw = self.in_primary(device, |d| {
-            d.pool_create(device, config.max_bytes, config.release_threshold)
-        })?;
-        let mut state = self.state.lock();
-        state.pools.insert(
-            raw,
-            PoolRecord {
-                device,
-                tenant,
-                live: HashMap::new(),
-                live_bytes: 0,
-                peak_bytes: 0,
-                retired: false,
-            },
-        );
-        state.stats.live_pools += 1;
-        Ok(PoolHandle::new(raw, device, tenant))
-    }
-
-    fn pool_allocate(
-        &self,
-        pool: &PoolHandle,
-        bytes: usize,
-        stream: &Stream,
-    ) -> Result<PoolAllocation, D::Error> {
-        if bytes == 0 {
-            return Err(Refusal::ZeroSize.into());
-        }
-        self.check_pool(pool)?;
-        let context = self.stream_context(stream)?;
-        let ptr = self.in_context(context, |d| d.pool_alloc(pool.raw(), bytes, stream.raw()))?;
-        let mut state = self.state.lock();
-        if let Some(r) = state.pools.get_mut(&pool.raw()) {
-            r.live.insert(
-                ptr,
-                PoolBlock {
-                    len: bytes,
-                    stream: stream.raw(),
-                },
-            );
-            r.live_bytes += bytes as u64;
-            r.peak_bytes = r.peak_bytes.max(r.live_bytes);
-        }
-        state.stats.live_pool_allocations += 1;
-        Ok(PoolAllocation::new(ptr, bytes))
-    }
-
-    fn pool_free(
-        &self,
-        pool: &PoolHandle,
-        allocation: PoolAllocation,
-        stream: &Stream,
-    ) -> Result<(), D::Error> {
-        let context = self.stream_context(stream)?;
-        let (ptr, len) = (allocation.device_ptr(), allocation.len());
-        // The record leaves the table before the driver frees: once the driver has the block
-        // back it may hand the same address to another thread's `pool_allocate`, whose record
-        // this call must not touch.
-        let block = {
-            let mut state = self.state.lock();
-            let r = Self::pool_record(&mut state, pool)?;
-            let block = match r.live.get(&ptr) {
-                Some(&b) if b.len == len => b,
-                _ => return Err(Refusal::UnknownPool { raw: pool.raw() }.into()),
-            };
-            r.live.remove(&ptr);
-            r.live_bytes -= len as u64;
-            block
-        };
-        let freed = self.in_context(context, |d| d.pool_free(ptr, stream.raw()));
-        let mut state = self.state.lock();
-        match freed {
-            Ok(()) => {
-                state.stats.live_pool_allocations -= 1;
-                Ok(())
-            }
-            Err(e) => {
-                // Still the pool's: back in the record, freed when the pool is destroyed.
-                if let Some(r) = state.pools.get_mut(&pool.raw()) {
-                    r.live.insert(ptr, block);
-                    r.live_bytes += len as u64;
-                }
-                state.release_failed(false);
-                Err(e)
-            }
-        }
-    }
-
-    fn trim_pool(&self, pool: &PoolHandle, keep_bytes: u64) -> Result<(), D::Error> {
-        self.check_pool(pool)?;
-        self.in_primary(pool.device(), |d| d.pool_trim(pool.raw(), keep_bytes))
-    }
-
-    fn pool_stats(&self, pool: &PoolHandle) -> Result<DevicePoolStats, D::Error> {
-        self.check_pool(pool)?;
-        let reserved = self.in_primary(pool.device(), |d| d.pool_reserved(pool.raw()))?;
-        let mut state = self.state.lock();
-        let r = Self::pool_record(&mut state, pool)?;
-        Ok(DevicePoolStats {
-            live_bytes: r.live_bytes,
-            peak_bytes: r.peak_bytes,
-            reserved_bytes: reserved,
-            live_allocations: r.live.len() as u64,
-        })
-    }
-
-    fn destroy_pool(&self, pool: PoolHandle) -> Result<(), D::Error> {
-        // Retired under the lock: no allocation or free of it starts after this.
-        Self::pool_record(&mut self.state.lock(), &pool)?.retired = true;
-        self.release_pool(pool.raw(), pool.device())
     }
 }
 
 impl<D: DriverApi> Drop for DriverBackend<D> {
     /// Gives back everything still live, retired resources included (a retry of each release
     /// the driver refused before), and reports the outcome in [`reclaimed_at_drop`] and
-    /// [`unreleased_at_drop`].
+    /// [`unreleased_at_drop`]. Streams are waited for before they are destroyed; pool blocks are
+    /// freed on their own stream while it lives (streams go after pools).
     fn drop(&mut self) {
         let driver = &self.driver;
         let state = self.state.get_mut();
@@ -1030,9 +677,10 @@ impl<D: DriverApi> Drop for DriverBackend<D> {
         for (raw, record) in state.pools.drain() {
             let primary = driver.primary_context(record.device);
             for (&ptr, block) in &record.live {
-                // Ordered on the block's own stream while it lives (it is destroyed below).
                 let (context, stream) = match state.streams.get(&block.stream) {
-                    Some(r) if !r.retired => (r.context, block.stream),
+                    Some(s) if Some(s.tenant) == block.tenant && s.context == block.context => {
+                        (s.context, block.stream)
+                    }
                     _ => (primary, DEFAULT_STREAM),
                 };
                 let (freed, _) = with_context(driver, context, |d| d.pool_free(ptr, stream));
@@ -1042,7 +690,11 @@ impl<D: DriverApi> Drop for DriverBackend<D> {
             tally(destroyed.is_ok());
         }
         for (raw, record) in state.streams.drain() {
-            let (destroyed, _) = with_context(driver, record.context, |d| d.stream_destroy(raw));
+            let (destroyed, _) = with_context(driver, record.context, |d| {
+                // A failed wait does not keep the stream: it is destroyed all the same.
+                let _ = d.synchronize(raw);
+                d.stream_destroy(raw)
+            });
             tally(destroyed.is_ok());
         }
         let contexts = state.contexts.drain().filter_map(|(_, e)| e.context);

@@ -1,19 +1,22 @@
-//! Exhaustive interleaving tests of the driver layer's two state machines: a context-isolated
-//! tenant's context (first user makes it, last user destroys it) and a device pool's records
-//! (a free racing an allocation of the same address).
+//! Exhaustive interleaving tests of the driver layer's state machines: a context-isolated
+//! tenant's context (first user makes it, last user destroys it), a device pool's records (a
+//! free racing an allocation of the same address), and (in `review`) teardown racing
+//! releases, handle values the driver reuses, and forged duplicate handles.
 //!
 //! Real threads run the real `DriverBackend` and `TenantDevicePool` over a strict fake driver,
-//! but a scheduler lets exactly one of them run at a time and switches only at driver calls, the
-//! points where the state machines leave their lock. Every schedule is enumerated (depth-first
-//! over the choice at each switch), and after each the invariants are checked: one context per
-//! tenant, every stream usable, nothing left in the driver, the ledger equal to what the driver
-//! holds. Each test fails when the old steps are put back (an installed context overwritten by
-//! a second first user; a pool record removed after the driver free).
+//! but a scheduler lets exactly one of them run at a time and switches only at the fake's switch
+//! points: stream and context creation and destruction, synchronize, pool allocation and free
+//! (after the free has taken effect), managed allocation and free where a test turns them on,
+//! and context pushes where a test asks for them. Those are where the state machines leave
+//! their lock; a lock section between two of them is atomic to the other threads. Every
+//! schedule is enumerated (depth-first over the choice at each switch), and after each the
+//! invariants are checked: one context per tenant, every stream usable, nothing used after it
+//! was destroyed, nothing left in the driver, the ledger equal to what the driver holds. Each
+//! test fails when the old steps are put back.
 //!
 //! Why not `loom`: the state machines are `spin::Mutex`-guarded tables inside `DriverBackend`,
 //! and loom needs its own primitives in the code under test; switching at driver calls covers
-//! the same decisions (every lock section between two driver calls is atomic to the others) on
-//! the code as shipped.
+//! the same decisions on the code as shipped.
 
 use alloc::boxed::Box;
 use alloc::sync::Arc;
@@ -208,6 +211,32 @@ struct FakeState {
     pool_live: BTreeSet<u64>,
     /// Stream calls in order: (call, stream).
     events: Vec<(&'static str, u64)>,
+    // --- review knobs (all off by default) ---
+    /// Reuse destroyed stream handle values (LIFO), and hand over after a destroy took effect.
+    reuse_streams: bool,
+    free_streams: Vec<u64>,
+    /// Hand out managed memory (reusing freed addresses, LIFO), hand over after a free.
+    managed: bool,
+    managed_free: Vec<u64>,
+    managed_live: BTreeSet<u64>,
+    /// Pool frees of these pointers fail (the driver keeps the block).
+    fail_pool_free: BTreeSet<u64>,
+    /// The n-th pool free (1-based) fails.
+    fail_pool_free_call: Option<usize>,
+    pool_free_calls: usize,
+    /// Switch at every push_current.
+    switch_at_push: bool,
+    // --- review tracking (always on) ---
+    destroyed_contexts: BTreeSet<u64>,
+    /// Pushes of a context that was destroyed (a dangling CUcontext on a real driver).
+    dead_pushes: u64,
+    /// How many threads have each context pushed now.
+    current_on: BTreeMap<u64, i64>,
+    /// context_destroy while the context is current on some thread.
+    destroyed_while_current: u64,
+    live_pools: BTreeSet<u64>,
+    /// pool_alloc on a pool that is not live (destroyed).
+    alloc_from_dead_pool: u64,
 }
 
 std::thread_local! {
@@ -259,24 +288,52 @@ unsafe impl DriverApi for Fake {
         PRIMARY
     }
     fn push_current(&self, context: u64) -> Result<(), FakeError> {
-        let s = self.lock();
+        if self.lock().switch_at_push {
+            switch();
+        }
+        let mut s = self.lock();
+        if s.destroyed_contexts.contains(&context) {
+            s.dead_pushes += 1;
+        }
         if context != PRIMARY && !s.contexts.contains(&context) {
             return Err(FakeError::Code(INVALID_CONTEXT));
         }
         STACK.with(|st| st.borrow_mut().push(context));
+        *s.current_on.entry(context).or_default() += 1;
         Ok(())
     }
     fn pop_current(&self) -> Result<(), FakeError> {
-        STACK
-            .with(|st| st.borrow_mut().pop())
-            .map(|_| ())
-            .ok_or(FakeError::Code(INVALID_CONTEXT))
+        let popped = STACK.with(|st| st.borrow_mut().pop());
+        if let Some(c) = popped {
+            *self.lock().current_on.entry(c).or_default() -= 1;
+        }
+        popped.map(|_| ()).ok_or(FakeError::Code(INVALID_CONTEXT))
     }
     fn alloc_managed(&self, _: DeviceId, _: usize) -> Result<u64, FakeError> {
-        Err(FakeError::Code(2))
+        let mut s = self.lock();
+        if !s.managed {
+            return Err(FakeError::Code(2));
+        }
+        let ptr = match s.managed_free.pop() {
+            Some(p) => p,
+            None => {
+                s.next += 1;
+                0x4000_0000 + s.next * 0x10_0000
+            }
+        };
+        s.managed_live.insert(ptr);
+        Ok(ptr)
     }
-    unsafe fn free(&self, _: u64) -> Result<(), FakeError> {
-        Err(FakeError::Code(1))
+    unsafe fn free(&self, ptr: u64) -> Result<(), FakeError> {
+        let mut s = self.lock();
+        if !s.managed || !s.managed_live.remove(&ptr) {
+            return Err(FakeError::Code(1));
+        }
+        s.managed_free.push(ptr);
+        drop(s);
+        // The caller hears back later: another thread's allocation can fall in here.
+        switch();
+        Ok(())
     }
     unsafe fn zero(&self, _: DeviceId, _: u64, _: usize) -> Result<(), FakeError> {
         Err(FakeError::Code(1))
@@ -291,8 +348,18 @@ unsafe impl DriverApi for Fake {
         switch();
         let mut s = self.lock();
         let ctx = self.current(&s)?;
-        s.next += 1;
-        let stream = 1000 + s.next;
+        let reused = if s.reuse_streams {
+            s.free_streams.pop()
+        } else {
+            None
+        };
+        let stream = match reused {
+            Some(r) => r,
+            None => {
+                s.next += 1;
+                1000 + s.next
+            }
+        };
         s.streams.insert(stream, ctx);
         Ok(stream)
     }
@@ -302,6 +369,11 @@ unsafe impl DriverApi for Fake {
         self.stream(&s, stream)?;
         s.streams.remove(&stream);
         s.events.push(("stream_destroy", stream));
+        if s.reuse_streams {
+            s.free_streams.push(stream);
+            drop(s);
+            switch();
+        }
         Ok(())
     }
     fn synchronize(&self, stream: u64) -> Result<(), FakeError> {
@@ -325,20 +397,29 @@ unsafe impl DriverApi for Fake {
         if !s.contexts.remove(&context) {
             return Err(FakeError::Code(INVALID_CONTEXT));
         }
+        s.destroyed_contexts.insert(context);
+        if s.current_on.get(&context).copied().unwrap_or(0) > 0 {
+            s.destroyed_while_current += 1;
+        }
         // Its streams die with it, as on the driver.
         s.streams.retain(|_, c| *c != context);
         Ok(())
     }
     fn pool_create(&self, _: DeviceId, _: u64, _: u64) -> Result<u64, FakeError> {
+        self.lock().live_pools.insert(77);
         Ok(77)
     }
-    fn pool_destroy(&self, _: u64) -> Result<(), FakeError> {
+    fn pool_destroy(&self, pool: u64) -> Result<(), FakeError> {
+        self.lock().live_pools.remove(&pool);
         Ok(())
     }
     fn pool_alloc(&self, _: u64, _: usize, stream: u64) -> Result<u64, FakeError> {
         switch();
         let mut s = self.lock();
         self.stream(&s, stream)?;
+        if !s.live_pools.contains(&77) {
+            s.alloc_from_dead_pool += 1;
+        }
         let ptr = match s.pool_free_blocks.pop() {
             Some(p) => p,
             None => {
@@ -353,6 +434,10 @@ unsafe impl DriverApi for Fake {
         switch();
         let mut s = self.lock();
         self.stream(&s, stream)?;
+        s.pool_free_calls += 1;
+        if s.fail_pool_free.contains(&ptr) || Some(s.pool_free_calls) == s.fail_pool_free_call {
+            return Err(FakeError::Code(999));
+        }
         if !s.pool_live.remove(&ptr) {
             return Err(FakeError::Code(INVALID_HANDLE));
         }
@@ -539,3 +624,5 @@ fn teardown_is_ordered_on_the_stream_that_used_the_memory() {
     backend.release_stream(live).expect("release");
     assert_eq!(tenant.stats().live_bytes, 0);
 }
+
+mod review;

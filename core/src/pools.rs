@@ -25,8 +25,9 @@ use hashbrown::HashMap;
 
 use crate::device::DeviceId;
 use crate::error::{Error, ErrorType, Operation};
+use crate::isolation::IsolationLevel;
 use crate::ledger::{Purpose, Reservation, TenantContext, TenantId, TenantKey};
-use crate::stream::Stream;
+use crate::stream::{DEFAULT_STREAM, Stream};
 
 /// How to make a device memory pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -169,6 +170,19 @@ pub trait DevicePools: ErrorType {
 
     /// Destroys the pool, freeing what is still allocated from it.
     fn destroy_pool(&self, pool: PoolHandle) -> Result<(), Self::Error>;
+
+    /// Frees an allocation of `pool` at teardown, when the caller has no stream of its own to
+    /// order it on: a backend that remembers the stream the allocation was made on orders the
+    /// free after the work there (while that stream lives). The default frees on the shared
+    /// default stream, right for backends whose work completes before each call returns.
+    fn pool_free_at_teardown(
+        &self,
+        pool: &PoolHandle,
+        allocation: PoolAllocation,
+    ) -> Result<(), Self::Error> {
+        let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, pool.tenant_key());
+        self.pool_free(pool, allocation, &shared)
+    }
 }
 
 macro_rules! forward_pools {
@@ -207,6 +221,13 @@ macro_rules! forward_pools {
             fn destroy_pool(&self, pool: PoolHandle) -> Result<(), Self::Error> {
                 T::destroy_pool(self, pool)
             }
+            fn pool_free_at_teardown(
+                &self,
+                pool: &PoolHandle,
+                allocation: PoolAllocation,
+            ) -> Result<(), Self::Error> {
+                T::pool_free_at_teardown(self, pool, allocation)
+            }
         }
     )*};
 }
@@ -216,8 +237,8 @@ forward_pools!(&T, alloc::boxed::Box<T>, alloc::sync::Arc<T>);
 /// A tenant's device memory pool with the tenant's cap as its ceiling. See the
 /// [module docs](self).
 ///
-/// Dropping it frees every allocation still live (on the shared default stream), destroys the
-/// pool and gives every byte back to the ledger.
+/// Dropping it frees every allocation still live (each ordered after the work on the stream it
+/// was made on), destroys the pool and gives every byte back to the ledger.
 pub struct TenantDevicePool<P: DevicePools> {
     backend: P,
     tenant: Arc<TenantContext>,
@@ -332,18 +353,29 @@ impl<P: DevicePools> TenantDevicePool<P> {
 }
 
 impl<P: DevicePools> Drop for TenantDevicePool<P> {
-    /// Destroys the pool, which frees every allocation still live (the backend orders each free
-    /// after the work on the stream the allocation was made on), then gives the bytes back to
-    /// the ledger. If the backend refuses, the driver still holds the memory: the tenant stays
-    /// charged for it (the backend counts the pool and retries at its own drop).
+    /// Frees every allocation still live (the backend orders each free after the work on the
+    /// stream the allocation was made on: [`DevicePools::pool_free_at_teardown`]) and gives its
+    /// bytes back, then destroys the pool, which retries what the backend refused to free. If
+    /// the destroy fails too, the driver may still hold those blocks: the tenant stays charged
+    /// for them (never less than what is held; the backend counts the pool and retries at its
+    /// own drop).
     fn drop(&mut self) {
         let Some(pool) = self.pool.take() else {
             return;
         };
-        let charges: alloc::vec::Vec<Reservation> =
-            self.live.lock().drain().map(|(_, charge)| charge).collect();
+        let live: alloc::vec::Vec<(u64, Reservation)> = self.live.lock().drain().collect();
+        let mut refused = alloc::vec::Vec::new();
+        for (ptr, charge) in live {
+            // A `PoolAllocation` is rebuilt from what this pool handed out; its length is the
+            // charge.
+            let allocation = PoolAllocation::new(ptr, charge.bytes() as usize);
+            match self.backend.pool_free_at_teardown(&pool, allocation) {
+                Ok(()) => drop(charge),
+                Err(_) => refused.push(charge),
+            }
+        }
         if self.backend.destroy_pool(pool).is_err() {
-            charges.into_iter().for_each(Reservation::keep_charged);
+            refused.into_iter().for_each(Reservation::keep_charged);
         }
     }
 }
@@ -352,8 +384,6 @@ impl<P: DevicePools> Drop for TenantDevicePool<P> {
 mod tests {
     use super::*;
     use crate::error::{BackendError, ErrorKind, ErrorType};
-    use crate::isolation::IsolationLevel;
-    use crate::stream::DEFAULT_STREAM;
     use alloc::string::ToString;
 
     /// A driver-less pool: hands out increasing addresses, fails when told to.
@@ -402,6 +432,9 @@ mod tests {
             Ok(PoolAllocation::new(*next, bytes))
         }
         fn pool_free(&self, _: &PoolHandle, _: PoolAllocation, _: &Stream) -> Result<(), Failed> {
+            if *self.fail.lock() {
+                return Err(Failed);
+            }
             *self.live.lock() -= 1;
             Ok(())
         }

@@ -431,3 +431,53 @@ pub fn context_stack_is_left_as_it_was<H: Harness>() {
     b.release_stream(shared).expect("release shared");
     drop_and_check_driver::<H>(b);
 }
+
+/// A tenant's device pool refuses another tenant's stream (its work, and its zero-fill, would be
+/// ordered on a stream the pool's tenant does not own, in another tenant's context).
+pub fn device_pool_refuses_another_tenants_stream<H: Harness>() {
+    let b = H::backend();
+    let alice = Arc::new(TenantContext::new(
+        TenantId(1),
+        u64::MAX,
+        IsolationLevel::StreamIsolated,
+    ));
+    let Some(pool) = pool_for::<H>(&b, &alice) else {
+        return skipped(
+            "device_pool_refuses_another_tenants_stream",
+            "no device pools",
+        );
+    };
+    let mallory = TenantKey::fresh(TenantId(2));
+    let theirs = b
+        .acquire_stream(mallory, IsolationLevel::StreamIsolated)
+        .expect("stream");
+    let err = pool
+        .allocate(BLOCK, &theirs)
+        .expect_err("another tenant's stream");
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    assert_eq!(
+        alice.stats().live_bytes,
+        0,
+        "a refused allocation leaves no charge"
+    );
+    let ours = b
+        .acquire_stream(alice.key(), IsolationLevel::StreamIsolated)
+        .expect("stream");
+    let block = pool
+        .allocate(BLOCK, &ours)
+        .expect("the tenant's own stream");
+    let err = pool
+        .free(block, &theirs)
+        .expect_err("freed on another tenant's stream");
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    assert_eq!(
+        alice.stats().live_bytes,
+        BLOCK as u64,
+        "still charged: still live"
+    );
+    drop(pool);
+    assert_eq!(alice.stats().live_bytes, 0);
+    b.release_stream(theirs).expect("release");
+    b.release_stream(ours).expect("release");
+    drop_and_check_driver::<H>(b);
+}

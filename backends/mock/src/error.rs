@@ -65,6 +65,14 @@ pub enum MockError {
         /// The raw pool handle.
         raw: u64,
     },
+    /// A stream that is not the pool's tenant's (nor the shared default stream).
+    #[error("stream {raw:#x} is not a stream of pool {pool:#x}'s tenant")]
+    ForeignStream {
+        /// The raw stream handle.
+        raw: u64,
+        /// The raw pool handle.
+        pool: u64,
+    },
     /// A failure injected with [`MockBackend::fail_nth`](crate::MockBackend::fail_nth).
     #[error("injected failure of {op} call #{call}")]
     Injected {
@@ -84,7 +92,8 @@ impl BackendError for MockError {
             | Self::InvalidDevice { .. }
             | Self::UnknownAllocation { .. }
             | Self::UnknownStream { .. }
-            | Self::UnknownPool { .. } => ErrorKind::InvalidArgument,
+            | Self::UnknownPool { .. }
+            | Self::ForeignStream { .. } => ErrorKind::InvalidArgument,
             Self::NotSupported { .. } => ErrorKind::Unsupported,
             Self::Range(e) => e.kind(),
             Self::OutOfMemory { .. } | Self::HostMapFailed { .. } => ErrorKind::OutOfMemory,

@@ -411,6 +411,18 @@ impl MockBackend {
             })
     }
 
+    /// Refuses a stream that is not `pool`'s tenant's (the shared default stream serves all).
+    fn check_pool_stream(pool: &PoolHandle, stream: &Stream) -> Result<(), MockError> {
+        if stream.is_shared() || stream.tenant_key() == pool.tenant_key() {
+            Ok(())
+        } else {
+            Err(MockError::ForeignStream {
+                raw: stream.raw(),
+                pool: pool.raw(),
+            })
+        }
+    }
+
     fn check_stream(state: &State, stream: &Stream) -> Result<(), MockError> {
         let known = if stream.raw() == DEFAULT_STREAM {
             stream.is_shared()
@@ -777,6 +789,7 @@ impl DevicePools for MockBackend {
             return Err(MockError::InvalidValue("pool allocation size is zero"));
         }
         Self::check_stream(&state, stream)?;
+        Self::check_pool_stream(pool, stream)?;
         let layout = Layout::from_size_align(bytes, 256).map_err(|_| MockError::OutOfMemory {
             device: pool.device(),
             requested: bytes as u64,
@@ -839,6 +852,7 @@ impl DevicePools for MockBackend {
         let mut guard = self.state();
         self.enter(&mut guard, Operation::PoolFree)?;
         Self::check_stream(&guard, stream)?;
+        Self::check_pool_stream(pool, stream)?;
         let state = &mut *guard;
         let device_used = &mut state.used[pool.device().0 as usize];
         let p = Self::pool(&mut state.pools, pool)?;

@@ -1,0 +1,325 @@
+//! Streams and per-tenant contexts of a [`DriverBackend`]: the records, their state machines, and
+//! [`StreamProvider`].
+//!
+//! A stream record is used by driver calls made outside the lock (a prefetch, a synchronize, a
+//! pool allocation on it, a pool teardown ordered on it). Each such call holds a [`StreamUse`]
+//! (the record's `busy` count) for its duration, so a release that comes meanwhile does not
+//! destroy the stream under it: the release retires the record at once (no new use can start)
+//! and the last use to finish destroys it. A context-isolated tenant's context is destroyed only
+//! after its last stream is, so no call ever runs in a destroyed stream or context.
+
+use crate::device::DeviceId;
+use crate::driver::{DriverApi, DriverBackend, Life, Refusal};
+use crate::isolation::IsolationLevel;
+use crate::ledger::TenantKey;
+use crate::stream::{DEFAULT_STREAM, Stream, StreamProvider};
+
+/// A stream of ours.
+#[derive(Debug)]
+pub(super) struct StreamRecord {
+    pub(super) tenant: TenantKey,
+    pub(super) context: u64,
+    pub(super) device: DeviceId,
+    /// Recorded here, never taken from a caller's handle: it decides whether a release leaves
+    /// the tenant's context.
+    pub(super) level: IsolationLevel,
+    /// Driver calls using the stream now.
+    pub(super) busy: u32,
+    pub(super) life: Life,
+}
+
+/// A context-isolated tenant's context. Changed only under the state lock, so "first user makes
+/// it" and "last user destroys it" are each one decision: `users` counts the tenant's streams in
+/// it plus the acquirers between [`join`](DriverBackend::join_tenant_context) and their stream
+/// (or their failure), and the entry leaves the table in the same step that takes `users` to 0.
+#[derive(Debug, Default)]
+pub(super) struct TenantContextEntry {
+    pub(super) context: Option<u64>,
+    pub(super) users: u64,
+}
+
+/// One driver call's use of a stream: the stream cannot be destroyed until it is dropped.
+pub(super) struct StreamUse<'b, D: DriverApi> {
+    backend: &'b DriverBackend<D>,
+    /// `None`: the shared default stream (no record; never destroyed).
+    raw: Option<u64>,
+    pub(super) context: u64,
+    pub(super) tenant: Option<TenantKey>,
+    pub(super) device: DeviceId,
+}
+
+impl<D: DriverApi> StreamUse<'_, D> {
+    /// The raw stream to enqueue on.
+    pub(super) fn raw(&self) -> u64 {
+        self.raw.unwrap_or(DEFAULT_STREAM)
+    }
+}
+
+impl<D: DriverApi> Drop for StreamUse<'_, D> {
+    fn drop(&mut self) {
+        let Some(raw) = self.raw else {
+            return;
+        };
+        let last = {
+            let mut state = self.backend.state.lock();
+            let Some(record) = state.streams.get_mut(&raw) else {
+                return;
+            };
+            record.busy = record.busy.saturating_sub(1);
+            if record.busy > 0 || record.life != Life::Releasing {
+                return;
+            }
+            state.streams.remove(&raw)
+        };
+        if let Some(record) = last {
+            // A release came while this call ran: it falls to the last user to do it. Its
+            // failure is counted in the stats (no caller is left to hear of it).
+            let _ = self.backend.destroy_stream(raw, record);
+        }
+    }
+}
+
+impl<D: DriverApi> DriverBackend<D> {
+    /// Starts a use of a stream handle of ours: checked against its live record (tenant,
+    /// context and level must match), or the shared default stream.
+    pub(super) fn stream_use(&self, stream: &Stream) -> Result<StreamUse<'_, D>, Refusal> {
+        let raw = stream.raw();
+        if raw == DEFAULT_STREAM {
+            if stream.is_shared() {
+                return Ok(StreamUse {
+                    backend: self,
+                    raw: None,
+                    context: self.driver.primary_context(DeviceId(0)),
+                    tenant: None,
+                    device: DeviceId(0),
+                });
+            }
+            return Err(Refusal::UnknownStream { raw });
+        }
+        let mut state = self.state.lock();
+        match state.streams.get_mut(&raw) {
+            Some(r)
+                if r.life == Life::Live
+                    && r.tenant == stream.tenant_key()
+                    && r.context == stream.context()
+                    && r.level == stream.level() =>
+            {
+                r.busy += 1;
+                Ok(StreamUse {
+                    backend: self,
+                    raw: Some(raw),
+                    context: r.context,
+                    tenant: Some(r.tenant),
+                    device: r.device,
+                })
+            }
+            _ => Err(Refusal::UnknownStream { raw }),
+        }
+    }
+
+    /// Starts a use of the stream `raw` if it is still the live stream of `tenant` in
+    /// `context` (a pool block's stream at teardown); `None` if it is gone or is another's.
+    pub(super) fn stream_use_if(
+        &self,
+        raw: u64,
+        tenant: TenantKey,
+        context: u64,
+    ) -> Option<StreamUse<'_, D>> {
+        let mut state = self.state.lock();
+        let r = state.streams.get_mut(&raw)?;
+        if r.life != Life::Live || r.tenant != tenant || r.context != context {
+            return None;
+        }
+        r.busy += 1;
+        Some(StreamUse {
+            backend: self,
+            raw: Some(raw),
+            context: r.context,
+            tenant: Some(r.tenant),
+            device: r.device,
+        })
+    }
+
+    /// Waits for a stream no one uses any more (its record already out of the table), destroys
+    /// it, and leaves its tenant's context if it was context-isolated. If the driver refuses
+    /// the destroy, the record goes back, retired, counted and retried at drop.
+    pub(super) fn destroy_stream(&self, raw: u64, record: StreamRecord) -> Result<(), D::Error> {
+        // Waited for first: work queued on the stream is done before the stream is gone, so
+        // whatever is torn down after (a pool block freed on the default stream, a slot scrubbed
+        // for the next tenant) is ordered after it.
+        let mut waited = Ok(());
+        let destroyed = self.in_context(record.context, |d| {
+            waited = d.synchronize(raw);
+            d.stream_destroy(raw)
+        });
+        if let Err(e) = destroyed {
+            let mut state = self.state.lock();
+            state.streams.insert(
+                raw,
+                StreamRecord {
+                    life: Life::Failed,
+                    busy: 0,
+                    ..record
+                },
+            );
+            state.release_failed(true);
+            return Err(e);
+        }
+        self.state.lock().stats.live_streams -= 1;
+        if record.level == IsolationLevel::ContextIsolated {
+            self.leave_tenant_context(record.tenant)?;
+        }
+        waited
+    }
+
+    /// Joins `tenant`'s context on `device`, making it if the tenant has none: one more user
+    /// until [`leave_tenant_context`](Self::leave_tenant_context).
+    ///
+    /// The context is made outside the lock (it is slow on a GPU). Two first users of one tenant
+    /// may both make one; the first to install it wins and the other destroys its own, so the
+    /// tenant is only ever handed one (the driver holds both for that moment).
+    fn join_tenant_context(&self, tenant: TenantKey, device: DeviceId) -> Result<u64, D::Error> {
+        let installed = {
+            let mut state = self.state.lock();
+            let entry = state.contexts.entry(tenant).or_default();
+            entry.users += 1;
+            entry.context
+        };
+        if let Some(context) = installed {
+            return Ok(context);
+        }
+        let made = match self.driver.context_create(device) {
+            Ok(made) => made,
+            Err(e) => {
+                // A failed leave is counted where it happens; the creation error is the answer.
+                let _ = self.leave_tenant_context(tenant);
+                return Err(e);
+            }
+        };
+        let mut state = self.state.lock();
+        // This call's user keeps the entry in the table.
+        let entry = state.contexts.entry(tenant).or_default();
+        match entry.context {
+            Some(installed) => {
+                drop(state);
+                // The other user's context serves; a failed destroy of ours is counted there.
+                let _ = self.destroy_context(made);
+                Ok(installed)
+            }
+            None => {
+                entry.context = Some(made);
+                state.stats.live_contexts += 1;
+                Ok(made)
+            }
+        }
+    }
+
+    /// One user of `tenant`'s context leaves; the last one destroys it.
+    fn leave_tenant_context(&self, tenant: TenantKey) -> Result<(), D::Error> {
+        let last = {
+            let mut state = self.state.lock();
+            let Some(entry) = state.contexts.get_mut(&tenant) else {
+                return Ok(());
+            };
+            entry.users = entry.users.saturating_sub(1);
+            if entry.users > 0 {
+                return Ok(());
+            }
+            let context = state.contexts.remove(&tenant).and_then(|e| e.context);
+            if context.is_some() {
+                state.stats.live_contexts -= 1;
+            }
+            context
+        };
+        match last {
+            Some(context) => self.destroy_context(context),
+            None => Ok(()),
+        }
+    }
+
+    /// Destroys a context no one uses; if the driver refuses, it stays counted and retired.
+    fn destroy_context(&self, context: u64) -> Result<(), D::Error> {
+        self.driver.context_destroy(context).inspect_err(|_| {
+            let mut state = self.state.lock();
+            state.retired_contexts.push(context);
+            state.stats.live_contexts += 1;
+            state.release_failed(true);
+        })
+    }
+}
+
+impl<D: DriverApi> StreamProvider for DriverBackend<D> {
+    fn acquire_stream(&self, tenant: TenantKey, level: IsolationLevel) -> Result<Stream, D::Error> {
+        let device = DeviceId(0);
+        let context = match level {
+            IsolationLevel::Shared => {
+                let primary = self.driver.primary_context(device);
+                return Ok(Stream::new(DEFAULT_STREAM, primary, level, tenant));
+            }
+            IsolationLevel::StreamIsolated => self.driver.primary_context(device),
+            IsolationLevel::ContextIsolated => self.join_tenant_context(tenant, device)?,
+        };
+        match self.in_context(context, D::stream_create) {
+            Ok(raw) => {
+                let record = StreamRecord {
+                    tenant,
+                    context,
+                    device,
+                    level,
+                    busy: 0,
+                    life: Life::Live,
+                };
+                let mut state = self.state.lock();
+                // A handle the driver still holds is never handed out again, so nothing of
+                // ours is under `raw`: releases take their record out before destroying.
+                state.streams.insert(raw, record);
+                state.stats.live_streams += 1;
+                Ok(Stream::new(raw, context, level, tenant))
+            }
+            Err(e) => {
+                if level == IsolationLevel::ContextIsolated {
+                    // A failed leave is counted where it happens; the creation error is the
+                    // answer.
+                    let _ = self.leave_tenant_context(tenant);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn release_stream(&self, stream: Stream) -> Result<(), D::Error> {
+        let raw = stream.raw();
+        if raw == DEFAULT_STREAM {
+            drop(self.stream_use(&stream)?);
+            return Ok(());
+        }
+        // Decided under the lock: a stream in use is retired (no new use starts) and destroyed
+        // by its last user; an idle one leaves the table now, so a handle value the driver
+        // reuses at once can never meet its record.
+        let record = {
+            let mut state = self.state.lock();
+            let Some(r) = state.streams.get_mut(&raw).filter(|r| {
+                r.life == Life::Live
+                    && r.tenant == stream.tenant_key()
+                    && r.context == stream.context()
+                    && r.level == stream.level()
+            }) else {
+                return Err(Refusal::UnknownStream { raw }.into());
+            };
+            if r.busy > 0 {
+                r.life = Life::Releasing;
+                return Ok(());
+            }
+            state.streams.remove(&raw)
+        };
+        match record {
+            Some(record) => self.destroy_stream(raw, record),
+            None => Ok(()),
+        }
+    }
+
+    fn synchronize(&self, stream: &Stream) -> Result<(), D::Error> {
+        let using = self.stream_use(stream)?;
+        self.in_context(using.context, |d| d.synchronize(using.raw()))
+    }
+}

@@ -1,0 +1,492 @@
+//! Findings of a hostile review of the driver layer, each a test that failed before its fix:
+//! relabelled stream levels, teardown racing releases, frees racing allocations of the same
+//! address, handle values reused by the driver, allocations in flight during a destroy, refused
+//! frees, foreign streams on a tenant's pool, and forged duplicate handles.
+use super::*;
+use crate::advisor::Advisor;
+use crate::allocator::ManagedAllocator;
+use crate::error::BackendError;
+use crate::pools::{DevicePools, PoolHandle};
+use core::sync::atomic::{AtomicUsize, Ordering as AO};
+use std::string::String;
+
+fn fake_with(f: impl FnOnce(&mut FakeState)) -> Fake {
+    let fake = Fake::default();
+    f(&mut fake.lock());
+    fake
+}
+
+/// R1: a stream-isolated stream relabelled `ContextIsolated` is refused on release (the level
+/// is the record's, never the handle's), and the tenant's context lives on under its live
+/// context-isolated stream.
+#[test]
+fn r1_forged_level_destroys_a_context_under_a_live_stream() {
+    let b = DriverBackend::new(Fake::default());
+    let t = TenantKey::fresh(TenantId(1));
+    let ci = b
+        .acquire_stream(t, IsolationLevel::ContextIsolated)
+        .unwrap();
+    let si = b.acquire_stream(t, IsolationLevel::StreamIsolated).unwrap();
+    let forged = Stream::new(si.raw(), si.context(), IsolationLevel::ContextIsolated, t);
+    let err = b.release_stream(forged).expect_err("a relabelled handle");
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    let alive = b.driver().lock().contexts.contains(&ci.context());
+    let usable = b.synchronize(&ci).is_ok();
+    assert!(
+        alive && usable,
+        "a live context-isolated stream's context was destroyed"
+    );
+    b.release_stream(si).unwrap();
+    b.release_stream(ci).unwrap();
+    let s = b.stats();
+    assert_eq!((s.live_streams, s.live_contexts), (0, 0));
+}
+
+/// R1b: the converse: a context-isolated stream released as `StreamIsolated` is refused, and
+/// its genuine release leaves nothing.
+#[test]
+fn r1b_forged_level_leaks_the_context() {
+    let b = DriverBackend::new(Fake::default());
+    let t = TenantKey::fresh(TenantId(1));
+    let ci = b
+        .acquire_stream(t, IsolationLevel::ContextIsolated)
+        .unwrap();
+    let forged = Stream::new(ci.raw(), ci.context(), IsolationLevel::StreamIsolated, t);
+    assert!(b.release_stream(forged).is_err(), "a relabelled handle");
+    b.release_stream(ci).unwrap();
+    let s = b.stats();
+    assert_eq!(
+        (s.live_streams, s.live_contexts),
+        (0, 0),
+        "context kept with no stream"
+    );
+}
+
+/// R2: a pool teardown (TenantDevicePool drop) racing the release of the stream its block was
+/// allocated on, no forged handle. teardown_stream picks the live stream and its context, the
+/// lock is dropped, the other thread destroys stream and context, the teardown then pushes /
+/// uses the destroyed context: destroy fails spuriously, the tenant stays charged forever.
+#[test]
+fn r2_pool_teardown_racing_stream_release() {
+    let bad = Arc::new(AtomicUsize::new(0));
+    let worst = Arc::new(Mutex::new(String::new()));
+    let runs = Scheduler::explore(|| {
+        let backend = Arc::new(DriverBackend::new(Fake::default()));
+        let tenant = Arc::new(TenantContext::new(
+            TenantId(1),
+            u64::MAX,
+            IsolationLevel::ContextIsolated,
+        ));
+        let pool = TenantDevicePool::new(
+            Arc::clone(&backend),
+            Arc::clone(&tenant),
+            DeviceId(0),
+            &DevicePoolConfig::default(),
+        )
+        .expect("pool");
+        let stream = backend
+            .acquire_stream(tenant.key(), IsolationLevel::ContextIsolated)
+            .expect("stream");
+        let block = pool.allocate(BLOCK, &stream).expect("block");
+        let _unfreed = block;
+        let dropper: Body<'_> = Box::new(move || drop(pool));
+        let releaser: Body<'_> = {
+            let backend = Arc::clone(&backend);
+            Box::new(move || {
+                let _ = backend.release_stream(stream);
+            })
+        };
+        let (bad, worst) = (Arc::clone(&bad), Arc::clone(&worst));
+        let check = Box::new(move || {
+            let st = backend.stats();
+            let d = backend.driver().lock();
+            let msg = std::format!(
+                "stats={st:?} tenant_live={} dead_pushes={} destroyed_while_current={}",
+                tenant.stats().live_bytes,
+                d.dead_pushes,
+                d.destroyed_while_current
+            );
+            if st.release_failures != 0
+                || tenant.stats().live_bytes != 0
+                || d.dead_pushes != 0
+                || d.destroyed_while_current != 0
+            {
+                bad.fetch_add(1, AO::Relaxed);
+                *worst.lock().unwrap() = msg;
+            }
+        });
+        (vec![dropper, releaser], check as Box<dyn FnOnce()>)
+    });
+    let n = bad.load(AO::Relaxed);
+    std::eprintln!(
+        "R2: {n} of {runs} schedules bad; e.g. {}",
+        worst.lock().unwrap()
+    );
+    assert_eq!(n, 0);
+}
+
+/// R3: managed free racing an allocation that gets the same address (the pool bug, unfixed for
+/// `ManagedAllocator`): the free removes the newcomer's record after the driver freed.
+#[test]
+fn r3_managed_free_racing_allocate_same_address() {
+    let bad = Arc::new(AtomicUsize::new(0));
+    let worst = Arc::new(Mutex::new(String::new()));
+    let runs = Scheduler::explore(|| {
+        let backend = Arc::new(DriverBackend::new(fake_with(|s| s.managed = true)));
+        let first = backend.allocate(DeviceId(0), 4096).expect("first");
+        let got = Arc::new(Mutex::new(None));
+        let freeing: Body<'_> = {
+            let backend = Arc::clone(&backend);
+            // SAFETY: test only; the fake's memory is never touched.
+            Box::new(move || unsafe { backend.free(first) }.expect("free"))
+        };
+        let allocating: Body<'_> = {
+            let (backend, got) = (Arc::clone(&backend), Arc::clone(&got));
+            Box::new(move || {
+                *got.lock().unwrap() = Some(backend.allocate(DeviceId(0), 8192).expect("alloc"));
+            })
+        };
+        let (bad, worst) = (Arc::clone(&bad), Arc::clone(&worst));
+        let check = Box::new(move || {
+            let a = got.lock().unwrap().take().unwrap();
+            let known = backend.advise(&a, 0, 0, Advice::SetReadMostly).is_ok();
+            let st = backend.stats();
+            let in_driver = backend.driver().lock().managed_live.len() as u64;
+            if !known || st.live_allocations != in_driver || st.live_bytes != 8192 {
+                bad.fetch_add(1, AO::Relaxed);
+                *worst.lock().unwrap() = std::format!(
+                    "newcomer known={known} stats.live_allocations={} live_bytes={} driver holds {in_driver}",
+                    st.live_allocations,
+                    st.live_bytes
+                );
+            }
+            let _unfreed = a;
+        });
+        (vec![freeing, allocating], check as Box<dyn FnOnce()>)
+    });
+    let n = bad.load(AO::Relaxed);
+    std::eprintln!(
+        "R3: {n} of {runs} schedules bad; e.g. {}",
+        worst.lock().unwrap()
+    );
+    assert_eq!(n, 0);
+}
+
+/// R4: a stream release racing an acquire that gets the same (reused) stream handle: the
+/// release removes the newcomer's record.
+#[test]
+fn r4_stream_release_racing_acquire_of_reused_handle() {
+    let bad = Arc::new(AtomicUsize::new(0));
+    let worst = Arc::new(Mutex::new(String::new()));
+    let runs = Scheduler::explore(|| {
+        let backend = Arc::new(DriverBackend::new(fake_with(|s| s.reuse_streams = true)));
+        let t = TenantKey::fresh(TenantId(1));
+        let old = backend
+            .acquire_stream(t, IsolationLevel::StreamIsolated)
+            .unwrap();
+        let got = Arc::new(Mutex::new(None));
+        let releasing: Body<'_> = {
+            let backend = Arc::clone(&backend);
+            Box::new(move || backend.release_stream(old).expect("release"))
+        };
+        let acquiring: Body<'_> = {
+            let (backend, got) = (Arc::clone(&backend), Arc::clone(&got));
+            Box::new(move || {
+                *got.lock().unwrap() = Some(
+                    backend
+                        .acquire_stream(
+                            TenantKey::fresh(TenantId(2)),
+                            IsolationLevel::StreamIsolated,
+                        )
+                        .unwrap(),
+                );
+            })
+        };
+        let (bad, worst) = (Arc::clone(&bad), Arc::clone(&worst));
+        let check = Box::new(move || {
+            let s = got.lock().unwrap().take().unwrap();
+            let usable = backend.synchronize(&s).is_ok();
+            let st = backend.stats();
+            let in_driver = backend.driver().lock().streams.len() as u64;
+            let released = backend.release_stream(s).is_ok();
+            if !usable || !released || st.live_streams != in_driver {
+                bad.fetch_add(1, AO::Relaxed);
+                *worst.lock().unwrap() = std::format!(
+                    "newcomer usable={usable} releasable={released} live_streams={} driver={in_driver}",
+                    st.live_streams
+                );
+            }
+        });
+        (vec![releasing, acquiring], check as Box<dyn FnOnce()>)
+    });
+    let n = bad.load(AO::Relaxed);
+    std::eprintln!(
+        "R4: {n} of {runs} schedules bad; e.g. {}",
+        worst.lock().unwrap()
+    );
+    assert_eq!(n, 0);
+}
+
+/// R5: pool_allocate in flight (forged second handle) while destroy_pool runs: allocates from a
+/// destroyed pool, the block is counted but recorded nowhere (never freed at drop).
+#[test]
+fn r5_pool_allocate_in_flight_during_destroy() {
+    let bad = Arc::new(AtomicUsize::new(0));
+    let worst = Arc::new(Mutex::new(String::new()));
+    let runs = Scheduler::explore(|| {
+        let backend = Arc::new(DriverBackend::new(Fake::default()));
+        let t = TenantKey::fresh(TenantId(1));
+        let pool = backend
+            .create_pool(t, DeviceId(0), &DevicePoolConfig::default())
+            .unwrap();
+        let forged = PoolHandle::new(pool.raw(), pool.device(), t);
+        let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, t);
+        let allocating: Body<'_> = {
+            let backend = Arc::clone(&backend);
+            Box::new(move || {
+                let _ = backend.pool_allocate(&forged, BLOCK, &shared);
+            })
+        };
+        let destroying: Body<'_> = {
+            let backend = Arc::clone(&backend);
+            Box::new(move || {
+                let _ = backend.destroy_pool(pool);
+            })
+        };
+        let (bad, worst) = (Arc::clone(&bad), Arc::clone(&worst));
+        let check = Box::new(move || {
+            let st = backend.stats();
+            let d = backend.driver().lock();
+            if d.alloc_from_dead_pool != 0 || (st.live_pools == 0 && st.live_pool_allocations != 0)
+            {
+                bad.fetch_add(1, AO::Relaxed);
+                *worst.lock().unwrap() = std::format!(
+                    "alloc_from_dead_pool={} stats={st:?} driver blocks={}",
+                    d.alloc_from_dead_pool,
+                    d.pool_live.len()
+                );
+            }
+        });
+        (vec![allocating, destroying], check as Box<dyn FnOnce()>)
+    });
+    let n = bad.load(AO::Relaxed);
+    std::eprintln!(
+        "R5: {n} of {runs} schedules bad; e.g. {}",
+        worst.lock().unwrap()
+    );
+    assert_eq!(n, 0);
+}
+
+/// R6: a pool_free the driver refuses, in flight (forged handle) while destroy_pool runs: the
+/// record was taken out before the driver call, the pool record is gone when it is put back:
+/// the block is forgotten (counted in live_pool_allocations forever, never freed at drop).
+#[test]
+fn r6_refused_pool_free_racing_destroy_forgets_the_block() {
+    let bad = Arc::new(AtomicUsize::new(0));
+    let worst = Arc::new(Mutex::new(String::new()));
+    let runs = Scheduler::explore(|| {
+        let backend = Arc::new(DriverBackend::new(Fake::default()));
+        let t = TenantKey::fresh(TenantId(1));
+        let pool = backend
+            .create_pool(t, DeviceId(0), &DevicePoolConfig::default())
+            .unwrap();
+        let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, t);
+        let block = backend.pool_allocate(&pool, BLOCK, &shared).unwrap();
+        backend
+            .driver()
+            .lock()
+            .fail_pool_free
+            .insert(block.device_ptr());
+        let forged = PoolHandle::new(pool.raw(), pool.device(), t);
+        let freeing: Body<'_> = {
+            let backend = Arc::clone(&backend);
+            Box::new(move || {
+                let _ = backend.pool_free(&forged, block, &shared);
+            })
+        };
+        let destroying: Body<'_> = {
+            let backend = Arc::clone(&backend);
+            Box::new(move || {
+                let _ = backend.destroy_pool(pool);
+            })
+        };
+        let (bad, worst) = (Arc::clone(&bad), Arc::clone(&worst));
+        let check = Box::new(move || {
+            let st = backend.stats();
+            // Either the pool is still held (retired, with its block) or the block is gone.
+            if st.live_pools == 0 && st.live_pool_allocations != 0 {
+                bad.fetch_add(1, AO::Relaxed);
+                *worst.lock().unwrap() = std::format!(
+                    "stats={st:?} driver still holds {} block(s) that no record has",
+                    backend.driver().lock().pool_live.len()
+                );
+            }
+        });
+        (vec![freeing, destroying], check as Box<dyn FnOnce()>)
+    });
+    let n = bad.load(AO::Relaxed);
+    std::eprintln!(
+        "R6: {n} of {runs} schedules bad; e.g. {}",
+        worst.lock().unwrap()
+    );
+    assert_eq!(n, 0);
+}
+
+/// R7: a destroy_pool that fails part-way (second block's free refused) after freeing the
+/// first block: TenantDevicePool keeps *every* charge, the tenant is charged for a block the
+/// driver no longer holds; and the backend's drop, which frees the rest, never uncharges.
+#[test]
+fn r7_partial_pool_teardown_overcharges_the_tenant_forever() {
+    let backend = Arc::new(DriverBackend::new(Fake::default()));
+    let tenant = Arc::new(TenantContext::new(
+        TenantId(1),
+        u64::MAX,
+        IsolationLevel::Shared,
+    ));
+    let pool = TenantDevicePool::new(
+        Arc::clone(&backend),
+        Arc::clone(&tenant),
+        DeviceId(0),
+        &DevicePoolConfig::default(),
+    )
+    .unwrap();
+    let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
+    let a = pool.allocate(BLOCK, &shared).unwrap();
+    let b2 = pool.allocate(BLOCK, &shared).unwrap();
+    backend.driver().lock().fail_pool_free_call = Some(2);
+    let _unfreed = (a, b2);
+    drop(pool);
+    let in_driver = backend.driver().lock().pool_live.len() as u64 * BLOCK as u64;
+    let charged = tenant.stats().live_bytes;
+    std::eprintln!("R7: tenant charged {charged}, driver holds {in_driver}");
+    assert_eq!(
+        charged, in_driver,
+        "charged for exactly what the driver holds"
+    );
+}
+
+/// R8: synchronize on a forged copy of a live stream racing its release (push switches): the
+/// backend checks the stream, drops the lock, the release destroys stream and context, then the
+/// backend pushes a destroyed context (a dangling CUcontext on a real driver).
+#[test]
+fn r8_synchronize_racing_release_pushes_a_dead_context() {
+    let bad = Arc::new(AtomicUsize::new(0));
+    let worst = Arc::new(Mutex::new(String::new()));
+    let runs = Scheduler::explore(|| {
+        let backend = Arc::new(DriverBackend::new(Fake::default()));
+        let t = TenantKey::fresh(TenantId(1));
+        let s = backend
+            .acquire_stream(t, IsolationLevel::ContextIsolated)
+            .unwrap();
+        backend.driver().lock().switch_at_push = true;
+        let copy = Stream::new(s.raw(), s.context(), s.level(), t);
+        let syncing: Body<'_> = {
+            let backend = Arc::clone(&backend);
+            Box::new(move || {
+                let _ = backend.synchronize(&copy);
+            })
+        };
+        let releasing: Body<'_> = {
+            let backend = Arc::clone(&backend);
+            Box::new(move || {
+                let _ = backend.release_stream(s);
+            })
+        };
+        let (bad, worst) = (Arc::clone(&bad), Arc::clone(&worst));
+        let check = Box::new(move || {
+            let d = backend.driver().lock();
+            if d.dead_pushes != 0 || d.destroyed_while_current != 0 {
+                bad.fetch_add(1, AO::Relaxed);
+                *worst.lock().unwrap() = std::format!(
+                    "dead_pushes={} destroyed_while_current={}",
+                    d.dead_pushes,
+                    d.destroyed_while_current
+                );
+            }
+        });
+        (vec![syncing, releasing], check as Box<dyn FnOnce()>)
+    });
+    let n = bad.load(AO::Relaxed);
+    std::eprintln!(
+        "R8: {n} of {runs} schedules bad; e.g. {}",
+        worst.lock().unwrap()
+    );
+    assert_eq!(n, 0);
+}
+
+/// R9: a pool block remembers its stream by raw handle only. Its stream is released, the driver
+/// reuses the handle for another tenant's stream (in that tenant's context), and the pool's
+/// teardown frees the block on the other tenant's stream, in its context.
+#[test]
+fn r9_teardown_frees_on_another_tenants_stream_after_handle_reuse() {
+    let backend = Arc::new(DriverBackend::new(fake_with(|s| s.reuse_streams = true)));
+    let a = Arc::new(TenantContext::new(
+        TenantId(1),
+        u64::MAX,
+        IsolationLevel::StreamIsolated,
+    ));
+    let pool = TenantDevicePool::new(
+        Arc::clone(&backend),
+        Arc::clone(&a),
+        DeviceId(0),
+        &DevicePoolConfig::default(),
+    )
+    .unwrap();
+    let sa = backend
+        .acquire_stream(a.key(), IsolationLevel::StreamIsolated)
+        .unwrap();
+    let _unfreed = pool.allocate(BLOCK, &sa).unwrap();
+    let sa_raw = sa.raw();
+    backend.release_stream(sa).unwrap();
+    let sb = backend
+        .acquire_stream(
+            TenantKey::fresh(TenantId(2)),
+            IsolationLevel::ContextIsolated,
+        )
+        .unwrap();
+    assert_eq!(sb.raw(), sa_raw, "the driver reused the handle");
+    backend.driver().lock().events.clear();
+    drop(pool);
+    let events = core::mem::take(&mut backend.driver().lock().events);
+    std::eprintln!(
+        "R9: tenant B's stream {:#x}; teardown events {events:?}",
+        sb.raw()
+    );
+    assert!(
+        !events.contains(&("pool_free", sb.raw())),
+        "tenant A's block freed on tenant B's stream"
+    );
+}
+
+/// R10: nothing ties a pool allocation's stream to the pool's tenant: tenant A's pool allocates
+/// (and zero-fills) on tenant B's context-isolated stream, in B's context.
+#[test]
+fn r10_pool_accepts_another_tenants_stream() {
+    let backend = Arc::new(DriverBackend::new(Fake::default()));
+    let a = Arc::new(TenantContext::new(
+        TenantId(7),
+        u64::MAX,
+        IsolationLevel::ContextIsolated,
+    ));
+    let b = Arc::new(TenantContext::new(
+        TenantId(7),
+        u64::MAX,
+        IsolationLevel::ContextIsolated,
+    ));
+    let pool = TenantDevicePool::new(
+        Arc::clone(&backend),
+        Arc::clone(&a),
+        DeviceId(0),
+        &DevicePoolConfig::default(),
+    )
+    .unwrap();
+    let sb = backend
+        .acquire_stream(b.key(), IsolationLevel::ContextIsolated)
+        .unwrap();
+    let r = pool.allocate(BLOCK, &sb);
+    std::eprintln!("R10: A's pool on B's stream: {:?}", r.as_ref().map(|_| ()));
+    assert!(
+        r.is_err(),
+        "tenant A's pool used tenant B's stream and context"
+    );
+}
