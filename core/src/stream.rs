@@ -93,8 +93,12 @@ pub trait StreamProvider: ErrorType {
 
     /// Gives a stream back: waits for the work queued on it, then destroys it (and the
     /// tenant's context after its last stream) where the level says so. The wait is what orders
-    /// teardown after the tenant's GPU work: once this returns, nothing of the stream's can
-    /// still touch memory that is then scrubbed, freed or handed to another tenant. The handle is consumed either way: on an error the driver may still
+    /// teardown after the tenant's GPU work: once the stream is destroyed, nothing queued on it
+    /// can still touch memory that is then scrubbed, freed or handed to another tenant. If
+    /// another call is using the stream at that moment, the stream is retired at once (refused
+    /// to every new use) and the last such call waits and destroys it when it finishes. A
+    /// failed wait (a context the driver has poisoned) is reported, and the stream destroyed
+    /// all the same. The handle is consumed either way: on an error the driver may still
     /// hold the stream, and the backend counts it as live rather than hiding the leak.
     fn release_stream(&self, stream: Stream) -> Result<(), Self::Error>;
 
