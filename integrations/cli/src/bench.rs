@@ -13,6 +13,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Value, json};
 use tensor_wasm_mem_core::{DeviceId, PlanLimits, PoolConfig, SizeClass};
 use tensor_wasm_mem_mock::MockBackend;
+use tensor_wasm_mem_wasmtime::wasi::{WasiP1Ctx, add_wasi_to_linker};
 use tensor_wasm_mem_wasmtime::wasmtime::{
     Config, Engine, InstanceAllocationStrategy, InstancePre, Linker, Module,
     PoolingAllocationConfig, Store,
@@ -111,6 +112,9 @@ enum Setup {
     WasmtimePooling,
     TwmFresh,
     TwmPooled,
+    /// `TwmPooled` with WASI in the linker and Store data that makes a WASI context only if the
+    /// guest calls WASI (as `twm run` does), on the same module, which imports nothing.
+    TwmPooledWasi,
     TwmGuarded,
 }
 
@@ -121,6 +125,7 @@ impl Setup {
             Self::WasmtimePooling => "wasmtime_pooling",
             Self::TwmFresh => "twm_fresh",
             Self::TwmPooled => "twm_pooled",
+            Self::TwmPooledWasi => "twm_pooled_wasi",
             Self::TwmGuarded => "twm_guarded",
         }
     }
@@ -131,6 +136,7 @@ impl Setup {
             Self::WasmtimePooling,
             Self::TwmFresh,
             Self::TwmPooled,
+            Self::TwmPooledWasi,
             Self::TwmGuarded,
         ]
         .into_iter()
@@ -157,7 +163,7 @@ impl Setup {
                 .build()
                 .map_err(other)?
                 .engine(),
-            Self::TwmPooled => TensorWasmMemoryCreator::builder(mock())
+            Self::TwmPooled | Self::TwmPooledWasi => TensorWasmMemoryCreator::builder(mock())
                 .limits(PlanLimits::new(16 << 16).map_err(other)?)
                 .pool(PoolConfig::new(
                     DeviceId(0),
@@ -173,14 +179,26 @@ impl Setup {
 }
 
 fn pre(engine: &Engine, wat: &str) -> Result<InstancePre<()>, Failure> {
-    let module = Module::new(engine, wat).map_err(other)?;
-    Linker::new(engine).instantiate_pre(&module).map_err(other)
+    pre_with(&Linker::new(engine), engine, wat)
 }
 
-/// One life of the small module: a new Store, instantiate, call `run` (which touches a page).
-/// Returns the Store, still holding the instance.
-fn small_life(engine: &Engine, pre: &InstancePre<()>) -> Result<Store<()>, Failure> {
-    let mut store = Store::new(engine, ());
+fn pre_with<T: 'static>(
+    linker: &Linker<T>,
+    engine: &Engine,
+    wat: &str,
+) -> Result<InstancePre<T>, Failure> {
+    let module = Module::new(engine, wat).map_err(other)?;
+    linker.instantiate_pre(&module).map_err(other)
+}
+
+/// One life of the small module: a new Store holding `data`, instantiate, call `run` (which
+/// touches a page). Returns the Store, still holding the instance.
+fn small_life<T: 'static>(
+    engine: &Engine,
+    pre: &InstancePre<T>,
+    data: T,
+) -> Result<Store<T>, Failure> {
+    let mut store = Store::new(engine, data);
     let instance = pre.instantiate(&mut store).map_err(other)?;
     let run = instance
         .get_typed_func::<(), ()>(&mut store, "run")
@@ -192,8 +210,22 @@ fn small_life(engine: &Engine, pre: &InstancePre<()>) -> Result<Store<()>, Failu
 /// Microseconds per instantiate + call + drop of `(memory 1 16)`, one Store each.
 fn instantiate_us(setup: Setup, sizes: Sizes, bar: &ProgressBar) -> Result<f64, Failure> {
     let engine = setup.engine(16)?;
+    if setup == Setup::TwmPooledWasi {
+        let mut linker = Linker::<Option<WasiP1Ctx>>::new(&engine);
+        add_wasi_to_linker(&mut linker).map_err(other)?;
+        let pre = pre_with(&linker, &engine, SMALL)?;
+        return median_lives(sizes, bar, || small_life(&engine, &pre, None).map(drop));
+    }
     let pre = pre(&engine, SMALL)?;
-    let once = || small_life(&engine, &pre).map(drop);
+    median_lives(sizes, bar, || small_life(&engine, &pre, ()).map(drop))
+}
+
+/// Microseconds per call of `once`: warmed up, then the median over batches.
+fn median_lives(
+    sizes: Sizes,
+    bar: &ProgressBar,
+    once: impl Fn() -> Result<(), Failure>,
+) -> Result<f64, Failure> {
     for _ in 0..200 {
         once()?;
     }
@@ -356,10 +388,10 @@ fn rss_child(key: &str, instances: usize) -> Result<(), Failure> {
     let engine = setup.engine(instances)?;
     let pre = pre(&engine, SMALL)?;
     // Warm up code paths, then measure.
-    drop(small_life(&engine, &pre)?);
+    drop(small_life(&engine, &pre, ())?);
     let before = resident_bytes();
     let live = (0..instances)
-        .map(|_| small_life(&engine, &pre))
+        .map(|_| small_life(&engine, &pre, ()))
         .collect::<Result<Vec<_>, _>>()?;
     let after = resident_bytes();
     println!("{}", after.saturating_sub(before) as f64 / (1 << 20) as f64);
@@ -404,6 +436,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         (Setup::WasmtimePooling, None),
         (Setup::TwmFresh, Some((Setup::WasmtimeDefault, 1.0))),
         (Setup::TwmPooled, Some((Setup::WasmtimePooling, 0.8))),
+        (Setup::TwmPooledWasi, Some((Setup::TwmPooled, 1.1))),
     ];
     let loop_setups = [
         (Setup::WasmtimeDefault, "wasmtime_default", None),
@@ -411,7 +444,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         (Setup::TwmGuarded, "twm_guarded", Some(1.05)),
     ];
     let details = [(false, false), (true, false), (false, true), (true, true)];
-    let steps = 4 * sizes.instantiate_batches
+    let steps = instantiate_setups.len() * sizes.instantiate_batches
         + 2 * sizes.grow_samples
         + 3 * details.len() * sizes.loop_placements
         + 2;
@@ -550,11 +583,12 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             .find(|(s, _, _)| *s == row.baseline)
             .map_or(f64::NAN, |v| v.1);
         for (setup, value, target) in &row.values {
-            // Pooled is held against Wasmtime's pooling allocator.
-            let base = if *setup == Setup::TwmPooled {
-                get(&instantiate, Setup::WasmtimePooling)
-            } else {
-                base
+            // Pooled is held against Wasmtime's pooling allocator, the WASI-linked pooled setup
+            // against the same without WASI.
+            let base = match setup {
+                Setup::TwmPooled => get(&instantiate, Setup::WasmtimePooling),
+                Setup::TwmPooledWasi => get(&instantiate, Setup::TwmPooled),
+                _ => base,
             };
             let ratio = value / base;
             println!(

@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use serde_json::{Value, json};
 use tensor_wasm_mem_core::{DeviceId, IsolationLevel, PlanLimits, PoolConfig, SizeClass};
-use tensor_wasm_mem_wasmtime::wasi::{FsPerms, WasiCtxBuilder, WasiP1Ctx, add_wasi_to_linker};
+use tensor_wasm_mem_wasmtime::wasi::{
+    FsPerms, WasiCtxBuilder, WasiP1Ctx, add_wasi_to_linker, imports_wasi,
+};
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module, Trap, Val, ValType};
 use tensor_wasm_mem_wasmtime::{
     Backend, ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, TwmError, add_to_linker,
@@ -326,16 +328,22 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
 
 fn run_once<B: Backend>(
     engine: &wasmtime::Engine,
-    linker: &Linker<TenantStore<B, WasiP1Ctx>>,
+    linker: &Linker<TenantStore<B, Option<WasiP1Ctx>>>,
     module: &Module,
     creator: &TensorWasmMemoryCreator<B>,
     tenant: &Arc<Tenant>,
     wasi: &WasiSetup,
     args: &RunArgs,
 ) -> Result<Vec<(String, Value)>, Failure> {
+    // WASI state is made for guests that import WASI; others pay nothing for it.
+    let wasi = if imports_wasi(module) {
+        Some(wasi.context()?)
+    } else {
+        None
+    };
     let mut store = new_store(
         engine,
-        TenantStore::new(creator, tenant, ChargeMode::Touched, wasi.context()?),
+        TenantStore::new(creator, tenant, ChargeMode::Touched, wasi),
     );
     let instance = instantiate(&mut store, linker, module).map_err(|e| {
         if let Some(code) = tensor_wasm_mem_wasmtime::wasi::exit_code(&e) {

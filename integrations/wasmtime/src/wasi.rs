@@ -66,6 +66,15 @@ impl HasWasi for WasiP1Ctx {
     }
 }
 
+/// A WASI context made only when the guest first calls WASI: a Store whose guest imports
+/// nothing from WASI pays nothing for it. Made lazily, it is an empty context (no arguments,
+/// environment, preopened directories or stdio); give `Some(context)` to a guest that needs one.
+impl HasWasi for Option<WasiP1Ctx> {
+    fn wasi(&mut self) -> &mut WasiP1Ctx {
+        self.get_or_insert_with(|| WasiCtxBuilder::new().build_p1())
+    }
+}
+
 impl<B: Backend, U: HasWasi> HasWasi for TenantStore<B, U> {
     fn wasi(&mut self) -> &mut WasiP1Ctx {
         self.data.wasi()
@@ -76,6 +85,14 @@ impl<B: Backend, U: HasWasi> HasWasi for TenantStore<B, U> {
 /// nothing from WASI are unaffected: a linker resolves only what a module imports.
 pub fn add_wasi_to_linker<T: HasWasi>(linker: &mut Linker<T>) -> wasmtime::Result<()> {
     wasmtime_wasi::p1::add_to_linker_sync(linker, T::wasi)
+}
+
+/// Whether `module` imports anything from WASI preview 1 (`wasi_snapshot_preview1`).
+#[must_use]
+pub fn imports_wasi(module: &wasmtime::Module) -> bool {
+    module
+        .imports()
+        .any(|import| import.module() == "wasi_snapshot_preview1")
 }
 
 /// The exit code of a guest that called `proc_exit`, if that is what ended `error`.
