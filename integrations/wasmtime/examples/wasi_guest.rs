@@ -7,12 +7,14 @@
 //! The guest is written in WAT so the example runs anywhere; a C program built with
 //! `clang --target=wasm32-wasi` runs the same way (see the README and `tests/guests/`).
 
+use std::sync::Arc;
+
 use tensor_wasm_mem_core::IsolationLevel;
+use tensor_wasm_mem_mock::MockBackend;
 use tensor_wasm_mem_wasmtime::wasi::{WasiCtxBuilder, add_wasi_to_linker, exit_code};
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
 use tensor_wasm_mem_wasmtime::{
-    ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, add_to_linker, default_backend,
-    instantiate, new_store,
+    ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, add_to_linker, instantiate, new_store,
 };
 
 /// Prints "hello from a WASI guest\n" with `fd_write`, prefetches its buffer with
@@ -33,7 +35,7 @@ const GUEST: &str = r#"(module
       (call $prefetch (i32.const 64) (i32.const 24) (i32.const -1))))))"#;
 
 fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let creator = TensorWasmMemoryCreator::builder(default_backend()?).build()?;
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default())).build()?;
     let engine = creator.engine()?;
     let mut linker = Linker::new(&engine);
     add_to_linker(&mut linker)?;
