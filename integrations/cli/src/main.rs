@@ -9,6 +9,7 @@ mod probe;
 mod report;
 mod run;
 
+use std::ffi::OsString;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -36,8 +37,42 @@ enum Command {
     Bench(bench::BenchArgs),
 }
 
+/// Marks a negative number on the command line (see [`negative_numbers_as_values`]).
+pub(crate) const NEGATIVE: char = '\u{2212}';
+
+/// The command line with each negative number before a bare `--` (`-5`, `-0x80000000`, `-inf`,
+/// `-1.5e3`) marked so that clap takes it for a value and never for an option: its `-` becomes
+/// [`NEGATIVE`], which `run` reads back as a minus sign. No option of `twm` looks like a number.
+/// Guest arguments after `--` are left exactly as given.
+fn negative_numbers_as_values(args: impl Iterator<Item = OsString>) -> Vec<OsString> {
+    let mut after_dashes = false;
+    args.map(|arg| {
+        if after_dashes {
+            return arg;
+        }
+        if arg == "--" {
+            after_dashes = true;
+            return arg;
+        }
+        let number = arg
+            .to_str()
+            .and_then(|a| a.strip_prefix('-'))
+            .filter(|rest| {
+                let hex = rest
+                    .strip_prefix("0x")
+                    .is_some_and(|h| u128::from_str_radix(h, 16).is_ok());
+                hex || rest.parse::<f64>().is_ok()
+            });
+        match number {
+            Some(rest) => OsString::from(format!("{NEGATIVE}{rest}")),
+            None => arg,
+        }
+    })
+    .collect()
+}
+
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::try_parse_from(negative_numbers_as_values(std::env::args_os())) {
         Ok(cli) => cli,
         Err(e) => {
             let _ = e.print();

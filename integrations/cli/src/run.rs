@@ -25,7 +25,8 @@ pub struct RunArgs {
     /// The export to call, followed by its arguments.
     #[arg(long, value_name = "NAME")]
     pub invoke: Option<String>,
-    /// Arguments for `--invoke` (integers, or floats for f32/f64 parameters).
+    /// Arguments for `--invoke` (integers, decimal or `0x` hex, or floats for f32/f64
+    /// parameters); negative ones (`-5`, `-0x80000000`, `-inf`) are arguments, not options.
     #[arg(
         value_name = "ARGS",
         allow_negative_numbers = true,
@@ -188,6 +189,8 @@ fn is_trap(error: &wasmtime::Error) -> bool {
 }
 
 fn parse_arg(text: &str, ty: &ValType) -> Result<Val, Failure> {
+    // The command line marks negative numbers (see `main`): read the mark back as a minus.
+    let text = &text.replace(crate::NEGATIVE, "-");
     let bad = || Failure::Usage(format!("argument {text:?} is not a valid {ty}"));
     let int = |t: &str| -> Option<i128> {
         let (neg, digits) = t.strip_prefix('-').map_or((false, t), |d| (true, d));

@@ -240,3 +240,20 @@ fn probe_describes_the_backend() {
     let o = twm(&["probe"]);
     assert!(stdout(&o).contains("concurrent managed access"));
 }
+
+#[test]
+fn negative_numbers_after_invoke_are_arguments() {
+    let (code, out, err) = run(&["--invoke", "add", "-0x80000000", "-5"]);
+    assert_eq!((code, out.as_str()), (0, "2147483643\n"), "{err}");
+    let (code, out, err) = run(&["--invoke", "half", "-inf"]);
+    assert_eq!((code, out.as_str()), (0, "-inf\n"), "{err}");
+    let (code, out, err) = run(&["--invoke", "half", "-1.5e3", "--stats"]);
+    assert_eq!((code, out.as_str()), (0, "-750\n"), "{err}");
+    assert!(err.contains("cli"), "options still work after them: {err}");
+    let (code, _, err) = run(&["--invoke", "add", "-0x80000001", "1"]);
+    assert_eq!(code, 2, "out of i32 range: {err}");
+    assert!(
+        err.contains("\"-0x80000001\""),
+        "the argument as typed: {err}"
+    );
+}
