@@ -15,6 +15,7 @@
 //! | `memory_reservation_for_growth` | `0` | growth never moves the base: no extra room to reserve |
 //! | `memory_may_move` | `false` | device pointers into guest memory must stay valid |
 //! | `memory_init_cow` | `false` | copy-on-write init with a custom creator panics on data segments (wasmtime #10740) |
+//! | `wasm_custom_page_sizes` | `false` | only 64 KiB pages are served (the creators refuse others): with 1-byte pages Wasmtime reports some failed growths to the limiter unannounced |
 //!
 //! A backing that *does* reserve real `PROT_NONE` guard pages ([`GuardedHostCreator`]) can take the
 //! guard-page settings instead (`signals_based_traps(true)`, a 4 GiB reservation and a 32 MiB
@@ -72,6 +73,7 @@ pub fn configure<'c>(config: &'c mut Config, caps: &Capabilities) -> &'c mut Con
         .memory_init_cow(false)
         .memory_reservation_for_growth(0)
         .guard_before_linear_memory(false)
+        .wasm_custom_page_sizes(false)
         .wasm_memory64(true);
     match BoundsStrategy::for_capabilities(caps) {
         BoundsStrategy::ExplicitChecks => config

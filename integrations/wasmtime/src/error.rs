@@ -46,6 +46,14 @@ pub enum TwmError {
     /// Shared memories (threads) are not served by this creator.
     #[error("shared linear memories are not supported; keep the threads proposal off")]
     SharedMemory,
+    /// A memory with a page size other than 64 KiB (the custom-page-sizes proposal).
+    #[error(
+        "memories with a page size of {page_size} bytes are not supported (only 64 KiB pages):          keep Config::wasm_custom_page_sizes off (tensor_wasm_mem_wasmtime::configure does)"
+    )]
+    CustomPageSize {
+        /// The page size the module declared.
+        page_size: u64,
+    },
     /// A growth past the memory's fixed capacity.
     #[error("growth to {requested} bytes exceeds the memory's capacity of {capacity} bytes")]
     CapacityExceeded {
@@ -87,6 +95,21 @@ pub enum TwmError {
     NoMemoryExport(String),
 }
 
+/// Refuses the memory types no creator of ours serves: shared memories and page sizes other
+/// than 64 KiB. (With 1-byte pages Wasmtime reports some failed growths to the limiter without
+/// announcing them first; refusing them keeps the limiter's accounting exact.)
+pub(crate) fn check_memory_type(ty: &wasmtime::MemoryType) -> Result<(), TwmError> {
+    if ty.is_shared() {
+        return Err(TwmError::SharedMemory);
+    }
+    if ty.page_size_log2() != 16 {
+        return Err(TwmError::CustomPageSize {
+            page_size: ty.page_size(),
+        });
+    }
+    Ok(())
+}
+
 impl TwmError {
     /// The kind of this error.
     #[must_use]
@@ -103,6 +126,7 @@ impl TwmError {
             | Self::ReservationNotHonoured { .. }
             | Self::SharedMemory
             | Self::NoMemoryExport(_) => ErrorKind::InvalidArgument,
+            Self::CustomPageSize { .. } => ErrorKind::Unsupported,
             Self::NotOurMemory | Self::NotDeviceAccessible => ErrorKind::Unsupported,
         }
     }

@@ -83,9 +83,7 @@ impl GuardedHostCreator {
         reserved: Option<usize>,
         guard: usize,
     ) -> Result<GuardedHostMemory, TwmError> {
-        if ty.is_shared() {
-            return Err(TwmError::SharedMemory);
-        }
+        crate::error::check_memory_type(ty)?;
         let plan = MemoryPlan::new(
             &PlanType {
                 minimum_pages: ty.minimum(),

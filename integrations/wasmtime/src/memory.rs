@@ -358,9 +358,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         reserved: Option<usize>,
         guard: usize,
     ) -> Result<TensorWasmLinearMemory<B>, TwmError> {
-        if ty.is_shared() {
-            return Err(TwmError::SharedMemory);
-        }
+        crate::error::check_memory_type(ty)?;
         if guard > 0 {
             return Err(TwmError::GuardNotHonoured { guard });
         }
