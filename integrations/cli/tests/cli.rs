@@ -257,3 +257,26 @@ fn negative_numbers_after_invoke_are_arguments() {
         "the argument as typed: {err}"
     );
 }
+
+#[test]
+fn a_start_functions_growth_past_the_cap_is_minus_one() {
+    let path = module_file(
+        "start-grow.wat",
+        br#"(module
+             (memory (export "memory") 0 4)
+             (global $grown (mut i32) (i32.const 99))
+             (func $start (global.set $grown (memory.grow (i32.const 2))))
+             (start $start)
+             (func (export "grown") (result i32) (global.get $grown)))"#,
+    );
+    let o = twm(&[
+        "run",
+        path.to_str().unwrap(),
+        "--tenant-cap",
+        "64KiB",
+        "--invoke",
+        "grown",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stdout(&o), "-1\n");
+}

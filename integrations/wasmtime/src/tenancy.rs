@@ -15,10 +15,14 @@
 //!   is refused too, with Wasmtime's generic message; [`TenantLimiter::last_denial`] then has the
 //!   details.
 //! - A growth past the cap is a failed `memory.grow`: `-1` to the guest, which keeps running.
-//! - A memory is announced as a growth from size zero, so the first `memory.grow` of a memory
-//!   declared with zero pages is charged like a new memory: the same bytes in `Touched` mode, its
-//!   whole capacity again in `Capacity` mode (an over-charge, never an under-charge), and it
-//!   counts as one more memory in the figures.
+//! - Wasmtime announces a new memory as a growth from size zero. Under [`instantiate`] the
+//!   limiter knows how many memories the module defines (Wasmtime makes them all before the
+//!   start function runs), so a start function's `memory.grow` on a zero-page memory is a
+//!   growth: past the cap it returns `-1`, as the spec says, instead of refusing the
+//!   instantiation. After instantiation (and under a plain `Linker::instantiate`) a growth from
+//!   zero is taken for a new memory: charged the same bytes in `Touched` mode, its whole capacity
+//!   again in `Capacity` mode (an over-charge, never an under-charge), and counted as one more
+//!   memory in the figures.
 //! - A memory's bytes stay charged until its Store drops (Wasmtime keeps memories as long as the
 //!   Store), even if instantiation fails after the memory was made: the charge is never lower than
 //!   what is held.
@@ -151,6 +155,10 @@ pub struct TenantLimiter {
     /// The last growth charged, until its outcome is known.
     pending_growth: u64,
     instantiating: bool,
+    /// During [`instantiate`]: the memories the module defines that Wasmtime has yet to create.
+    /// A `memory_growing` from zero is a new memory only while this is above zero; after, it is
+    /// a growth of a zero-page memory (a start function's `memory.grow`).
+    new_memories: Option<u32>,
     memories: u64,
     growths: u64,
     denied_growths: u64,
@@ -199,6 +207,7 @@ impl TenantLimiter {
             charge,
             pending_growth: 0,
             instantiating: false,
+            new_memories: None,
             memories: 0,
             growths: 0,
             denied_growths: 0,
@@ -312,8 +321,18 @@ impl ResourceLimiter for TenantLimiter {
         // A new call means the previous growth's outcome is settled (a failure was reported
         // through `memory_grow_failed` before this call).
         self.pending_growth = 0;
-        // Wasmtime announces a new memory as a growth from zero.
-        if current == 0 {
+        // Wasmtime announces a new memory as a growth from zero. Under `instantiate` the limiter
+        // knows how many the module defines (they are all made before its start function runs);
+        // elsewhere a growth from zero is taken for a new memory.
+        let creating = match &mut self.new_memories {
+            Some(left) if current == 0 && *left > 0 => {
+                *left -= 1;
+                true
+            }
+            Some(_) => false,
+            None => current == 0,
+        };
+        if creating {
             self.create_memory(desired, maximum)
         } else {
             self.grow_memory(current, desired)
@@ -388,16 +407,14 @@ pub fn instantiate<T: HasTenantLimiter>(
     linker: &Linker<T>,
     module: &Module,
 ) -> wasmtime::Result<Instance> {
-    store
-        .as_context_mut()
-        .data_mut()
-        .tenant_limiter()
-        .instantiating = true;
-    let result = linker.instantiate(&mut store, module);
-    store
-        .as_context_mut()
-        .data_mut()
-        .tenant_limiter()
-        .instantiating = false;
+    let defined = module.resources_required().num_memories;
+    let mut context = store.as_context_mut();
+    let limiter = context.data_mut().tenant_limiter();
+    limiter.instantiating = true;
+    limiter.new_memories = Some(defined);
+    let result = linker.instantiate(&mut context, module);
+    let limiter = context.data_mut().tenant_limiter();
+    limiter.instantiating = false;
+    limiter.new_memories = None;
     result
 }

@@ -172,6 +172,49 @@ fn custom_page_sizes_are_refused_even_when_the_engine_allows_them() {
     assert!(Module::new(&ours, "(module (memory 1 (pagesize 1)))").is_err());
 }
 
+/// A start function's `memory.grow` on a memory declared with zero pages is a growth: past the
+/// tenant's cap it returns -1 and the instantiation goes on (it used to be taken for a new memory
+/// and refuse the whole instantiation, with a message about a minimum the module never
+/// declared).
+#[test]
+fn a_start_functions_growth_from_zero_pages_is_a_growth() {
+    let backend = mock();
+    let creator = fresh(&backend);
+    let engine = creator.engine().unwrap();
+    let tenant = tenant(1, PAGE as u64);
+    let module = Module::new(
+        &engine,
+        r#"(module
+             (memory (export "memory") 0 4)
+             (global $past_cap (export "past_cap") (mut i32) (i32.const 99))
+             (global $in_cap (export "in_cap") (mut i32) (i32.const 99))
+             (func $start
+               (global.set $past_cap (memory.grow (i32.const 2)))
+               (global.set $in_cap (memory.grow (i32.const 1))))
+             (start $start))"#,
+    )
+    .unwrap();
+    let linker = Linker::new(&engine);
+    let mut store = store_for(&creator, &engine, &tenant, ChargeMode::Touched);
+    let instance = instantiate(&mut store, &linker, &module).expect("the start function ran");
+    let global = |store: &mut _, name| {
+        instance
+            .get_global(&mut *store, name)
+            .unwrap()
+            .get(&mut *store)
+            .i32()
+            .unwrap()
+    };
+    assert_eq!(global(&mut store, "past_cap"), -1, "two pages pass the cap");
+    assert_eq!(
+        global(&mut store, "in_cap"),
+        0,
+        "one page fits: the old size was 0"
+    );
+    let stats = tenant.stats();
+    assert_eq!((stats.live_bytes, stats.live_memories), (PAGE as u64, 1));
+}
+
 #[test]
 fn two_tenants_on_one_engine_are_accounted_apart() {
     let backend = mock();
