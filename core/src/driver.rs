@@ -678,7 +678,11 @@ impl<D: DriverApi> Drop for DriverBackend<D> {
             let primary = driver.primary_context(record.device);
             for (&ptr, block) in &record.live {
                 let (context, stream) = match state.streams.get(&block.stream) {
-                    Some(s) if Some(s.tenant) == block.tenant && s.context == block.context => {
+                    Some(s)
+                        if s.life != Life::Failed
+                            && Some(s.tenant) == block.tenant
+                            && s.context == block.context =>
+                    {
                         (s.context, block.stream)
                     }
                     _ => (primary, DEFAULT_STREAM),

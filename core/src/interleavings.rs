@@ -226,6 +226,14 @@ struct FakeState {
     pool_free_calls: usize,
     /// Switch at every push_current.
     switch_at_push: bool,
+    /// These pool frees (1-based call numbers) fail.
+    fail_pool_free_calls: BTreeSet<usize>,
+    /// pool_destroy fails.
+    fail_pool_destroy: bool,
+    /// synchronize panics (a driver binding that panics mid-call).
+    panic_in_synchronize: bool,
+    /// stream_destroy of these streams fails, once each.
+    fail_stream_destroy_once: BTreeSet<u64>,
     // --- review tracking (always on) ---
     destroyed_contexts: BTreeSet<u64>,
     /// Pushes of a context that was destroyed (a dangling CUcontext on a real driver).
@@ -237,6 +245,16 @@ struct FakeState {
     live_pools: BTreeSet<u64>,
     /// pool_alloc on a pool that is not live (destroyed).
     alloc_from_dead_pool: u64,
+    /// Pools made so far (handles 77, 78, ...).
+    pools_made: u64,
+    /// Each live pool block -> the stream it was allocated on.
+    block_stream: BTreeMap<u64, u64>,
+    /// Pool frees on the default stream of a block whose own stream was not waited for since
+    /// work was queued on it (destroyed or not: a destroyed stream's work still completes
+    /// later): on a real driver nothing orders the free after that (non-blocking) stream's work.
+    freed_off_live_stream: u64,
+    /// Streams waited for since work was last queued on them.
+    synced: BTreeSet<u64>,
 }
 
 std::thread_local! {
@@ -361,12 +379,16 @@ unsafe impl DriverApi for Fake {
             }
         };
         s.streams.insert(stream, ctx);
+        s.synced.remove(&stream);
         Ok(stream)
     }
     fn stream_destroy(&self, stream: u64) -> Result<(), FakeError> {
         switch();
         let mut s = self.lock();
         self.stream(&s, stream)?;
+        if s.fail_stream_destroy_once.remove(&stream) {
+            return Err(FakeError::Code(999));
+        }
         s.streams.remove(&stream);
         s.events.push(("stream_destroy", stream));
         if s.reuse_streams {
@@ -380,7 +402,12 @@ unsafe impl DriverApi for Fake {
         switch();
         let mut s = self.lock();
         self.stream(&s, stream)?;
+        if s.panic_in_synchronize {
+            drop(s);
+            panic!("the driver binding panicked mid-call");
+        }
         s.events.push(("synchronize", stream));
+        s.synced.insert(stream);
         Ok(())
     }
     fn context_create(&self, _: DeviceId) -> Result<u64, FakeError> {
@@ -406,18 +433,25 @@ unsafe impl DriverApi for Fake {
         Ok(())
     }
     fn pool_create(&self, _: DeviceId, _: u64, _: u64) -> Result<u64, FakeError> {
-        self.lock().live_pools.insert(77);
-        Ok(77)
+        let mut s = self.lock();
+        let pool = 77 + s.pools_made;
+        s.pools_made += 1;
+        s.live_pools.insert(pool);
+        Ok(pool)
     }
     fn pool_destroy(&self, pool: u64) -> Result<(), FakeError> {
-        self.lock().live_pools.remove(&pool);
+        let mut s = self.lock();
+        if s.fail_pool_destroy {
+            return Err(FakeError::Code(999));
+        }
+        s.live_pools.remove(&pool);
         Ok(())
     }
-    fn pool_alloc(&self, _: u64, _: usize, stream: u64) -> Result<u64, FakeError> {
+    fn pool_alloc(&self, pool: u64, _: usize, stream: u64) -> Result<u64, FakeError> {
         switch();
         let mut s = self.lock();
         self.stream(&s, stream)?;
-        if !s.live_pools.contains(&77) {
+        if !s.live_pools.contains(&pool) {
             s.alloc_from_dead_pool += 1;
         }
         let ptr = match s.pool_free_blocks.pop() {
@@ -428,6 +462,8 @@ unsafe impl DriverApi for Fake {
             }
         };
         s.pool_live.insert(ptr);
+        s.block_stream.insert(ptr, stream);
+        s.synced.remove(&stream);
         Ok(ptr)
     }
     fn pool_free(&self, ptr: u64, stream: u64) -> Result<(), FakeError> {
@@ -435,14 +471,28 @@ unsafe impl DriverApi for Fake {
         let mut s = self.lock();
         self.stream(&s, stream)?;
         s.pool_free_calls += 1;
-        if s.fail_pool_free.contains(&ptr) || Some(s.pool_free_calls) == s.fail_pool_free_call {
+        let call = s.pool_free_calls;
+        if s.fail_pool_free.contains(&ptr)
+            || Some(call) == s.fail_pool_free_call
+            || s.fail_pool_free_calls.contains(&call)
+        {
             return Err(FakeError::Code(999));
         }
         if !s.pool_live.remove(&ptr) {
             return Err(FakeError::Code(INVALID_HANDLE));
         }
+        // As on the driver, a destroyed stream's queued work still runs: only a wait orders
+        // what comes after it.
+        if let Some(own) = s.block_stream.remove(&ptr)
+            && stream == DEFAULT_STREAM
+            && own != DEFAULT_STREAM
+            && !s.synced.contains(&own)
+        {
+            s.freed_off_live_stream += 1;
+        }
         s.pool_free_blocks.push(ptr);
         s.events.push(("pool_free", stream));
+        s.synced.remove(&stream);
         // The caller hears back later: the window another thread's allocation can fall into.
         drop(s);
         switch();
@@ -620,6 +670,11 @@ fn teardown_is_ordered_on_the_stream_that_used_the_memory() {
         [DEFAULT_STREAM, live.raw()],
         "each block freed on its own stream while it lives, else (its stream waited for and \
          gone) on the default stream"
+    );
+    assert_eq!(
+        backend.driver().lock().freed_off_live_stream,
+        0,
+        "no block freed beside work still queued on its stream"
     );
     backend.release_stream(live).expect("release");
     assert_eq!(tenant.stats().live_bytes, 0);

@@ -356,9 +356,9 @@ impl<P: DevicePools> Drop for TenantDevicePool<P> {
     /// Frees every allocation still live (the backend orders each free after the work on the
     /// stream the allocation was made on: [`DevicePools::pool_free_at_teardown`]) and gives its
     /// bytes back, then destroys the pool, which retries what the backend refused to free. If
-    /// the destroy fails too, the driver may still hold those blocks: the tenant stays charged
-    /// for them (never less than what is held; the backend counts the pool and retries at its
-    /// own drop).
+    /// the destroy fails too, the driver may still hold some of those blocks, and which ones is
+    /// not known here: the tenant stays charged for all of them (never less than what is held,
+    /// possibly more; the backend counts the pool and retries at its own drop).
     fn drop(&mut self) {
         let Some(pool) = self.pool.take() else {
             return;

@@ -254,11 +254,18 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         };
         let mut state = self.state.lock();
         // The pool's record stays while this call holds its use.
+        let mut retired = false;
         if let Some(r) = state.pools.get_mut(&pool.raw()) {
             r.live.insert(ptr, block);
             r.live_bytes += bytes as u64;
             r.peak_bytes = r.peak_bytes.max(r.live_bytes);
+            retired = r.life != Life::Live;
             state.stats.live_pool_allocations += 1;
+        }
+        if retired {
+            // Destroyed meanwhile: the block is the pool's, freed by its teardown (this call's
+            // use may be the last); the caller must not get it.
+            return Err(Refusal::UnknownPool { raw: pool.raw() }.into());
         }
         Ok(PoolAllocation::new(ptr, bytes))
     }

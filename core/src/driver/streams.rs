@@ -25,6 +25,8 @@ pub(super) struct StreamRecord {
     pub(super) level: IsolationLevel,
     /// Driver calls using the stream now.
     pub(super) busy: u32,
+    /// Uses ever started (a user that waits as the last one knows whether any came after).
+    pub(super) started: u64,
     pub(super) life: Life,
 }
 
@@ -57,24 +59,9 @@ impl<D: DriverApi> StreamUse<'_, D> {
 
 impl<D: DriverApi> Drop for StreamUse<'_, D> {
     fn drop(&mut self) {
-        let Some(raw) = self.raw else {
-            return;
-        };
-        let last = {
-            let mut state = self.backend.state.lock();
-            let Some(record) = state.streams.get_mut(&raw) else {
-                return;
-            };
-            record.busy = record.busy.saturating_sub(1);
-            if record.busy > 0 || record.life != Life::Releasing {
-                return;
-            }
-            state.streams.remove(&raw)
-        };
-        if let Some(record) = last {
-            // A release came while this call ran: it falls to the last user to do it. Its
-            // failure is counted in the stats (no caller is left to hear of it).
-            let _ = self.backend.destroy_stream(raw, record);
+        if let Some(raw) = self.raw {
+            // A failure is counted in the stats (no caller is left to hear of it).
+            let _ = self.backend.end_use(raw, None);
         }
     }
 }
@@ -105,6 +92,7 @@ impl<D: DriverApi> DriverBackend<D> {
                     && r.level == stream.level() =>
             {
                 r.busy += 1;
+                r.started += 1;
                 Ok(StreamUse {
                     backend: self,
                     raw: Some(raw),
@@ -127,10 +115,12 @@ impl<D: DriverApi> DriverBackend<D> {
     ) -> Option<StreamUse<'_, D>> {
         let mut state = self.state.lock();
         let r = state.streams.get_mut(&raw)?;
-        if r.life != Life::Live || r.tenant != tenant || r.context != context {
+        // A retired stream still serves a teardown: it is waited for after its last use.
+        if r.life == Life::Failed || r.tenant != tenant || r.context != context {
             return None;
         }
         r.busy += 1;
+        r.started += 1;
         Some(StreamUse {
             backend: self,
             raw: Some(raw),
@@ -140,16 +130,55 @@ impl<D: DriverApi> DriverBackend<D> {
         })
     }
 
+    /// Ends one use of `raw`. The last use of a retired stream waits for it with its use still
+    /// held (the record stays in the table meanwhile, so a teardown orders its frees on the
+    /// stream rather than beside it), then takes the record out and destroys it, unless another
+    /// use started meanwhile (then it waits again, or that use is the last). `synced`: the
+    /// caller already waited, at that `started` mark.
+    pub(super) fn end_use(&self, raw: u64, mut synced: Option<u64>) -> Result<(), D::Error> {
+        loop {
+            let (context, mark) = {
+                let mut state = self.state.lock();
+                let Some(r) = state.streams.get_mut(&raw) else {
+                    return Ok(());
+                };
+                if r.busy > 1 || r.life != Life::Releasing {
+                    r.busy = r.busy.saturating_sub(1);
+                    return Ok(());
+                }
+                if synced == Some(r.started) {
+                    let record = state.streams.remove(&raw);
+                    drop(state);
+                    return match record {
+                        Some(record) => self.destroy_stream(raw, record, false),
+                        None => Ok(()),
+                    };
+                }
+                (r.context, r.started)
+            };
+            // A failed wait does not keep the stream (as in `destroy_stream`).
+            let _ = self.in_context(context, |d| d.synchronize(raw));
+            synced = Some(mark);
+        }
+    }
+
     /// Waits for a stream no one uses any more (its record already out of the table), destroys
     /// it, and leaves its tenant's context if it was context-isolated. If the driver refuses
     /// the destroy, the record goes back, retired, counted and retried at drop.
-    pub(super) fn destroy_stream(&self, raw: u64, record: StreamRecord) -> Result<(), D::Error> {
+    pub(super) fn destroy_stream(
+        &self,
+        raw: u64,
+        record: StreamRecord,
+        wait: bool,
+    ) -> Result<(), D::Error> {
         // Waited for first: work queued on the stream is done before the stream is gone, so
         // whatever is torn down after (a pool block freed on the default stream, a slot scrubbed
         // for the next tenant) is ordered after it.
         let mut waited = Ok(());
         let destroyed = self.in_context(record.context, |d| {
-            waited = d.synchronize(raw);
+            if wait {
+                waited = d.synchronize(raw);
+            }
             d.stream_destroy(raw)
         });
         if let Err(e) = destroyed {
@@ -267,6 +296,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
                     device,
                     level,
                     busy: 0,
+                    started: 0,
                     life: Life::Live,
                 };
                 let mut state = self.state.lock();
@@ -293,10 +323,9 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
             drop(self.stream_use(&stream)?);
             return Ok(());
         }
-        // Decided under the lock: a stream in use is retired (no new use starts) and destroyed
-        // by its last user; an idle one leaves the table now, so a handle value the driver
-        // reuses at once can never meet its record.
-        let record = {
+        // Retired under the lock (no new use but a teardown's starts), then waited for with a
+        // use of its own held; the last use takes the record out and destroys the stream.
+        let (context, mark) = {
             let mut state = self.state.lock();
             let Some(r) = state.streams.get_mut(&raw).filter(|r| {
                 r.life == Life::Live
@@ -306,16 +335,14 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
             }) else {
                 return Err(Refusal::UnknownStream { raw }.into());
             };
-            if r.busy > 0 {
-                r.life = Life::Releasing;
-                return Ok(());
-            }
-            state.streams.remove(&raw)
+            r.life = Life::Releasing;
+            r.busy += 1;
+            r.started += 1;
+            (r.context, r.started)
         };
-        match record {
-            Some(record) => self.destroy_stream(raw, record),
-            None => Ok(()),
-        }
+        let waited = self.in_context(context, |d| d.synchronize(raw));
+        let ended = self.end_use(raw, Some(mark));
+        ended.and(waited)
     }
 
     fn synchronize(&self, stream: &Stream) -> Result<(), D::Error> {
