@@ -1,5 +1,6 @@
 //! `twm run`: instantiate a `.wat` / `.wasm` file on managed memory and invoke an export.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -45,7 +46,8 @@ pub struct RunArgs {
     /// Take memories from a pool of this many slots (each of --memory-limit bytes).
     #[arg(long, value_name = "SLOTS")]
     pub pool: Option<usize>,
-    /// The most bytes one linear memory may have (at most 4GiB).
+    /// The most bytes one linear memory may have (at most 4GiB); also the capacity of memories
+    /// that declare no maximum (what clang's C programs declare).
     #[arg(long, value_name = "BYTES", default_value = "256MiB", value_parser = crate::bytes::parse_bytes)]
     pub memory_limit: u64,
     /// Instantiate and invoke this many times, one after another, reusing the pool.
@@ -81,16 +83,17 @@ impl WasiSetup {
     fn parse(args: &RunArgs) -> Result<Self, Failure> {
         let mut argv = vec![args.file.display().to_string()];
         argv.extend(args.guest_args.iter().cloned());
-        let env = args
-            .env
-            .iter()
-            .map(|kv| match kv.split_once('=') {
-                Some((k, v)) if !k.is_empty() => Ok((k.to_owned(), v.to_owned())),
-                _ => Err(Failure::Usage(format!(
+        let mut env: Vec<(String, String)> = Vec::new();
+        for kv in &args.env {
+            let Some((k, v)) = kv.split_once('=').filter(|(k, _)| !k.is_empty()) else {
+                return Err(Failure::Usage(format!(
                     "--env {kv:?}: expected NAME=VALUE with a non-empty NAME"
-                ))),
-            })
-            .collect::<Result<_, _>>()?;
+                )));
+            };
+            // A name given again replaces the earlier value, as in a shell.
+            env.retain(|(name, _)| name != k);
+            env.push((k.to_owned(), v.to_owned()));
+        }
         let dirs = args
             .dirs
             .iter()
@@ -112,10 +115,14 @@ impl WasiSetup {
         Ok(Self { argv, env, dirs })
     }
 
-    /// A fresh WASI context for one Store.
-    fn context(&self) -> Result<WasiP1Ctx, Failure> {
+    /// A fresh WASI context for one Store. With `--json`, the guest's stdout goes to stderr, so
+    /// that twm's stdout is the one JSON object and nothing a guest prints can forge it.
+    fn context(&self, json: bool) -> Result<WasiP1Ctx, Failure> {
         let mut builder = WasiCtxBuilder::new();
         builder.inherit_stdio().args(&self.argv);
+        if json {
+            builder.stdout(wasmtime_wasi_stderr());
+        }
         for (k, v) in &self.env {
             builder.env(k, v);
         }
@@ -158,7 +165,7 @@ impl Failure {
             Self::Usage(_) => 2,
             Self::Trap(_) => 3,
             Self::Refused(_) => 4,
-            // WASI statuses are 0..=255 on every host that runs `twm`; anything else is 1.
+            // WASI preview 1 passes statuses 0..=125 (it refuses larger ones, an error: 1).
             Self::Exit(code) => u8::try_from(*code).unwrap_or(1),
         }
     }
@@ -184,6 +191,18 @@ impl Failure {
     }
 }
 
+/// Writes one line to stdout; a stdout that cannot be written to (a closed pipe, a full disk)
+/// is a failure with a message, never a panic.
+fn out(line: &str) -> Result<(), Failure> {
+    writeln!(std::io::stdout().lock(), "{line}")
+        .map_err(|e| Failure::Other(format!("cannot write to stdout: {e}")))
+}
+
+/// The host's stderr as a WASI output stream.
+fn wasmtime_wasi_stderr() -> tensor_wasm_mem_wasmtime::wasi::wasmtime_wasi::cli::Stderr {
+    tensor_wasm_mem_wasmtime::wasi::wasmtime_wasi::cli::stderr()
+}
+
 fn is_trap(error: &wasmtime::Error) -> bool {
     error.downcast_ref::<Trap>().is_some()
 }
@@ -195,6 +214,8 @@ fn parse_arg(text: &str, ty: &ValType) -> Result<Val, Failure> {
     let int = |t: &str| -> Option<i128> {
         let (neg, digits) = t.strip_prefix('-').map_or((false, t), |d| (true, d));
         let v = match digits.strip_prefix("0x") {
+            // `from_str_radix` takes a sign: `0x-5` is no number.
+            Some(hex) if hex.starts_with(['+', '-']) => return None,
             Some(hex) => i128::from_str_radix(hex, 16).ok()?,
             None => digits.parse::<i128>().ok()?,
         };
@@ -251,7 +272,9 @@ fn show(val: &Val) -> (String, Value) {
 
 /// Runs `args` on `backend`; prints results to stdout (and stats to stderr).
 pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
-    let limits = PlanLimits::new(args.memory_limit).map_err(|e| Failure::Usage(e.to_string()))?;
+    let limits = PlanLimits::new(args.memory_limit)
+        .and_then(|l| l.with_default_maximum(args.memory_limit))
+        .map_err(|e| Failure::Usage(e.to_string()))?;
     if args.repeat == 0 {
         return Err(Failure::Usage("--repeat must be at least 1".into()));
     }
@@ -295,7 +318,7 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
             Ok(results) => {
                 if !args.json {
                     for (text, _) in &results {
-                        println!("{text}");
+                        out(text)?;
                     }
                 }
                 runs.push(Value::Array(results.into_iter().map(|(_, v)| v).collect()));
@@ -309,7 +332,12 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
         }
     }
     if args.stats {
-        eprint!("{}", stats_table(&[tenant.stats()], &creator));
+        // Stats are a courtesy: a stderr that cannot be written to does not fail the run.
+        let _ = write!(
+            std::io::stderr(),
+            "{}",
+            stats_table(&[tenant.stats()], &creator)
+        );
     }
     if args.json {
         let error = outcome
@@ -324,9 +352,30 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
             "tenant": tenant_json(&tenant.stats()),
             "creator": creator_json(&creator.stats()),
         });
-        println!("{report}");
+        out(&report.to_string())?;
     }
     outcome
+}
+
+/// The exported function `name` of type `[] -> []` (`_start`, `_initialize`), if exported; an
+/// export of that name of another kind or type is an error, never silently skipped.
+fn nullary<T>(
+    store: &mut wasmtime::Store<T>,
+    instance: &wasmtime::Instance,
+    name: &str,
+) -> Result<Option<wasmtime::TypedFunc<(), ()>>, Failure> {
+    let Some(export) = instance.get_export(&mut *store, name) else {
+        return Ok(None);
+    };
+    export
+        .into_func()
+        .and_then(|f| f.typed::<(), ()>(&*store).ok())
+        .map(Some)
+        .ok_or_else(|| {
+            Failure::Refused(format!(
+                "the module exports {name:?}, but not as a function of type [] -> []"
+            ))
+        })
 }
 
 fn run_once<B: Backend>(
@@ -340,7 +389,7 @@ fn run_once<B: Backend>(
 ) -> Result<Vec<(String, Value)>, Failure> {
     // WASI state is made for guests that import WASI; others pay nothing for it.
     let wasi = if imports_wasi(module) {
-        Some(wasi.context()?)
+        Some(wasi.context(args.json)?)
     } else {
         None
     };
@@ -359,15 +408,21 @@ fn run_once<B: Backend>(
             Failure::Refused(format!("instantiation refused: {e:#}"))
         }
     })?;
+    // A reactor module (`-mexec-model=reactor`) is initialised before anything is called, as
+    // `wasmtime run` does.
+    if let Some(init) = nullary(&mut store, &instance, "_initialize")? {
+        init.call(&mut store, ())
+            .map_err(|e| Failure::of_call("_initialize", &e))?;
+    }
     let Some(name) = &args.invoke else {
         // A command module (clang, wasm32-wasip1) runs its `_start`; anything else was only
         // to be instantiated.
-        return match instance.get_typed_func::<(), ()>(&mut store, "_start") {
-            Ok(start) => start
+        return match nullary(&mut store, &instance, "_start")? {
+            Some(start) => start
                 .call(&mut store, ())
                 .map(|()| Vec::new())
                 .map_err(|e| Failure::of_call("_start", &e)),
-            Err(_) => Ok(Vec::new()),
+            None => Ok(Vec::new()),
         };
     };
     let func = instance

@@ -133,3 +133,40 @@ fn pooled_and_repeated_runs_print_the_same_each_time() {
     assert_eq!(code, 0);
     assert_eq!(three, once.repeat(3));
 }
+
+#[test]
+fn json_stays_one_object_whatever_the_guest_prints() {
+    let Some(hello) = c_guest("hello") else {
+        return;
+    };
+    let (code, out, err) = twm_run(&hello, &["--json", "--", "{\"forged\": true}", "exit=5"]);
+    assert_eq!(code, 5, "{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).expect("stdout is one JSON object");
+    assert!(report.get("forged").is_none(), "{out}");
+    assert!(
+        err.contains("argc=3"),
+        "the guest's stdout went to stderr: {err}"
+    );
+}
+
+#[test]
+fn environment_last_value_wins_and_memory_limit_sizes_undeclared_maxima() {
+    let (Some(hello), Some(grow)) = (c_guest("hello"), c_guest("grow")) else {
+        return;
+    };
+    let (code, out, _) = twm_run(
+        &hello,
+        &[
+            "--env",
+            "TWM_GREETING=first",
+            "--env",
+            "TWM_GREETING=second",
+        ],
+    );
+    assert_eq!(code, 0);
+    assert!(out.contains("TWM_GREETING=second\n"), "{out}");
+    // clang declares no maximum: --memory-limit is its capacity (the default is 256 MiB).
+    let (code, out, err) = twm_run(&grow, &["--memory-limit", "320MiB", "--", "270"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with("allocated 270 of 270 MiB"), "{out}");
+}

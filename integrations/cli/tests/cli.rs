@@ -280,3 +280,57 @@ fn a_start_functions_growth_past_the_cap_is_minus_one() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(stdout(&o), "-1\n");
 }
+
+#[test]
+fn wasi_entry_points_are_called_or_refused_never_skipped() {
+    // A reactor is initialised before the call, as `wasmtime run` does.
+    let reactor = module_file(
+        "reactor.wat",
+        br#"(module
+             (memory (export "memory") 1)
+             (global $ready (mut i32) (i32.const 0))
+             (func (export "_initialize") (global.set $ready (i32.const 41)))
+             (func (export "ready") (result i32) (i32.add (global.get $ready) (i32.const 1))))"#,
+    );
+    let o = twm(&["run", reactor.to_str().unwrap(), "--invoke", "ready"]);
+    assert_eq!((o.status.code(), stdout(&o).as_str()), (Some(0), "42\n"));
+    // A `_start` that is not `[] -> []` is refused, not skipped.
+    let bad = module_file(
+        "badstart.wat",
+        br#"(module (func (export "_start") (param i32)))"#,
+    );
+    let o = twm(&["run", bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(4), "{}", stderr(&o));
+    assert!(stderr(&o).contains("[] -> []"), "{}", stderr(&o));
+    // WASI preview 1 refuses exit statuses of 126 and more: an error (1), with a message.
+    let exit200 = module_file(
+        "exit200.wat",
+        br#"(module
+             (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+             (memory (export "memory") 1)
+             (func (export "_start") (call $exit (i32.const 200))))"#,
+    );
+    let o = twm(&["run", exit200.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("exit status"), "{}", stderr(&o));
+}
+
+#[test]
+fn an_unwritable_stdout_is_an_error_not_a_panic() {
+    let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") else {
+        return;
+    };
+    let path = module_file("m.wat", MODULE.as_bytes());
+    let o = Command::new(env!("CARGO_BIN_EXE_twm"))
+        .args(["run", path.to_str().unwrap(), "--invoke", "add", "1", "2"])
+        .stdout(full)
+        .output()
+        .expect("run twm");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("cannot write to stdout"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+}

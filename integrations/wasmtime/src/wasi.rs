@@ -40,8 +40,9 @@
 //! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
 //! ```
 //!
-//! A guest's `proc_exit(code)` ends the call with a [`I32Exit`] error carrying the code
-//! ([`exit_code`] finds it).
+//! A guest's `proc_exit(code)` ends the call with an [`I32Exit`] error carrying the code
+//! ([`exit_code`] finds it); WASI preview 1 passes codes 0 to 125 and answers larger ones with an
+//! error of its own.
 
 use wasmtime::Linker;
 
