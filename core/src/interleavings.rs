@@ -502,6 +502,20 @@ unsafe impl DriverApi for Fake {
 
 type Body<'a> = Box<dyn FnOnce() + Send + 'a>;
 
+/// A device pool of `tenant` on device 0 of `backend`.
+fn pool_of(
+    backend: &Arc<DriverBackend<Fake>>,
+    tenant: &Arc<TenantContext>,
+) -> TenantDevicePool<Arc<DriverBackend<Fake>>> {
+    TenantDevicePool::new(
+        Arc::clone(backend),
+        Arc::clone(tenant),
+        DeviceId(0),
+        &DevicePoolConfig::default(),
+    )
+    .expect("pool")
+}
+
 #[test]
 fn a_tenant_context_under_every_interleaving_of_two_users() {
     let runs = Scheduler::explore(|| {
@@ -584,15 +598,7 @@ fn a_pool_free_racing_an_allocation_keeps_the_ledger_exact() {
             2 * BLOCK as u64,
             IsolationLevel::Shared,
         ));
-        let pool = Arc::new(
-            TenantDevicePool::new(
-                Arc::clone(&backend),
-                Arc::clone(&tenant),
-                DeviceId(0),
-                &DevicePoolConfig::default(),
-            )
-            .expect("pool"),
-        );
+        let pool = Arc::new(pool_of(&backend, &tenant));
         let stream = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
         let first = pool.allocate(BLOCK, &stream).expect("first");
         let kept = Arc::new(Mutex::new(Vec::new()));
@@ -635,13 +641,7 @@ fn teardown_is_ordered_on_the_stream_that_used_the_memory() {
         u64::MAX,
         IsolationLevel::ContextIsolated,
     ));
-    let pool = TenantDevicePool::new(
-        Arc::clone(&backend),
-        Arc::clone(&tenant),
-        DeviceId(0),
-        &DevicePoolConfig::default(),
-    )
-    .expect("pool");
+    let pool = pool_of(&backend, &tenant);
     let live = backend
         .acquire_stream(tenant.key(), IsolationLevel::ContextIsolated)
         .expect("stream");

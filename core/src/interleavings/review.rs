@@ -77,13 +77,7 @@ fn r2_pool_teardown_racing_stream_release() {
             u64::MAX,
             IsolationLevel::ContextIsolated,
         ));
-        let pool = TenantDevicePool::new(
-            Arc::clone(&backend),
-            Arc::clone(&tenant),
-            DeviceId(0),
-            &DevicePoolConfig::default(),
-        )
-        .expect("pool");
+        let pool = pool_of(&backend, &tenant);
         let stream = backend
             .acquire_stream(tenant.key(), IsolationLevel::ContextIsolated)
             .expect("stream");
@@ -343,13 +337,7 @@ fn r7_partial_pool_teardown_overcharges_the_tenant_forever() {
         u64::MAX,
         IsolationLevel::Shared,
     ));
-    let pool = TenantDevicePool::new(
-        Arc::clone(&backend),
-        Arc::clone(&tenant),
-        DeviceId(0),
-        &DevicePoolConfig::default(),
-    )
-    .unwrap();
+    let pool = pool_of(&backend, &tenant);
     let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
     let a = pool.allocate(BLOCK, &shared).unwrap();
     let b2 = pool.allocate(BLOCK, &shared).unwrap();
@@ -425,13 +413,7 @@ fn r9_teardown_frees_on_another_tenants_stream_after_handle_reuse() {
         u64::MAX,
         IsolationLevel::StreamIsolated,
     ));
-    let pool = TenantDevicePool::new(
-        Arc::clone(&backend),
-        Arc::clone(&a),
-        DeviceId(0),
-        &DevicePoolConfig::default(),
-    )
-    .unwrap();
+    let pool = pool_of(&backend, &a);
     let sa = backend
         .acquire_stream(a.key(), IsolationLevel::StreamIsolated)
         .unwrap();
@@ -473,13 +455,7 @@ fn r10_pool_accepts_another_tenants_stream() {
         u64::MAX,
         IsolationLevel::ContextIsolated,
     ));
-    let pool = TenantDevicePool::new(
-        Arc::clone(&backend),
-        Arc::clone(&a),
-        DeviceId(0),
-        &DevicePoolConfig::default(),
-    )
-    .unwrap();
+    let pool = pool_of(&backend, &a);
     let sb = backend
         .acquire_stream(b.key(), IsolationLevel::ContextIsolated)
         .unwrap();
@@ -507,15 +483,7 @@ struct TwoPools {
 fn two_pools(level: IsolationLevel) -> TwoPools {
     let backend = Arc::new(DriverBackend::new(Fake::default()));
     let tenant = Arc::new(TenantContext::new(TenantId(1), u64::MAX, level));
-    let pool = || {
-        TenantDevicePool::new(
-            Arc::clone(&backend),
-            Arc::clone(&tenant),
-            DeviceId(0),
-            &DevicePoolConfig::default(),
-        )
-        .expect("pool")
-    };
+    let pool = || pool_of(&backend, &tenant);
     let (first, second) = (pool(), pool());
     let s = backend.acquire_stream(tenant.key(), level).expect("stream");
     // Left to the pools' teardown.
@@ -669,13 +637,7 @@ fn s3_a_partly_successful_destroy_retry_never_undercharges_the_tenant() {
         u64::MAX,
         IsolationLevel::Shared,
     ));
-    let pool = TenantDevicePool::new(
-        Arc::clone(&backend),
-        Arc::clone(&tenant),
-        DeviceId(0),
-        &DevicePoolConfig::default(),
-    )
-    .unwrap();
+    let pool = pool_of(&backend, &tenant);
     let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
     let _unfreed = (
         pool.allocate(BLOCK, &shared).unwrap(),
@@ -714,13 +676,7 @@ fn s3b_a_refused_pool_destroy_never_undercharges_the_tenant() {
         u64::MAX,
         IsolationLevel::Shared,
     ));
-    let pool = TenantDevicePool::new(
-        Arc::clone(&backend),
-        Arc::clone(&tenant),
-        DeviceId(0),
-        &DevicePoolConfig::default(),
-    )
-    .unwrap();
+    let pool = pool_of(&backend, &tenant);
     let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
     let _unfreed = pool.allocate(BLOCK, &shared).unwrap();
     {
@@ -816,13 +772,7 @@ fn h1_use_release_and_teardown_of_one_stream_under_every_schedule() {
             u64::MAX,
             IsolationLevel::ContextIsolated,
         ));
-        let pool = TenantDevicePool::new(
-            Arc::clone(&backend),
-            Arc::clone(&tenant),
-            DeviceId(0),
-            &DevicePoolConfig::default(),
-        )
-        .expect("pool");
+        let pool = pool_of(&backend, &tenant);
         let s = backend
             .acquire_stream(tenant.key(), IsolationLevel::ContextIsolated)
             .expect("stream");
