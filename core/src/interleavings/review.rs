@@ -10,6 +10,13 @@ use crate::pools::{DevicePools, PoolAllocation, PoolHandle};
 use core::sync::atomic::{AtomicUsize, Ordering as AO};
 use std::string::String;
 
+/// Fails (saying how many of `runs` schedules were bad, and one of them) unless none was.
+fn assert_no_bad_schedule(case: &str, runs: usize, bad: &AtomicUsize, worst: &Mutex<String>) {
+    let n = bad.load(AO::Relaxed);
+    let example = worst.lock().unwrap_or_else(PoisonError::into_inner);
+    assert_eq!(n, 0, "{case}: {n} of {runs} schedules bad; e.g. {example}");
+}
+
 fn fake_with(f: impl FnOnce(&mut FakeState)) -> Fake {
     let fake = Fake::default();
     f(&mut fake.lock());
@@ -111,12 +118,7 @@ fn r2_pool_teardown_racing_stream_release() {
         });
         (vec![dropper, releaser], check as Box<dyn FnOnce()>)
     });
-    let n = bad.load(AO::Relaxed);
-    std::eprintln!(
-        "R2: {n} of {runs} schedules bad; e.g. {}",
-        worst.lock().unwrap()
-    );
-    assert_eq!(n, 0);
+    assert_no_bad_schedule("R2", runs, &bad, &worst);
 }
 
 /// R3: managed free racing an allocation that gets the same address (the pool bug, unfixed for
@@ -158,12 +160,7 @@ fn r3_managed_free_racing_allocate_same_address() {
         });
         (vec![freeing, allocating], check as Box<dyn FnOnce()>)
     });
-    let n = bad.load(AO::Relaxed);
-    std::eprintln!(
-        "R3: {n} of {runs} schedules bad; e.g. {}",
-        worst.lock().unwrap()
-    );
-    assert_eq!(n, 0);
+    assert_no_bad_schedule("R3", runs, &bad, &worst);
 }
 
 /// R4: a stream release racing an acquire that gets the same (reused) stream handle: the
@@ -213,12 +210,7 @@ fn r4_stream_release_racing_acquire_of_reused_handle() {
         });
         (vec![releasing, acquiring], check as Box<dyn FnOnce()>)
     });
-    let n = bad.load(AO::Relaxed);
-    std::eprintln!(
-        "R4: {n} of {runs} schedules bad; e.g. {}",
-        worst.lock().unwrap()
-    );
-    assert_eq!(n, 0);
+    assert_no_bad_schedule("R4", runs, &bad, &worst);
 }
 
 /// R5: pool_allocate in flight (forged second handle) while destroy_pool runs: allocates from a
@@ -263,12 +255,7 @@ fn r5_pool_allocate_in_flight_during_destroy() {
         });
         (vec![allocating, destroying], check as Box<dyn FnOnce()>)
     });
-    let n = bad.load(AO::Relaxed);
-    std::eprintln!(
-        "R5: {n} of {runs} schedules bad; e.g. {}",
-        worst.lock().unwrap()
-    );
-    assert_eq!(n, 0);
+    assert_no_bad_schedule("R5", runs, &bad, &worst);
 }
 
 /// R6: a pool_free the driver refuses, in flight (forged handle) while destroy_pool runs: the
@@ -318,19 +305,14 @@ fn r6_refused_pool_free_racing_destroy_forgets_the_block() {
         });
         (vec![freeing, destroying], check as Box<dyn FnOnce()>)
     });
-    let n = bad.load(AO::Relaxed);
-    std::eprintln!(
-        "R6: {n} of {runs} schedules bad; e.g. {}",
-        worst.lock().unwrap()
-    );
-    assert_eq!(n, 0);
+    assert_no_bad_schedule("R6", runs, &bad, &worst);
 }
 
-/// R7: a destroy_pool that fails part-way (second block's free refused) after freeing the
-/// first block: TenantDevicePool keeps *every* charge, the tenant is charged for a block the
-/// driver no longer holds; and the backend's drop, which frees the rest, never uncharges.
+/// R7: a pool teardown whose second block's free is refused, then retried by the destroy:
+/// the tenant ends charged for exactly what the driver holds (it used to keep every charge when
+/// the destroy failed part-way, and the backend's drop never uncharged).
 #[test]
-fn r7_partial_pool_teardown_overcharges_the_tenant_forever() {
+fn r7_a_refused_teardown_free_retried_by_the_destroy_charges_exactly() {
     let backend = Arc::new(DriverBackend::new(Fake::default()));
     let tenant = Arc::new(TenantContext::new(
         TenantId(1),
@@ -394,12 +376,7 @@ fn r8_synchronize_racing_release_pushes_a_dead_context() {
         });
         (vec![syncing, releasing], check as Box<dyn FnOnce()>)
     });
-    let n = bad.load(AO::Relaxed);
-    std::eprintln!(
-        "R8: {n} of {runs} schedules bad; e.g. {}",
-        worst.lock().unwrap()
-    );
-    assert_eq!(n, 0);
+    assert_no_bad_schedule("R8", runs, &bad, &worst);
 }
 
 /// R9: a pool block remembers its stream by raw handle only. Its stream is released, the driver
@@ -615,12 +592,7 @@ fn s2_release_returns_before_waiting_when_a_teardown_uses_the_stream() {
         });
         (vec![dropping, releasing], check as Box<dyn FnOnce()>)
     });
-    let n = bad.load(AO::Relaxed);
-    std::eprintln!(
-        "S2: {n} of {runs} schedules bad; e.g. {}",
-        worst.lock().unwrap()
-    );
-    assert_eq!(n, 0);
+    assert_no_bad_schedule("S2", runs, &bad, &worst);
 }
 
 /// S3: `TenantDevicePool::drop` keeps *every* refused block's charge when `destroy_pool` fails,
@@ -751,12 +723,7 @@ fn s4_an_allocation_finishing_into_a_retired_pool_is_returned_already_freed() {
         });
         (vec![allocating, destroying], check as Box<dyn FnOnce()>)
     });
-    let n = bad.load(AO::Relaxed);
-    std::eprintln!(
-        "S4: {n} of {runs} schedules bad; e.g. {}",
-        worst.lock().unwrap()
-    );
-    assert_eq!(n, 0);
+    assert_no_bad_schedule("S4", runs, &bad, &worst);
 }
 
 /// What holds (H1): three threads on one context-isolated stream `s` (a synchronize on a copy,
