@@ -14,7 +14,12 @@
 //! - empty ranges accepted without a driver call;
 //! - device memory pools ([`DevicePools`]) on the driver's optional pool calls (drivers without
 //!   them answer `Unsupported`), with their allocations tracked;
-//! - counters, and everything still alive at drop given back to the driver.
+//! - counters, and everything still alive at drop given back to the driver;
+//! - safety under threads and failures: tenants keyed by [`TenantKey`], each driver call on a
+//!   stream or pool holding a counted use of its record (a release never tears one down under a
+//!   call), records out of the table before the driver frees, contexts pushed and popped in
+//!   pairs, and every release the driver refuses kept, counted and retried at drop (see
+//!   `docs/BACKENDS.md` and the submodules `streams` and `device_pools`).
 
 use alloc::vec::Vec;
 use core::fmt;
@@ -410,7 +415,7 @@ fn with_context<D: DriverApi, T>(
     (result, popped)
 }
 
-/// The three backend traits and [`DevicePools`] on a [`DriverApi`]. See the
+/// The three backend traits and [`DevicePools`](crate::DevicePools) on a [`DriverApi`]. See the
 /// [module docs](self).
 ///
 /// Streams are made on device 0 (the trait's `acquire_stream` names no device).
