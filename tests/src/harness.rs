@@ -90,6 +90,22 @@ pub trait Harness: 'static {
     /// Pops the calling thread's context stack.
     fn pop_context(_backend: &Self::Backend) {}
 
+    /// `true` on a real GPU driver, where a context costs tens of milliseconds: the thread
+    /// cases then run fewer rounds (see [`rounds`](Self::rounds)).
+    fn real_driver() -> bool {
+        false
+    }
+
+    /// How many rounds a thread case runs: `full` on the mock and the simulated driver, a
+    /// fiftieth (at least 20) on a real GPU, so the GPU kit stays inside its time budget.
+    fn rounds(full: usize) -> usize {
+        if Self::real_driver() {
+            (full / 50).max(20)
+        } else {
+            full
+        }
+    }
+
     /// What the driver below still holds (allocations, streams, contexts, pools) once every
     /// backend has dropped, where it can be inspected.
     fn driver_holds() -> Option<[u64; 4]> {
@@ -356,6 +372,10 @@ macro_rules! driver_harness {
                 if let Some(sim) = $crate::sim::Sim::get() {
                     sim.pop_context();
                 }
+            }
+
+            fn real_driver() -> bool {
+                $crate::sim::Sim::get().is_none()
             }
 
             fn driver_holds() -> Option<[u64; 4]> {

@@ -42,9 +42,9 @@ fn drop_and_check_driver<H: Harness>(b: Arc<H::Backend>) {
 /// fix both threads created a context and one overwrote the other: up to 21 rounds in 1,500 on
 /// the simulated driver ended with two contexts, the overwritten one never destroyed.)
 pub fn context_first_stream_race_gives_one_context<H: Harness>() {
-    const ROUNDS: usize = 1500;
+    let rounds = H::rounds(1500);
     let b = H::backend();
-    let tenants: Vec<TenantKey> = (0..ROUNDS)
+    let tenants: Vec<TenantKey> = (0..rounds)
         .map(|i| TenantKey::fresh(TenantId(i as u64)))
         .collect();
     let start = Barrier::new(2);
@@ -52,8 +52,8 @@ pub fn context_first_stream_race_gives_one_context<H: Harness>() {
         let workers: Vec<_> = (0..2)
             .map(|_| {
                 s.spawn(|| {
-                    let mut seen = Vec::with_capacity(ROUNDS);
-                    let mut streams = Vec::with_capacity(ROUNDS);
+                    let mut seen = Vec::with_capacity(rounds);
+                    let mut streams = Vec::with_capacity(rounds);
                     for &tenant in &tenants {
                         start.wait();
                         let stream = b
@@ -77,7 +77,7 @@ pub fn context_first_stream_race_gives_one_context<H: Harness>() {
             .map(|w| w.join().expect("worker"))
             .collect()
     });
-    let split = (0..ROUNDS)
+    let split = (0..rounds)
         .filter(|&i| contexts[0][i] != contexts[1][i])
         .count();
     assert_eq!(split, 0, "rounds in which one tenant got two contexts");
@@ -92,14 +92,14 @@ pub fn context_first_stream_race_gives_one_context<H: Harness>() {
 /// and no context or stream is left. (Before the fix: 147-3,511 streams inside destroyed
 /// contexts, a subtraction overflow on the stream count, 48-3,002 leaked contexts.)
 pub fn context_storm_keeps_every_stream_usable<H: Harness>() {
-    const CYCLES: usize = 5000;
+    let cycles = H::rounds(5000);
     let b = H::backend();
     let tenant = TenantKey::fresh(TenantId(1));
     let unusable = AtomicU64::new(0);
     thread::scope(|s| {
         for _ in 0..2 {
             s.spawn(|| {
-                for _ in 0..CYCLES {
+                for _ in 0..cycles {
                     let stream = b
                         .acquire_stream(tenant, IsolationLevel::ContextIsolated)
                         .expect("stream");
@@ -229,7 +229,7 @@ pub fn device_pool_cap_holds_when_a_free_returns_late<H: Harness>() {
 /// Three threads allocate and free one block at a time from a pool capped at two blocks: at no
 /// moment do three blocks live.
 pub fn device_pool_cap_holds_under_contention<H: Harness>() {
-    const CYCLES: usize = 3000;
+    let cycles = H::rounds(3000);
     let b = H::backend();
     let tenant = Arc::new(TenantContext::new(
         TenantId(1),
@@ -245,7 +245,7 @@ pub fn device_pool_cap_holds_under_contention<H: Harness>() {
     thread::scope(|s| {
         for _ in 0..3 {
             s.spawn(|| {
-                for _ in 0..CYCLES {
+                for _ in 0..cycles {
                     let Ok(block) = pool.allocate(BLOCK, &stream) else {
                         continue;
                     };
@@ -390,7 +390,7 @@ pub fn context_stack_is_left_as_it_was<H: Harness>() {
         u64::MAX,
         IsolationLevel::ContextIsolated,
     ));
-    for _ in 0..100 {
+    for _ in 0..H::rounds(100) {
         for level in [
             IsolationLevel::StreamIsolated,
             IsolationLevel::ContextIsolated,

@@ -26,7 +26,7 @@ const GUEST: &str = r#"(module
 
 #[test]
 fn context_isolated_stores_on_two_threads_prefetch_and_leave_nothing() {
-    const STORES: usize = 1500;
+    let stores = CudarcHarness::rounds(1500);
     let backend = CudarcHarness::backend();
     let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
         .build()
@@ -40,7 +40,7 @@ fn context_isolated_stores_on_two_threads_prefetch_and_leave_nothing() {
     std::thread::scope(|s| {
         for _ in 0..2 {
             s.spawn(|| {
-                for _ in 0..STORES {
+                for _ in 0..stores {
                     let mut store = new_store(
                         &engine,
                         TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()),
