@@ -150,7 +150,7 @@ impl<D: DriverApi> DriverBackend<D> {
                     let record = state.streams.remove(&raw);
                     drop(state);
                     return match record {
-                        Some(record) => self.destroy_stream(raw, record, false),
+                        Some(record) => self.destroy_stream(raw, record),
                         None => Ok(()),
                     };
                 }
@@ -162,26 +162,11 @@ impl<D: DriverApi> DriverBackend<D> {
         }
     }
 
-    /// Waits for a stream no one uses any more (its record already out of the table), destroys
-    /// it, and leaves its tenant's context if it was context-isolated. If the driver refuses
-    /// the destroy, the record goes back, retired, counted and retried at drop.
-    pub(super) fn destroy_stream(
-        &self,
-        raw: u64,
-        record: StreamRecord,
-        wait: bool,
-    ) -> Result<(), D::Error> {
-        // Waited for first: work queued on the stream is done before the stream is gone, so
-        // whatever is torn down after (a pool block freed on the default stream, a slot scrubbed
-        // for the next tenant) is ordered after it.
-        let mut waited = Ok(());
-        let destroyed = self.in_context(record.context, |d| {
-            if wait {
-                waited = d.synchronize(raw);
-            }
-            d.stream_destroy(raw)
-        });
-        if let Err(e) = destroyed {
+    /// Destroys a stream that was waited for and that no one uses any more (its record already
+    /// out of the table), and leaves its tenant's context if it was context-isolated. If the
+    /// driver refuses the destroy, the record goes back, retired, counted and retried at drop.
+    fn destroy_stream(&self, raw: u64, record: StreamRecord) -> Result<(), D::Error> {
+        if let Err(e) = self.in_context(record.context, |d| d.stream_destroy(raw)) {
             let mut state = self.state.lock();
             state.streams.insert(
                 raw,
@@ -198,7 +183,7 @@ impl<D: DriverApi> DriverBackend<D> {
         if record.level == IsolationLevel::ContextIsolated {
             self.leave_tenant_context(record.tenant)?;
         }
-        waited
+        Ok(())
     }
 
     /// Joins `tenant`'s context on `device`, making it if the tenant has none: one more user
