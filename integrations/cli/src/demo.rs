@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use tensor_wasm_mem_core::{
-    DEFAULT_STREAM, DeviceId, DevicePoolConfig, DeviceSlice, ErrorKind, IsolationLevel, PoolConfig,
-    SizeClass, Stream, TenantDevicePool,
+    DEFAULT_STREAM, DeviceId, DevicePoolConfig, ErrorKind, IsolationLevel, PoolConfig, SizeClass,
+    Stream, TenantDevicePool,
 };
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
 use tensor_wasm_mem_wasmtime::{
@@ -58,11 +58,12 @@ pub struct DemoArgs {
 
 /// The kernel: halves every byte of the slice; returns the sum of the bytes it wrote.
 /// On the mock the device is the CPU, so it runs here, on the guest's bytes addressed through the
-/// device pointer; on a GPU backend the same `DeviceSlice` would be a kernel launch argument.
-fn kernel(guest_bytes: &mut [u8], base_device_ptr: u64, slice: DeviceSlice) -> u32 {
-    let start = usize::try_from(slice.device_ptr - base_device_ptr).unwrap_or(usize::MAX);
+/// device pointer; on a GPU backend the same device pointer and length would be kernel launch
+/// arguments.
+fn kernel(guest_bytes: &mut [u8], base_device_ptr: u64, device_ptr: u64, len: usize) -> u32 {
+    let start = usize::try_from(device_ptr - base_device_ptr).unwrap_or(usize::MAX);
     let bytes = guest_bytes
-        .get_mut(start..start.saturating_add(slice.len))
+        .get_mut(start..start.saturating_add(len))
         .unwrap_or_default();
     let mut sum = 0u32;
     for b in bytes.iter_mut() {
@@ -156,11 +157,14 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
                 .get_memory(&mut store, "memory")
                 .ok_or_else(|| Failure::Other("no memory export".into()))?;
             let len = memory.data_size(&store) as u64;
+            // The slice borrows the Store: its raw launch arguments are taken before the
+            // "kernel" needs the Store's memory mutably.
             let slice = creator
                 .resolve(&store, &memory, 0, len)
                 .map_err(|e| other(&e))?;
+            let (device_ptr, device_len) = (slice.device_ptr(), slice.len());
             let base = memory.data_ptr(&store) as u64;
-            let written = kernel(memory.data_mut(&mut store), base, slice);
+            let written = kernel(memory.data_mut(&mut store), base, device_ptr, device_len);
             let after = checksum.call(&mut store, ()).map_err(|e| other(&e))?;
             // The guest must see exactly the bytes the kernel wrote.
             let ok = after as u32 == written && after != before;

@@ -66,15 +66,16 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         );
 
         // The "kernel": doubles the first 1 KiB in place through the resolved device slice.
+        // The slice borrows the Store: a kernel launch takes its raw pointer and length, and
+        // the Store is free again for the guest once the kernel is done.
         let slice = creator.resolve(&store, &memory, 0, 1024)?;
-        let mut data = vec![0u8; slice.len];
+        let (device_ptr, len) = (slice.device_ptr(), slice.len());
+        let mut data = vec![0u8; len];
         memory.read(&store, 0, &mut data)?;
         data.iter_mut().for_each(|b| *b *= 2);
         memory.write(&mut store, 0, &data)?;
         println!(
-            "  kernel at device pointer {:#x} ({} bytes); guest sum of the first KiB = {}",
-            slice.device_ptr,
-            slice.len,
+            "  kernel at device pointer {device_ptr:#x} ({len} bytes); guest sum of the first KiB = {}",
             sum.call(&mut store, 1024)?
         );
     }

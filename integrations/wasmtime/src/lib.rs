@@ -22,7 +22,9 @@ pub use guest::{
     TWM_ERR_OUT_OF_RANGE, TWM_ERR_OVERFLOW, TWM_ERR_UNKNOWN_ADVICE, TWM_ERR_UNKNOWN_DEVICE, TWM_OK,
     TenantStore, add_to_linker,
 };
-pub use memory::{CreatorBuilder, CreatorStats, TensorWasmLinearMemory, TensorWasmMemoryCreator};
+pub use memory::{
+    CreatorBuilder, CreatorStats, GuestSlice, TensorWasmLinearMemory, TensorWasmMemoryCreator,
+};
 pub use tenancy::{
     ChargeMode, HasTenantLimiter, LimiterStats, Tenant, TenantLimiter, TenantStats, instantiate,
     new_store,

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
@@ -34,6 +35,36 @@ impl MemoryView {
 }
 
 /// What one live memory shares with the registry (for resolution and host calls).
+/// A checked device range of a guest's memory, as [`TensorWasmMemoryCreator::resolve`] returns
+/// it: borrowed from the Store for `'s`, so it cannot outlive the Store (and the memory) it came
+/// from, nor be held across a call into the guest. The raw values a kernel launch needs are
+/// [`device_ptr`](Self::device_ptr) and [`len`](Self::len).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GuestSlice<'s> {
+    slice: DeviceSlice,
+    _store: PhantomData<&'s ()>,
+}
+
+impl GuestSlice<'_> {
+    /// The device address of the first byte.
+    #[must_use]
+    pub const fn device_ptr(&self) -> u64 {
+        self.slice.device_ptr
+    }
+
+    /// The length in bytes.
+    #[must_use]
+    pub const fn len(&self) -> usize {
+        self.slice.len
+    }
+
+    /// `true` for an empty range.
+    #[must_use]
+    pub const fn is_empty(&self) -> bool {
+        self.slice.len == 0
+    }
+}
+
 struct MemoryShared<B: Backend> {
     buffer: RwLock<UnifiedBuffer<Arc<B>>>,
 }
@@ -163,7 +194,7 @@ impl<B: Backend> CreatorBuilder<B> {
 /// let instance = wasmtime::Instance::new(&mut store, &module, &[])?;
 /// let memory = instance.get_memory(&mut store, "memory").unwrap();
 /// let slice = creator.resolve(&store, &memory, 16, 64)?; // a checked device pointer
-/// assert_eq!(slice.len, 64);
+/// assert_eq!(slice.len(), 64);
 /// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
 /// ```
 pub struct TensorWasmMemoryCreator<B: Backend> {
@@ -272,14 +303,23 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// creator, its backing is device-accessible, and `offset..offset + len` lies inside the
     /// memory's current size without overflow. Any other memory (from `Memory::new`,
     /// `SharedMemory`, the pooling allocator, another creator) is refused.
-    pub fn resolve(
+    ///
+    /// The slice borrows the Store: it cannot be kept past the Store (whose memories then go,
+    /// and whose pool slots go to the next tenant), nor across a call into the guest (which
+    /// needs the Store mutably, and may grow or write the memory). Keeping it does not compile
+    /// (`tests/ui/slice_outlives_store.rs`).
+    pub fn resolve<'s, S: AsContext>(
         &self,
-        store: impl AsContext,
+        store: &'s S,
         memory: &Memory,
         offset: u64,
         len: u64,
-    ) -> Result<DeviceSlice, TwmError> {
-        self.resolve_at(MemoryView::of(store, memory), offset, len)
+    ) -> Result<GuestSlice<'s>, TwmError> {
+        let slice = self.resolve_at(MemoryView::of(store, memory), offset, len)?;
+        Ok(GuestSlice {
+            slice,
+            _store: PhantomData,
+        })
     }
 
     pub(crate) fn resolve_at(

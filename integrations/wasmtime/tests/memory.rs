@@ -379,8 +379,8 @@ fn memories_that_bypass_the_creator_are_never_device_visible() {
     let instance = Instance::new(&mut store, &module, &[]).unwrap();
     let ours = instance.get_memory(&mut store, "memory").unwrap();
     let slice = creator.resolve(&store, &ours, 8, 16).unwrap();
-    assert_eq!(slice.device_ptr, ours.data_ptr(&store) as u64 + 8);
-    assert_eq!(slice.len, 16);
+    assert_eq!(slice.device_ptr(), ours.data_ptr(&store) as u64 + 8);
+    assert_eq!(slice.len(), 16);
     assert!(creator.resolve(&store, &ours, PAGE as u64, 0).is_ok());
     assert!(matches!(
         creator.resolve(&store, &ours, PAGE as u64, 1),

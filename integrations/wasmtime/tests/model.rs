@@ -79,8 +79,8 @@ proptest! {
                     match creator.resolve(&store, &memory, offset, len) {
                         Ok(slice) => {
                             prop_assert!(inside, "resolved {}+{} outside {}", offset, len, size);
-                            prop_assert_eq!(slice.device_ptr, base + offset);
-                            prop_assert_eq!(slice.len as u64, len);
+                            prop_assert_eq!(slice.device_ptr(), base + offset);
+                            prop_assert_eq!(slice.len() as u64, len);
                         }
                         Err(TwmError::GuestRange(_)) => prop_assert!(!inside),
                         Err(other) => prop_assert!(false, "unexpected error {}", other),

@@ -189,7 +189,8 @@ fn zero_copy(
         "zero-copy: resolve",
         format!(
             "device pointer {:#x}, {} bytes",
-            slice.device_ptr, slice.len
+            slice.device_ptr(),
+            slice.len()
         ),
     );
     if simulated {
@@ -203,8 +204,8 @@ fn zero_copy(
     )
     .map_err(|e| e.to_string())?;
     launch_increment(
-        slice.device_ptr,
-        slice.len as u64,
+        slice.device_ptr(),
+        slice.len() as u64,
         lease.stream().raw(),
         lease.stream().context(),
     )?;
