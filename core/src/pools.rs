@@ -457,18 +457,26 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_ledger_is_the_ceiling_and_drop_gives_everything_back() {
-        let backend = Counting::default();
+    /// A tenant with a cap of 100 bytes, its shared stream, and its pool on `backend`.
+    fn tenant_pool(
+        backend: &Counting,
+    ) -> (Arc<TenantContext>, Stream, TenantDevicePool<&Counting>) {
         let tenant = Arc::new(TenantContext::new(TenantId(4), 100, IsolationLevel::Shared));
         let stream = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
         let pool = TenantDevicePool::new(
-            &backend,
+            backend,
             Arc::clone(&tenant),
             DeviceId(0),
             &DevicePoolConfig::default(),
         )
         .unwrap();
+        (tenant, stream, pool)
+    }
+
+    #[test]
+    fn the_ledger_is_the_ceiling_and_drop_gives_everything_back() {
+        let backend = Counting::default();
+        let (tenant, stream, pool) = tenant_pool(&backend);
         let a = pool.allocate(60, &stream).unwrap();
         let err = pool.allocate(41, &stream).unwrap_err();
         assert!(matches!(err, Error::Denied(_)));
@@ -499,15 +507,7 @@ mod tests {
     #[test]
     fn a_refused_destroy_keeps_the_tenant_charged() {
         let backend = Counting::default();
-        let tenant = Arc::new(TenantContext::new(TenantId(4), 100, IsolationLevel::Shared));
-        let stream = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
-        let pool = TenantDevicePool::new(
-            &backend,
-            Arc::clone(&tenant),
-            DeviceId(0),
-            &DevicePoolConfig::default(),
-        )
-        .unwrap();
+        let (tenant, stream, pool) = tenant_pool(&backend);
         let _a = pool.allocate(60, &stream).unwrap();
         let err = pool
             .free(PoolAllocation::new(0xbad, 60), &stream)
