@@ -1,4 +1,14 @@
-//! Tenants and their byte ledgers: a hard cap, reserved atomically, given back on drop.
+//! Tenants and their ledgers: hard budgets, reserved atomically, given back on drop.
+//!
+//! A tenant has three budgets, all hard and all checked before anything is allocated:
+//!
+//! - [`Budget::Touched`] (the *cap*): bytes its guests can read and write (linear memory up to
+//!   its current size, device pool buffers);
+//! - [`Budget::Held`]: capacity its objects occupy whether touched or not (a memory's whole
+//!   allocation or pool slot, table elements, device pool buffers);
+//! - [`Budget::Memories`]: linear memories alive at once, across all its Stores.
+//!
+//! [`TenantBudgets::for_cap`] gives the defaults that follow from a cap.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -18,6 +28,7 @@ use core::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::ErrorKind;
 use crate::isolation::IsolationLevel;
+use crate::plan::DEFAULT_MAX_BYTES;
 
 /// Identifies a tenant to people: the embedder's number, used in messages, spans and metrics.
 ///
@@ -83,17 +94,119 @@ impl fmt::Display for TenantId {
     }
 }
 
-/// A tenant's cap said no: granting the request would have taken it past its cap.
+/// One of a tenant's budgets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Budget {
+    /// Bytes its guests can touch (the cap).
+    Touched,
+    /// Bytes of capacity its objects occupy.
+    Held,
+    /// Linear memories alive at once.
+    Memories,
+}
+
+impl Budget {
+    /// The name used in messages, spans and metrics: `touched`, `held` or `memories`.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Touched => "touched",
+            Self::Held => "held",
+            Self::Memories => "memories",
+        }
+    }
+
+    /// What the budget counts: `bytes` or `memories`.
+    #[must_use]
+    pub const fn unit(self) -> &'static str {
+        match self {
+            Self::Touched | Self::Held => "bytes",
+            Self::Memories => "memories",
+        }
+    }
+}
+
+impl fmt::Display for Budget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A tenant's limits, one per [`Budget`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TenantBudgets {
+    /// Bytes its guests can touch (the cap).
+    pub touched_bytes: u64,
+    /// Bytes of capacity its objects may occupy.
+    pub held_bytes: u64,
+    /// Linear memories it may have alive at once.
+    pub memories: u64,
+}
+
+impl TenantBudgets {
+    /// The default held budget is this many times the cap ...
+    pub const HELD_PER_TOUCHED: u64 = 4;
+    /// ... and never less than one memory of the default size.
+    pub const MIN_HELD_BYTES: u64 = DEFAULT_MAX_BYTES;
+    /// The default number of live memories.
+    pub const DEFAULT_MEMORIES: u64 = 1024;
+
+    /// The defaults for a cap of `touched_bytes`: a held budget of
+    /// [`HELD_PER_TOUCHED`](Self::HELD_PER_TOUCHED) times the cap, at least
+    /// [`MIN_HELD_BYTES`](Self::MIN_HELD_BYTES), and
+    /// [`DEFAULT_MEMORIES`](Self::DEFAULT_MEMORIES) live memories.
+    #[must_use]
+    pub const fn for_cap(touched_bytes: u64) -> Self {
+        let held = touched_bytes.saturating_mul(Self::HELD_PER_TOUCHED);
+        Self {
+            touched_bytes,
+            held_bytes: if held > Self::MIN_HELD_BYTES {
+                held
+            } else {
+                Self::MIN_HELD_BYTES
+            },
+            memories: Self::DEFAULT_MEMORIES,
+        }
+    }
+
+    /// No limit on anything.
+    #[must_use]
+    pub const fn unlimited() -> Self {
+        Self {
+            touched_bytes: u64::MAX,
+            held_bytes: u64::MAX,
+            memories: u64::MAX,
+        }
+    }
+
+    /// The limit of `budget`.
+    #[must_use]
+    pub const fn limit(&self, budget: Budget) -> u64 {
+        match budget {
+            Budget::Touched => self.touched_bytes,
+            Budget::Held => self.held_bytes,
+            Budget::Memories => self.memories,
+        }
+    }
+}
+
+/// A tenant's budget said no: granting the request would have taken it past the limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{tenant} denied {requested} bytes: {live} of its cap of {cap} bytes are already reserved")]
+#[error(
+    "{tenant} denied {requested} {unit} by its {budget} budget: {live} of its limit of {cap} {unit} \
+     are already reserved",
+    unit = .budget.unit()
+)]
 pub struct Denied {
     /// The tenant.
     pub tenant: TenantId,
-    /// Its cap in bytes.
+    /// The budget that refused.
+    pub budget: Budget,
+    /// Its limit (bytes, or memories for [`Budget::Memories`]).
     pub cap: u64,
-    /// Bytes it held when the request was refused.
+    /// What it held when the request was refused.
     pub live: u64,
-    /// Bytes requested.
+    /// What was requested.
     pub requested: u64,
 }
 
@@ -105,15 +218,83 @@ impl Denied {
     }
 }
 
-/// What a reservation pays for. Every purpose counts against the one cap; the figures are kept
-/// apart for reports.
+/// What a reservation pays for, and so which budgets it counts against.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Purpose {
-    /// Wasm linear memory.
+    /// Wasm linear memory the guest can touch: the touched budget.
     #[default]
     LinearMemory,
-    /// Device-only buffers from the tenant's device memory pools.
+    /// Device-only buffers from the tenant's device memory pools: the touched and the held
+    /// budgets (a pool buffer is both usable and occupied).
     DevicePool,
+    /// Capacity occupied (a memory's allocation or slot, table elements): the held budget.
+    Held,
+    /// Live linear memories, counted one each: the memories budget.
+    Memory,
+}
+
+impl Purpose {
+    const fn charges(self, budget: Budget) -> bool {
+        matches!(
+            (self, budget),
+            (Self::LinearMemory | Self::DevicePool, Budget::Touched)
+                | (Self::DevicePool | Self::Held, Budget::Held)
+                | (Self::Memory, Budget::Memories)
+        )
+    }
+}
+
+/// One budget's counters.
+#[derive(Debug)]
+struct Meter {
+    limit: u64,
+    live: AtomicU64,
+    peak: AtomicU64,
+    denials: AtomicU64,
+}
+
+impl Meter {
+    const fn new(limit: u64) -> Self {
+        Self {
+            limit,
+            live: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+            denials: AtomicU64::new(0),
+        }
+    }
+
+    /// Adds `amount` if that keeps the total within the limit; else the total it had.
+    fn charge(&self, amount: u64) -> Result<(), u64> {
+        let limit = self.limit;
+        match self
+            .live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| {
+                live.checked_add(amount).filter(|&total| total <= limit)
+            }) {
+            Ok(before) => {
+                // `before + amount` was checked in the closure.
+                self.peak.fetch_max(before + amount, Ordering::AcqRel);
+                Ok(())
+            }
+            Err(live) => {
+                self.denials.fetch_add(1, Ordering::Relaxed);
+                Err(live)
+            }
+        }
+    }
+
+    fn uncharge(&self, amount: u64) {
+        let before = self.live.fetch_sub(amount, Ordering::AcqRel);
+        debug_assert!(before >= amount, "ledger underflow");
+    }
+
+    fn live(&self) -> u64 {
+        self.live.load(Ordering::Acquire)
+    }
+
+    fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Acquire)
+    }
 }
 
 /// A snapshot of a tenant's ledger.
@@ -133,19 +314,37 @@ pub struct LedgerStats {
     pub denials: u64,
     /// Of `live_bytes`, the bytes held in device memory pools.
     pub device_pool_bytes: u64,
+    /// The held budget in bytes.
+    pub held_limit: u64,
+    /// Bytes of capacity held now.
+    pub held_bytes: u64,
+    /// The most bytes of capacity ever held at once.
+    pub held_peak_bytes: u64,
+    /// The memories budget.
+    pub memory_limit: u64,
+    /// Memories charged now.
+    pub live_memories: u64,
+    /// The most memories ever charged at once.
+    pub peak_memories: u64,
+    /// Of `denials`, those by the held budget.
+    pub held_denials: u64,
+    /// Of `denials`, those by the memories budget.
+    pub memory_denials: u64,
 }
 
-/// A tenant: an identity, a hard byte cap, an isolation level, and the ledger that enforces the
-/// cap.
+/// A tenant: an identity, hard budgets ([`TenantBudgets`]), an isolation level, and the ledger
+/// that enforces them.
 ///
-/// Reserving is lock-free and atomic: under any contention the live total never exceeds the cap.
+/// Reserving is lock-free and atomic: under any contention no budget's live total ever exceeds
+/// its limit. A reservation that counts against two budgets ([`Purpose::DevicePool`]) takes the
+/// first, then the second, and gives the first back if the second refuses.
 #[derive(Debug)]
 pub struct TenantContext {
     key: TenantKey,
-    cap: u64,
     isolation: IsolationLevel,
-    live: AtomicU64,
-    peak: AtomicU64,
+    touched: Meter,
+    held: Meter,
+    memories: Meter,
     live_reservations: AtomicU64,
     granted: AtomicU64,
     denials: AtomicU64,
@@ -153,16 +352,23 @@ pub struct TenantContext {
 }
 
 impl TenantContext {
-    /// A tenant with a cap of `cap_bytes` (`u64::MAX` for none) at `isolation`, with a fresh
+    /// A tenant with a cap of `cap_bytes` (`u64::MAX` for none) at `isolation`, the other
+    /// budgets at their defaults for that cap ([`TenantBudgets::for_cap`]), and a fresh
     /// [`TenantKey`].
     #[must_use]
     pub fn new(id: TenantId, cap_bytes: u64, isolation: IsolationLevel) -> Self {
+        Self::with_budgets(id, TenantBudgets::for_cap(cap_bytes), isolation)
+    }
+
+    /// A tenant with `budgets` at `isolation`, with a fresh [`TenantKey`].
+    #[must_use]
+    pub fn with_budgets(id: TenantId, budgets: TenantBudgets, isolation: IsolationLevel) -> Self {
         Self {
             key: TenantKey::fresh(id),
-            cap: cap_bytes,
             isolation,
-            live: AtomicU64::new(0),
-            peak: AtomicU64::new(0),
+            touched: Meter::new(budgets.touched_bytes),
+            held: Meter::new(budgets.held_bytes),
+            memories: Meter::new(budgets.memories),
             live_reservations: AtomicU64::new(0),
             granted: AtomicU64::new(0),
             denials: AtomicU64::new(0),
@@ -182,10 +388,20 @@ impl TenantContext {
         self.key
     }
 
-    /// The cap in bytes.
+    /// The cap (the touched budget) in bytes.
     #[must_use]
     pub const fn cap(&self) -> u64 {
-        self.cap
+        self.touched.limit
+    }
+
+    /// The budgets.
+    #[must_use]
+    pub const fn budgets(&self) -> TenantBudgets {
+        TenantBudgets {
+            touched_bytes: self.touched.limit,
+            held_bytes: self.held.limit,
+            memories: self.memories.limit,
+        }
     }
 
     /// The isolation level.
@@ -197,65 +413,83 @@ impl TenantContext {
     /// Bytes reserved now.
     #[must_use]
     pub fn live_bytes(&self) -> u64 {
-        self.live.load(Ordering::Acquire)
+        self.touched.live()
+    }
+
+    /// What `budget` has charged now.
+    #[must_use]
+    pub fn live(&self, budget: Budget) -> u64 {
+        self.meter(budget).live()
     }
 
     /// A snapshot of the ledger (each figure read atomically; the set is not one instant).
     #[must_use]
     pub fn stats(&self) -> LedgerStats {
         LedgerStats {
-            cap: self.cap,
-            live_bytes: self.live.load(Ordering::Acquire),
-            peak_bytes: self.peak.load(Ordering::Acquire),
+            cap: self.touched.limit,
+            live_bytes: self.touched.live(),
+            peak_bytes: self.touched.peak(),
             live_reservations: self.live_reservations.load(Ordering::Acquire),
             granted: self.granted.load(Ordering::Relaxed),
             denials: self.denials.load(Ordering::Relaxed),
             device_pool_bytes: self.device_pool.load(Ordering::Acquire),
+            held_limit: self.held.limit,
+            held_bytes: self.held.live(),
+            held_peak_bytes: self.held.peak(),
+            memory_limit: self.memories.limit,
+            live_memories: self.memories.live(),
+            peak_memories: self.memories.peak(),
+            held_denials: self.held.denials.load(Ordering::Relaxed),
+            memory_denials: self.memories.denials.load(Ordering::Relaxed),
         }
     }
 
-    fn purpose_counter(&self, purpose: Purpose) -> Option<&AtomicU64> {
-        match purpose {
-            Purpose::LinearMemory => None,
-            Purpose::DevicePool => Some(&self.device_pool),
+    const fn meter(&self, budget: Budget) -> &Meter {
+        match budget {
+            Budget::Touched => &self.touched,
+            Budget::Held => &self.held,
+            Budget::Memories => &self.memories,
         }
     }
 
-    /// Adds `bytes` to the live total if that keeps it within the cap.
-    fn charge(&self, bytes: u64, purpose: Purpose) -> Result<(), Denied> {
-        let cap = self.cap;
-        match self
-            .live
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| {
-                live.checked_add(bytes).filter(|&total| total <= cap)
-            }) {
-            Ok(before) => {
-                // `before + bytes` was checked in the closure.
-                self.peak.fetch_max(before + bytes, Ordering::AcqRel);
-                if let Some(counter) = self.purpose_counter(purpose) {
-                    counter.fetch_add(bytes, Ordering::AcqRel);
+    /// Adds `amount` to every budget `purpose` counts against, if each stays within its limit;
+    /// else nothing is charged and the first budget that refused is named.
+    fn charge(&self, amount: u64, purpose: Purpose) -> Result<(), Denied> {
+        const ORDER: [Budget; 3] = [Budget::Touched, Budget::Held, Budget::Memories];
+        for (i, &budget) in ORDER.iter().enumerate() {
+            if !purpose.charges(budget) {
+                continue;
+            }
+            if let Err(live) = self.meter(budget).charge(amount) {
+                for &taken in ORDER[..i].iter().filter(|&&b| purpose.charges(b)) {
+                    self.meter(taken).uncharge(amount);
                 }
-                self.granted.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(live) => {
                 self.denials.fetch_add(1, Ordering::Relaxed);
-                Err(Denied {
+                return Err(Denied {
                     tenant: self.key.id,
-                    cap,
+                    budget,
+                    cap: self.meter(budget).limit,
                     live,
-                    requested: bytes,
-                })
+                    requested: amount,
+                });
             }
         }
+        if purpose == Purpose::DevicePool {
+            self.device_pool.fetch_add(amount, Ordering::AcqRel);
+        }
+        self.granted.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
-    fn uncharge(&self, bytes: u64, purpose: Purpose) {
-        if let Some(counter) = self.purpose_counter(purpose) {
-            counter.fetch_sub(bytes, Ordering::AcqRel);
+    fn uncharge(&self, amount: u64, purpose: Purpose) {
+        if purpose == Purpose::DevicePool {
+            self.device_pool.fetch_sub(amount, Ordering::AcqRel);
         }
-        let before = self.live.fetch_sub(bytes, Ordering::AcqRel);
-        debug_assert!(before >= bytes, "ledger underflow");
+        for budget in [Budget::Touched, Budget::Held, Budget::Memories] {
+            if purpose.charges(budget) {
+                self.meter(budget).uncharge(amount);
+            }
+        }
     }
 
     /// Reserves `bytes` of linear memory against the cap, or says no. The bytes come back when
@@ -264,7 +498,8 @@ impl TenantContext {
         self.try_reserve_for(bytes, Purpose::LinearMemory)
     }
 
-    /// Reserves `bytes` for `purpose` against the same cap.
+    /// Reserves `bytes` for `purpose` against the budgets it counts against (for
+    /// [`Purpose::Memory`], `bytes` is a number of memories).
     pub fn try_reserve_for(
         self: &Arc<Self>,
         bytes: u64,
@@ -363,6 +598,7 @@ mod tests {
             err,
             Denied {
                 tenant: TenantId(7),
+                budget: Budget::Touched,
                 cap: 100,
                 live: 100,
                 requested: 1
@@ -436,6 +672,66 @@ mod tests {
         drop(memory);
         let s = t.stats();
         assert_eq!((s.live_bytes, s.device_pool_bytes), (0, 0));
+    }
+
+    #[test]
+    fn each_budget_is_hard_and_named_when_it_refuses() {
+        let budgets = TenantBudgets {
+            touched_bytes: 100,
+            held_bytes: 1000,
+            memories: 2,
+        };
+        let t = Arc::new(TenantContext::with_budgets(
+            TenantId(3),
+            budgets,
+            IsolationLevel::Shared,
+        ));
+        assert_eq!(t.budgets(), budgets);
+        let held = t.try_reserve_for(901, Purpose::Held).unwrap();
+        assert_eq!(t.live_bytes(), 0, "held capacity is not touched");
+        let denied = t.try_reserve_for(101, Purpose::Held).unwrap_err();
+        assert_eq!(
+            (denied.budget, denied.cap, denied.live, denied.requested),
+            (Budget::Held, 1000, 901, 101)
+        );
+        assert!(denied.to_string().contains("held budget"), "{denied}");
+        // A pool buffer counts against both: refused by the held budget, nothing is charged.
+        let denied = t.try_reserve_for(101, Purpose::DevicePool).unwrap_err();
+        assert_eq!(denied.budget, Budget::Touched, "the first budget to refuse");
+        let denied = t.try_reserve_for(100, Purpose::DevicePool).unwrap_err();
+        assert_eq!(denied.budget, Budget::Held);
+        assert_eq!((t.live(Budget::Touched), t.live(Budget::Held)), (0, 901));
+        let pool = t.try_reserve_for(50, Purpose::DevicePool).unwrap();
+        assert_eq!((t.live(Budget::Touched), t.live(Budget::Held)), (50, 951));
+        let a = t.try_reserve_for(1, Purpose::Memory).unwrap();
+        let b = t.try_reserve_for(1, Purpose::Memory).unwrap();
+        let denied = t.try_reserve_for(1, Purpose::Memory).unwrap_err();
+        assert_eq!((denied.budget, denied.cap), (Budget::Memories, 2));
+        assert!(denied.to_string().contains("1 memories"), "{denied}");
+        let s = t.stats();
+        assert_eq!(
+            (
+                s.held_bytes,
+                s.live_memories,
+                s.held_denials,
+                s.memory_denials,
+                s.denials
+            ),
+            (951, 2, 2, 1, 4)
+        );
+        drop((held, pool, a, b));
+        let s = t.stats();
+        assert_eq!((s.live_bytes, s.held_bytes, s.live_memories), (0, 0, 0));
+        assert_eq!((s.held_peak_bytes, s.peak_memories), (951, 2));
+    }
+
+    #[test]
+    fn default_budgets_follow_the_cap() {
+        let zero = TenantBudgets::for_cap(0);
+        assert_eq!(zero.held_bytes, TenantBudgets::MIN_HELD_BYTES);
+        assert_eq!(TenantBudgets::for_cap(1 << 30).held_bytes, 4 << 30);
+        assert_eq!(TenantBudgets::for_cap(u64::MAX).held_bytes, u64::MAX);
+        assert_eq!(zero.memories, TenantBudgets::DEFAULT_MEMORIES);
     }
 
     #[test]

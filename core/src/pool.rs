@@ -311,6 +311,13 @@ impl<A: ManagedAllocator> SlotPool<A> {
         }
     }
 
+    /// The size of the smallest slot class that can hold `capacity` bytes (what a memory of that
+    /// capacity occupies when the class has a free slot), or `None` if none can.
+    #[must_use]
+    pub fn slot_size_for(&self, capacity: usize) -> Option<usize> {
+        self.sizes.iter().copied().find(|&size| size >= capacity)
+    }
+
     /// Hands out a slot that can hold `capacity` bytes (the smallest free one that fits), as a
     /// [`UnifiedBuffer`] whose first `visible` bytes are visible, all zero.
     pub fn acquire(

@@ -13,9 +13,15 @@ pub fn tenant_json(s: &TenantStats) -> Value {
         "cap_bytes": s.cap,
         "live_bytes": s.live_bytes,
         "peak_bytes": s.peak_bytes,
+        "held_limit_bytes": s.held_limit,
+        "held_bytes": s.held_bytes,
+        "held_peak_bytes": s.held_peak_bytes,
+        "memory_limit": s.memory_limit,
         "live_memories": s.live_memories,
         "memories_created": s.memories_created,
         "denials": s.denials,
+        "held_denials": s.held_denials,
+        "memory_denials": s.memory_denials,
         "device_pool_bytes": s.device_pool_bytes,
     })
 }
@@ -46,21 +52,35 @@ pub fn stats_table<B: Backend>(
     creator: &TensorWasmMemoryCreator<B>,
 ) -> String {
     let mut out = format!(
-        "{:<10} {:<17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
-        "tenant", "isolation", "cap", "live", "peak", "in pools", "memories", "denials"
+        "{:<10} {:<17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
+        "tenant",
+        "isolation",
+        "cap",
+        "live",
+        "peak",
+        "held max",
+        "held peak",
+        "in pools",
+        "memories",
+        "denials"
     );
+    let limit = |bytes: u64| {
+        if bytes == u64::MAX {
+            "none".to_string()
+        } else {
+            format_bytes(bytes)
+        }
+    };
     for s in tenants {
         out += &format!(
-            "{:<10} {:<17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
+            "{:<10} {:<17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
             s.name,
             s.isolation.name(),
-            if s.cap == u64::MAX {
-                "none".to_string()
-            } else {
-                format_bytes(s.cap)
-            },
+            limit(s.cap),
             format_bytes(s.live_bytes),
             format_bytes(s.peak_bytes),
+            limit(s.held_limit),
+            format_bytes(s.held_peak_bytes),
             format_bytes(s.device_pool_bytes),
             s.memories_created,
             s.denials

@@ -11,8 +11,8 @@ use tensor_wasm_mem_wasmtime::wasi::{
 };
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module, Trap, Val, ValType};
 use tensor_wasm_mem_wasmtime::{
-    Backend, ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, TwmError, add_to_linker,
-    instantiate, new_store,
+    Backend, ChargeMode, Tenant, TenantBudgets, TenantStore, TensorWasmMemoryCreator, TwmError,
+    add_to_linker, instantiate, new_store,
 };
 
 use crate::backend::BackendKind;
@@ -40,6 +40,14 @@ pub struct RunArgs {
     /// The tenant's cap on linear memory (e.g. 64KiB, 16MiB, 1GiB); none by default.
     #[arg(long, value_name = "BYTES", value_parser = crate::bytes::parse_bytes)]
     pub tenant_cap: Option<u64>,
+    /// The tenant's held budget: capacity its memories (slots or allocations) and table
+    /// elements may occupy. Default: 4x the cap, at least 256MiB (none without a cap).
+    #[arg(long, value_name = "BYTES", value_parser = crate::bytes::parse_bytes)]
+    pub tenant_held: Option<u64>,
+    /// The most linear memories the tenant may have alive at once. Default: 1024 (none without
+    /// a cap).
+    #[arg(long, value_name = "N")]
+    pub tenant_memories: Option<u64>,
     /// The tenant's isolation level.
     #[arg(long, value_name = "LEVEL", default_value = "stream_isolated", value_parser = parse_isolation)]
     pub isolation: IsolationLevel,
@@ -304,12 +312,17 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
     let mut linker = Linker::new(&engine);
     add_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
     add_wasi_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
-    let tenant = Tenant::new(
-        1,
-        "cli",
-        args.tenant_cap.unwrap_or(u64::MAX),
-        args.isolation,
-    );
+    let mut budgets = match args.tenant_cap {
+        Some(cap) => TenantBudgets::for_cap(cap),
+        None => TenantBudgets::unlimited(),
+    };
+    if let Some(held) = args.tenant_held {
+        budgets.held_bytes = held;
+    }
+    if let Some(memories) = args.tenant_memories {
+        budgets.memories = memories;
+    }
+    let tenant = Tenant::with_budgets(1, "cli", budgets, args.isolation);
 
     let mut runs = Vec::new();
     let mut outcome = Ok(());

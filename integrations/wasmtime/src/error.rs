@@ -10,16 +10,30 @@ use tensor_wasm_mem_core::{Denied, ErrorKind, PlanError, PoolError, RangeError};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TwmError {
-    /// A tenant's cap refused a memory or a growth.
+    /// One of a tenant's budgets (touched bytes, held bytes, live memories) refused a memory,
+    /// a growth or a table.
     #[error(
-        "{tenant_name:?} ({}) denied {} bytes: its cap is {} bytes and {} are already reserved",
-        .denied.tenant, .denied.requested, .denied.cap, .denied.live
+        "{tenant_name:?} ({}) denied {} {unit} by its {} budget: its limit is {} {unit} and {} \
+         are already reserved",
+        .denied.tenant, .denied.requested, .denied.budget, .denied.cap, .denied.live,
+        unit = .denied.budget.unit()
     )]
     Denied {
         /// The tenant's name.
         tenant_name: String,
-        /// The ledger's answer (tenant id, cap, live bytes, request).
+        /// The ledger's answer (tenant id, budget, limit, live, request).
         denied: Denied,
+    },
+    /// A count the Store or the tenant limits (instances, tables, memories per Store, elements
+    /// per table) would be passed.
+    #[error("{what}: {requested} would pass the limit of {limit}")]
+    Limit {
+        /// What is counted, e.g. "tables in one Store".
+        what: &'static str,
+        /// The count it would reach.
+        requested: u64,
+        /// The limit.
+        limit: u64,
     },
     /// The memory type cannot be planned under the configured limits.
     #[error(transparent)]
@@ -118,7 +132,7 @@ impl TwmError {
             Self::Denied { .. } => ErrorKind::CapExceeded,
             Self::Plan(e) => e.kind(),
             Self::Pool(e) => e.kind(),
-            Self::CapacityExceeded { .. } => ErrorKind::LimitExceeded,
+            Self::CapacityExceeded { .. } | Self::Limit { .. } => ErrorKind::LimitExceeded,
             Self::GuestRange(e) => e.kind(),
             Self::Backend { kind, .. } => *kind,
             Self::HostMapping(_) => ErrorKind::OutOfMemory,

@@ -26,9 +26,10 @@ pub use memory::{
     CreatorBuilder, CreatorStats, GuestSlice, TensorWasmLinearMemory, TensorWasmMemoryCreator,
 };
 pub use tenancy::{
-    ChargeMode, HasTenantLimiter, LimiterStats, Tenant, TenantLimiter, TenantStats, instantiate,
-    new_store,
+    ChargeMode, HasTenantLimiter, LimiterStats, TABLE_ELEMENT_BYTES, Tenant, TenantLimiter,
+    TenantStats, instantiate, new_store,
 };
+pub use tensor_wasm_mem_core::{Budget, TenantBudgets};
 
 /// The workspace README's Rust examples, compiled and run as doc tests.
 #[cfg(doctest)]

@@ -9,14 +9,15 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use tensor_wasm_mem_core::{
     Advice, Capabilities, DeviceId, DeviceSlice, Location, MemoryPlan, MemoryType as PlanType,
-    PlanLimits, PoolConfig, PoolStats, Reservation, SlotPool, Stream, UnifiedBuffer, check_range,
+    PlanLimits, PoolConfig, PoolStats, Purpose, Reservation, SlotPool, Stream, UnifiedBuffer,
+    check_range,
 };
 use wasmtime::{AsContext, Config, Engine, LinearMemory, Memory, MemoryCreator, MemoryType};
 
 use crate::Backend;
 use crate::config::configure;
 use crate::error::TwmError;
-use crate::tenancy::{ChargeMode, Tenant};
+use crate::tenancy::{self, ChargeMode, Creation, MemoryCharge, StoreCharge, Tenant};
 
 /// Where a Wasmtime memory is, read from its Store: the key of the registry.
 #[derive(Clone, Copy, Debug)]
@@ -34,7 +35,6 @@ impl MemoryView {
     }
 }
 
-/// What one live memory shares with the registry (for resolution and host calls).
 /// A checked device range of a guest's memory, as [`TensorWasmMemoryCreator::resolve`] returns
 /// it: borrowed from the Store for `'s`, so it cannot outlive the Store (and the memory) it came
 /// from, nor be held across a call into the guest. The raw values a kernel launch needs are
@@ -65,8 +65,24 @@ impl GuestSlice<'_> {
     }
 }
 
+/// What one live memory shares with the registry (for resolution and host calls). Fields drop
+/// in order: the buffer (freed, or back in its pool) first, then the charges, so a tenant is
+/// never charged less than it holds.
 struct MemoryShared<B: Backend> {
     buffer: RwLock<UnifiedBuffer<Arc<B>>>,
+    charges: MemoryCharges,
+}
+
+/// Everything a memory holds charged to its tenant.
+#[derive(Debug, Default)]
+struct MemoryCharges {
+    /// Its count and held bytes (memories and held budgets); held only to be dropped.
+    _memory: Option<MemoryCharge>,
+    /// Its touched bytes when charged by the memory itself (a creator bound to a tenant, or
+    /// `Capacity` mode under a limiter).
+    touched: Option<Mutex<Reservation>>,
+    /// The Store's charge (touched bytes and tables), kept until the memory is gone.
+    _store: Option<Arc<StoreCharge>>,
 }
 
 struct CreatorInner<B: Backend> {
@@ -392,11 +408,13 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         error.to_string()
     }
 
+    /// Makes a memory; the Store's limiter's `creation`, if any, says whom to charge.
     fn create(
         &self,
         ty: &MemoryType,
         reserved: Option<usize>,
         guard: usize,
+        creation: &Option<Creation>,
     ) -> Result<TensorWasmLinearMemory<B>, TwmError> {
         crate::error::check_memory_type(ty)?;
         if guard > 0 {
@@ -415,26 +433,58 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         let plan = MemoryPlan::new(&plan_type, &self.inner.limits)?;
         let initial = plan.initial_usize()?;
         let capacity = plan.capacity_usize()?;
-        let charge = match &self.inner.tenant {
-            Some((tenant, mode)) => {
+        // A zero-capacity memory still gets a real (one page) allocation: the base pointer of a
+        // linear memory must be non-null and unique.
+        let allocate = capacity.max(1);
+        let held = match &self.inner.pool {
+            Some(pool) => pool.slot_size_for(allocate).unwrap_or(allocate),
+            None => allocate,
+        } as u64;
+        let charges = match (&creation, &self.inner.tenant) {
+            // The Store's limiter charged the touched bytes; the memory adds its count and what
+            // it holds, and in `Capacity` mode its capacity.
+            (Some(creation), _) => {
+                let tenant = creation.store.tenant();
+                let touched = match creation.store.mode() {
+                    ChargeMode::Capacity => Some(Mutex::new(
+                        tenant.reserve_for(plan.capacity_bytes(), Purpose::LinearMemory)?,
+                    )),
+                    ChargeMode::Touched => None,
+                };
+                MemoryCharges {
+                    _memory: Some(tenant.charge_memory(held)?),
+                    touched,
+                    _store: Some(Arc::clone(&creation.store)),
+                }
+            }
+            // A creator bound to one tenant charges everything here.
+            (None, Some((tenant, mode))) => {
                 let bytes = match mode {
                     ChargeMode::Touched => plan.initial_bytes(),
                     ChargeMode::Capacity => plan.capacity_bytes(),
                 };
-                Some(tenant.reserve(bytes)?)
+                let touched = tenant.reserve_for(bytes, Purpose::LinearMemory)?;
+                MemoryCharges {
+                    _memory: Some(tenant.charge_memory(held)?),
+                    touched: Some(Mutex::new(touched)),
+                    _store: None,
+                }
             }
-            None => None,
+            (None, None) => MemoryCharges::default(),
         };
         let level = self
             .inner
             .tenant
             .as_ref()
             .map_or("unbound", |(t, _)| t.context().isolation().name());
-        let _span = tracing::debug_span!("twm.memory.create", isolation = level, initial, capacity)
-            .entered();
-        // A zero-capacity memory still gets a real (one page) allocation: the base pointer of a
-        // linear memory must be non-null and unique.
-        let allocate = capacity.max(1);
+        let _span = tracing::debug_span!(
+            "twm.memory.create",
+            isolation = level,
+            initial,
+            capacity,
+            held
+        )
+        .entered();
         let buffer = match &self.inner.pool {
             Some(pool) => pool.acquire(allocate, initial),
             None => UnifiedBuffer::new(
@@ -448,6 +498,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         let base = buffer.as_ptr() as usize;
         let shared = Arc::new(MemoryShared {
             buffer: RwLock::new(buffer),
+            charges,
         });
         self.inner.registry().insert(base, Arc::clone(&shared));
         self.inner.created.fetch_add(1, Ordering::AcqRel);
@@ -457,7 +508,6 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             base,
             len: initial,
             capacity,
-            charge,
         })
     }
 }
@@ -479,14 +529,26 @@ unsafe impl<B: Backend> MemoryCreator for TensorWasmMemoryCreator<B> {
     fn new_memory(
         &self,
         ty: MemoryType,
-        _minimum: usize,
+        minimum: usize,
         _maximum: Option<usize>,
         reserved_size_in_bytes: Option<usize>,
         guard_size_in_bytes: usize,
     ) -> Result<Box<dyn LinearMemory>, String> {
-        match self.create(&ty, reserved_size_in_bytes, guard_size_in_bytes) {
+        // The Store's limiter approved this memory just before, on this thread.
+        let creation = tenancy::take_creation(minimum);
+        match self.create(&ty, reserved_size_in_bytes, guard_size_in_bytes, &creation) {
             Ok(memory) => Ok(Box::new(memory)),
-            Err(e) => Err(self.refuse(e)),
+            Err(e) => {
+                if let Some(creation) = &creation {
+                    // Wasmtime tells the limiter nothing of a creator's refusal: the touched
+                    // bytes it charged go back here, and a denial is kept for `instantiate`.
+                    creation.store.refund_touched(creation.touched);
+                    if let TwmError::Denied { denied, .. } = &e {
+                        creation.store.record_refusal(*denied);
+                    }
+                }
+                Err(self.refuse(e))
+            }
         }
     }
 }
@@ -499,8 +561,6 @@ pub struct TensorWasmLinearMemory<B: Backend> {
     base: usize,
     len: usize,
     capacity: usize,
-    /// The tenant charge, when the creator is bound to a tenant.
-    charge: Option<Reservation>,
 }
 
 impl<B: Backend> fmt::Debug for TensorWasmLinearMemory<B> {
@@ -539,10 +599,15 @@ impl<B: Backend> TensorWasmLinearMemory<B> {
                 capacity: self.capacity,
             });
         }
+        // A growth, not a creation: any announcement of one on this thread is stale.
+        tenancy::forget_creation();
         let extra = new_size.saturating_sub(self.len) as u64;
-        let charged = match (&mut self.charge, &self.creator.tenant) {
-            (Some(charge), Some((tenant, ChargeMode::Touched))) if extra > 0 => {
-                charge
+        // A creator bound to a tenant charges growth here (a Store's limiter charged it before).
+        let charged = match (&self.shared.charges.touched, &self.creator.tenant) {
+            (Some(touched), Some((tenant, ChargeMode::Touched))) if extra > 0 => {
+                touched
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
                     .try_grow(extra)
                     .map_err(|denied| tenant.denied(denied))?;
                 extra
@@ -556,8 +621,10 @@ impl<B: Backend> TensorWasmLinearMemory<B> {
             .unwrap_or_else(PoisonError::into_inner)
             .grow_to(new_size);
         if let Err(e) = grown {
-            if let Some(charge) = &mut self.charge {
-                charge.shrink_to(charge.bytes() - charged);
+            if let Some(touched) = &self.shared.charges.touched {
+                let mut touched = touched.lock().unwrap_or_else(PoisonError::into_inner);
+                let keep = touched.bytes() - charged;
+                touched.shrink_to(keep);
             }
             return Err(TwmError::from_core(e));
         }
@@ -593,6 +660,7 @@ impl<B: Backend> Drop for TensorWasmLinearMemory<B> {
         self.creator.registry().remove(&self.base);
         self.creator.dropped.fetch_add(1, Ordering::AcqRel);
         // The buffer is freed (or its slot returned) when the last `Arc` to it drops: here,
-        // or at the end of a host call that is using it right now.
+        // or at the end of a host call that is using it right now. Its charges go back after
+        // it (`MemoryShared`'s field order).
     }
 }
