@@ -6,11 +6,11 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use tensor_wasm_mem_core::{ErrorKind, IsolationLevel, PlanLimits};
+use tensor_wasm_mem_core::{Budget, ErrorKind, IsolationLevel, PlanLimits, TenantBudgets};
 use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Linker, Module, Store};
 use tensor_wasm_mem_wasmtime::{
-    ChargeMode, Tenant, TenantLimiter, TenantStore, TensorWasmMemoryCreator, TwmError, instantiate,
-    new_store,
+    ChargeMode, TABLE_ELEMENT_BYTES, Tenant, TenantLimiter, TenantStore, TensorWasmMemoryCreator,
+    TwmError, instantiate, new_store,
 };
 
 type Data = TenantStore<tensor_wasm_mem_mock::MockBackend>;
@@ -346,4 +346,290 @@ fn the_limiter_alone_works_as_store_data() {
     assert_eq!(grow.call(&mut store, 1).unwrap(), 1);
     assert_eq!(grow.call(&mut store, 1).unwrap(), -1);
     assert_eq!(store.data().stats().charged_bytes, 2 * PAGE as u64);
+}
+
+/// `(module (memory 0) (memory 0) ...)`: `count` zero-page memories with no maximum.
+fn zero_page_memories(engine: &tensor_wasm_mem_wasmtime::wasmtime::Engine, count: usize) -> Module {
+    let memories = "(memory 0) ".repeat(count);
+    Module::new(engine, format!("(module {memories})")).unwrap()
+}
+
+fn denial(err: &tensor_wasm_mem_wasmtime::wasmtime::Error) -> tensor_wasm_mem_core::Denied {
+    match err.downcast_ref::<TwmError>() {
+        Some(TwmError::Denied { denied, .. }) => *denied,
+        other => panic!("not a typed denial: {other:?} ({err:#})"),
+    }
+}
+
+/// Attack 1: a tenant with a cap of 0 used to hold a whole 256 MiB allocation per `(memory 0)`,
+/// charged nothing, until the device was full for everyone. Now the held budget (at least one
+/// default-size memory) refuses the second, typed and named, and nothing stays allocated.
+#[test]
+fn zero_page_memories_are_charged_what_they_hold() {
+    let backend = mock();
+    let creator = fresh(&backend);
+    let engine = creator.engine().unwrap();
+    let linker = Linker::new(&engine);
+    let hostile = tenant(1, 0);
+    let mut store = store_for(&creator, &engine, &hostile, ChargeMode::Touched);
+    let err = instantiate(&mut store, &linker, &zero_page_memories(&engine, 64)).unwrap_err();
+    let denied = denial(&err);
+    assert_eq!(denied.budget, Budget::Held);
+    assert_eq!(denied.requested, 256 << 20, "one default-size memory");
+    assert_eq!(denied.live, 256 << 20, "the first one fitted");
+    let message = format!("{err:#}");
+    assert!(message.contains("held budget"), "{message}");
+    assert_eq!(backend.stats().live_allocations, 0, "nothing kept");
+    let s = hostile.stats();
+    assert_eq!((s.held_bytes, s.live_memories, s.held_denials), (0, 0, 1));
+
+    // One such memory is within the defaults, and every other tenant is unaffected.
+    instantiate(&mut store, &linker, &zero_page_memories(&engine, 1)).unwrap();
+    assert_eq!(hostile.stats().held_bytes, 256 << 20);
+    let other = tenant(2, 4 * PAGE as u64);
+    let mut theirs = store_for(&creator, &engine, &other, ChargeMode::Touched);
+    for _ in 0..3 {
+        instantiate(&mut theirs, &linker, &access_module(&engine, 1, 4)).unwrap();
+    }
+    assert_eq!(other.stats().denials, 0);
+    drop((store, theirs));
+    assert_eq!(hostile.stats().held_bytes, 0);
+    assert_eq!(other.stats().held_bytes, 0);
+    assert_eq!(backend.stats().live_allocations, 0);
+}
+
+/// The same attack on a pool: each memory holds its slot (the smallest class it fits), so a
+/// tenant with a held budget of two slots gets two, and the pool keeps the rest for others.
+#[test]
+fn pooled_memories_hold_their_slot_and_the_held_budget_bounds_them() {
+    let backend = mock();
+    let creator = pooled(&backend, 4 * PAGE, 7);
+    let engine = creator.engine().unwrap();
+    let linker = Linker::new(&engine);
+    let budgets = TenantBudgets {
+        touched_bytes: 0,
+        held_bytes: 8 * PAGE as u64,
+        memories: 64,
+    };
+    let hostile = Tenant::with_budgets(1, "hostile", budgets, IsolationLevel::StreamIsolated);
+    let mut store = store_for(&creator, &engine, &hostile, ChargeMode::Touched);
+    let bounded = Module::new(&engine, "(module (memory 0 4) (memory 0 4) (memory 0 4))").unwrap();
+    let denied = denial(&instantiate(&mut store, &linker, &bounded).unwrap_err());
+    assert_eq!(
+        (denied.budget, denied.requested),
+        (Budget::Held, 4 * PAGE as u64)
+    );
+    assert_eq!(creator.stats().pool.unwrap().in_use(), 0, "slots went back");
+    let two = Module::new(&engine, "(module (memory 0 4) (memory 0 4))").unwrap();
+    instantiate(&mut store, &linker, &two).unwrap();
+    assert_eq!(hostile.stats().held_bytes, 8 * PAGE as u64);
+    let other = tenant(2, 5 * PAGE as u64);
+    let mut theirs = store_for(&creator, &engine, &other, ChargeMode::Touched);
+    for _ in 0..5 {
+        instantiate(&mut theirs, &linker, &access_module(&engine, 1, 4)).unwrap();
+    }
+    assert_eq!(other.stats().denials, 0);
+    drop((store, theirs));
+    assert_eq!(creator.stats().pool.unwrap().in_use(), 0);
+    assert_eq!(hostile.stats().held_bytes, 0);
+}
+
+/// The live-memories budget counts across all of a tenant's Stores.
+#[test]
+fn the_memories_budget_spans_stores() {
+    let backend = mock();
+    let creator = fresh(&backend);
+    let engine = creator.engine().unwrap();
+    let linker = Linker::new(&engine);
+    let budgets = TenantBudgets {
+        memories: 2,
+        ..TenantBudgets::for_cap(64 * PAGE as u64)
+    };
+    let t = Tenant::with_budgets(3, "t3", budgets, IsolationLevel::StreamIsolated);
+    let module = access_module(&engine, 1, 1);
+    let mut a = store_for(&creator, &engine, &t, ChargeMode::Touched);
+    let mut b = store_for(&creator, &engine, &t, ChargeMode::Touched);
+    instantiate(&mut a, &linker, &module).unwrap();
+    instantiate(&mut b, &linker, &module).unwrap();
+    let mut c = store_for(&creator, &engine, &t, ChargeMode::Touched);
+    let err = instantiate(&mut c, &linker, &module).unwrap_err();
+    let denied = denial(&err);
+    assert_eq!(
+        (denied.budget, denied.cap, denied.live),
+        (Budget::Memories, 2, 2)
+    );
+    assert!(format!("{err:#}").contains("memories budget"), "{err:#}");
+    assert_eq!(
+        t.stats().live_bytes,
+        2 * PAGE as u64,
+        "the refused one is refunded"
+    );
+    drop(a);
+    instantiate(&mut c, &linker, &module).unwrap();
+    assert_eq!(t.stats().memory_denials, 1);
+}
+
+/// Attack 2: tables used to be free. Their elements are charged to the held budget, a table
+/// past the element limit refuses instantiation, and a `table.grow` past it is -1.
+#[test]
+fn tables_are_charged_and_bounded() {
+    let backend = mock();
+    let creator = fresh(&backend);
+    let engine = creator.engine().unwrap();
+    let t = tenant(4, 0);
+    let limiter = |t: &Arc<Tenant>| {
+        TenantLimiter::new(Arc::clone(t), ChargeMode::Touched, creator.limits())
+            .with_max_table_elements(1000)
+    };
+    let linker = Linker::new(&engine);
+    let mut store = new_store(&engine, limiter(&t));
+    let huge = Module::new(&engine, "(module (table 10000000 funcref))").unwrap();
+    let err = instantiate(&mut store, &linker, &huge).unwrap_err();
+    match err.downcast_ref::<TwmError>() {
+        Some(TwmError::Limit {
+            what,
+            requested,
+            limit,
+        }) => {
+            assert_eq!(
+                (*what, *requested, *limit),
+                ("elements in one table", 10_000_000, 1000)
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    let growing = Module::new(
+        &engine,
+        r#"(module (table 10 funcref)
+             (func (export "grow") (param i32) (result i32)
+               (table.grow (ref.null func) (local.get 0))))"#,
+    )
+    .unwrap();
+    let instance = instantiate(&mut store, &linker, &growing).unwrap();
+    assert_eq!(t.stats().held_bytes, 10 * TABLE_ELEMENT_BYTES);
+    let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
+    assert_eq!(grow.call(&mut store, 90).unwrap(), 10);
+    assert_eq!(t.stats().held_bytes, 100 * TABLE_ELEMENT_BYTES);
+    assert_eq!(
+        grow.call(&mut store, 901).unwrap(),
+        -1,
+        "past 1000 elements"
+    );
+    assert_eq!(store.data().stats().denied_table_growths, 1);
+    assert_eq!(store.data().stats().table_bytes, 100 * TABLE_ELEMENT_BYTES);
+
+    // A held budget of 800 bytes is 100 elements: the table is refused by the budget.
+    let budgets = TenantBudgets {
+        held_bytes: 800,
+        ..TenantBudgets::unlimited()
+    };
+    let small = Tenant::with_budgets(5, "small", budgets, IsolationLevel::Shared);
+    let mut store2 = new_store(&engine, limiter(&small));
+    let table = Module::new(&engine, "(module (table 101 funcref))").unwrap();
+    let denied = denial(&instantiate(&mut store2, &linker, &table).unwrap_err());
+    assert_eq!(
+        (denied.budget, denied.requested),
+        (Budget::Held, 101 * TABLE_ELEMENT_BYTES)
+    );
+    drop((store, store2));
+    assert_eq!(t.stats().held_bytes, 0);
+    assert_eq!(small.stats().held_bytes, 0);
+}
+
+/// Instances, tables and memories per Store: past the limit, instantiation is refused, typed.
+#[test]
+fn store_counts_are_limited_and_typed() {
+    let backend = mock();
+    let creator = fresh(&backend);
+    let engine = creator.engine().unwrap();
+    let t = tenant(6, 64 * PAGE as u64);
+    let limiter = TenantLimiter::new(Arc::clone(&t), ChargeMode::Touched, creator.limits())
+        .with_store_limits(2, 1, 2);
+    let mut store = new_store(&engine, limiter);
+    let linker = Linker::new(&engine);
+    let two_tables = Module::new(&engine, "(module (table 1 funcref) (table 1 funcref))").unwrap();
+    let limit = |err: WasmtimeError| match err.downcast_ref::<TwmError>() {
+        Some(TwmError::Limit { what, .. }) => *what,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        limit(instantiate(&mut store, &linker, &two_tables).unwrap_err()),
+        "tables in one Store"
+    );
+    let one = access_module(&engine, 1, 1);
+    instantiate(&mut store, &linker, &one).unwrap();
+    instantiate(&mut store, &linker, &one).unwrap();
+    let err = instantiate(&mut store, &linker, &one).unwrap_err();
+    assert_eq!(limit(err), "instances in one Store");
+    assert_eq!(t.stats().live_memories, 2);
+}
+
+type WasmtimeError = tensor_wasm_mem_wasmtime::wasmtime::Error;
+
+/// In `Capacity` mode a start function's growth of a zero-page memory is inside the capacity
+/// already charged: it is not charged twice.
+#[test]
+fn capacity_mode_growth_from_zero_is_not_charged_twice() {
+    let backend = mock();
+    let creator = fresh(&backend);
+    let engine = creator.engine().unwrap();
+    let t = tenant(7, 4 * PAGE as u64);
+    let module = Module::new(
+        &engine,
+        r#"(module (memory 0 4)
+             (global (export "g") (mut i32) (i32.const 99))
+             (func $s (global.set 0 (memory.grow (i32.const 4))))
+             (start $s))"#,
+    )
+    .unwrap();
+    let mut store = store_for(&creator, &engine, &t, ChargeMode::Capacity);
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let g = instance
+        .get_global(&mut store, "g")
+        .unwrap()
+        .get(&mut store)
+        .i32();
+    assert_eq!(g, Some(0));
+    assert_eq!(t.stats().live_bytes, 4 * PAGE as u64);
+    assert_eq!(t.stats().peak_bytes, 4 * PAGE as u64);
+}
+
+/// Attack 5: Wasmtime drops a Store's data before its memories. The tenant's charge is the
+/// memory's, so it is still held while the data drops, and back once the memory is gone.
+#[test]
+fn the_charge_outlives_the_store_data_until_the_memory_is_gone() {
+    struct Witness(Arc<Tenant>, Arc<std::sync::Mutex<Option<(u64, u64, u64)>>>);
+    impl Drop for Witness {
+        fn drop(&mut self) {
+            let s = self.0.stats();
+            *self.1.lock().unwrap() = Some((s.live_bytes, s.held_bytes, s.live_memories));
+        }
+    }
+    let backend = mock();
+    let creator = pooled(&backend, 4 * PAGE, 2);
+    let engine = creator.engine().unwrap();
+    let t = tenant(8, 4 * PAGE as u64);
+    let seen = Arc::new(std::sync::Mutex::new(None));
+    let data = TenantStore::new(
+        &creator,
+        &t,
+        ChargeMode::Touched,
+        Witness(Arc::clone(&t), Arc::clone(&seen)),
+    );
+    let mut store = new_store(&engine, data);
+    instantiate(
+        &mut store,
+        &Linker::new(&engine),
+        &access_module(&engine, 2, 4),
+    )
+    .unwrap();
+    drop(store);
+    assert_eq!(
+        *seen.lock().unwrap(),
+        Some((2 * PAGE as u64, 4 * PAGE as u64, 1)),
+        "while the Store data drops, the memory and its charge are still there"
+    );
+    let s = t.stats();
+    assert_eq!((s.live_bytes, s.held_bytes, s.live_memories), (0, 0, 0));
+    assert_eq!(creator.stats().pool.unwrap().in_use(), 0);
 }
