@@ -334,3 +334,36 @@ fn an_unwritable_stdout_is_an_error_not_a_panic() {
     );
     assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
 }
+
+#[test]
+fn a_many_memory_module_at_cap_zero_is_denied_by_the_held_budget() {
+    let memories = "(memory 0) ".repeat(64);
+    let path = module_file("many.wat", format!("(module {memories})").as_bytes());
+    let o = twm(&["run", path.to_str().unwrap(), "--tenant-cap", "0"]);
+    assert_eq!(o.status.code(), Some(4), "{}", stderr(&o));
+    assert!(stderr(&o).contains("held budget"), "{}", stderr(&o));
+    // The memories budget, set on the command line, names itself too.
+    let o = twm(&[
+        "run",
+        path.to_str().unwrap(),
+        "--tenant-cap",
+        "0",
+        "--tenant-held",
+        "64GiB",
+        "--tenant-memories",
+        "3",
+    ]);
+    assert_eq!(o.status.code(), Some(4), "{}", stderr(&o));
+    assert!(stderr(&o).contains("memories budget"), "{}", stderr(&o));
+    // Within the budgets, the same module runs.
+    let few = module_file("few.wat", b"(module (memory 0) (memory 0))");
+    let o = twm(&[
+        "run",
+        few.to_str().unwrap(),
+        "--tenant-cap",
+        "0",
+        "--tenant-held",
+        "1GiB",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
