@@ -105,3 +105,115 @@ fn threads_and_tenants_leave_every_counter_at_zero() {
     assert_eq!((b.live_streams, b.live_contexts), (0, 0));
     assert_eq!(b.live_allocations, 1, "only the pool's slab");
 }
+
+/// One hostile tenant (many memories, huge tables, growth past its cap, traps) beside honest
+/// ones on one Engine and one pool, each on its own thread: the honest tenants never see a
+/// denial, and every ledger, the pool and the backend are back at zero after.
+#[test]
+fn a_hostile_tenant_takes_nothing_from_the_others() {
+    const ROUNDS: usize = 60;
+    let backend = mock();
+    let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(8 * PAGE, 12)]))
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).unwrap();
+    let honest_module = Module::new(&engine, GUEST).unwrap();
+    // Sized as docs/SAFETY.md says: the hostile tenant may hold 4 of the 12 slots; the two
+    // honest ones need one each at a time.
+    let hostile = Tenant::with_budgets(
+        66,
+        "hostile",
+        tensor_wasm_mem_core::TenantBudgets {
+            touched_bytes: PAGE as u64,
+            held_bytes: 4 * 8 * PAGE as u64,
+            memories: 8,
+        },
+        IsolationLevel::StreamIsolated,
+    );
+    let honest: Vec<Arc<Tenant>> = (1..=2)
+        .map(|id| {
+            Tenant::new(
+                id,
+                format!("honest{id}"),
+                16 * PAGE as u64,
+                IsolationLevel::StreamIsolated,
+            )
+        })
+        .collect();
+    let attacks: Vec<Module> = [
+        "(module (memory 0 4) (memory 0 4) (memory 0 4) (memory 0 4) (memory 0 4) (memory 0 4))",
+        "(module (memory 0 4) (memory 0 4) (memory 0 4))",
+        "(module (table 5000000 funcref))",
+        r#"(module (table 1 funcref)
+             (func (export "run") (drop (table.grow (ref.null func) (i32.const 4000000)))))"#,
+        r#"(module (memory 1 4)
+             (func (export "run") (drop (memory.grow (i32.const 3))) (unreachable)))"#,
+    ]
+    .iter()
+    .map(|wat| Module::new(&engine, wat).unwrap())
+    .collect();
+    std::thread::scope(|scope| {
+        let (creator, linker, engine) = (&creator, &linker, &engine);
+        let hostile = &hostile;
+        let attacks = &attacks;
+        let attacker = scope.spawn(move || {
+            let mut refused = 0;
+            for _ in 0..ROUNDS {
+                let data = TenantStore::new(creator, &hostile, ChargeMode::Touched, ());
+                let mut store = new_store(engine, data);
+                for module in attacks {
+                    match instantiate(&mut store, linker, module) {
+                        Ok(instance) => {
+                            if let Ok(run) = instance.get_typed_func::<(), ()>(&mut store, "run") {
+                                let _ = run.call(&mut store, ());
+                            }
+                        }
+                        Err(_) => refused += 1,
+                    }
+                }
+            }
+            refused
+        });
+        let workers: Vec<_> = honest
+            .iter()
+            .map(|t| {
+                let module = &honest_module;
+                scope.spawn(move || {
+                    for _ in 0..ROUNDS {
+                        let data = TenantStore::new(creator, t, ChargeMode::Touched, ());
+                        let mut store = new_store(engine, data);
+                        let instance =
+                            instantiate(&mut store, linker, module).expect("never denied");
+                        let run = instance
+                            .get_typed_func::<i32, i32>(&mut store, "run")
+                            .unwrap();
+                        assert_eq!(run.call(&mut store, 2).unwrap(), 0x5a);
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().unwrap();
+        }
+        assert!(
+            attacker.join().unwrap() >= 2 * ROUNDS,
+            "the hostile tenant was refused"
+        );
+    });
+    for t in &honest {
+        let s = t.stats();
+        assert_eq!(s.denials, 0, "{s:?}");
+        assert_eq!((s.live_bytes, s.held_bytes, s.live_memories), (0, 0, 0));
+    }
+    let s = hostile.stats();
+    assert!(
+        s.held_denials > 0 && s.held_peak_bytes <= 32 * PAGE as u64,
+        "{s:?}"
+    );
+    assert_eq!((s.live_bytes, s.held_bytes, s.live_memories), (0, 0, 0));
+    assert_eq!(creator.stats().pool.unwrap().in_use(), 0);
+    assert_eq!(backend.stats().live_streams, 0);
+}
