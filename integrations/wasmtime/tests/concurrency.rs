@@ -162,7 +162,7 @@ fn a_hostile_tenant_takes_nothing_from_the_others() {
         let attacker = scope.spawn(move || {
             let mut refused = 0;
             for _ in 0..ROUNDS {
-                let data = TenantStore::new(creator, &hostile, ChargeMode::Touched, ());
+                let data = TenantStore::new(creator, hostile, ChargeMode::Touched, ());
                 let mut store = new_store(engine, data);
                 for module in attacks {
                     match instantiate(&mut store, linker, module) {
