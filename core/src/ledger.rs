@@ -146,8 +146,13 @@ pub struct TenantBudgets {
 impl TenantBudgets {
     /// The default held budget is this many times the cap ...
     pub const HELD_PER_TOUCHED: u64 = 4;
-    /// ... and never less than one memory of the default size.
-    pub const MIN_HELD_BYTES: u64 = DEFAULT_MAX_BYTES;
+    /// Room in the default held budget beside a memory, for its tables: 16 MiB, two million
+    /// table elements at 8 bytes each (two tables at the Wasmtime integration's default element
+    /// limit). A program with one default-size memory and a table must fit in the defaults.
+    pub const TABLE_ROOM_BYTES: u64 = 16 << 20;
+    /// ... and never less than one memory of the default size plus
+    /// [`TABLE_ROOM_BYTES`](Self::TABLE_ROOM_BYTES).
+    pub const MIN_HELD_BYTES: u64 = DEFAULT_MAX_BYTES + Self::TABLE_ROOM_BYTES;
     /// The default number of live memories.
     pub const DEFAULT_MEMORIES: u64 = 1024;
 
@@ -167,6 +172,27 @@ impl TenantBudgets {
             },
             memories: Self::DEFAULT_MEMORIES,
         }
+    }
+
+    /// These budgets with a held budget of at least one memory of `memory_bytes` plus
+    /// [`TABLE_ROOM_BYTES`](Self::TABLE_ROOM_BYTES): for defaults where the embedder's memories
+    /// are larger than the default size (a per-memory limit above 256 MiB, or a pool whose
+    /// slots are). Never lowers a budget.
+    ///
+    /// ```
+    /// use tensor_wasm_mem_core::TenantBudgets;
+    ///
+    /// let budgets = TenantBudgets::for_cap(4 << 20).with_room_for_memory(1 << 30);
+    /// assert_eq!(budgets.held_bytes, (1 << 30) + TenantBudgets::TABLE_ROOM_BYTES);
+    /// assert_eq!(budgets.touched_bytes, 4 << 20); // the cap is the cap
+    /// ```
+    #[must_use]
+    pub const fn with_room_for_memory(mut self, memory_bytes: u64) -> Self {
+        let floor = memory_bytes.saturating_add(Self::TABLE_ROOM_BYTES);
+        if self.held_bytes < floor {
+            self.held_bytes = floor;
+        }
+        self
     }
 
     /// No limit on anything.
@@ -732,6 +758,19 @@ mod tests {
         assert_eq!(TenantBudgets::for_cap(1 << 30).held_bytes, 4 << 30);
         assert_eq!(TenantBudgets::for_cap(u64::MAX).held_bytes, u64::MAX);
         assert_eq!(zero.memories, TenantBudgets::DEFAULT_MEMORIES);
+        // One default-size memory and a table fit at any cap.
+        assert!(zero.held_bytes > DEFAULT_MAX_BYTES);
+        let big = TenantBudgets::for_cap(1 << 20).with_room_for_memory(4 << 30);
+        assert_eq!(big.held_bytes, (4 << 30) + TenantBudgets::TABLE_ROOM_BYTES);
+        assert_eq!(
+            TenantBudgets::for_cap(8 << 30).with_room_for_memory(1 << 20),
+            TenantBudgets::for_cap(8 << 30),
+            "never lowers a budget"
+        );
+        assert_eq!(
+            TenantBudgets::unlimited().with_room_for_memory(u64::MAX),
+            TenantBudgets::unlimited()
+        );
     }
 
     #[test]

@@ -41,7 +41,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "BYTES", value_parser = crate::bytes::parse_bytes)]
     pub tenant_cap: Option<u64>,
     /// The tenant's held budget: capacity its memories (slots or allocations) and table
-    /// elements may occupy. Default: 4x the cap, at least 256MiB (none without a cap).
+    /// elements may occupy. Default: 4x the cap, at least --memory-limit + 16MiB (none without
+    /// a cap).
     #[arg(long, value_name = "BYTES", value_parser = crate::bytes::parse_bytes)]
     pub tenant_held: Option<u64>,
     /// The most linear memories the tenant may have alive at once. Default: 1024 (none without
@@ -313,7 +314,9 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
     add_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
     add_wasi_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
     let mut budgets = match args.tenant_cap {
-        Some(cap) => TenantBudgets::for_cap(cap),
+        // One memory of the configured limit (a C program's whole capacity, or a pool slot)
+        // and its tables always fit the default held budget.
+        Some(cap) => TenantBudgets::for_cap(cap).with_room_for_memory(args.memory_limit),
         None => TenantBudgets::unlimited(),
     };
     if let Some(held) = args.tenant_held {
