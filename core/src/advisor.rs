@@ -7,6 +7,9 @@
 //! error), then asks the driver. An empty range is accepted and does nothing. A backend without
 //! migration (plain host memory) may accept every valid hint and do nothing, as long as
 //! [`Capabilities::managed`](crate::Capabilities::managed) says `false`.
+//!
+//! [`Advisor::reset_hints`] undoes everything `advise` and `prefetch` can leave on a range; the
+//! slot pool relies on it so that one tenant's hints never reach the next holder of a slot.
 
 use crate::allocator::Allocation;
 use crate::device::{Advice, Location};
@@ -38,6 +41,22 @@ pub trait Advisor: ErrorType {
         to: Location,
         stream: &Stream,
     ) -> Result<(), Self::Error>;
+
+    /// Puts `offset..offset + len` of `allocation` back the way a fresh allocation has it, for
+    /// its next holder: every advice unset (read-mostly, the preferred location, accessed-by for
+    /// the host and for every device) and no page kept resident on a device (a prefetch to the
+    /// host where the backend migrates pages, complete before this returns). The contents are
+    /// unchanged. The same range and location checks as [`advise`](Self::advise); an empty
+    /// range does nothing.
+    ///
+    /// The slot pool calls it before a slot whose last holder advised or prefetched any of it
+    /// reaches the next holder, so one tenant's hints never steer another's placement.
+    fn reset_hints(
+        &self,
+        allocation: &Allocation,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), Self::Error>;
 }
 
 macro_rules! forward_advisor {
@@ -61,6 +80,14 @@ macro_rules! forward_advisor {
                 stream: &Stream,
             ) -> Result<(), Self::Error> {
                 T::prefetch(self, allocation, offset, len, to, stream)
+            }
+            fn reset_hints(
+                &self,
+                allocation: &Allocation,
+                offset: usize,
+                len: usize,
+            ) -> Result<(), Self::Error> {
+                T::reset_hints(self, allocation, offset, len)
             }
         }
     )*};

@@ -263,6 +263,7 @@ impl<A: ManagedAllocator + Advisor> UnifiedBuffer<A> {
     /// Applies `advice` to `offset..offset + len` of the visible window.
     pub fn advise(&self, offset: usize, len: usize, advice: Advice) -> Result<(), Error<A::Error>> {
         let range = check_range(offset, len, self.len)?;
+        self.hinted();
         let (allocator, allocation, base) = self.parts();
         allocator
             .advise(allocation, base + range.start, len, advice)
@@ -278,10 +279,21 @@ impl<A: ManagedAllocator + Advisor> UnifiedBuffer<A> {
         stream: &Stream,
     ) -> Result<(), Error<A::Error>> {
         let range = check_range(offset, len, self.len)?;
+        self.hinted();
         let (allocator, allocation, base) = self.parts();
         allocator
             .prefetch(allocation, base + range.start, len, to, stream)
             .map_err(|e| Error::backend(Operation::Prefetch, e))
+    }
+
+    /// A pool slot about to be advised or prefetched has its hints reset before its next holder
+    /// gets it (a fresh allocation's hints go with it when it is freed).
+    fn hinted(&self) {
+        if let Backing::Slot(slot) = &self.backing {
+            slot.hinted(|allocator, allocation, offset, len| {
+                allocator.reset_hints(allocation, offset, len)
+            });
+        }
     }
 }
 

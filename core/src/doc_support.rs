@@ -134,4 +134,9 @@ impl Advisor for HeapAllocator {
     ) -> Result<(), HeapError> {
         a.range(offset, len).map(drop).map_err(|e| err(e.kind()))
     }
+
+    /// Plain host memory keeps no hints: nothing to reset.
+    fn reset_hints(&self, a: &Allocation, offset: usize, len: usize) -> Result<(), HeapError> {
+        a.range(offset, len).map(drop).map_err(|e| err(e.kind()))
+    }
 }

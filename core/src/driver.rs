@@ -661,6 +661,39 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
             d.prefetch(start, range.len(), to, using.raw())
         })
     }
+
+    /// Unsets every advice over the range (accessed-by for the host and each device), then,
+    /// where the device migrates pages on its own (concurrent managed access), prefetches the
+    /// range to the host on the legacy default stream and waits for it.
+    fn reset_hints(
+        &self,
+        allocation: &Allocation,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), D::Error> {
+        let (device, range) = self.checked(allocation, offset, len)?;
+        if range.is_empty() {
+            return Ok(());
+        }
+        let start = allocation.device_ptr() + range.start as u64;
+        let len = range.len();
+        let devices = self.driver.device_count();
+        let migrates = self.driver.device_facts(device).concurrent_managed_access;
+        self.in_primary(device, |d| {
+            d.advise(start, len, Advice::UnsetReadMostly)?;
+            d.advise(start, len, Advice::UnsetPreferredLocation)?;
+            d.advise(start, len, Advice::UnsetAccessedBy(Location::Host))?;
+            for other in 0..devices {
+                let peer = Location::Device(DeviceId(other));
+                d.advise(start, len, Advice::UnsetAccessedBy(peer))?;
+            }
+            if migrates {
+                d.prefetch(start, len, Location::Host, DEFAULT_STREAM)?;
+                d.synchronize(DEFAULT_STREAM)?;
+            }
+            Ok(())
+        })
+    }
 }
 
 impl<D: DriverApi> Drop for DriverBackend<D> {

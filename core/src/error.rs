@@ -125,6 +125,8 @@ pub enum Operation {
     Advise,
     /// `Advisor::prefetch`.
     Prefetch,
+    /// `Advisor::reset_hints`.
+    ResetHints,
     /// `StreamProvider::acquire_stream`.
     AcquireStream,
     /// `StreamProvider::release_stream`.
@@ -155,6 +157,7 @@ impl Operation {
             Self::Zero => "zero",
             Self::Advise => "advise",
             Self::Prefetch => "prefetch",
+            Self::ResetHints => "reset_hints",
             Self::AcquireStream => "acquire_stream",
             Self::ReleaseStream => "release_stream",
             Self::Synchronize => "synchronize",

@@ -58,6 +58,12 @@ mockall::mock! {
             to: Location,
             stream: &Stream,
         ) -> Result<(), MockError>;
+        fn reset_hints(
+            &self,
+            allocation: &Allocation,
+            offset: usize,
+            len: usize,
+        ) -> Result<(), MockError>;
     }
 
     impl StreamProvider for Backend {

@@ -30,10 +30,12 @@ use core::fmt;
 
 use hashbrown::HashMap;
 
+use core::sync::atomic::{AtomicBool, Ordering};
+
 use crate::allocator::{Allocation, ManagedAllocator};
 use crate::buffer::UnifiedBuffer;
 use crate::device::DeviceId;
-use crate::error::{Error, ErrorKind, Operation};
+use crate::error::{Error, ErrorKind, ErrorType, Operation};
 
 /// Slot sizes are rounded up to a multiple of this (one Wasm page), so every slot starts on a
 /// page boundary and hints never straddle two slots' pages.
@@ -151,8 +153,11 @@ pub struct PoolStats {
     pub releases: u64,
     /// Bytes zeroed before reuse.
     pub bytes_scrubbed: u64,
-    /// Scrubs that failed (the slot stayed free and dirty; nothing was handed out).
+    /// Scrubs that failed, zeroing or resetting hints (the slot stayed free and dirty; nothing
+    /// was handed out).
     pub scrub_failures: u64,
+    /// Slots whose hints were reset before reuse (their last holder advised or prefetched).
+    pub hint_resets: u64,
     /// Requests refused because every fitting slot was busy.
     pub exhaustions: u64,
 }
@@ -179,6 +184,8 @@ struct ClassState {
     free: Vec<u32>,
     /// Per slot: bytes from its start that may be non-zero.
     dirty: Vec<usize>,
+    /// Per slot: bytes from its start that may carry advice or residency (0: none).
+    hinted: Vec<usize>,
 }
 
 #[derive(Debug, Default)]
@@ -188,8 +195,14 @@ struct PoolState {
     releases: u64,
     bytes_scrubbed: u64,
     scrub_failures: u64,
+    hint_resets: u64,
     exhaustions: u64,
 }
+
+/// Resets advice and residency over a range of the slab: [`Advisor::reset_hints`] of the
+/// allocator, recorded by the first holder that hints (the pool itself needs no `Advisor`).
+pub(crate) type ResetHints<A> =
+    fn(&A, &Allocation, usize, usize) -> Result<(), <A as ErrorType>::Error>;
 
 /// A pool of equally sized slots per size class, carved from one slab.
 pub struct SlotPool<A: ManagedAllocator> {
@@ -198,6 +211,8 @@ pub struct SlotPool<A: ManagedAllocator> {
     /// Slot sizes, ascending: the keys of `state.classes`.
     sizes: Vec<usize>,
     state: spin::Mutex<PoolState>,
+    /// Set by the first slot holder that advises or prefetches (see [`PoolSlot::hinted`]).
+    reset_hints: spin::Mutex<Option<ResetHints<A>>>,
 }
 
 impl<A: ManagedAllocator> fmt::Debug for SlotPool<A> {
@@ -253,6 +268,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
                     slot_bytes,
                     free: (0..slots).rev().collect(),
                     dirty: Vec::new(),
+                    hinted: Vec::new(),
                 },
             );
             sizes.push(slot_bytes);
@@ -265,6 +281,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
         for class in classes.values_mut() {
             let initial_dirty = if zeroed { 0 } else { class.slot_bytes };
             class.dirty = alloc::vec![initial_dirty; class.free.len()];
+            class.hinted = alloc::vec![0; class.free.len()];
         }
         Ok(Self {
             allocator,
@@ -274,6 +291,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
                 classes,
                 ..PoolState::default()
             }),
+            reset_hints: spin::Mutex::new(None),
         })
     }
 
@@ -307,6 +325,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
             releases: state.releases,
             bytes_scrubbed: state.bytes_scrubbed,
             scrub_failures: state.scrub_failures,
+            hint_resets: state.hint_resets,
             exhaustions: state.exhaustions,
         }
     }
@@ -340,7 +359,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
             }
             .into());
         }
-        let (class, index, offset, dirty) = {
+        let (class, index, offset, dirty, hinted) = {
             let mut state = self.state.lock();
             let found = self
                 .sizes
@@ -350,7 +369,8 @@ impl<A: ManagedAllocator> SlotPool<A> {
                     let class = state.classes.get_mut(size)?;
                     let index = class.free.pop()?;
                     let offset = class.offset + class.slot_bytes * index as usize;
-                    Some((*size, index, offset, class.dirty[index as usize]))
+                    let i = index as usize;
+                    Some((*size, index, offset, class.dirty[i], class.hinted[i]))
                 });
             match found {
                 Some(slot) => {
@@ -366,22 +386,34 @@ impl<A: ManagedAllocator> SlotPool<A> {
                 }
             }
         };
-        if dirty > 0 {
-            // SAFETY: the slab is live (owned by `self`), and the slot `offset..offset + dirty`
-            // was just taken off the free list under the lock, so no holder can access it.
-            let scrubbed = unsafe { self.allocator.zero(self.slab(), offset, dirty) };
+        if dirty > 0 || hinted > 0 {
+            let scrubbed = self.scrub(offset, dirty, hinted);
             let mut state = self.state.lock();
-            if let Err(e) = scrubbed {
-                state.scrub_failures += 1;
-                state.acquisitions -= 1;
-                if let Some(c) = state.classes.get_mut(&class) {
-                    c.free.push(index);
-                }
-                return Err(Error::backend(Operation::Zero, e));
+            let state = &mut *state;
+            let i = index as usize;
+            let zeroed = scrubbed
+                .as_ref()
+                .map_or_else(|(_, zeroed, _)| *zeroed, |()| true);
+            if zeroed {
+                state.bytes_scrubbed += dirty as u64;
             }
-            state.bytes_scrubbed += dirty as u64;
             if let Some(c) = state.classes.get_mut(&class) {
-                c.dirty[index as usize] = 0;
+                if zeroed {
+                    c.dirty[i] = 0;
+                }
+                match scrubbed {
+                    Ok(()) => c.hinted[i] = 0,
+                    Err(_) => c.free.push(index),
+                }
+            }
+            match scrubbed {
+                Ok(()) => state.hint_resets += u64::from(hinted > 0),
+                Err((operation, _, e)) => {
+                    // Still dirty or still hinted: scrubbed again on the next try.
+                    state.scrub_failures += 1;
+                    state.acquisitions -= 1;
+                    return Err(Error::backend(operation, e));
+                }
             }
         }
         let slot = PoolSlot {
@@ -390,15 +422,47 @@ impl<A: ManagedAllocator> SlotPool<A> {
             index,
             offset,
             high_water: visible,
+            hinted: AtomicBool::new(false),
         };
         Ok(UnifiedBuffer::from_slot(slot, capacity, visible))
     }
 
-    fn release(&self, class: usize, index: u32, high_water: usize) {
+    /// Zeroes the first `dirty` bytes of the slot at `offset`, then resets the hints of its
+    /// first `hinted` bytes (after the zeroing, which may itself move pages). On failure: the
+    /// operation, whether the zeroing was done, and the backend's error.
+    fn scrub(
+        &self,
+        offset: usize,
+        dirty: usize,
+        hinted: usize,
+    ) -> Result<(), (Operation, bool, A::Error)> {
+        if dirty > 0 {
+            // SAFETY: the slab is live (owned by `self`), and the slot `offset..offset + dirty`
+            // was just taken off the free list under the lock, so no holder can access it.
+            unsafe { self.allocator.zero(self.slab(), offset, dirty) }
+                .map_err(|e| (Operation::Zero, false, e))?;
+        }
+        // A slot is only marked hinted after `reset_hints` is recorded.
+        let reset = *self.reset_hints.lock();
+        if let Some(reset) = reset.filter(|_| hinted > 0) {
+            reset(&self.allocator, self.slab(), offset, hinted)
+                .map_err(|e| (Operation::ResetHints, true, e))?;
+        }
+        Ok(())
+    }
+
+    fn release(&self, class: usize, index: u32, high_water: usize, hinted: bool) {
         let mut state = self.state.lock();
         state.releases += 1;
         if let Some(c) = state.classes.get_mut(&class) {
-            c.dirty[index as usize] = high_water.min(c.slot_bytes);
+            let i = index as usize;
+            let high_water = high_water.min(c.slot_bytes);
+            c.dirty[i] = high_water;
+            if hinted {
+                // Hints lie in the visible window, so within the high-water mark; a reset
+                // that failed before keeps its own extent.
+                c.hinted[i] = c.hinted[i].max(high_water);
+            }
             c.free.push(index);
         }
     }
@@ -421,6 +485,8 @@ pub(crate) struct PoolSlot<A: ManagedAllocator> {
     index: u32,
     offset: usize,
     high_water: usize,
+    /// The holder advised or prefetched (some of) the slot: its hints are reset before reuse.
+    hinted: AtomicBool,
 }
 
 impl<A: ManagedAllocator> PoolSlot<A> {
@@ -434,6 +500,15 @@ impl<A: ManagedAllocator> PoolSlot<A> {
 
     pub(crate) fn slot_bytes(&self) -> usize {
         self.class
+    }
+
+    /// Records, before the holder advises or prefetches, that the slot's hints must be reset
+    /// before its next holder gets it, and how (`reset` is `A`'s [`Advisor::reset_hints`]).
+    pub(crate) fn hinted(&self, reset: ResetHints<A>) {
+        if !self.hinted.load(Ordering::Acquire) {
+            *self.pool.reset_hints.lock() = Some(reset);
+            self.hinted.store(true, Ordering::Release);
+        }
     }
 
     /// Records that the holder may have touched `0..bytes`.
@@ -455,7 +530,9 @@ impl<A: ManagedAllocator> fmt::Debug for PoolSlot<A> {
 
 impl<A: ManagedAllocator> Drop for PoolSlot<A> {
     fn drop(&mut self) {
-        self.pool.release(self.class, self.index, self.high_water);
+        let hinted = *self.hinted.get_mut();
+        self.pool
+            .release(self.class, self.index, self.high_water, hinted);
     }
 }
 
@@ -464,7 +541,9 @@ mod tests {
     use super::*;
     use crate::doc_support::HeapAllocator;
     use crate::mocks::{MockBackend, MockError};
-    use crate::{Capabilities, IsolationLevel, TenantContext, TenantId};
+    use crate::{
+        Advice, Capabilities, IsolationLevel, Location, Stream, TenantContext, TenantId, TenantKey,
+    };
     use rstest::rstest;
 
     const PAGE: usize = SLOT_ALIGN;
@@ -615,6 +694,95 @@ mod tests {
         let third = pool.acquire(8 * PAGE, PAGE).unwrap();
         assert_eq!(pool.stats().bytes_scrubbed, 3 * PAGE as u64);
         drop(third);
+    }
+
+    /// A holder that advises or prefetches leaves its hints to be reset, over its high-water
+    /// mark, after the zeroing and before the next holder; a holder that hinted nothing costs
+    /// no reset.
+    #[test]
+    fn hints_are_reset_after_the_scrub_and_only_for_a_slot_that_was_hinted() {
+        let mut mock = mock_backend(true);
+        let mut seq = mockall::Sequence::new();
+        mock.expect_advise().times(1).returning(|_, _, _, _| Ok(()));
+        mock.expect_prefetch()
+            .times(1)
+            .returning(|_, _, _, _, _| Ok(()));
+        // Slot 1 of the class (at 8 pages), touched to 2 pages: zeroed, then reset.
+        mock.expect_zero()
+            .withf(|_, offset, len| *offset == 8 * PAGE && *len == 2 * PAGE)
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_, _, _| Ok(()));
+        mock.expect_reset_hints()
+            .withf(|_, offset, len| *offset == 8 * PAGE && *len == 2 * PAGE)
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_, _, _| Ok(()));
+        // Slot 0, touched but never hinted: zeroed only.
+        mock.expect_zero()
+            .withf(|_, offset, len| *offset == 0 && *len == PAGE)
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_, _, _| Ok(()));
+        let config = PoolConfig::new(DeviceId(0), [SizeClass::new(8 * PAGE, 2)]);
+        let pool = Arc::new(SlotPool::new(mock, config).unwrap());
+        let plain = pool.acquire(8 * PAGE, PAGE).unwrap(); // slot 0
+        let mut hinted = pool.acquire(8 * PAGE, PAGE).unwrap(); // slot 1
+        hinted.grow_to(2 * PAGE).unwrap();
+        hinted.advise(0, PAGE, Advice::SetReadMostly).unwrap();
+        let stream = Stream::new(1, 0, IsolationLevel::Shared, TenantKey::fresh(TenantId(1)));
+        hinted
+            .prefetch(PAGE, PAGE, Location::Device(DeviceId(0)), &stream)
+            .unwrap();
+        drop(hinted);
+        let next = pool.acquire(8 * PAGE, 0).unwrap(); // slot 1 again
+        drop(plain);
+        let last = pool.acquire(8 * PAGE, 0).unwrap(); // slot 0 again
+        let s = pool.stats();
+        assert_eq!((s.hint_resets, s.bytes_scrubbed), (1, 3 * PAGE as u64));
+        drop((next, last));
+    }
+
+    /// A reset that fails hands nothing out; the next try resets again without zeroing again.
+    #[test]
+    fn failed_hint_reset_hands_out_nothing_and_is_retried() {
+        let mut mock = mock_backend(true);
+        let mut seq = mockall::Sequence::new();
+        mock.expect_advise().returning(|_, _, _, _| Ok(()));
+        mock.expect_zero()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_, _, _| Ok(()));
+        mock.expect_reset_hints()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_, _, _| Err(MockError(ErrorKind::Driver)));
+        mock.expect_reset_hints()
+            .withf(|_, offset, len| *offset == 0 && *len == PAGE)
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_, _, _| Ok(()));
+        let config = PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 1)]);
+        let pool = Arc::new(SlotPool::new(mock, config).unwrap());
+        let first = pool.acquire(PAGE, PAGE).unwrap();
+        first
+            .advise(0, PAGE, Advice::SetPreferredLocation(Location::Host))
+            .unwrap();
+        drop(first);
+        let err = pool.acquire(PAGE, PAGE).unwrap_err();
+        assert!(matches!(
+            err,
+            Error::Backend {
+                op: Operation::ResetHints,
+                ..
+            }
+        ));
+        let s = pool.stats();
+        assert_eq!((s.in_use(), s.free(), s.scrub_failures), (0, 1, 1));
+        let again = pool.acquire(PAGE, 0).unwrap();
+        let s = pool.stats();
+        assert_eq!((s.hint_resets, s.bytes_scrubbed), (1, PAGE as u64));
+        drop(again);
     }
 
     #[test]

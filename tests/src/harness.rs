@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use tensor_wasm_mem_core::{Advisor, DevicePools, ManagedAllocator, Operation, StreamProvider};
+use tensor_wasm_mem_core::{
+    Advisor, Allocation, DevicePools, Location, ManagedAllocator, Operation, StreamProvider,
+};
 use tensor_wasm_mem_mock::{MockBackend, MockConfig};
 
 /// What the suite needs from a backend.
@@ -116,6 +118,62 @@ pub trait Harness: 'static {
     fn too_much(_backend: &Self::Backend) -> usize {
         usize::MAX / 2
     }
+
+    /// The advice and residency in force at `offset` of `allocation`, where the backend (or the
+    /// driver below it) can be inspected.
+    fn hints(
+        _backend: &Self::Backend,
+        _allocation: &Allocation,
+        _offset: usize,
+    ) -> Option<HintState> {
+        None
+    }
+}
+
+/// The advice and residency at one address, as the suite compares them across backends.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HintState {
+    /// Read-mostly is in force.
+    pub read_mostly: bool,
+    /// The preferred location, if any.
+    pub preferred: Option<Location>,
+    /// Accessed-by locations, in ascending order (the host first).
+    pub accessed_by: Vec<Location>,
+    /// Where the address was last prefetched to (`None`: never, or reset).
+    pub resident: Option<Location>,
+}
+
+impl HintState {
+    /// What a fresh allocation has: no advice, and no page kept on a device (never prefetched,
+    /// or prefetched back to the host).
+    #[must_use]
+    pub fn is_pristine(&self) -> bool {
+        !self.read_mostly
+            && self.preferred.is_none()
+            && self.accessed_by.is_empty()
+            && matches!(self.resident, None | Some(Location::Host))
+    }
+
+    /// From the simulated libcuda's answer.
+    #[must_use]
+    pub fn from_sim(hints: crate::sim::SimHints) -> Self {
+        let location = |ordinal: i32| match ordinal {
+            crate::sim::SimHints::NONE => None,
+            -1 => Some(Location::Host),
+            d => u32::try_from(d)
+                .ok()
+                .map(|d| Location::Device(tensor_wasm_mem_core::DeviceId(d))),
+        };
+        Self {
+            read_mostly: hints.read_mostly != 0,
+            preferred: location(hints.preferred),
+            accessed_by: (0..64)
+                .filter(|bit| hints.accessed_by & (1 << bit) != 0)
+                .filter_map(|bit| location(bit - 1))
+                .collect(),
+            resident: location(hints.resident),
+        }
+    }
 }
 
 /// A driver release a case makes fail (beyond the trait operations of `Operation`).
@@ -197,6 +255,24 @@ macro_rules! mock_harness {
             }
             fn too_much(b: &MockBackend) -> usize {
                 usize::try_from(b.config().device_memory_bytes).unwrap_or(usize::MAX) + 1
+            }
+            fn hints(
+                b: &MockBackend,
+                allocation: &tensor_wasm_mem_core::Allocation,
+                offset: usize,
+            ) -> Option<$crate::harness::HintState> {
+                let hints = b.hints(allocation, offset).ok()?;
+                let mut accessed_by = hints.accessed_by;
+                accessed_by.sort_by_key(|l| match l {
+                    tensor_wasm_mem_core::Location::Host => 0,
+                    tensor_wasm_mem_core::Location::Device(d) => u64::from(d.0) + 1,
+                });
+                Some($crate::harness::HintState {
+                    read_mostly: hints.read_mostly,
+                    preferred: hints.preferred_location,
+                    accessed_by,
+                    resident: b.residency(allocation, offset).ok()?,
+                })
             }
         }
     };
@@ -301,6 +377,8 @@ macro_rules! driver_harness {
                     Operation::Zero => "cuMemsetD8Async",
                     Operation::Advise => $advise,
                     Operation::Prefetch => $prefetch,
+                    // A reset begins with an unset advice.
+                    Operation::ResetHints => $advise,
                     Operation::AcquireStream => "cuStreamCreate",
                     Operation::ReleaseStream => "cuStreamDestroy_v2",
                     Operation::Synchronize => "cuStreamSynchronize",
@@ -383,6 +461,16 @@ macro_rules! driver_harness {
                     let s = sim.stats();
                     [s.live_allocations, s.live_streams, s.live_contexts, s.live_pools]
                 })
+            }
+
+            fn hints(
+                _: &Self::Backend,
+                allocation: &$crate::core::Allocation,
+                offset: usize,
+            ) -> Option<$crate::harness::HintState> {
+                let sim = $crate::sim::Sim::get()?;
+                let hints = sim.hints(allocation.device_ptr() + offset as u64)?;
+                Some($crate::harness::HintState::from_sim(hints))
             }
 
             fn too_much(_: &Self::Backend) -> usize {

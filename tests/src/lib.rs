@@ -51,6 +51,8 @@ macro_rules! conformance {
         #[case::context_isolation_is_per_tenant($crate::suite::context_isolation_is_per_tenant::<$harness>)]
         #[case::unknown_streams_are_refused($crate::suite::unknown_streams_are_refused::<$harness>)]
         #[case::pool_reuse_scrubs($crate::suite::pool_reuse_scrubs::<$harness>)]
+        #[case::reset_hints_restores_a_fresh_allocation($crate::suite::reset_hints_restores_a_fresh_allocation::<$harness>)]
+        #[case::pool_reuse_resets_hints($crate::suite::pool_reuse_resets_hints::<$harness>)]
         #[case::pool_reuse_never_exhausts($crate::suite::pool_reuse_never_exhausts::<$harness>)]
         #[case::pool_exhaustion_is_typed($crate::suite::pool_exhaustion_is_typed::<$harness>)]
         #[case::tenants_never_see_each_others_bytes($crate::suite::tenants_never_see_each_others_bytes::<$harness>)]

@@ -6,7 +6,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 #[path = "../cuda-sim/src/abi.rs"]
 mod abi;
 
-pub use abi::{SimConfig, SimStats, code};
+pub use abi::{SimConfig, SimHints, SimStats, code};
 
 /// The simulator built by `build.rs` (SONAME `libcuda.so.1`).
 pub const SIM_PATH: &str = env!("TWM_CUDA_SIM_PATH");
@@ -102,6 +102,19 @@ impl Sim {
         // SAFETY: `stats` is a valid out-pointer.
         assert_eq!(unsafe { f(&mut stats) }, 0);
         stats
+    }
+
+    /// The advice and residency in force at `ptr` (`None`: not in a live managed allocation).
+    pub fn hints(&self, ptr: u64) -> Option<SimHints> {
+        let f: unsafe extern "C" fn(u64, *mut SimHints) -> u32 = self.f("twm_sim_hints");
+        let mut hints = SimHints {
+            read_mostly: 0,
+            preferred: SimHints::NONE,
+            accessed_by: 0,
+            resident: SimHints::NONE,
+        };
+        // SAFETY: `hints` is a valid out-pointer.
+        (unsafe { f(ptr, &mut hints) } == 0).then_some(hints)
     }
 
     /// Makes the `nth` call of `entry_point` from now return `error`.

@@ -597,6 +597,184 @@ pub fn pool_reuse_scrubs<H: Harness>() {
     assert_no_leaks::<H>(&b);
 }
 
+/// What a tenant can leave behind on its memory besides bytes: each advice that sets
+/// something, and a prefetch to device 0 (where concurrent managed access allows one).
+enum Leftover {
+    Advice(Advice),
+    PrefetchToDevice,
+}
+
+fn leftovers(concurrent: bool) -> Vec<Leftover> {
+    let mut all: Vec<Leftover> = [
+        Advice::SetReadMostly,
+        Advice::SetPreferredLocation(Location::Host),
+        Advice::SetPreferredLocation(Location::Device(D0)),
+        Advice::SetAccessedBy(Location::Host),
+        Advice::SetAccessedBy(Location::Device(D0)),
+    ]
+    .into_iter()
+    .map(Leftover::Advice)
+    .collect();
+    if concurrent {
+        all.push(Leftover::PrefetchToDevice);
+    }
+    all
+}
+
+impl std::fmt::Display for Leftover {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Advice(a) => write!(f, "{a}"),
+            Self::PrefetchToDevice => f.write_str("prefetch to device 0"),
+        }
+    }
+}
+
+/// Checks, where the backend can be inspected, that `offsets` of `allocation` are (or are not)
+/// as a fresh allocation has them. `false` when it cannot be inspected.
+fn check_pristine<H: Harness>(
+    b: &H::Backend,
+    allocation: &Allocation,
+    offsets: &[usize],
+    pristine: bool,
+    what: &str,
+) -> bool {
+    for &offset in offsets {
+        let Some(state) = H::hints(b, allocation, offset) else {
+            return false;
+        };
+        assert_eq!(
+            state.is_pristine(),
+            pristine,
+            "{what} at offset {offset}: {state:?}"
+        );
+    }
+    true
+}
+
+/// `reset_hints` puts each advice and a prefetch's residency back as a fresh allocation has
+/// them, over exactly the range, and keeps the bytes; it checks ranges as `advise` does.
+pub fn reset_hints_restores_a_fresh_allocation<H: Harness>() {
+    let b = H::backend();
+    let len = 4 * PAGE;
+    let a = b.allocate(D0, len).expect("allocate");
+    let lease = StreamLease::acquire(&*b, key(1), IsolationLevel::StreamIsolated).expect("stream");
+    let host = b.capabilities().host_accessible;
+    if host {
+        host_fill(&a, 0, len, 0x5a);
+    }
+    let mut inspected = false;
+    for leftover in leftovers(b.capabilities().concurrent_managed_access) {
+        match leftover {
+            Leftover::Advice(advice) => b.advise(&a, 0, len, advice).expect("advise"),
+            Leftover::PrefetchToDevice => {
+                b.prefetch(&a, 0, len, Location::Device(D0), lease.stream())
+                    .expect("prefetch");
+                b.synchronize(lease.stream()).expect("synchronize");
+            }
+        }
+        let what = format!("after {leftover}");
+        inspected |= check_pristine::<H>(&b, &a, &[0, len - 1], false, &what);
+        // Reset all but the last page: that page keeps what it had.
+        b.reset_hints(&a, 0, len - PAGE).expect("reset_hints");
+        let what = format!("after {leftover} and reset_hints");
+        check_pristine::<H>(&b, &a, &[0, PAGE + 17, len - PAGE - 1], true, &what);
+        check_pristine::<H>(
+            &b,
+            &a,
+            &[len - PAGE, len - 1],
+            false,
+            &format!("{what} (outside)"),
+        );
+        b.reset_hints(&a, len - PAGE, PAGE).expect("reset_hints");
+        check_pristine::<H>(&b, &a, &[len - 1], true, &what);
+    }
+    if !inspected {
+        skipped(
+            "reset_hints_restores_a_fresh_allocation",
+            "hints cannot be inspected",
+        );
+    }
+    if host {
+        assert!(
+            host_bytes(&a, 0, len).iter().all(|&x| x == 0x5a),
+            "contents kept"
+        );
+    }
+    for (offset, n) in valid_ranges(len) {
+        b.reset_hints(&a, offset, n)
+            .unwrap_or_else(|e| panic!("reset_hints({offset}, {n}): {e}"));
+    }
+    for (offset, n, kind) in bad_ranges(len) {
+        let err = b.reset_hints(&a, offset, n).expect_err("bad range");
+        assert_eq!(err.kind(), kind, "reset_hints({offset}, {n}): {err}");
+    }
+    lease.release().expect("release");
+    free(&*b, a);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Attack: a tenant sets each advice (or prefetches) on its pooled memory and lets it go; the
+/// next holder of the same slot finds it as a fresh allocation has it.
+pub fn pool_reuse_resets_hints<H: Harness>() {
+    let b = H::backend();
+    let p = pool::<H>(&b, &[SizeClass::new(4 * PAGE, 1)]);
+    let lease = StreamLease::acquire(&*b, key(1), IsolationLevel::StreamIsolated).expect("stream");
+    let mut inspected = false;
+    let mut resets = 0;
+    for leftover in leftovers(b.capabilities().concurrent_managed_access) {
+        let mut first = p.acquire(4 * PAGE, PAGE).expect("slot");
+        first.grow_to(3 * PAGE).expect("grow");
+        match leftover {
+            Leftover::Advice(advice) => first.advise(0, 3 * PAGE, advice).expect("advise"),
+            Leftover::PrefetchToDevice => {
+                first
+                    .prefetch(0, 3 * PAGE, Location::Device(D0), lease.stream())
+                    .expect("prefetch");
+                b.synchronize(lease.stream()).expect("synchronize");
+            }
+        }
+        let base = first.as_ptr() as usize - p.slab().as_ptr() as usize;
+        let offsets = [base, base + 3 * PAGE - 1];
+        inspected |= check_pristine::<H>(&b, p.slab(), &offsets, false, &format!("{leftover}"));
+        drop(first);
+        let second = p.acquire(4 * PAGE, 4 * PAGE).expect("slot again");
+        assert_eq!(
+            second.as_ptr() as usize - p.slab().as_ptr() as usize,
+            base,
+            "the same slot"
+        );
+        resets += 1;
+        assert_eq!(
+            p.stats().hint_resets,
+            resets,
+            "the slot's hints were reset: {leftover}"
+        );
+        check_pristine::<H>(
+            &b,
+            p.slab(),
+            &offsets,
+            true,
+            &format!("reused after {leftover}"),
+        );
+        drop(second);
+    }
+    // A holder that hints nothing costs no reset.
+    drop(p.acquire(4 * PAGE, PAGE).expect("slot"));
+    drop(p.acquire(4 * PAGE, PAGE).expect("slot"));
+    assert_eq!(
+        p.stats().hint_resets,
+        resets,
+        "nothing hinted, nothing reset"
+    );
+    if !inspected {
+        skipped("pool_reuse_resets_hints", "hints cannot be inspected");
+    }
+    lease.release().expect("release");
+    drop(p);
+    assert_no_leaks::<H>(&b);
+}
+
 /// Acquiring and releasing ten times the slot count never exhausts the pool.
 pub fn pool_reuse_never_exhausts<H: Harness>() {
     let b = H::backend();

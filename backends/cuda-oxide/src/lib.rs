@@ -100,6 +100,10 @@ impl Advisor for CudaOxideBackend {
     ) -> Result<(), OxideError> {
         Err(not_yet(Operation::Prefetch))
     }
+
+    fn reset_hints(&self, _: &Allocation, _: usize, _: usize) -> Result<(), OxideError> {
+        Err(not_yet(Operation::ResetHints))
+    }
 }
 
 impl StreamProvider for CudaOxideBackend {

@@ -76,10 +76,10 @@ pub struct Hints {
 /// Counters of a [`MockBackend`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MockStats {
-    /// Calls per operation, in [`Operation`] order: allocate, free, zero, advise, prefetch,
+    /// Calls per operation: allocate, free, zero, advise, prefetch,
     /// acquire_stream, release_stream, synchronize, create_pool, pool_allocate, pool_free,
-    /// trim_pool, destroy_pool, pool_stats.
-    pub calls: [u64; 14],
+    /// trim_pool, destroy_pool, pool_stats, reset_hints (read them with [`calls`](Self::calls)).
+    pub calls: [u64; 15],
     /// Allocations alive now.
     pub live_allocations: u64,
     /// Bytes allocated now (requested sizes).
@@ -136,6 +136,7 @@ fn op_index(op: Operation) -> Option<usize> {
         Operation::TrimPool => 11,
         Operation::DestroyPool => 12,
         Operation::PoolStats => 13,
+        Operation::ResetHints => 14,
         _ => return None,
     })
 }
@@ -620,6 +621,28 @@ impl Advisor for MockBackend {
         Self::record_mut(&mut state, allocation)?
             .residency
             .set(range, Some(to));
+        Ok(())
+    }
+
+    /// Clears every hint and the residency over the range: it reads as never advised and never
+    /// prefetched, as a fresh allocation does.
+    fn reset_hints(
+        &self,
+        allocation: &Allocation,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), MockError> {
+        let mut state = self.state();
+        self.enter(&mut state, Operation::ResetHints)?;
+        Self::record(&state, allocation)?;
+        let range = allocation.range(offset, len)?;
+        let record = Self::record_mut(&mut state, allocation)?;
+        record.read_mostly.set(range.clone(), None);
+        record.preferred.set(range.clone(), None);
+        for (_, by) in &mut record.accessed_by {
+            by.set(range.clone(), None);
+        }
+        record.residency.set(range, None);
         Ok(())
     }
 }

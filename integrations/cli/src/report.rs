@@ -34,6 +34,7 @@ pub fn creator_json(s: &CreatorStats) -> Value {
             "acquisitions": p.acquisitions,
             "releases": p.releases,
             "bytes_scrubbed": p.bytes_scrubbed,
+            "hint_resets": p.hint_resets,
             "exhaustions": p.exhaustions,
         })
     });
@@ -93,10 +94,11 @@ pub fn stats_table<B: Backend>(
     );
     if let Some(p) = &c.pool {
         out += &format!(
-            "; pool: {} in use, {} free, {} scrubbed, {} exhausted",
+            "; pool: {} in use, {} free, {} scrubbed, {} hint resets, {} exhausted",
             p.in_use(),
             p.free(),
             format_bytes(p.bytes_scrubbed),
+            p.hint_resets,
             p.exhaustions
         );
     }

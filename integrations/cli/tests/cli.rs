@@ -157,6 +157,28 @@ fn repeat_reuses_the_pool_and_scrubs() {
     assert_eq!(v["creator"]["pool"]["acquisitions"], 2);
 }
 
+/// Attack 3 through `twm run`: each run advises its pooled memory; the next run's memory in the
+/// same slot has its hints reset first (a run that hints nothing costs no reset).
+#[test]
+fn a_pooled_runs_hints_are_reset_before_the_next_run() {
+    let (code, out, err) = run(&[
+        "--invoke", "advise", "0", "16", "--repeat", "3", "--pool", "1", "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["runs"], serde_json::json!([[0], [0], [0]]));
+    assert_eq!(v["creator"]["pool"]["hint_resets"], 2, "{v}");
+    let (_, out, _) = run(&[
+        "--invoke", "first", "--repeat", "3", "--pool", "1", "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["creator"]["pool"]["hint_resets"], 0, "{v}");
+    let (_, _, err) = run(&[
+        "--invoke", "advise", "0", "16", "--repeat", "2", "--pool", "1", "--stats",
+    ]);
+    assert!(err.contains("1 hint resets"), "{err}");
+}
+
 #[test]
 fn host_functions_are_linked() {
     assert_eq!(run(&["--invoke", "advise", "0", "16"]).1, "0\n");

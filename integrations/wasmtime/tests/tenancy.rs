@@ -633,3 +633,63 @@ fn the_charge_outlives_the_store_data_until_the_memory_is_gone() {
     assert_eq!((s.live_bytes, s.held_bytes, s.live_memories), (0, 0, 0));
     assert_eq!(creator.stats().pool.unwrap().in_use(), 0);
 }
+
+/// Attack 3: tenant A advises (read-mostly, preferred location, accessed-by) and prefetches its
+/// pooled memory through the `twm` host functions and goes; tenant B's memory in the same slot
+/// carries none of it (the pool resets hints before reuse, as it scrubs bytes).
+#[test]
+fn a_tenants_hints_do_not_reach_the_next_holder_of_its_slot() {
+    use tensor_wasm_mem_core::Location;
+    use tensor_wasm_mem_mock::Hints;
+    use tensor_wasm_mem_wasmtime::add_to_linker;
+
+    let backend = mock();
+    let creator = pooled(&backend, 4 * PAGE, 1);
+    let engine = creator.engine().unwrap();
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).unwrap();
+    let module = Module::new(
+        &engine,
+        r#"(module
+          (import "twm" "advise" (func $advise (param i32 i32 i32 i32) (result i32)))
+          (import "twm" "prefetch" (func $prefetch (param i32 i32 i32) (result i32)))
+          (memory (export "memory") 1 4)
+          (func (export "hint") (result i32)
+            (i32.or
+              (i32.or (call $advise (i32.const 0) (i32.const 65536) (i32.const 0) (i32.const -1))
+                      (call $advise (i32.const 0) (i32.const 65536) (i32.const 2) (i32.const 0)))
+              (i32.or
+                (i32.or (call $advise (i32.const 0) (i32.const 65536) (i32.const 4) (i32.const 0))
+                        (call $advise (i32.const 0) (i32.const 65536) (i32.const 4) (i32.const -1)))
+                (call $prefetch (i32.const 0) (i32.const 65536) (i32.const 0))))))"#,
+    )
+    .unwrap();
+    let pool = Arc::clone(creator.pool().expect("a pooled creator"));
+    let at = |offset: usize| backend.hints(pool.slab(), offset).unwrap();
+    let resident = |offset: usize| backend.residency(pool.slab(), offset).unwrap();
+
+    let a = tenant(1, 4 * PAGE as u64);
+    let mut store = store_for(&creator, &engine, &a, ChargeMode::Touched);
+    let instance = instantiate(&mut store, &linker, &module).unwrap();
+    let hint = func::<_, (), i32>(&mut store, &instance, "hint");
+    assert_eq!(hint.call(&mut store, ()).unwrap(), 0, "every hint accepted");
+    let d0 = Location::Device(tensor_wasm_mem_core::DeviceId(0));
+    let set = at(PAGE - 1);
+    assert!(
+        set.read_mostly && set.preferred_location == Some(d0),
+        "{set:?}"
+    );
+    assert_eq!(set.accessed_by.len(), 2, "{set:?}");
+    assert_eq!(resident(0), Some(d0));
+    drop(store);
+
+    let b = tenant(2, 4 * PAGE as u64);
+    let mut store = store_for(&creator, &engine, &b, ChargeMode::Touched);
+    instantiate(&mut store, &linker, &module).unwrap();
+    assert_eq!(pool.stats().hint_resets, 1);
+    for offset in [0, PAGE / 2, PAGE - 1] {
+        assert_eq!(at(offset), Hints::default(), "offset {offset}");
+        assert_eq!(resident(offset), None, "offset {offset}");
+    }
+    drop(store);
+}

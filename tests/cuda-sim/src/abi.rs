@@ -113,3 +113,23 @@ pub struct SimStats {
     /// Pool allocations alive.
     pub live_pool_allocations: u64,
 }
+
+/// The advice and residency in force at one address (`twm_sim_hints`). Locations are device
+/// ordinals, `-1` for the host (`CU_DEVICE_CPU`), [`SimHints::NONE`] for none.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimHints {
+    /// `CU_MEM_ADVISE_SET_READ_MOSTLY` in force (0 or 1).
+    pub read_mostly: u32,
+    /// The preferred location.
+    pub preferred: i32,
+    /// Accessed-by locations: bit 0 the host, bit `d + 1` device `d`.
+    pub accessed_by: u64,
+    /// Where the address was last prefetched to.
+    pub resident: i32,
+}
+
+impl SimHints {
+    /// No location.
+    pub const NONE: i32 = -2;
+}

@@ -17,7 +17,10 @@
 //! Build it as a cdylib with SONAME `libcuda.so.1` (what `tests/build.rs` does). Its file must
 //! never be named `libcuda.so` inside `target/`, where it could shadow a real driver.
 //!
-//! What it does not model: kernels, real migration or residency, timing, asynchrony (every call
+//! Advice and prefetches are recorded per range (`twm_sim_hints` answers what is in force at an
+//! address: read-mostly, preferred location, accessed-by, where it was last prefetched to).
+//!
+//! What it does not model: kernels, real migration, timing, asynchrony (every call
 //! completes before it returns), multiple processes.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
@@ -27,7 +30,7 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 mod abi;
-pub use abi::{SimConfig, SimStats, code};
+pub use abi::{SimConfig, SimHints, SimStats, code};
 
 /// Device attributes the simulator answers (others answer 0).
 mod attr {
@@ -77,6 +80,49 @@ struct Allocation {
     device: usize,
     /// The pool it came from (`None`: managed memory from cuMemAllocManaged).
     pool: Option<u64>,
+    /// Advice and prefetches applied, oldest first (see [`Sim::hints_at`]).
+    hints: Vec<HintOp>,
+}
+
+/// A location as the CUDA 11 calls name it: a device ordinal, or `CU_DEVICE_CPU` for the host.
+type Ordinal = c_int;
+
+/// One advice or prefetch over `start..end` of an allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct HintOp {
+    start: u64,
+    end: u64,
+    what: Hint,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hint {
+    ReadMostly(bool),
+    Preferred(Option<Ordinal>),
+    AccessedBy(Ordinal, bool),
+    Resident(Ordinal),
+}
+
+impl Hint {
+    /// Two hints of the same slot: a later one over a range replaces an earlier one there.
+    fn same_slot(self, other: Self) -> bool {
+        match (self, other) {
+            (Self::AccessedBy(a, _), Self::AccessedBy(b, _)) => a == b,
+            _ => core::mem::discriminant(&self) == core::mem::discriminant(&other),
+        }
+    }
+
+    /// `CU_MEM_ADVISE_*` (1..=6) at `location`.
+    fn from_advice(advice: c_uint, location: Ordinal) -> Self {
+        match advice {
+            1 => Self::ReadMostly(true),
+            2 => Self::ReadMostly(false),
+            3 => Self::Preferred(Some(location)),
+            4 => Self::Preferred(None),
+            5 => Self::AccessedBy(location, true),
+            _ => Self::AccessedBy(location, false),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -257,6 +303,46 @@ impl Sim {
             return Err(code::INVALID_VALUE);
         }
         Ok(allocation)
+    }
+
+    /// Records `what` over `ptr..ptr + count` (a range already checked to be managed memory).
+    fn hint(&mut self, ptr: u64, count: usize, what: Hint) {
+        let Some((_, allocation)) = self.allocations.range_mut(..=ptr).next_back() else {
+            return;
+        };
+        let (start, end) = (ptr, ptr + count as u64);
+        // What the new one covers of the same kind is forgotten: the log stays as long as the
+        // number of distinct ranges, not the number of calls.
+        allocation
+            .hints
+            .retain(|h| !(h.what.same_slot(what) && start <= h.start && h.end <= end));
+        allocation.hints.push(HintOp { start, end, what });
+    }
+
+    /// The advice and residency in force at `ptr`.
+    fn hints_at(&self, ptr: u64) -> Result<SimHints, u32> {
+        let allocation = self.managed_range(ptr, 1)?;
+        let mut out = SimHints {
+            read_mostly: 0,
+            preferred: SimHints::NONE,
+            accessed_by: 0,
+            resident: SimHints::NONE,
+        };
+        let bit = |ordinal: Ordinal| 1u64 << (ordinal + 1).clamp(0, 63);
+        for op in allocation
+            .hints
+            .iter()
+            .filter(|h| h.start <= ptr && ptr < h.end)
+        {
+            match op.what {
+                Hint::ReadMostly(on) => out.read_mostly = u32::from(on),
+                Hint::Preferred(at) => out.preferred = at.unwrap_or(SimHints::NONE),
+                Hint::AccessedBy(at, true) => out.accessed_by |= bit(at),
+                Hint::AccessedBy(at, false) => out.accessed_by &= !bit(at),
+                Hint::Resident(at) => out.resident = at,
+            }
+        }
+        Ok(out)
     }
 
     fn stream(&self, stream: u64) -> Result<(), u32> {
@@ -595,7 +681,7 @@ entry! {
             unsafe { memory.write_bytes(0xA5, bytes) };
         }
         let address = memory as u64;
-        sim.allocations.insert(address, Allocation { len: bytes, layout, device: d, pool: None });
+        sim.allocations.insert(address, Allocation { len: bytes, layout, device: d, pool: None, hints: Vec::new() });
         sim.devices[d].used += bytes as u64;
         sim.stats.allocations += 1;
         sim.stats.live_allocations += 1;
@@ -643,9 +729,13 @@ entry! {
             return Err(code::INVALID_VALUE);
         }
         sim.managed_range(ptr, count)?;
-        if matches!(advice, 3 | 5 | 6) {
-            sim.location(location)?;
+        let mut at = CU_DEVICE_CPU;
+        if matches!(advice, 3 | 5 | 6)
+            && let Some(device) = sim.location(location)?
+        {
+            at = device as Ordinal;
         }
+        sim.hint(ptr, count, Hint::from_advice(advice, at));
         Ok(())
     }
 }
@@ -661,6 +751,7 @@ entry! {
         if matches!(advice, 3 | 5 | 6) && device != CU_DEVICE_CPU {
             sim.device(device)?;
         }
+        sim.hint(ptr, count, Hint::from_advice(advice, device));
         Ok(())
     }
 }
@@ -675,9 +766,12 @@ entry! {
         }
         sim.managed_range(ptr, count)?;
         sim.stream(stream as u64)?;
-        if sim.location(location)?.is_some() && sim.config().concurrent == 0 {
+        let to = sim.location(location)?;
+        if to.is_some() && sim.config().concurrent == 0 {
             return Err(code::INVALID_DEVICE);
         }
+        let at = to.map_or(CU_DEVICE_CPU, |d| d as Ordinal);
+        sim.hint(ptr, count, Hint::Resident(at));
         Ok(())
     }
 }
@@ -697,6 +791,7 @@ entry! {
                 return Err(code::INVALID_DEVICE);
             }
         }
+        sim.hint(ptr, count, Hint::Resident(device));
         Ok(())
     }
 }
@@ -835,7 +930,7 @@ entry! {
         let p = sim.pools.get_mut(&h).ok_or(code::INVALID_VALUE)?;
         p.used += bytes as u64;
         p.used_high = p.used_high.max(p.used);
-        sim.allocations.insert(address, Allocation { len: bytes, layout, device, pool: Some(h) });
+        sim.allocations.insert(address, Allocation { len: bytes, layout, device, pool: Some(h), hints: Vec::new() });
         sim.stats.live_pool_allocations += 1;
         put(ptr, address)
     }
@@ -983,6 +1078,22 @@ pub extern "C" fn twm_sim_reset() {
         ..Sim::default()
     });
     CONTEXTS.with(|s| s.borrow_mut().clear());
+}
+
+/// Copies the advice and residency in force at `ptr` (inside a live managed allocation) to
+/// `out`; `CUDA_ERROR_INVALID_VALUE` for any other address.
+///
+/// # Safety
+///
+/// `out` must be valid for a write of [`SimHints`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn twm_sim_hints(ptr: u64, out: *mut SimHints) -> c_uint {
+    let hints = lock().get_or_insert_with(Sim::default).hints_at(ptr);
+    // SAFETY: guaranteed by the caller.
+    match hints.and_then(|h| unsafe { put(out, h) }) {
+        Ok(()) => code::SUCCESS,
+        Err(e) => e,
+    }
 }
 
 /// Copies the counters to `out`.
