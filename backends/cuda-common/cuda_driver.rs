@@ -365,6 +365,11 @@ impl Devices {
         unsafe { zero(ptr, len, self.get(id).scrub_stream) }
     }
 
+    /// The device's zeroing stream (non-blocking, in its primary context).
+    pub(crate) fn scrub_stream(&self, id: DeviceId) -> u64 {
+        self.get(id).scrub_stream as u64
+    }
+
     pub(crate) fn context_create(&self, id: DeviceId) -> Result<u64, CudaCallError> {
         Ok(context_create(self.get(id).cu)? as u64)
     }
@@ -420,6 +425,10 @@ macro_rules! common_driver_api {
             // SAFETY: guaranteed by the caller (the `DriverApi::zero` contract: the range is
             // inside a live allocation, the device's primary context is current).
             Ok(unsafe { self.devices.zero(device, ptr, len) }?)
+        }
+
+        fn scrub_stream(&self, device: DeviceId) -> u64 {
+            self.devices.scrub_stream(device)
         }
 
         fn stream_create(&self) -> Result<u64, $error> {

@@ -240,6 +240,12 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
     /// `to` on `stream`, with the stream's context current.
     fn prefetch(&self, ptr: u64, len: usize, to: Location, stream: u64) -> Result<(), Self::Error>;
 
+    /// The stream [`zero`](Self::zero) runs on for `device`: a non-blocking stream of its
+    /// primary context that no tenant's work is queued on. `Advisor::reset_hints` prefetches a
+    /// slot back to the host there and waits, so the reset never waits for tenants' work (as
+    /// the legacy default stream would make it wait for every shared tenant's).
+    fn scrub_stream(&self, device: DeviceId) -> u64;
+
     /// Creates a non-blocking stream in the current context.
     fn stream_create(&self) -> Result<u64, Self::Error>;
 
@@ -663,8 +669,9 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
     }
 
     /// Unsets every advice over the range (accessed-by for the host and each device), then,
-    /// where the device migrates pages on its own (concurrent managed access), prefetches the
-    /// range to the host on the legacy default stream and waits for it.
+    /// where any device can hold the pages (concurrent managed access: a prefetch or a
+    /// preferred location may have put them there), prefetches the range to the host on the
+    /// device's zeroing stream ([`DriverApi::scrub_stream`]) and waits for it.
     fn reset_hints(
         &self,
         allocation: &Allocation,
@@ -678,7 +685,12 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         let start = allocation.device_ptr() + range.start as u64;
         let len = range.len();
         let devices = self.driver.device_count();
-        let migrates = self.driver.device_facts(device).concurrent_managed_access;
+        let migrates = (0..devices).any(|d| {
+            self.driver
+                .device_facts(DeviceId(d))
+                .concurrent_managed_access
+        });
+        let scrub = self.driver.scrub_stream(device);
         self.in_primary(device, |d| {
             d.advise(start, len, Advice::UnsetReadMostly)?;
             d.advise(start, len, Advice::UnsetPreferredLocation)?;
@@ -688,8 +700,8 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
                 d.advise(start, len, Advice::UnsetAccessedBy(peer))?;
             }
             if migrates {
-                d.prefetch(start, len, Location::Host, DEFAULT_STREAM)?;
-                d.synchronize(DEFAULT_STREAM)?;
+                d.prefetch(start, len, Location::Host, scrub)?;
+                d.synchronize(scrub)?;
             }
             Ok(())
         })

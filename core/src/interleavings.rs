@@ -362,6 +362,9 @@ unsafe impl DriverApi for Fake {
     fn prefetch(&self, _: u64, _: usize, _: Location, _: u64) -> Result<(), FakeError> {
         Err(FakeError::Code(1))
     }
+    fn scrub_stream(&self, _: DeviceId) -> u64 {
+        DEFAULT_STREAM
+    }
     fn stream_create(&self) -> Result<u64, FakeError> {
         switch();
         let mut s = self.lock();
@@ -631,6 +634,22 @@ fn a_pool_free_racing_an_allocation_keeps_the_ledger_exact() {
         (vec![freeing, allocating], check as Box<dyn FnOnce()>)
     });
     assert!(runs > 2, "{runs} schedules explored");
+}
+
+/// Releasing the shared stream destroys nothing but waits for the default stream: a shared
+/// tenant's work there is done before its memory is scrubbed on the non-blocking zeroing stream.
+#[test]
+fn releasing_the_shared_stream_waits_for_it() {
+    let backend = DriverBackend::new(Fake::default());
+    let tenant = TenantContext::new(TenantId(1), u64::MAX, IsolationLevel::Shared);
+    let shared = backend
+        .acquire_stream(tenant.key(), IsolationLevel::Shared)
+        .expect("stream");
+    assert_eq!(shared.raw(), DEFAULT_STREAM);
+    core::mem::take(&mut backend.driver().lock().events);
+    backend.release_stream(shared).expect("release");
+    let events = core::mem::take(&mut backend.driver().lock().events);
+    assert_eq!(events, [("synchronize", DEFAULT_STREAM)]);
 }
 
 #[test]

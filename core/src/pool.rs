@@ -403,7 +403,9 @@ impl<A: ManagedAllocator> SlotPool<A> {
                 }
                 match scrubbed {
                     Ok(()) => c.hinted[i] = 0,
-                    Err(_) => c.free.push(index),
+                    // Last in the free list, not first: a slot whose scrub keeps failing must
+                    // not stand in front of the class's other free slots.
+                    Err(_) => c.free.insert(0, index),
                 }
             }
             match scrubbed {
@@ -804,6 +806,32 @@ mod tests {
         let c = pool.acquire(PAGE, 0).unwrap();
         assert_eq!(pool.stats().bytes_scrubbed, 2 * PAGE as u64);
         drop(c);
+    }
+
+    /// A slot whose scrub fails goes to the back of the free list: the next acquisition tries
+    /// another slot of the class instead of failing on the same one again.
+    #[test]
+    fn a_slot_that_fails_its_scrub_does_not_block_its_class() {
+        let mut mock = mock_backend(true);
+        // Slot 1 (at one page) is released dirty first, then slot 0: slot 0 is on top.
+        mock.expect_zero()
+            .withf(|_, offset, _| *offset == 0)
+            .returning(|_, _, _| Err(MockError(ErrorKind::Driver)));
+        mock.expect_zero()
+            .withf(|_, offset, _| *offset == PAGE)
+            .times(1)
+            .returning(|_, _, _| Ok(()));
+        let config = PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 2)]);
+        let pool = Arc::new(SlotPool::new(mock, config).unwrap());
+        let zero = pool.acquire(PAGE, PAGE).unwrap();
+        let one = pool.acquire(PAGE, PAGE).unwrap();
+        drop(one);
+        drop(zero);
+        assert!(pool.acquire(PAGE, PAGE).is_err(), "slot 0's scrub fails");
+        let next = pool.acquire(PAGE, PAGE).expect("slot 1, not slot 0 again");
+        let s = pool.stats();
+        assert_eq!((s.scrub_failures, s.bytes_scrubbed), (1, PAGE as u64));
+        drop(next);
     }
 
     #[test]

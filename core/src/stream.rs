@@ -92,7 +92,9 @@ pub trait StreamProvider: ErrorType {
     ) -> Result<Stream, Self::Error>;
 
     /// Gives a stream back: waits for the work queued on it, then destroys it (and the
-    /// tenant's context after its last stream) where the level says so. The wait is what orders
+    /// tenant's context after its last stream) where the level says so. The shared default
+    /// stream is not destroyed, but it is waited for too (with whatever other shared tenants
+    /// queued on it): a shared tenant's work must also be done before its memory goes. The wait is what orders
     /// teardown after the tenant's GPU work: once the stream is destroyed, nothing queued on it
     /// can still touch memory that is then scrubbed, freed or handed to another tenant. If
     /// another call is using the stream at that moment, the stream is retired at once (refused

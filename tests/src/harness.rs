@@ -198,6 +198,11 @@ pub struct MockHarness;
 #[derive(Debug)]
 pub struct PoisonedMockHarness;
 
+/// The mock backend with deferred streams: stream work (prefetches) completes only when the
+/// stream is synchronised or released, as on a GPU.
+#[derive(Debug)]
+pub struct DeferredMockHarness;
+
 fn mock_harness_impl(config: MockConfig) -> Arc<MockBackend> {
     Arc::new(MockBackend::new(MockConfig {
         device_memory_bytes: 4 << 30,
@@ -283,6 +288,14 @@ mock_harness!(
     PoisonedMockHarness,
     MockConfig {
         poison_fresh_allocations: true,
+        ..MockConfig::default()
+    }
+);
+
+mock_harness!(
+    DeferredMockHarness,
+    MockConfig {
+        deferred_streams: true,
         ..MockConfig::default()
     }
 );

@@ -8,6 +8,10 @@ mod with_poisoned_mock {
     tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::PoisonedMockHarness);
 }
 
+mod with_deferred_mock {
+    tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::DeferredMockHarness);
+}
+
 mod with_cudarc {
     tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::CudarcHarness);
 }

@@ -73,6 +73,14 @@ pub enum MockError {
         /// The raw pool handle.
         pool: u64,
     },
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS`: device work named memory outside every live allocation.
+    #[error("illegal address: {len} bytes at {address:#x} are not in a live allocation")]
+    IllegalAddress {
+        /// The device pointer given.
+        address: u64,
+        /// The length given.
+        len: usize,
+    },
     /// A failure injected with [`MockBackend::fail_nth`](crate::MockBackend::fail_nth).
     #[error("injected failure of {op} call #{call}")]
     Injected {
@@ -93,7 +101,8 @@ impl BackendError for MockError {
             | Self::UnknownAllocation { .. }
             | Self::UnknownStream { .. }
             | Self::UnknownPool { .. }
-            | Self::ForeignStream { .. } => ErrorKind::InvalidArgument,
+            | Self::ForeignStream { .. }
+            | Self::IllegalAddress { .. } => ErrorKind::InvalidArgument,
             Self::NotSupported { .. } => ErrorKind::Unsupported,
             Self::Range(e) => e.kind(),
             Self::OutOfMemory { .. } | Self::HostMapFailed { .. } => ErrorKind::OutOfMemory,

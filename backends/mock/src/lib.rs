@@ -47,6 +47,12 @@ pub struct MockConfig {
     /// Fill fresh allocations with `0xA5` and report `comes_zeroed = false`, like
     /// `cuMemAllocManaged` (which does not zero). Costs resident memory: for tests only.
     pub poison_fresh_allocations: bool,
+    /// Work queued on a stream (prefetches, [`MockBackend::enqueue_fill`] kernels) completes
+    /// only when the stream is synchronised or released, later than the call that queued it,
+    /// as on a GPU: a host read before then sees the old bytes, and a scrub or free meanwhile is
+    /// counted ([`MockStats::scrubs_over_pending_work`]) and lets the work land afterwards, as
+    /// it would. Off (the default): every call completes before it returns.
+    pub deferred_streams: bool,
 }
 
 impl Default for MockConfig {
@@ -58,6 +64,7 @@ impl Default for MockConfig {
             concurrent_managed_access: true,
             pageable_memory_access: false,
             poison_fresh_allocations: false,
+            deferred_streams: false,
         }
     }
 }
@@ -110,6 +117,15 @@ pub struct MockStats {
     pub live_pool_allocations: u64,
     /// Bytes the pools hold (live plus kept free memory).
     pub pool_reserved_bytes: u64,
+    /// Stream work items completed (deferred mode: when their stream was drained).
+    pub work_completed: u64,
+    /// Zeroings or hint resets of a range that queued work still targets: with deferred
+    /// streams, a scrub the tenant's work can land after (a cross-tenant leak on a GPU).
+    pub scrubs_over_pending_work: u64,
+    /// Frees of an allocation that queued work still targets.
+    pub frees_over_pending_work: u64,
+    /// Queued writes that found no live allocation when they ran.
+    pub lost_writes: u64,
 }
 
 impl MockStats {
@@ -182,6 +198,27 @@ struct StreamRecord {
     retired: bool,
 }
 
+/// One item of work queued on a stream.
+#[derive(Debug, Clone, Copy)]
+enum Work {
+    /// A prefetch of `start..end` (addresses) to `to`.
+    Prefetch {
+        start: usize,
+        end: usize,
+        to: Location,
+    },
+    /// A simulated kernel writing `byte` over `start..end` (addresses).
+    Fill { start: usize, end: usize, byte: u8 },
+}
+
+impl Work {
+    fn span(&self) -> (usize, usize) {
+        match *self {
+            Self::Prefetch { start, end, .. } | Self::Fill { start, end, .. } => (start, end),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Fault {
     op: Operation,
@@ -203,7 +240,53 @@ struct State {
     delays: Vec<(Operation, std::time::Duration)>,
     pools: HashMap<u64, MockPool>,
     next_pool: u64,
+    /// Raw stream -> work queued on it, oldest first (deferred mode only).
+    pending: HashMap<u64, std::collections::VecDeque<Work>>,
     stats: MockStats,
+}
+
+impl State {
+    /// The allocation holding `start..end` (addresses): its base and record.
+    fn containing(&mut self, start: usize, end: usize) -> Option<(usize, &mut Record)> {
+        self.allocations
+            .iter_mut()
+            .find(|(base, r)| **base <= start && end <= **base + r.len)
+            .map(|(base, r)| (*base, r))
+    }
+
+    /// Whether queued work targets any of `start..end` (addresses).
+    fn pending_over(&self, start: usize, end: usize) -> bool {
+        self.pending.values().flatten().any(|w| {
+            let (s, e) = w.span();
+            s < end && start < e
+        })
+    }
+
+    /// Runs the work queued on `raw`, in order, as the device gets to it.
+    fn drain(&mut self, raw: u64) {
+        let Some(queue) = self.pending.remove(&raw) else {
+            return;
+        };
+        for work in queue {
+            let (start, end) = work.span();
+            let Some((base, record)) = self.containing(start, end) else {
+                self.stats.lost_writes += u64::from(matches!(work, Work::Fill { .. }));
+                continue;
+            };
+            match work {
+                Work::Prefetch { to, .. } => {
+                    record.residency.set(start - base..end - base, Some(to))
+                }
+                Work::Fill { byte, .. } => {
+                    // SAFETY: `start..end` lies inside a live mapping of ours (found in the
+                    // table just now); a device write races host readers as it does on a GPU,
+                    // which is what this simulates.
+                    unsafe { std::ptr::write_bytes(start as *mut u8, byte, end - start) };
+                }
+            }
+            self.stats.work_completed += 1;
+        }
+    }
 }
 
 /// A simulated CUDA device with managed memory, in host memory.
@@ -320,6 +403,58 @@ impl MockBackend {
         let record = Self::record(&state, allocation)?;
         allocation.range(offset, 1)?;
         Ok(record.residency.get(offset).copied())
+    }
+
+    /// A simulated kernel: queues, on `stream`, a device write of `byte` over
+    /// `device_ptr..device_ptr + len`. It runs at once, or with
+    /// [`deferred_streams`](MockConfig::deferred_streams) when the stream is drained. A range
+    /// outside every live allocation is refused (an illegal address on a GPU), before anything
+    /// is queued.
+    pub fn enqueue_fill(
+        &self,
+        stream: &Stream,
+        device_ptr: u64,
+        len: usize,
+        byte: u8,
+    ) -> Result<(), MockError> {
+        let mut state = self.state();
+        Self::check_stream(&state, stream)?;
+        let start = usize::try_from(device_ptr).map_err(|_| MockError::IllegalAddress {
+            address: device_ptr,
+            len,
+        })?;
+        let end = start.checked_add(len).ok_or(MockError::IllegalAddress {
+            address: device_ptr,
+            len,
+        })?;
+        if len == 0 {
+            return Ok(());
+        }
+        if state.containing(start, end).is_none() {
+            return Err(MockError::IllegalAddress {
+                address: device_ptr,
+                len,
+            });
+        }
+        state
+            .pending
+            .entry(stream.raw())
+            .or_default()
+            .push_back(Work::Fill { start, end, byte });
+        if !self.config.deferred_streams {
+            state.drain(stream.raw());
+        }
+        Ok(())
+    }
+
+    /// Work items queued and not yet completed, over all streams.
+    #[must_use]
+    pub fn pending_work(&self) -> usize {
+        self.state()
+            .pending
+            .values()
+            .map(std::collections::VecDeque::len)
+            .sum()
     }
 
     /// The hints in force at `offset` of `allocation`.
@@ -519,6 +654,9 @@ unsafe impl ManagedAllocator for MockBackend {
         self.enter(&mut state, Operation::Free)?;
         let address = allocation.as_ptr() as usize;
         Self::record(&state, &allocation)?;
+        if state.pending_over(address, address + allocation.len()) {
+            state.stats.frees_over_pending_work += 1;
+        }
         let Some(record) = state.allocations.remove(&address) else {
             return Err(MockError::UnknownAllocation {
                 address: address as u64,
@@ -547,6 +685,10 @@ unsafe impl ManagedAllocator for MockBackend {
         self.enter(&mut state, Operation::Zero)?;
         Self::record(&state, allocation)?;
         let range = allocation.range(offset, len)?;
+        let base = allocation.as_ptr() as usize;
+        if !range.is_empty() && state.pending_over(base + range.start, base + range.end) {
+            state.stats.scrubs_over_pending_work += 1;
+        }
         // SAFETY: `range` lies inside a live allocation of ours (checked against our table), and
         // the caller guarantees nothing else accesses it meanwhile.
         unsafe { host::zero(allocation.as_ptr().wrapping_add(range.start), range.len()) };
@@ -618,9 +760,24 @@ impl Advisor for MockBackend {
             });
         }
         Self::check_stream(&state, stream)?;
+        if self.config.deferred_streams && !range.is_empty() {
+            let base = allocation.as_ptr() as usize;
+            let work = Work::Prefetch {
+                start: base + range.start,
+                end: base + range.end,
+                to,
+            };
+            state
+                .pending
+                .entry(stream.raw())
+                .or_default()
+                .push_back(work);
+            return Ok(());
+        }
         Self::record_mut(&mut state, allocation)?
             .residency
             .set(range, Some(to));
+        state.stats.work_completed += 1;
         Ok(())
     }
 
@@ -636,6 +793,11 @@ impl Advisor for MockBackend {
         self.enter(&mut state, Operation::ResetHints)?;
         Self::record(&state, allocation)?;
         let range = allocation.range(offset, len)?;
+        let base = allocation.as_ptr() as usize;
+        if !range.is_empty() && state.pending_over(base + range.start, base + range.end) {
+            // A prefetch still queued would land after the reset.
+            state.stats.scrubs_over_pending_work += 1;
+        }
         let record = Self::record_mut(&mut state, allocation)?;
         record.read_mostly.set(range.clone(), None);
         record.preferred.set(range.clone(), None);
@@ -690,9 +852,12 @@ impl StreamProvider for MockBackend {
         Ok(Stream::new(raw, context, level, tenant))
     }
 
+    /// Waits for the stream's queued work (the shared default stream's too: what every shared
+    /// tenant queued), then destroys it.
     fn release_stream(&self, stream: Stream) -> Result<(), MockError> {
         let mut state = self.state();
         Self::check_stream(&state, &stream)?;
+        state.drain(stream.raw());
         if let Err(e) = self.enter(&mut state, Operation::ReleaseStream) {
             // As a driver that refused to destroy it: the stream stays, counted, handed to no
             // one.
@@ -725,8 +890,9 @@ impl StreamProvider for MockBackend {
     fn synchronize(&self, stream: &Stream) -> Result<(), MockError> {
         let mut state = self.state();
         self.enter(&mut state, Operation::Synchronize)?;
-        // Everything the mock does is synchronous: a known stream has nothing pending.
-        Self::check_stream(&state, stream)
+        Self::check_stream(&state, stream)?;
+        state.drain(stream.raw());
+        Ok(())
     }
 }
 
@@ -1054,6 +1220,115 @@ mod tests {
         let before = leaked_at_drop();
         drop(mock);
         assert!(leaked_at_drop() > before, "the leak is reported at drop");
+    }
+
+    fn deferred() -> MockBackend {
+        MockBackend::new(MockConfig {
+            deferred_streams: true,
+            ..MockConfig::default()
+        })
+    }
+
+    fn read(a: &Allocation, offset: usize) -> u8 {
+        // SAFETY: host-accessible memory of a live allocation, read in bounds.
+        unsafe { a.as_ptr().wrapping_add(offset).read() }
+    }
+
+    fn key(id: u64) -> TenantKey {
+        TenantKey::fresh(tensor_wasm_mem_core::TenantId(id))
+    }
+
+    /// With deferred streams, a kernel's write and a prefetch land when their stream is
+    /// synchronised, in order, never at the call; host reads see the old bytes until then.
+    #[test]
+    fn deferred_work_lands_when_the_stream_is_drained() {
+        let mock = deferred();
+        let a = mock.allocate(DeviceId(0), 2 * PAGE).unwrap();
+        let s = mock
+            .acquire_stream(key(1), IsolationLevel::StreamIsolated)
+            .unwrap();
+        let d0 = Location::Device(DeviceId(0));
+        mock.enqueue_fill(&s, a.device_ptr(), PAGE, 0xaa).unwrap();
+        mock.enqueue_fill(&s, a.device_ptr() + 8, 8, 0xbb).unwrap();
+        mock.prefetch(&a, 0, PAGE, d0, &s).unwrap();
+        assert_eq!((read(&a, 0), read(&a, 8)), (0, 0), "nothing landed yet");
+        assert_eq!(mock.residency(&a, 0).unwrap(), None);
+        assert_eq!(mock.pending_work(), 3);
+        mock.synchronize(&s).unwrap();
+        assert_eq!(
+            (read(&a, 0), read(&a, 8), read(&a, 16)),
+            (0xaa, 0xbb, 0xaa),
+            "in order"
+        );
+        assert_eq!(read(&a, PAGE), 0, "only the range");
+        assert_eq!(mock.residency(&a, 0).unwrap(), Some(d0));
+        assert_eq!((mock.pending_work(), mock.stats().work_completed), (0, 3));
+        // Release waits too, for the shared stream as well.
+        mock.enqueue_fill(&s, a.device_ptr(), 1, 1).unwrap();
+        mock.release_stream(s).unwrap();
+        assert_eq!(read(&a, 0), 1);
+        let shared = mock.acquire_stream(key(2), IsolationLevel::Shared).unwrap();
+        mock.enqueue_fill(&shared, a.device_ptr(), 1, 2).unwrap();
+        assert_eq!(read(&a, 0), 1);
+        mock.release_stream(shared).unwrap();
+        assert_eq!(read(&a, 0), 2);
+        // SAFETY: `a` came from `mock`.
+        unsafe { mock.free(a).unwrap() };
+    }
+
+    /// A scrub or free while work still targets the range is counted, and the work lands after
+    /// it: the ordering bug a GPU would not report, made visible.
+    #[test]
+    fn deferred_work_outlives_a_scrub_done_too_early() {
+        let mock = deferred();
+        let a = mock.allocate(DeviceId(0), PAGE).unwrap();
+        let s = mock
+            .acquire_stream(key(1), IsolationLevel::StreamIsolated)
+            .unwrap();
+        mock.enqueue_fill(&s, a.device_ptr(), PAGE, 0xaa).unwrap();
+        // SAFETY: `a` is live and not accessed meanwhile.
+        unsafe { mock.zero(&a, 0, PAGE).unwrap() };
+        assert_eq!(mock.stats().scrubs_over_pending_work, 1);
+        mock.synchronize(&s).unwrap();
+        assert_eq!(read(&a, 0), 0xaa, "the write landed after the scrub");
+        // A write queued for memory that is freed before it runs is lost, and counted.
+        mock.enqueue_fill(&s, a.device_ptr(), PAGE, 0xcc).unwrap();
+        // SAFETY: `a` came from `mock`.
+        unsafe { mock.free(a).unwrap() };
+        let st = mock.stats();
+        assert_eq!(st.frees_over_pending_work, 1);
+        mock.release_stream(s).unwrap();
+        assert_eq!(mock.stats().lost_writes, 1);
+    }
+
+    /// Kernel writes outside every live allocation are refused before anything is queued; at
+    /// once mode runs them at the call.
+    #[test]
+    fn fills_name_live_memory_only() {
+        let mock = small(1, 1 << 30);
+        let a = mock.allocate(DeviceId(0), PAGE).unwrap();
+        let s = mock
+            .acquire_stream(key(1), IsolationLevel::StreamIsolated)
+            .unwrap();
+        for (ptr, len) in [
+            (a.device_ptr() + PAGE as u64, 1),
+            (a.device_ptr() + 1, PAGE),
+            (a.device_ptr(), usize::MAX),
+            (u64::MAX, 2),
+            (8, 8),
+        ] {
+            let err = mock.enqueue_fill(&s, ptr, len, 1).unwrap_err();
+            assert!(
+                matches!(err, MockError::IllegalAddress { .. }),
+                "{ptr:#x}+{len}: {err}"
+            );
+        }
+        assert_eq!(mock.pending_work(), 0);
+        mock.enqueue_fill(&s, a.device_ptr(), PAGE, 7).unwrap();
+        assert_eq!(read(&a, PAGE - 1), 7, "not deferred: done at the call");
+        mock.release_stream(s).unwrap();
+        // SAFETY: `a` came from `mock`.
+        unsafe { mock.free(a).unwrap() };
     }
 
     #[test]

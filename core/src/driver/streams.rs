@@ -305,8 +305,12 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
     fn release_stream(&self, stream: Stream) -> Result<(), D::Error> {
         let raw = stream.raw();
         if raw == DEFAULT_STREAM {
-            drop(self.stream_use(&stream)?);
-            return Ok(());
+            // Nothing to destroy, but the tenant's work on the shared stream must be done
+            // before its memory is scrubbed or freed (on the device's non-blocking zeroing
+            // stream, which the legacy default stream does not order): wait for the default
+            // stream, and with it for what other shared tenants queued.
+            let using = self.stream_use(&stream)?;
+            return self.in_context(using.context, |d| d.synchronize(DEFAULT_STREAM));
         }
         // Retired under the lock (no new use but a teardown's starts), then waited for with a
         // use of its own held; the last use takes the record out and destroys the stream.

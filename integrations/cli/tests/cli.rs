@@ -389,3 +389,45 @@ fn a_many_memory_module_at_cap_zero_is_denied_by_the_held_budget() {
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
 }
+
+/// Attack 2 through `twm run`: tables are not free. One past the per-table element limit
+/// refuses instantiation (exit 4, naming the limit); tables within it are charged to the held
+/// budget, which refuses the third 1M-element table at 16 MiB; growth past it is -1.
+#[test]
+fn tables_are_charged_and_bounded_under_twm_run() {
+    let huge = module_file("huge-table.wat", b"(module (table 10000000 funcref))");
+    let o = twm(&["run", huge.to_str().unwrap(), "--tenant-cap", "0"]);
+    assert_eq!(o.status.code(), Some(4), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("elements in one table"),
+        "{}",
+        stderr(&o)
+    );
+    let tables = "(table 1000000 funcref) ".repeat(3);
+    let three = module_file("three-tables.wat", format!("(module {tables})").as_bytes());
+    let args = ["--tenant-cap", "0", "--tenant-held", "16MiB"];
+    let o = twm(&[&["run", three.to_str().unwrap()][..], &args[..]].concat());
+    assert_eq!(o.status.code(), Some(4), "{}", stderr(&o));
+    assert!(stderr(&o).contains("held budget"), "{}", stderr(&o));
+    let growing = module_file(
+        "grow-table.wat",
+        br#"(module (table 10 funcref)
+             (func (export "grow") (param i32) (result i32)
+               (table.grow (ref.null func) (local.get 0))))"#,
+    );
+    let path = growing.to_str().unwrap();
+    let o = twm(&[&["run", path, "--invoke", "grow", "100"][..], &args[..]].concat());
+    assert_eq!(
+        (o.status.code(), stdout(&o)),
+        (Some(0), "10\n".into()),
+        "{}",
+        stderr(&o)
+    );
+    let o = twm(&[&["run", path, "--invoke", "grow", "2000000"][..], &args[..]].concat());
+    assert_eq!(
+        (o.status.code(), stdout(&o)),
+        (Some(0), "-1\n".into()),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -36,7 +36,7 @@ use wasmtime::{Caller, Extern, Linker};
 use crate::Backend;
 use crate::error::TwmError;
 use crate::memory::{MemoryView, TensorWasmMemoryCreator};
-use crate::tenancy::{ChargeMode, HasTenantLimiter, Tenant, TenantLimiter};
+use crate::tenancy::{ChargeMode, HasTenantLimiter, StoreCharge, StreamId, Tenant, TenantLimiter};
 
 /// Success.
 pub const TWM_OK: i32 = 0;
@@ -61,6 +61,9 @@ pub struct GuestContext<B: Backend> {
     tenant: TenantKey,
     isolation: IsolationLevel,
     stream: Option<StreamLease<Arc<B>>>,
+    /// The Store's shared charge, which its memories keep: the stream is recorded there while
+    /// it lives, so a memory that goes first waits for it.
+    store: Option<Arc<StoreCharge>>,
     calls: u64,
     failed_calls: u64,
 }
@@ -84,9 +87,20 @@ impl<B: Backend> GuestContext<B> {
             tenant: tenant.context().key(),
             isolation: tenant.context().isolation(),
             stream: None,
+            store: None,
             calls: 0,
             failed_calls: 0,
         }
+    }
+
+    /// State for guests of `limiter`'s tenant, tied to the limiter's Store: the Store's
+    /// memories wait for this context's stream before they go, whichever of the two Wasmtime
+    /// drops first (`Store::into_data` drops the memories before the data). What
+    /// [`TenantStore`] uses; custom Store data holding both should make its context this way.
+    pub fn for_limiter(creator: TensorWasmMemoryCreator<B>, limiter: &TenantLimiter) -> Self {
+        let mut guest = Self::new(creator, limiter.tenant());
+        guest.store = Some(Arc::clone(limiter.store_charge()));
+        guest
     }
 
     /// The creator.
@@ -109,10 +123,26 @@ impl<B: Backend> GuestContext<B> {
                 self.tenant,
                 self.isolation,
             )?;
+            if let Some(store) = &self.store {
+                store.add_stream(StreamId::of(lease.stream()));
+            }
             self.stream = Some(lease);
         }
         // Set just above when it was empty.
         Ok(self.stream.as_ref().unwrap_or_else(|| unreachable!()))
+    }
+}
+
+impl<B: Backend> Drop for GuestContext<B> {
+    /// Releases the stream (which waits for it), then takes it off the Store's list.
+    fn drop(&mut self) {
+        if let Some(lease) = self.stream.take() {
+            let id = StreamId::of(lease.stream());
+            drop(lease);
+            if let Some(store) = &self.store {
+                store.remove_stream(id);
+            }
+        }
     }
 }
 
@@ -149,9 +179,39 @@ impl<B: Backend, U> TenantStore<B, U> {
         mode: ChargeMode,
         data: U,
     ) -> Self {
+        let limiter = TenantLimiter::new(Arc::clone(tenant), mode, creator.limits());
+        Self::with_limiter(creator, limiter, data)
+    }
+
+    /// State for the guests of `limiter`'s tenant on `creator`, with a limiter configured by
+    /// the embedder (table and Store limits):
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tensor_wasm_mem_mock::MockBackend;
+    /// use tensor_wasm_mem_wasmtime::core::IsolationLevel;
+    /// use tensor_wasm_mem_wasmtime::*;
+    ///
+    /// let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default())).build()?;
+    /// let engine = creator.engine()?;
+    /// let tenant = Tenant::new(1, "t1", 1 << 20, IsolationLevel::StreamIsolated);
+    /// let limiter = TenantLimiter::new(Arc::clone(&tenant), ChargeMode::Touched, creator.limits())
+    ///     .with_max_table_elements(4096);
+    /// let mut store = new_store(&engine, TenantStore::with_limiter(&creator, limiter, ()));
+    /// let module = wasmtime::Module::new(&engine, "(module (table 5000 funcref))")?;
+    /// let linker = wasmtime::Linker::new(&engine);
+    /// assert!(instantiate(&mut store, &linker, &module).is_err()); // past 4096 elements
+    /// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+    /// ```
+    pub fn with_limiter(
+        creator: &TensorWasmMemoryCreator<B>,
+        limiter: TenantLimiter,
+        data: U,
+    ) -> Self {
+        let guest = GuestContext::for_limiter(creator.clone(), &limiter);
         Self {
-            limiter: TenantLimiter::new(Arc::clone(tenant), mode, creator.limits()),
-            guest: GuestContext::new(creator.clone(), tenant),
+            limiter,
+            guest,
             data,
         }
     }

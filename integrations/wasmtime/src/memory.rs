@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 use tensor_wasm_mem_core::{
     Advice, Capabilities, DeviceId, DeviceSlice, Location, MemoryPlan, MemoryType as PlanType,
-    PlanLimits, PoolConfig, PoolStats, Purpose, Reservation, SlotPool, Stream, UnifiedBuffer,
-    check_range,
+    PlanLimits, PoolConfig, PoolStats, Purpose, Reservation, SlotPool, Stream, StreamProvider,
+    UnifiedBuffer, check_range,
 };
 use wasmtime::{AsContext, Config, Engine, LinearMemory, Memory, MemoryCreator, MemoryType};
 
@@ -71,6 +71,27 @@ impl GuestSlice<'_> {
 struct MemoryShared<B: Backend> {
     buffer: RwLock<UnifiedBuffer<Arc<B>>>,
     charges: MemoryCharges,
+}
+
+impl<B: Backend> Drop for MemoryShared<B> {
+    /// Before the buffer is freed or its slot goes back: waits for the Store's guest stream if
+    /// it is still alive (its data outlived its memories), so no work queued on it can land
+    /// after the scrub, in the next holder's memory. In Wasmtime's usual order the stream is
+    /// already released (and waited for) and there is nothing to do.
+    fn drop(&mut self) {
+        let Some(store) = &self.charges._store else {
+            return;
+        };
+        let buffer = self
+            .buffer
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        for id in store.streams() {
+            if let Err(e) = buffer.allocator().synchronize(&id.handle()) {
+                tracing::warn!(error = %e, "twm: waiting for a stream before freeing a memory failed");
+            }
+        }
+    }
 }
 
 /// Everything a memory holds charged to its tenant.
@@ -324,6 +345,12 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// and whose pool slots go to the next tenant), nor across a call into the guest (which
     /// needs the Store mutably, and may grow or write the memory). Keeping it does not compile
     /// (`tests/ui/slice_outlives_store.rs`).
+    ///
+    /// # Panics
+    ///
+    /// If `memory` belongs to another Store than `store`, as Wasmtime's own `Memory` methods
+    /// do (Wasmtime 48 offers no way to ask first). The same holds for
+    /// [`advise`](Self::advise) and [`prefetch`](Self::prefetch).
     pub fn resolve<'s, S: AsContext>(
         &self,
         store: &'s S,

@@ -45,8 +45,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tensor_wasm_mem_core::{
-    Denied, IsolationLevel, MemoryPlan, PlanLimits, Purpose, Reservation, TenantBudgets,
-    TenantContext, TenantId,
+    Denied, IsolationLevel, MemoryPlan, PlanLimits, Purpose, Reservation, Stream, TenantBudgets,
+    TenantContext, TenantId, TenantKey,
 };
 use wasmtime::{AsContextMut, Instance, Linker, Module, ResourceLimiter, Store};
 
@@ -228,6 +228,34 @@ pub(crate) struct StoreCharge {
     /// The creator's last refusal of a memory in this Store (held or memories budget), for
     /// [`instantiate`] to return typed.
     refusal: Mutex<Option<Denied>>,
+    /// Streams of this Store's guest context still alive: a memory that goes before them (the
+    /// Store's data outlived its memories, as with `Store::into_data`) waits for them first.
+    streams: Mutex<Vec<StreamId>>,
+}
+
+/// What names a stream to its backend (a [`Stream`] is a handle that cannot be copied).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StreamId {
+    raw: u64,
+    context: u64,
+    level: IsolationLevel,
+    tenant: TenantKey,
+}
+
+impl StreamId {
+    pub(crate) fn of(stream: &Stream) -> Self {
+        Self {
+            raw: stream.raw(),
+            context: stream.context(),
+            level: stream.level(),
+            tenant: stream.tenant_key(),
+        }
+    }
+
+    /// A handle to the same stream, for a wait (the backend refuses it if the stream is gone).
+    pub(crate) fn handle(self) -> Stream {
+        Stream::new(self.raw, self.context, self.level, self.tenant)
+    }
 }
 
 impl StoreCharge {
@@ -253,6 +281,28 @@ impl StoreCharge {
         let mut touched = self.touched();
         let keep = touched.bytes().saturating_sub(bytes);
         touched.shrink_to(keep);
+    }
+
+    pub(crate) fn add_stream(&self, id: StreamId) {
+        self.streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(id);
+    }
+
+    pub(crate) fn remove_stream(&self, id: StreamId) {
+        let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(i) = streams.iter().position(|s| *s == id) {
+            streams.swap_remove(i);
+        }
+    }
+
+    /// The Store's streams still alive.
+    pub(crate) fn streams(&self) -> Vec<StreamId> {
+        self.streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     pub(crate) fn record_refusal(&self, denied: Denied) {
@@ -380,6 +430,7 @@ impl TenantLimiter {
             tenant,
             mode,
             refusal: Mutex::new(None),
+            streams: Mutex::new(Vec::new()),
         });
         Self {
             charge,
@@ -423,6 +474,10 @@ impl TenantLimiter {
     #[must_use]
     pub fn tenant(&self) -> &Arc<Tenant> {
         &self.charge.tenant
+    }
+
+    pub(crate) fn store_charge(&self) -> &Arc<StoreCharge> {
+        &self.charge
     }
 
     /// The most recent refusal by a budget, if any.

@@ -1,0 +1,173 @@
+//! Teardown order on a device whose streams complete work later than the call that queued it
+//! (the mock with `deferred_streams`): a tenant's queued GPU work lands before its pool slot is
+//! scrubbed for the next tenant, at every isolation level; and the model makes the wrong order
+//! visible, so a test fails if teardown ever stops waiting.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use rstest::rstest;
+use tensor_wasm_mem_core::{DeviceId, IsolationLevel, PoolConfig, SizeClass, StreamLease};
+use tensor_wasm_mem_mock::{MockBackend, MockConfig};
+use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Memory, Module, Store};
+use tensor_wasm_mem_wasmtime::{
+    ChargeMode, HasGuestContext, Tenant, TenantStore, TensorWasmMemoryCreator, instantiate,
+    new_store,
+};
+
+type Data = TenantStore<MockBackend>;
+
+const SHARED: IsolationLevel = IsolationLevel::Shared;
+const STREAM: IsolationLevel = IsolationLevel::StreamIsolated;
+const CONTEXT: IsolationLevel = IsolationLevel::ContextIsolated;
+
+const GUEST: &str = r#"(module (memory (export "memory") 1 4))"#;
+
+struct Rig {
+    backend: Arc<MockBackend>,
+    creator: TensorWasmMemoryCreator<MockBackend>,
+    module: Module,
+    linker: Linker<Data>,
+}
+
+/// One pool slot, so every tenant's memory is the previous tenant's slot.
+fn rig() -> Rig {
+    let backend = Arc::new(MockBackend::new(MockConfig {
+        deferred_streams: true,
+        ..MockConfig::default()
+    }));
+    let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 * PAGE, 1)]))
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let module = Module::new(&engine, GUEST).unwrap();
+    let linker = Linker::new(&engine);
+    Rig {
+        backend,
+        creator,
+        module,
+        linker,
+    }
+}
+
+impl Rig {
+    fn tenant(&self, id: u64, isolation: IsolationLevel) -> (Store<Data>, Memory) {
+        let engine = self.module.engine();
+        let tenant = Tenant::new(id, format!("t{id}"), 4 * PAGE as u64, isolation);
+        let data = TenantStore::new(&self.creator, &tenant, ChargeMode::Touched, ());
+        let mut store = new_store(engine, data);
+        let instance = instantiate(&mut store, &self.linker, &self.module).unwrap();
+        let memory = instance.get_memory(&mut store, "memory").unwrap();
+        (store, memory)
+    }
+
+    /// A kernel on the tenant's own stream writing `byte` over its whole memory.
+    fn queue_fill(&self, store: &mut Store<Data>, memory: &Memory, byte: u8) {
+        let slice = self
+            .creator
+            .resolve(&*store, memory, 0, PAGE as u64)
+            .unwrap();
+        let (ptr, len) = (slice.device_ptr(), slice.len());
+        let lease = store.data_mut().guest_context().stream().unwrap();
+        self.backend
+            .enqueue_fill(lease.stream(), ptr, len, byte)
+            .unwrap();
+    }
+}
+
+/// The Store's data (its stream lease) drops before its memory: the lease's release waits for
+/// the stream, so the kernel's write lands in the tenant's own memory, and only then is the slot
+/// scrubbed for the next tenant.
+#[rstest]
+fn queued_work_lands_before_the_slot_reaches_the_next_tenant(
+    #[values(SHARED, STREAM, CONTEXT)] isolation: IsolationLevel,
+) {
+    let rig = rig();
+    let (mut a, memory) = rig.tenant(1, isolation);
+    rig.queue_fill(&mut a, &memory, 0xaa);
+    assert!(
+        memory.data(&a).iter().all(|&b| b == 0),
+        "the write is queued, not done: the host sees the old bytes"
+    );
+    assert_eq!(rig.backend.pending_work(), 1);
+    drop(a);
+    assert_eq!(
+        rig.backend.pending_work(),
+        0,
+        "teardown waited for the stream"
+    );
+    let (b, memory) = rig.tenant(2, isolation);
+    assert!(
+        memory.data(&b).iter().all(|&x| x == 0),
+        "{isolation}: the next tenant sees zeros"
+    );
+    let stats = rig.backend.stats();
+    assert_eq!(stats.scrubs_over_pending_work, 0, "{isolation}");
+    assert_eq!(stats.work_completed, 1);
+    assert_eq!(
+        rig.creator.stats().pool.unwrap().bytes_scrubbed,
+        PAGE as u64
+    );
+}
+
+/// The wrong order, on purpose: work queued on a stream the Store does not own (the embedder's
+/// own lease for the tenant) and still pending when the Store goes. The scrub runs first, the
+/// write lands afterwards in the next tenant's memory: the cross-tenant leak a GPU would not
+/// report. The model counts it and shows it, so the order above is really tested. (Work on the
+/// embedder's own streams is the embedder's to wait for; the device-access scope of issue 15 is
+/// meant to make that structural.)
+#[test]
+fn the_model_shows_a_scrub_that_runs_before_the_tenants_work() {
+    let rig = rig();
+    let (a, memory) = rig.tenant(1, IsolationLevel::StreamIsolated);
+    let tenant_key = Tenant::new(1, "t1", 0, IsolationLevel::StreamIsolated)
+        .context()
+        .key();
+    let own = StreamLease::acquire(
+        Arc::clone(&rig.backend),
+        tenant_key,
+        IsolationLevel::StreamIsolated,
+    )
+    .unwrap();
+    let slice = rig.creator.resolve(&a, &memory, 0, PAGE as u64).unwrap();
+    let (ptr, len) = (slice.device_ptr(), slice.len());
+    rig.backend
+        .enqueue_fill(own.stream(), ptr, len, 0xaa)
+        .unwrap();
+    drop(a);
+    let (b, memory) = rig.tenant(2, IsolationLevel::StreamIsolated);
+    assert_eq!(rig.backend.stats().scrubs_over_pending_work, 1, "counted");
+    own.release().unwrap();
+    assert!(
+        memory.data(&b).iter().all(|&x| x == 0xaa),
+        "the late write landed in the next tenant's memory"
+    );
+}
+
+/// `Store::into_data` drops the memories *before* handing the data (with its stream lease)
+/// back: the memory itself waits for the Store's live guest stream before its slot goes back,
+/// so the order holds whichever goes first.
+#[rstest]
+fn into_data_drops_the_memory_first_and_it_still_waits(
+    #[values(SHARED, STREAM, CONTEXT)] isolation: IsolationLevel,
+) {
+    let rig = rig();
+    let (mut a, memory) = rig.tenant(1, isolation);
+    rig.queue_fill(&mut a, &memory, 0xaa);
+    let data = a.into_data();
+    assert_eq!(
+        rig.backend.pending_work(),
+        0,
+        "the memory waited for the stream"
+    );
+    let (b, memory) = rig.tenant(2, isolation);
+    drop(data);
+    assert!(
+        memory.data(&b).iter().all(|&x| x == 0),
+        "{isolation}: the next tenant sees zeros"
+    );
+    assert_eq!(rig.backend.stats().scrubs_over_pending_work, 0);
+}
