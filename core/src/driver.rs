@@ -669,9 +669,10 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
     }
 
     /// Unsets every advice over the range (accessed-by for the host and each device), then,
-    /// where any device can hold the pages (concurrent managed access: a prefetch or a
-    /// preferred location may have put them there), prefetches the range to the host on the
-    /// device's zeroing stream ([`DriverApi::scrub_stream`]) and waits for it.
+    /// where the allocation's device migrates pages (concurrent managed access, which a
+    /// prefetch on its stream needs), prefetches the range to the host on the device's zeroing
+    /// stream ([`DriverApi::scrub_stream`]) and waits for it. (Pages a tenant prefetched to a
+    /// *peer* device are not brought back where the allocation's own device cannot prefetch.)
     fn reset_hints(
         &self,
         allocation: &Allocation,
@@ -685,11 +686,7 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         let start = allocation.device_ptr() + range.start as u64;
         let len = range.len();
         let devices = self.driver.device_count();
-        let migrates = (0..devices).any(|d| {
-            self.driver
-                .device_facts(DeviceId(d))
-                .concurrent_managed_access
-        });
+        let migrates = self.driver.device_facts(device).concurrent_managed_access;
         let scrub = self.driver.scrub_stream(device);
         self.in_primary(device, |d| {
             d.advise(start, len, Advice::UnsetReadMostly)?;

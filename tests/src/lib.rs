@@ -15,6 +15,7 @@
 
 pub mod guests;
 pub mod harness;
+pub mod kernels;
 pub mod races;
 pub mod sim;
 pub mod suite;

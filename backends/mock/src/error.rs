@@ -81,6 +81,16 @@ pub enum MockError {
         /// The length given.
         len: usize,
     },
+    /// A kernel in this context hit an illegal address: the context is unusable (sticky, as
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS` is on a GPU) until it is destroyed.
+    #[error(
+        "context {context:#x} is unusable: a kernel in it hit an illegal address (sticky until \
+         the context is destroyed)"
+    )]
+    ContextPoisoned {
+        /// The context.
+        context: u64,
+    },
     /// A failure injected with [`MockBackend::fail_nth`](crate::MockBackend::fail_nth).
     #[error("injected failure of {op} call #{call}")]
     Injected {
@@ -104,6 +114,7 @@ impl BackendError for MockError {
             | Self::ForeignStream { .. }
             | Self::IllegalAddress { .. } => ErrorKind::InvalidArgument,
             Self::NotSupported { .. } => ErrorKind::Unsupported,
+            Self::ContextPoisoned { .. } => ErrorKind::Driver,
             Self::Range(e) => e.kind(),
             Self::OutOfMemory { .. } | Self::HostMapFailed { .. } => ErrorKind::OutOfMemory,
             Self::Injected { kind, .. } => *kind,

@@ -124,8 +124,9 @@ pub struct MockStats {
     pub scrubs_over_pending_work: u64,
     /// Frees of an allocation that queued work still targets.
     pub frees_over_pending_work: u64,
-    /// Queued writes that found no live allocation when they ran.
-    pub lost_writes: u64,
+    /// Simulated kernels that wrote outside every live allocation when they ran (an illegal
+    /// address: their context is poisoned, see [`MockError::ContextPoisoned`]).
+    pub kernel_faults: u64,
 }
 
 impl MockStats {
@@ -207,8 +208,13 @@ enum Work {
         end: usize,
         to: Location,
     },
-    /// A simulated kernel writing `byte` over `start..end` (addresses).
-    Fill { start: usize, end: usize, byte: u8 },
+    /// A simulated kernel writing `byte` over `start..end` (addresses), in `context`.
+    Fill {
+        start: usize,
+        end: usize,
+        byte: u8,
+        context: u64,
+    },
 }
 
 impl Work {
@@ -242,6 +248,8 @@ struct State {
     next_pool: u64,
     /// Raw stream -> work queued on it, oldest first (deferred mode only).
     pending: HashMap<u64, std::collections::VecDeque<Work>>,
+    /// Contexts a kernel fault made unusable (sticky, as on a GPU).
+    poisoned: std::collections::HashSet<u64>,
     stats: MockStats,
 }
 
@@ -270,7 +278,13 @@ impl State {
         for work in queue {
             let (start, end) = work.span();
             let Some((base, record)) = self.containing(start, end) else {
-                self.stats.lost_writes += u64::from(matches!(work, Work::Fill { .. }));
+                if let Work::Fill { context, .. } = work {
+                    // An illegal address: the context is unusable from now on, and nothing
+                    // more queued on this stream runs.
+                    self.poisoned.insert(context);
+                    self.stats.kernel_faults += 1;
+                    break;
+                }
                 continue;
             };
             match work {
@@ -407,9 +421,11 @@ impl MockBackend {
 
     /// A simulated kernel: queues, on `stream`, a device write of `byte` over
     /// `device_ptr..device_ptr + len`. It runs at once, or with
-    /// [`deferred_streams`](MockConfig::deferred_streams) when the stream is drained. A range
-    /// outside every live allocation is refused (an illegal address on a GPU), before anything
-    /// is queued.
+    /// [`deferred_streams`](MockConfig::deferred_streams) when the stream is drained. When it
+    /// runs outside every live allocation (an illegal address, found by the device, not at the
+    /// launch) the stream's context is poisoned, as on a GPU: every later use of it is
+    /// [`MockError::ContextPoisoned`], other contexts are unaffected. A range that overflows is
+    /// refused at the call.
     pub fn enqueue_fill(
         &self,
         stream: &Stream,
@@ -419,32 +435,39 @@ impl MockBackend {
     ) -> Result<(), MockError> {
         let mut state = self.state();
         Self::check_stream(&state, stream)?;
-        let start = usize::try_from(device_ptr).map_err(|_| MockError::IllegalAddress {
+        let illegal = MockError::IllegalAddress {
             address: device_ptr,
             len,
-        })?;
-        let end = start.checked_add(len).ok_or(MockError::IllegalAddress {
-            address: device_ptr,
-            len,
-        })?;
+        };
+        let start = usize::try_from(device_ptr).map_err(|_| illegal)?;
+        let end = start.checked_add(len).ok_or(illegal)?;
         if len == 0 {
             return Ok(());
         }
-        if state.containing(start, end).is_none() {
-            return Err(MockError::IllegalAddress {
-                address: device_ptr,
-                len,
-            });
-        }
+        let context = stream.context();
         state
             .pending
             .entry(stream.raw())
             .or_default()
-            .push_back(Work::Fill { start, end, byte });
+            .push_back(Work::Fill {
+                start,
+                end,
+                byte,
+                context,
+            });
         if !self.config.deferred_streams {
             state.drain(stream.raw());
+            Self::check_poison(&state, context)?;
         }
         Ok(())
+    }
+
+    fn check_poison(state: &State, context: u64) -> Result<(), MockError> {
+        if state.poisoned.contains(&context) {
+            Err(MockError::ContextPoisoned { context })
+        } else {
+            Ok(())
+        }
     }
 
     /// Work items queued and not yet completed, over all streams.
@@ -559,7 +582,13 @@ impl MockBackend {
         }
     }
 
+    /// A live stream of ours, in a usable context.
     fn check_stream(state: &State, stream: &Stream) -> Result<(), MockError> {
+        Self::check_stream_known(state, stream)?;
+        Self::check_poison(state, stream.context())
+    }
+
+    fn check_stream_known(state: &State, stream: &Stream) -> Result<(), MockError> {
         let known = if stream.raw() == DEFAULT_STREAM {
             stream.is_shared()
         } else {
@@ -856,8 +885,11 @@ impl StreamProvider for MockBackend {
     /// tenant queued), then destroys it.
     fn release_stream(&self, stream: Stream) -> Result<(), MockError> {
         let mut state = self.state();
-        Self::check_stream(&state, &stream)?;
+        Self::check_stream_known(&state, &stream)?;
         state.drain(stream.raw());
+        let context = stream.context();
+        // A poisoned context: the wait fails, the stream is destroyed all the same.
+        let waited = Self::check_poison(&state, context);
         if let Err(e) = self.enter(&mut state, Operation::ReleaseStream) {
             // As a driver that refused to destroy it: the stream stays, counted, handed to no
             // one.
@@ -867,7 +899,7 @@ impl StreamProvider for MockBackend {
             return Err(e);
         }
         if stream.raw() == DEFAULT_STREAM {
-            return Ok(());
+            return waited;
         }
         let Some(record) = state.streams.remove(&stream.raw()) else {
             return Err(MockError::UnknownStream { raw: stream.raw() });
@@ -882,9 +914,12 @@ impl StreamProvider for MockBackend {
                 state.contexts.remove(&record.tenant);
                 state.stats.contexts_destroyed += 1;
                 state.stats.live_contexts -= 1;
+                // A destroyed context takes its sticky error with it: the tenant's next
+                // context is a fresh one.
+                state.poisoned.remove(&record.context);
             }
         }
-        Ok(())
+        waited
     }
 
     fn synchronize(&self, stream: &Stream) -> Result<(), MockError> {
@@ -892,7 +927,7 @@ impl StreamProvider for MockBackend {
         self.enter(&mut state, Operation::Synchronize)?;
         Self::check_stream(&state, stream)?;
         state.drain(stream.raw());
-        Ok(())
+        Self::check_poison(&state, stream.context())
     }
 }
 
@@ -1291,39 +1326,94 @@ mod tests {
         assert_eq!(mock.stats().scrubs_over_pending_work, 1);
         mock.synchronize(&s).unwrap();
         assert_eq!(read(&a, 0), 0xaa, "the write landed after the scrub");
-        // A write queued for memory that is freed before it runs is lost, and counted.
+        // A write queued for memory that is freed before it runs faults: the stream's
+        // context is poisoned, and its release reports it (destroying the stream all the same).
         mock.enqueue_fill(&s, a.device_ptr(), PAGE, 0xcc).unwrap();
         // SAFETY: `a` came from `mock`.
         unsafe { mock.free(a).unwrap() };
+        assert_eq!(mock.stats().frees_over_pending_work, 1);
+        let err = mock.release_stream(s).unwrap_err();
+        assert!(matches!(err, MockError::ContextPoisoned { .. }), "{err}");
         let st = mock.stats();
-        assert_eq!(st.frees_over_pending_work, 1);
-        mock.release_stream(s).unwrap();
-        assert_eq!(mock.stats().lost_writes, 1);
+        assert_eq!((st.kernel_faults, st.live_streams), (1, 0));
     }
 
-    /// Kernel writes outside every live allocation are refused before anything is queued; at
-    /// once mode runs them at the call.
+    /// A kernel fault is sticky for its context and nothing else: a context-isolated tenant's
+    /// fault leaves the primary context (and other tenants' contexts) working; its own context
+    /// comes back fresh once destroyed.
+    #[test]
+    fn a_kernel_fault_poisons_its_context_only() {
+        let mock = deferred();
+        let a = mock.allocate(DeviceId(0), PAGE).unwrap();
+        let bad = mock
+            .acquire_stream(key(1), IsolationLevel::ContextIsolated)
+            .unwrap();
+        let good = mock
+            .acquire_stream(key(2), IsolationLevel::ContextIsolated)
+            .unwrap();
+        let primary = mock
+            .acquire_stream(key(3), IsolationLevel::StreamIsolated)
+            .unwrap();
+        mock.enqueue_fill(&bad, a.device_ptr() + PAGE as u64, 1, 1)
+            .unwrap(); // launches
+        mock.enqueue_fill(&bad, a.device_ptr(), 1, 1).unwrap(); // after the fault: never runs
+        let err = mock.synchronize(&bad).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Driver, "{err}");
+        assert!(
+            mock.prefetch(&a, 0, PAGE, Location::Host, &bad).is_err(),
+            "sticky"
+        );
+        assert_eq!(read(&a, 0), 0, "work after the fault did not run");
+        for s in [&good, &primary] {
+            mock.enqueue_fill(s, a.device_ptr(), 1, 2).unwrap();
+            mock.synchronize(s).unwrap();
+        }
+        assert_eq!(read(&a, 0), 2);
+        assert!(
+            mock.release_stream(bad).is_err(),
+            "the release reports the fault"
+        );
+        let again = mock
+            .acquire_stream(key(1), IsolationLevel::ContextIsolated)
+            .unwrap();
+        mock.synchronize(&again).unwrap();
+        for s in [again, good, primary] {
+            mock.release_stream(s).unwrap();
+        }
+        // SAFETY: `a` came from `mock`.
+        unsafe { mock.free(a).unwrap() };
+    }
+
+    /// Without deferred streams a kernel runs at the call: a range outside every live
+    /// allocation faults there (and poisons the context), an overflowing one is refused.
     #[test]
     fn fills_name_live_memory_only() {
+        for (offset, len) in [(PAGE as u64, 1), (1, PAGE), (0, usize::MAX)] {
+            let mock = small(1, 1 << 30);
+            let a = mock.allocate(DeviceId(0), PAGE).unwrap();
+            let s = mock
+                .acquire_stream(key(1), IsolationLevel::ContextIsolated)
+                .unwrap();
+            let err = mock
+                .enqueue_fill(&s, a.device_ptr() + offset, len, 1)
+                .unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    MockError::ContextPoisoned { .. } | MockError::IllegalAddress { .. }
+                ),
+                "{offset}+{len}: {err}"
+            );
+            assert_eq!(mock.pending_work(), 0);
+            let _ = mock.release_stream(s);
+            // SAFETY: `a` came from `mock`.
+            unsafe { mock.free(a).unwrap() };
+        }
         let mock = small(1, 1 << 30);
         let a = mock.allocate(DeviceId(0), PAGE).unwrap();
         let s = mock
             .acquire_stream(key(1), IsolationLevel::StreamIsolated)
             .unwrap();
-        for (ptr, len) in [
-            (a.device_ptr() + PAGE as u64, 1),
-            (a.device_ptr() + 1, PAGE),
-            (a.device_ptr(), usize::MAX),
-            (u64::MAX, 2),
-            (8, 8),
-        ] {
-            let err = mock.enqueue_fill(&s, ptr, len, 1).unwrap_err();
-            assert!(
-                matches!(err, MockError::IllegalAddress { .. }),
-                "{ptr:#x}+{len}: {err}"
-            );
-        }
-        assert_eq!(mock.pending_work(), 0);
         mock.enqueue_fill(&s, a.device_ptr(), PAGE, 7).unwrap();
         assert_eq!(read(&a, PAGE - 1), 7, "not deferred: done at the call");
         mock.release_stream(s).unwrap();

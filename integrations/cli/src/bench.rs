@@ -52,6 +52,25 @@ const GROW: &str = r#"(module
 
 const LOOP_BYTES: u32 = 16 << 20;
 
+/// A guest that fills its first `n` bytes and sums them back, over 64 MiB plus a page.
+const ROUNDTRIP: &str = r#"(module
+  (memory (export "memory") 1025 1025)
+  (func (export "fill") (param $n i32) (local $i i32)
+    (loop $next
+      (i32.store8 (local.get $i) (local.get $i))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $next (i32.lt_u (local.get $i) (local.get $n)))))
+  (func (export "sum") (param $n i32) (result i32) (local $i i32) (local $s i32)
+    (loop $next
+      (local.set $s (i32.add (local.get $s) (i32.load8_u (local.get $i))))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $next (i32.lt_u (local.get $i) (local.get $n))))
+    (local.get $s)))"#;
+
+/// The kernel round-trip sizes.
+const ROUNDTRIP_SIZES: [(&str, u32); 3] =
+    [("64KiB", 64 << 10), ("1MiB", 1 << 20), ("64MiB", 64 << 20)];
+
 #[derive(Clone, Copy)]
 struct Sizes {
     instantiate_iters: usize,
@@ -369,6 +388,75 @@ fn guest_loop_ms(
     Ok(per_placement.iter_mut().map(|p| median(p)).collect())
 }
 
+/// Microseconds for one round trip over `bytes`: the guest fills them, a kernel halves every
+/// byte, the guest sums them. `(through a device-access scope, with an explicit copy out to a
+/// separate buffer and back)`: what zero-copy saves against a runtime that must copy. On the
+/// mock the kernel runs on the CPU and the scope's prefetch and wait are host-side bookkeeping,
+/// so the figures measure the scope's host overhead against two copies, not a GPU.
+fn kernel_roundtrip_us(bytes: u32, sizes: Sizes, bar: &ProgressBar) -> Result<(f64, f64), Failure> {
+    use tensor_wasm_mem_core::IsolationLevel;
+    use tensor_wasm_mem_wasmtime::{
+        AccessRange, ChargeMode, DeviceAccess, Tenant, TenantStore, instantiate, new_store,
+    };
+    let halve = |b: &mut [u8]| b.iter_mut().for_each(|x| *x /= 2);
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .build()
+        .map_err(other)?;
+    let engine = creator.engine().map_err(other)?;
+    let module = Module::new(&engine, ROUNDTRIP).map_err(other)?;
+    let tenant = Tenant::new(1, "bench", u64::MAX, IsolationLevel::StreamIsolated);
+    let mut store = new_store(
+        &engine,
+        TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()),
+    );
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).map_err(other)?;
+    let memory = instance
+        .get_memory(&mut store, "memory")
+        .ok_or_else(|| other("no memory"))?;
+    let fill = instance
+        .get_typed_func::<i32, ()>(&mut store, "fill")
+        .map_err(other)?;
+    let sum = instance
+        .get_typed_func::<i32, i32>(&mut store, "sum")
+        .map_err(other)?;
+    let n = bytes as i32;
+    let len = bytes as usize;
+    let samples = sizes.loop_samples.max(3);
+    let (mut scoped, mut copied) = (Vec::new(), Vec::new());
+    let mut sums = Vec::new();
+    for _ in 0..samples {
+        let start = Instant::now();
+        fill.call(&mut store, n).map_err(other)?;
+        {
+            let ranges = [AccessRange::read_write(0, u64::from(bytes))];
+            let mut scope =
+                DeviceAccess::open(&mut store, &creator, &memory, &ranges).map_err(other)?;
+            halve(
+                scope
+                    .host_bytes_mut(0)
+                    .map_err(other)?
+                    .ok_or_else(|| other("not host-accessible"))?,
+            );
+            scope.close().map_err(other)?;
+        }
+        sums.push(sum.call(&mut store, n).map_err(other)?);
+        scoped.push(start.elapsed().as_secs_f64() * 1e6);
+
+        let start = Instant::now();
+        fill.call(&mut store, n).map_err(other)?;
+        let mut device = memory.data(&store)[..len].to_vec();
+        halve(black_box(&mut device));
+        memory.data_mut(&mut store)[..len].copy_from_slice(&device);
+        sums.push(sum.call(&mut store, n).map_err(other)?);
+        copied.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    if sums.windows(2).any(|w| w[0] != w[1]) {
+        return Err(other("the two round trips disagree"));
+    }
+    bar.inc(1);
+    Ok((median(&mut scoped), median(&mut copied)))
+}
+
 fn resident_bytes() -> u64 {
     let pages = std::fs::read_to_string("/proc/self/statm")
         .ok()
@@ -447,6 +535,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
     let steps = instantiate_setups.len() * sizes.instantiate_batches
         + 2 * sizes.grow_samples
         + 3 * details.len() * sizes.loop_placements
+        + ROUNDTRIP_SIZES.len()
         + 2;
     let bar = ProgressBar::new(steps as u64);
     bar.set_style(
@@ -480,6 +569,11 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             .map(|((_, key, _), t)| (*key, t))
             .collect();
         loops.push(((growable, simd), row));
+    }
+    let mut roundtrips = Vec::new();
+    for (name, bytes) in ROUNDTRIP_SIZES {
+        bar.set_message(format!("kernel round trip {name}"));
+        roundtrips.push((name, kernel_roundtrip_us(bytes, sizes, &bar)?));
     }
     let mut rss = Vec::new();
     for setup in [Setup::WasmtimeDefault, Setup::TwmFresh] {
@@ -525,6 +619,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
                 "twm_guarded": loop_get("twm_guarded"),
             },
             "guest_loop_detail_ms": detail,
+            "kernel_roundtrip_us": roundtrips.iter().map(|(name, (scope, copy))| ((*name).to_string(), json!({"twm_scope": scope, "explicit_copy": copy}))).collect::<serde_json::Map<_, _>>(),
             "rss_1000_mib": rss.iter().map(|(s, v)| (twm_key(*s).to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
         });
         println!("{report}");
@@ -602,6 +697,19 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
                     "{}{t}x",
                     if ratio <= t { "<=" } else { "MISS " }
                 ))
+            );
+        }
+    }
+    for (name, (scope, copy)) in &roundtrips {
+        let group = format!("kernel round trip {name}");
+        for (key, value) in [("explicit_copy", copy), ("twm_scope", scope)] {
+            println!(
+                "{:<26} {:<18} {:>9.3} {:<3}{:>7.2}x",
+                group,
+                key,
+                value,
+                "us",
+                value / copy
             );
         }
     }

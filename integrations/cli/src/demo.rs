@@ -1,6 +1,6 @@
 //! `twm demo`: several tenants with caps and isolation levels on pooled managed memory; guests
-//! fill their memory, a host-side "kernel" reads and writes guest data through the resolved
-//! device slice, and the figures are printed.
+//! fill their memory, a host-side "kernel" reads and writes guest data through a device-access
+//! scope (`DeviceAccess`), and the figures are printed.
 
 use std::sync::Arc;
 
@@ -10,8 +10,8 @@ use tensor_wasm_mem_core::{
 };
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
 use tensor_wasm_mem_wasmtime::{
-    Backend, ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, add_to_linker, instantiate,
-    new_store,
+    AccessRange, Backend, ChargeMode, DeviceAccess, Tenant, TenantStore, TensorWasmMemoryCreator,
+    add_to_linker, instantiate, new_store,
 };
 
 use crate::backend::BackendKind;
@@ -56,15 +56,11 @@ pub struct DemoArgs {
     pub backend: BackendKind,
 }
 
-/// The kernel: halves every byte of the slice; returns the sum of the bytes it wrote.
-/// On the mock the device is the CPU, so it runs here, on the guest's bytes addressed through the
-/// device pointer; on a GPU backend the same device pointer and length would be kernel launch
-/// arguments.
-fn kernel(guest_bytes: &mut [u8], base_device_ptr: u64, device_ptr: u64, len: usize) -> u32 {
-    let start = usize::try_from(device_ptr - base_device_ptr).unwrap_or(usize::MAX);
-    let bytes = guest_bytes
-        .get_mut(start..start.saturating_add(len))
-        .unwrap_or_default();
+/// The kernel: halves every byte of the slice; returns the sum of the bytes it wrote. It runs
+/// on the host, over the bytes a device-access scope hands out (`host_bytes_mut`): the same
+/// managed memory a GPU kernel launched on the scope's stream with its device pointer would
+/// read and write.
+fn kernel(bytes: &mut [u8]) -> u32 {
     let mut sum = 0u32;
     for b in bytes.iter_mut() {
         *b /= 2;
@@ -157,14 +153,22 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
                 .get_memory(&mut store, "memory")
                 .ok_or_else(|| Failure::Other("no memory export".into()))?;
             let len = memory.data_size(&store) as u64;
-            // The slice borrows the Store: its raw launch arguments are taken before the
-            // "kernel" needs the Store's memory mutably.
-            let slice = creator
-                .resolve(&store, &memory, 0, len)
-                .map_err(|e| other(&e))?;
-            let (device_ptr, device_len) = (slice.device_ptr(), slice.len());
-            let base = memory.data_ptr(&store) as u64;
-            let written = kernel(memory.data_mut(&mut store), base, device_ptr, device_len);
+            // The scope holds the Store (no guest runs), checks the range, prefetches it to
+            // the device on the tenant's stream, and waits for the stream when it closes.
+            let written = {
+                let ranges = [AccessRange::read_write(0, len)];
+                let mut scope = DeviceAccess::open(&mut store, &creator, &memory, &ranges)
+                    .map_err(|e| other(&e))?;
+                let bytes = scope
+                    .host_bytes_mut(0)
+                    .map_err(|e| other(&e))?
+                    .ok_or_else(|| {
+                        Failure::Other("the demo's kernel needs host-accessible memory".into())
+                    })?;
+                let written = kernel(bytes);
+                scope.close().map_err(|e| other(&e))?;
+                written
+            };
             let after = checksum.call(&mut store, ()).map_err(|e| other(&e))?;
             // The guest must see exactly the bytes the kernel wrote.
             let ok = after as u32 == written && after != before;

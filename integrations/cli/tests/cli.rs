@@ -416,13 +416,24 @@ fn tables_are_charged_and_bounded_under_twm_run() {
                (table.grow (ref.null func) (local.get 0))))"#,
     );
     let path = growing.to_str().unwrap();
-    let o = twm(&[&["run", path, "--invoke", "grow", "100"][..], &args[..]].concat());
+    // 1 MiB of held budget is 131072 elements: a growth past it (within the element limit) is
+    // refused by the budget.
+    let small = ["--tenant-cap", "0", "--tenant-held", "1MiB"];
+    let o = twm(&[&["run", path, "--invoke", "grow", "100"][..], &small[..]].concat());
     assert_eq!(
         (o.status.code(), stdout(&o)),
         (Some(0), "10\n".into()),
         "{}",
         stderr(&o)
     );
+    let o = twm(&[&["run", path, "--invoke", "grow", "200000"][..], &small[..]].concat());
+    assert_eq!(
+        (o.status.code(), stdout(&o)),
+        (Some(0), "-1\n".into()),
+        "{}",
+        stderr(&o)
+    );
+    // Past the element limit (2^20 per table) it is -1 whatever the budget.
     let o = twm(&[&["run", path, "--invoke", "grow", "2000000"][..], &args[..]].concat());
     assert_eq!(
         (o.status.code(), stdout(&o)),

@@ -107,6 +107,9 @@ pub enum TwmError {
     /// The export named is missing or not a memory.
     #[error("the instance exports no memory named {0:?}")]
     NoMemoryExport(String),
+    /// A memory of another Store than the one given.
+    #[error("this memory belongs to another Store than the one given")]
+    ForeignMemory,
 }
 
 /// Refuses the memory types no creator of ours serves: shared memories and page sizes other
@@ -139,9 +142,18 @@ impl TwmError {
             Self::GuardNotHonoured { .. }
             | Self::ReservationNotHonoured { .. }
             | Self::SharedMemory
-            | Self::NoMemoryExport(_) => ErrorKind::InvalidArgument,
+            | Self::NoMemoryExport(_)
+            | Self::ForeignMemory => ErrorKind::InvalidArgument,
             Self::CustomPageSize { .. } => ErrorKind::Unsupported,
             Self::NotOurMemory | Self::NotDeviceAccessible => ErrorKind::Unsupported,
+        }
+    }
+
+    /// A backend's own error, typed by its kind.
+    pub(crate) fn backend<E: tensor_wasm_mem_core::BackendError>(e: E) -> Self {
+        Self::Backend {
+            kind: e.kind(),
+            source: Box::new(e),
         }
     }
 

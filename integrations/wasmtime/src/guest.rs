@@ -115,6 +115,11 @@ impl<B: Backend> GuestContext<B> {
         (self.calls, self.failed_calls)
     }
 
+    /// The Store's shared charge, when made with [`for_limiter`](Self::for_limiter).
+    pub(crate) fn store_charge(&self) -> Option<&Arc<StoreCharge>> {
+        self.store.as_ref()
+    }
+
     /// The instance's stream, acquired on first use at the tenant's isolation level.
     pub fn stream(&mut self) -> Result<&StreamLease<Arc<B>>, B::Error> {
         if self.stream.is_none() {
@@ -134,14 +139,15 @@ impl<B: Backend> GuestContext<B> {
 }
 
 impl<B: Backend> Drop for GuestContext<B> {
-    /// Releases the stream (which waits for it), then takes it off the Store's list.
+    /// Takes the stream off the Store's list, then releases it (which waits for it).
     fn drop(&mut self) {
         if let Some(lease) = self.stream.take() {
-            let id = StreamId::of(lease.stream());
-            drop(lease);
+            // Off the list first: a release that fails leaves no entry for the memories to
+            // wait on in vain.
             if let Some(store) = &self.store {
-                store.remove_stream(id);
+                store.remove_stream(StreamId::of(lease.stream()));
             }
+            drop(lease);
         }
     }
 }
@@ -304,7 +310,7 @@ fn prefetch_call<B: Backend, T: HasGuestContext<B>>(
     let creator = caller.data_mut().guest_context().creator.clone();
     let (offset, len, location) = guest_args(&creator, ptr, len, location)?;
     let memory = guest_memory(caller)?;
-    let view = MemoryView::of(&*caller, &memory);
+    let view = MemoryView::of(&*caller, &memory).map_err(|e| code_for(&e))?;
     // Check the range before acquiring a stream, so a bad call creates nothing.
     creator
         .resolve_at(view, offset, len)

@@ -7,6 +7,7 @@ mod error;
 mod guarded;
 mod guest;
 mod memory;
+mod scope;
 mod tenancy;
 #[cfg(feature = "wasi")]
 pub mod wasi;
@@ -25,6 +26,7 @@ pub use guest::{
 pub use memory::{
     CreatorBuilder, CreatorStats, GuestSlice, TensorWasmLinearMemory, TensorWasmMemoryCreator,
 };
+pub use scope::{Access, AccessRange, DeviceAccess, ScopeOptions, ScopedSlice};
 pub use tenancy::{
     ChargeMode, HasTenantLimiter, LimiterStats, TABLE_ELEMENT_BYTES, Tenant, TenantLimiter,
     TenantStats, instantiate, new_store,

@@ -27,11 +27,18 @@ pub(crate) struct MemoryView {
 }
 
 impl MemoryView {
-    pub(crate) fn of(store: impl AsContext, memory: &Memory) -> Self {
-        Self {
+    /// Where `memory` lies in `store`; a memory of another Store is [`TwmError::ForeignMemory`].
+    pub(crate) fn of(store: impl AsContext, memory: &Memory) -> Result<Self, TwmError> {
+        // Wasmtime 48 has no public way to ask whether a `Memory` belongs to a Store: its
+        // accessors assert it (a panic, "object used with the wrong store"). That assertion
+        // runs before anything is read or changed, so catching it loses nothing; it turns an
+        // embedder's mistake into a typed error (the panic message still reaches the panic hook).
+        let store = store.as_context();
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Self {
             base: memory.data_ptr(&store) as usize,
             size: memory.data_size(&store),
-        }
+        }))
+        .map_err(|_| TwmError::ForeignMemory)
     }
 }
 
@@ -91,6 +98,61 @@ impl<B: Backend> Drop for MemoryShared<B> {
                 tracing::warn!(error = %e, "twm: waiting for a stream before freeing a memory failed");
             }
         }
+    }
+}
+
+/// One memory held by a device-access scope (see [`crate::DeviceAccess`]).
+pub(crate) struct ScopedMemory<B: Backend>(Arc<MemoryShared<B>>);
+
+impl<B: Backend> ScopedMemory<B> {
+    /// The charge of the Store that made it (`None`: a creator bound to a tenant, no limiter).
+    pub(crate) fn store_charge(&self) -> Option<&Arc<StoreCharge>> {
+        self.0.charges._store.as_ref()
+    }
+
+    fn buffer(&self) -> std::sync::RwLockReadGuard<'_, UnifiedBuffer<Arc<B>>> {
+        self.0.buffer.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A device slice of a range already checked against the visible size.
+    pub(crate) fn slice(&self, range: &std::ops::Range<usize>) -> Result<DeviceSlice, TwmError> {
+        self.buffer()
+            .device_slice(range.start, range.len())
+            .map_err(TwmError::GuestRange)
+    }
+
+    pub(crate) fn prefetch(
+        &self,
+        range: &std::ops::Range<usize>,
+        to: Location,
+        stream: &Stream,
+    ) -> Result<(), TwmError> {
+        self.buffer()
+            .prefetch(range.start, range.len(), to, stream)
+            .map_err(TwmError::from_core)
+    }
+
+    pub(crate) fn advise(
+        &self,
+        range: &std::ops::Range<usize>,
+        advice: Advice,
+    ) -> Result<(), TwmError> {
+        self.buffer()
+            .advise(range.start, range.len(), advice)
+            .map_err(TwmError::from_core)
+    }
+
+    /// The host address of visible byte `offset`, where the backing is host-accessible.
+    pub(crate) fn host_ptr(&self, offset: usize) -> Option<*mut u8> {
+        let buffer = self.buffer();
+        buffer
+            .capabilities()
+            .host_accessible
+            .then(|| buffer.as_ptr().wrapping_add(offset))
+    }
+
+    pub(crate) fn backend(&self) -> Arc<B> {
+        Arc::clone(self.buffer().allocator())
     }
 }
 
@@ -319,6 +381,31 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         }
     }
 
+    /// The device every memory of this creator is on.
+    #[must_use]
+    pub fn device(&self) -> DeviceId {
+        self.inner.device
+    }
+
+    /// A memory this creator made (any other is `NotOurMemory`), held for a device-access
+    /// scope, with its visible size as the guest sees it.
+    pub(crate) fn scoped(&self, view: MemoryView) -> Result<(ScopedMemory<B>, usize), TwmError> {
+        let shared = self
+            .inner
+            .registry()
+            .get(&view.base)
+            .cloned()
+            .ok_or(TwmError::NotOurMemory)?;
+        let size = {
+            let buffer = shared.buffer.read().unwrap_or_else(PoisonError::into_inner);
+            if !buffer.capabilities().device_accessible {
+                return Err(TwmError::NotDeviceAccessible);
+            }
+            view.size.min(buffer.len())
+        };
+        Ok((ScopedMemory(shared), size))
+    }
+
     /// Runs `f` on the buffer of a memory this creator made (any other is `NotOurMemory`), with
     /// its visible size as the guest sees it.
     fn with_buffer<R>(
@@ -346,11 +433,9 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// needs the Store mutably, and may grow or write the memory). Keeping it does not compile
     /// (`tests/ui/slice_outlives_store.rs`).
     ///
-    /// # Panics
-    ///
-    /// If `memory` belongs to another Store than `store`, as Wasmtime's own `Memory` methods
-    /// do (Wasmtime 48 offers no way to ask first). The same holds for
-    /// [`advise`](Self::advise) and [`prefetch`](Self::prefetch).
+    /// A memory of another Store than `store` is [`TwmError::ForeignMemory`] (Wasmtime's own
+    /// `Memory` methods panic there), here and in [`advise`](Self::advise) and
+    /// [`prefetch`](Self::prefetch).
     pub fn resolve<'s, S: AsContext>(
         &self,
         store: &'s S,
@@ -358,7 +443,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         offset: u64,
         len: u64,
     ) -> Result<GuestSlice<'s>, TwmError> {
-        let slice = self.resolve_at(MemoryView::of(store, memory), offset, len)?;
+        let slice = self.resolve_at(MemoryView::of(store, memory)?, offset, len)?;
         Ok(GuestSlice {
             slice,
             _store: PhantomData,
@@ -391,7 +476,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         len: u64,
         advice: Advice,
     ) -> Result<(), TwmError> {
-        self.with_buffer(MemoryView::of(store, memory), |buffer, size| {
+        self.with_buffer(MemoryView::of(store, memory)?, |buffer, size| {
             let range = guest_range(offset, len, size)?;
             buffer
                 .advise(range.start, range.len(), advice)
@@ -410,7 +495,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         to: Location,
         stream: &Stream,
     ) -> Result<(), TwmError> {
-        self.prefetch_at(MemoryView::of(store, memory), offset, len, to, stream)
+        self.prefetch_at(MemoryView::of(store, memory)?, offset, len, to, stream)
     }
 
     pub(crate) fn prefetch_at(
@@ -540,7 +625,11 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
 }
 
 /// Checks a guest range against `size`; overflow of the address type is reported as such.
-fn guest_range(offset: u64, len: u64, size: usize) -> Result<std::ops::Range<usize>, TwmError> {
+pub(crate) fn guest_range(
+    offset: u64,
+    len: u64,
+    size: usize,
+) -> Result<std::ops::Range<usize>, TwmError> {
     let overflow =
         || TwmError::GuestRange(tensor_wasm_mem_core::RangeError::Overflow { offset, len });
     let offset = usize::try_from(offset).map_err(|_| overflow())?;

@@ -171,3 +171,28 @@ fn into_data_drops_the_memory_first_and_it_still_waits(
     );
     assert_eq!(rig.backend.stats().scrubs_over_pending_work, 0);
 }
+
+/// The same without a pool: the memory's allocation is freed at once when it goes, so a wait
+/// placed after the free would show here as a free over pending work.
+#[test]
+fn into_data_on_a_fresh_memory_waits_before_the_free() {
+    let backend = Arc::new(MockBackend::new(MockConfig {
+        deferred_streams: true,
+        ..MockConfig::default()
+    }));
+    let creator = fresh(&backend);
+    let engine = creator.engine().unwrap();
+    let rig = Rig {
+        module: Module::new(&engine, GUEST).unwrap(),
+        linker: Linker::new(&engine),
+        backend: Arc::clone(&backend),
+        creator,
+    };
+    let (mut a, memory) = rig.tenant(1, STREAM);
+    rig.queue_fill(&mut a, &memory, 0xaa);
+    let data = a.into_data();
+    let s = backend.stats();
+    assert_eq!((s.frees_over_pending_work, s.kernel_faults), (0, 0));
+    assert_eq!(backend.pending_work(), 0);
+    drop(data);
+}

@@ -19,6 +19,8 @@ pub mod code {
     pub const INVALID_CONTEXT: u32 = 201;
     /// `CUDA_ERROR_INVALID_HANDLE`.
     pub const INVALID_HANDLE: u32 = 400;
+    /// `CUDA_ERROR_NOT_FOUND`.
+    pub const NOT_FOUND: u32 = 500;
     /// `CUDA_ERROR_ILLEGAL_ADDRESS`.
     pub const ILLEGAL_ADDRESS: u32 = 700;
     /// `CUDA_ERROR_NOT_SUPPORTED`.
@@ -40,6 +42,7 @@ pub mod code {
             INVALID_DEVICE => (c"CUDA_ERROR_INVALID_DEVICE", c"invalid device ordinal"),
             INVALID_CONTEXT => (c"CUDA_ERROR_INVALID_CONTEXT", c"invalid device context"),
             INVALID_HANDLE => (c"CUDA_ERROR_INVALID_HANDLE", c"invalid resource handle"),
+            NOT_FOUND => (c"CUDA_ERROR_NOT_FOUND", c"named symbol not found"),
             ILLEGAL_ADDRESS => (
                 c"CUDA_ERROR_ILLEGAL_ADDRESS",
                 c"an illegal memory access was encountered",

@@ -20,7 +20,11 @@
 //! Advice and prefetches are recorded per range (`twm_sim_hints` answers what is in force at an
 //! address: read-mostly, preferred location, accessed-by, where it was last prefetched to).
 //!
-//! What it does not model: kernels, real migration, timing, asynchrony (every call
+//! Kernels: `cuModuleLoadData` accepts any image, `cuModuleGetFunction` knows the simulated
+//! kernels `increment(data, len)` and `fill(data, len, value)`, and `cuLaunchKernel` runs them on
+//! the host over the range they are given (outside every allocation: an illegal address).
+//!
+//! What it does not model: real kernels, real migration, timing, asynchrony (every call
 //! completes before it returns), multiple processes.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
@@ -174,6 +178,10 @@ struct Sim {
     streams: BTreeMap<u64, u64>,
     allocations: BTreeMap<u64, Allocation>,
     pools: BTreeMap<u64, Pool>,
+    /// Loaded modules (`cuModuleLoadData`), by handle.
+    modules: BTreeMap<u64, ()>,
+    /// Functions got from them: handle -> (module, simulated kernel).
+    functions: BTreeMap<u64, (u64, Kernel)>,
     next_handle: u64,
     calls: BTreeMap<String, u64>,
     faults: Vec<Fault>,
@@ -184,6 +192,26 @@ struct Sim {
 }
 
 static SIM: Mutex<Option<Sim>> = Mutex::new(None);
+
+/// The simulated kernels a module can name: host functions that run on the launch, over the
+/// device pointer and length they are given (the image's code is not read; any image works).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    /// `increment(u64 data, u64 len)`: adds one to each byte of `data[0..len]`.
+    Increment,
+    /// `fill(u64 data, u64 len, u32 value)`: sets each byte of `data[0..len]` to `value`.
+    Fill,
+}
+
+impl Kernel {
+    fn by_name(name: &[u8]) -> Option<Self> {
+        match name {
+            b"increment" => Some(Self::Increment),
+            b"fill" => Some(Self::Fill),
+            _ => None,
+        }
+    }
+}
 
 thread_local! {
     /// This thread's context stack (CUDA keeps one per thread); the top is current.
@@ -792,6 +820,95 @@ entry! {
             }
         }
         sim.hint(ptr, count, Hint::Resident(device));
+        Ok(())
+    }
+}
+
+entry! {
+    /// `cuModuleLoadData`: any image (the simulated kernels are named by `cuModuleGetFunction`).
+    fn cuModuleLoadData(module: *mut *mut c_void, image: *const c_void) |sim| {
+        sim.context_device()?;
+        if module.is_null() || image.is_null() {
+            return Err(code::INVALID_VALUE);
+        }
+        let h = sim.handle();
+        sim.modules.insert(h, ());
+        put(module, h as *mut c_void)
+    }
+}
+
+entry! {
+    /// `cuModuleGetFunction`: `increment` and `fill` exist; any other name is
+    /// `CUDA_ERROR_NOT_FOUND`.
+    fn cuModuleGetFunction(function: *mut *mut c_void, module: *mut c_void, name: *const c_char) |sim| {
+        sim.context_device()?;
+        if function.is_null() || name.is_null() {
+            return Err(code::INVALID_VALUE);
+        }
+        if !sim.modules.contains_key(&(module as u64)) {
+            return Err(code::INVALID_HANDLE);
+        }
+        // SAFETY: a NUL-terminated string by the caller's contract (checked non-null).
+        let name = unsafe { CStr::from_ptr(name) };
+        let kernel = Kernel::by_name(name.to_bytes()).ok_or(code::NOT_FOUND)?;
+        let h = sim.handle();
+        sim.functions.insert(h, (module as u64, kernel));
+        put(function, h as *mut c_void)
+    }
+}
+
+entry! {
+    /// `cuModuleUnload`: its functions go with it.
+    fn cuModuleUnload(module: *mut c_void) |sim| {
+        sim.initialized()?;
+        let m = module as u64;
+        if sim.modules.remove(&m).is_none() {
+            return Err(code::INVALID_HANDLE);
+        }
+        sim.functions.retain(|_, (owner, _)| *owner != m);
+        Ok(())
+    }
+}
+
+entry! {
+    /// `cuLaunchKernel`: runs the simulated kernel at once (completing before the call returns,
+    /// like everything here), with its parameters read from `params`. A range outside every
+    /// live allocation is `CUDA_ERROR_ILLEGAL_ADDRESS` (not sticky here: the simulator keeps no
+    /// per-context error state).
+    fn cuLaunchKernel(
+        function: *mut c_void,
+        grid_x: c_uint, grid_y: c_uint, grid_z: c_uint,
+        block_x: c_uint, block_y: c_uint, block_z: c_uint,
+        shared_bytes: c_uint, stream: *mut c_void,
+        params: *mut *mut c_void, extra: *mut *mut c_void,
+    ) |sim| {
+        sim.context_device()?;
+        let _ = (grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes);
+        let &(_, kernel) = sim.functions.get(&(function as u64)).ok_or(code::INVALID_HANDLE)?;
+        sim.stream(stream as u64)?;
+        if params.is_null() || !extra.is_null() {
+            return Err(code::INVALID_VALUE);
+        }
+        // SAFETY: `params` points to one pointer per kernel parameter, each to its value, by
+        // the launch contract: increment (u64, u64), fill (u64, u64, u32).
+        let (data, len) = unsafe {
+            (
+                (*params.add(0)).cast::<u64>().read_unaligned(),
+                (*params.add(1)).cast::<u64>().read_unaligned(),
+            )
+        };
+        let len = usize::try_from(len).map_err(|_| code::ILLEGAL_ADDRESS)?;
+        sim.range(data, len).map_err(|_| code::ILLEGAL_ADDRESS)?;
+        // SAFETY: `data..data + len` lies inside a live allocation of ours (checked above).
+        let bytes = unsafe { std::slice::from_raw_parts_mut(data as *mut u8, len) };
+        match kernel {
+            Kernel::Increment => bytes.iter_mut().for_each(|b| *b = b.wrapping_add(1)),
+            Kernel::Fill => {
+                // SAFETY: the third parameter of `fill` is a u32, by the launch contract.
+                let value = unsafe { (*params.add(2)).cast::<u32>().read_unaligned() };
+                bytes.fill(value as u8);
+            }
+        }
         Ok(())
     }
 }

@@ -6,60 +6,25 @@
 //! 2. Timings on the device: cuMemAllocManaged + free against a pool slot (acquire + release) for
 //!    64 KiB, 1 MiB and 64 MiB; prefetch of 256 MiB host -> device and back (GB/s).
 //!
-//! On the simulated driver the kernel step reports "skipped: simulated driver" and the timings are
-//! labelled as simulated. Prints one short table; `--log FILE` also writes the details there.
+//! On the simulated driver the kernel is the simulator's host kernel of the same name (the PTX is
+//! loaded, not run) and the timings are labelled as simulated. Prints one short table; `--log FILE` also writes the details there.
 
-use std::ffi::{CString, c_void};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::sys;
 use tensor_wasm_mem_core::{
     DeviceId, IsolationLevel, Location, ManagedAllocator, PoolConfig, SizeClass, SlotPool,
     StreamLease, StreamProvider, TenantId, TenantKey, UnifiedBuffer,
 };
 use tensor_wasm_mem_cudarc::{CudarcBackend, DriverSource};
+use tensor_wasm_mem_tests::kernels::launch_increment;
 use tensor_wasm_mem_tests::sim::{SIM_PATH, Sim};
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
 use tensor_wasm_mem_wasmtime::{
-    ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, instantiate, new_store,
+    AccessRange, ChargeMode, DeviceAccess, Tenant, TenantStore, TensorWasmMemoryCreator,
+    instantiate, new_store,
 };
-
-/// Adds one to each byte of `data[0..len]`, one thread per byte.
-const INCREMENT_PTX: &str = r#"
-.version 7.0
-.target sm_75
-.address_size 64
-
-.visible .entry increment(
-    .param .u64 data,
-    .param .u64 len
-)
-{
-    .reg .pred  %p<2>;
-    .reg .b16   %rs<3>;
-    .reg .b32   %r<5>;
-    .reg .b64   %rd<6>;
-
-    ld.param.u64        %rd1, [data];
-    ld.param.u64        %rd2, [len];
-    mov.u32             %r1, %ctaid.x;
-    mov.u32             %r2, %ntid.x;
-    mov.u32             %r3, %tid.x;
-    mad.lo.s32          %r4, %r1, %r2, %r3;
-    cvt.u64.u32         %rd3, %r4;
-    setp.ge.u64         %p1, %rd3, %rd2;
-    @%p1 bra            DONE;
-    cvta.to.global.u64  %rd4, %rd1;
-    add.s64             %rd5, %rd4, %rd3;
-    ld.global.u8        %rs1, [%rd5];
-    add.s16             %rs2, %rs1, 1;
-    st.global.u8        [%rd5], %rs2;
-DONE:
-    ret;
-}
-"#;
 
 const GUEST: &str = r#"(module
   (memory (export "memory") 1 16)
@@ -94,66 +59,6 @@ impl Report {
     }
 }
 
-fn check(call: &str, result: sys::CUresult) -> Result<(), String> {
-    if result == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(format!("{call} failed: {result:?}"))
-    }
-}
-
-/// Launches the increment kernel on `data..data + len`, ordered on `stream`, and waits.
-fn launch_increment(data: u64, len: u64, stream: u64, context: u64) -> Result<(), String> {
-    let ptx = CString::new(INCREMENT_PTX).map_err(|e| e.to_string())?;
-    let name = CString::new("increment").map_err(|e| e.to_string())?;
-    // SAFETY: a live context of the backend (the stream's).
-    check("cuCtxSetCurrent", unsafe {
-        sys::cuCtxSetCurrent(context as sys::CUcontext)
-    })?;
-    let mut module: sys::CUmodule = std::ptr::null_mut();
-    // SAFETY: `module` is a valid out-pointer; `ptx` is a NUL-terminated PTX image.
-    check("cuModuleLoadData", unsafe {
-        sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast())
-    })?;
-    let mut function: sys::CUfunction = std::ptr::null_mut();
-    // SAFETY: `module` was just loaded; `name` is a NUL-terminated string.
-    let got = check("cuModuleGetFunction", unsafe {
-        sys::cuModuleGetFunction(&mut function, module, name.as_ptr())
-    });
-    let launched = got.and_then(|()| {
-        let (mut data, mut len) = (data, len);
-        let mut params = [
-            (&raw mut data).cast::<c_void>(),
-            (&raw mut len).cast::<c_void>(),
-        ];
-        let blocks = len.div_ceil(256) as u32;
-        // SAFETY: the kernel takes two u64 parameters, passed by address; the range lies inside
-        // the guest's live memory (resolved and checked by the creator); the stream is live.
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                function,
-                blocks,
-                1,
-                1,
-                256,
-                1,
-                1,
-                0,
-                stream as sys::CUstream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })?;
-        // SAFETY: a live stream of the backend.
-        check("cuStreamSynchronize", unsafe {
-            sys::cuStreamSynchronize(stream as sys::CUstream)
-        })
-    });
-    // SAFETY: the module is not used after this.
-    let _ = unsafe { sys::cuModuleUnload(module) };
-    launched
-}
-
 fn zero_copy(
     backend: &Arc<CudarcBackend>,
     simulated: bool,
@@ -182,38 +87,43 @@ fn zero_copy(
     let memory = instance
         .get_memory(&mut store, "memory")
         .ok_or("no memory export")?;
-    let slice = creator
-        .resolve(&store, &memory, 0, LEN as u64)
-        .map_err(|e| e.to_string())?;
+    // The kernel runs inside a device-access scope: the ranges checked and prefetched to the
+    // device on the tenant's stream, the Store held (no guest runs), the stream waited for at
+    // close.
+    let ranges = [AccessRange::read_write(0, LEN as u64)];
+    let scope =
+        DeviceAccess::open(&mut store, &creator, &memory, &ranges).map_err(|e| e.to_string())?;
+    let slice = scope.slice(0).ok_or("no range")?;
     report.row(
-        "zero-copy: resolve",
+        "zero-copy: scope",
         format!(
-            "device pointer {:#x}, {} bytes",
+            "device pointer {:#x}, {} bytes, stream {:#x}",
             slice.device_ptr(),
-            slice.len()
+            slice.len(),
+            scope.stream().raw()
         ),
     );
-    if simulated {
-        report.row("zero-copy: kernel", "skipped: simulated driver");
-        return Ok(());
-    }
-    let lease = StreamLease::acquire(
-        Arc::clone(backend),
-        TenantKey::fresh(TenantId(1)),
-        IsolationLevel::StreamIsolated,
-    )
-    .map_err(|e| e.to_string())?;
-    launch_increment(
+    // On the simulated driver `increment` is its host kernel of that name (the PTX is loaded
+    // but not run): the same launch, the same scope, no GPU.
+    let launched = launch_increment(
         slice.device_ptr(),
         slice.len() as u64,
-        lease.stream().raw(),
-        lease.stream().context(),
-    )?;
+        scope.stream().raw(),
+        scope.stream().context(),
+    );
+    // Closed (the stream waited for) whether or not the launch worked.
+    let closed = scope.close().map_err(|e| e.to_string());
+    launched?;
+    closed?;
     let ok = check_fn
         .call(&mut store, LEN)
         .map_err(|e| format!("{e:#}"))?;
     report.row(
-        "zero-copy: kernel",
+        if simulated {
+            "zero-copy: kernel (simulated)"
+        } else {
+            "zero-copy: kernel"
+        },
         if ok == LEN {
             format!("ok: the guest reads all {LEN} bytes the kernel incremented")
         } else {

@@ -1,0 +1,391 @@
+//! The device-access scope: a kernel's window onto a guest's memory, safe by construction.
+//!
+//! [`DeviceAccess::open`] takes the Store mutably, so no guest code runs while a kernel may
+//! read or write the memory; it checks every range the kernel will use before anything is
+//! queued, prefetches exactly those ranges to the tenant's device on the tenant's own stream
+//! (where the device migrates pages), and hands out device pointers that live as long as the
+//! scope, with the stream to launch on. [`DeviceAccess::close`] (or dropping the scope, on an
+//! error or a panic path) waits for the stream before the Store is usable again, so the guest
+//! never sees the memory while the kernel may still write it, and sees every write once it
+//! runs.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use tensor_wasm_mem_mock::MockBackend;
+//! use tensor_wasm_mem_wasmtime::core::IsolationLevel;
+//! use tensor_wasm_mem_wasmtime::*;
+//!
+//! let backend = Arc::new(MockBackend::default());
+//! let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend)).build()?;
+//! let engine = creator.engine()?;
+//! let tenant = Tenant::new(1, "t1", 1 << 20, IsolationLevel::StreamIsolated);
+//! let mut store = new_store(&engine, TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()));
+//! let module = wasmtime::Module::new(&engine, r#"(module (memory (export "memory") 1))"#)?;
+//! let instance = instantiate(&mut store, &wasmtime::Linker::new(&engine), &module)?;
+//! let memory = instance.get_memory(&mut store, "memory").unwrap();
+//!
+//! let scope = DeviceAccess::open(&mut store, &creator, &memory, &[AccessRange::read_write(0, 4096)])?;
+//! let slice = scope.slice(0).unwrap();
+//! // Launch a kernel on `scope.stream()` over `slice.device_ptr()..+slice.len()`; here, the
+//! // mock's simulated kernel:
+//! backend.enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 7)?;
+//! scope.close()?; // waits for the kernel; the Store is the guest's again
+//! assert_eq!(memory.data(&store)[4095], 7);
+//! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+//! ```
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::ops::Range;
+
+use tensor_wasm_mem_core::{
+    Advice, DeviceId, DeviceSlice, Location, ManagedAllocator, Stream, StreamProvider,
+};
+use wasmtime::{Memory, Store};
+
+use crate::Backend;
+use crate::error::TwmError;
+use crate::guest::HasGuestContext;
+use crate::memory::{MemoryView, ScopedMemory, TensorWasmMemoryCreator, guest_range};
+use crate::tenancy::StreamId;
+
+/// How a kernel uses a range.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// Read only: may be advised read-mostly for the scope ([`ScopeOptions::read_mostly`]).
+    Read,
+    /// Written (its old contents need not reach the device, but are prefetched all the same).
+    Write,
+    /// Read and written.
+    ReadWrite,
+}
+
+impl Access {
+    /// Whether the kernel may write.
+    #[must_use]
+    pub const fn writes(self) -> bool {
+        !matches!(self, Self::Read)
+    }
+}
+
+/// A guest range (offset and length in the guest's address space) and how a kernel uses it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AccessRange {
+    /// Guest offset of the first byte.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// How the kernel uses it.
+    pub access: Access,
+}
+
+impl AccessRange {
+    /// `offset..offset + len`, read only.
+    #[must_use]
+    pub const fn read(offset: u64, len: u64) -> Self {
+        Self {
+            offset,
+            len,
+            access: Access::Read,
+        }
+    }
+
+    /// `offset..offset + len`, written only.
+    #[must_use]
+    pub const fn write(offset: u64, len: u64) -> Self {
+        Self {
+            offset,
+            len,
+            access: Access::Write,
+        }
+    }
+
+    /// `offset..offset + len`, read and written.
+    #[must_use]
+    pub const fn read_write(offset: u64, len: u64) -> Self {
+        Self {
+            offset,
+            len,
+            access: Access::ReadWrite,
+        }
+    }
+}
+
+/// What opening and closing a scope does besides checking and waiting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ScopeOptions {
+    /// Prefetch every range to the tenant's device on open (where the device migrates pages:
+    /// concurrent managed access). Default: on.
+    pub prefetch: bool,
+    /// Advise read-only ranges read-mostly for the scope (unset again on close). Default: off.
+    pub read_mostly: bool,
+    /// On close, after the wait, prefetch written ranges back to the host (for a guest that
+    /// reads the results at once). Default: off.
+    pub write_back: bool,
+}
+
+impl Default for ScopeOptions {
+    fn default() -> Self {
+        Self {
+            prefetch: true,
+            read_mostly: false,
+            write_back: false,
+        }
+    }
+}
+
+/// One checked range of an open scope.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScopedSlice<'a> {
+    slice: DeviceSlice,
+    access: Access,
+    _scope: PhantomData<&'a ()>,
+}
+
+impl ScopedSlice<'_> {
+    /// The device address of the first byte.
+    #[must_use]
+    pub const fn device_ptr(&self) -> u64 {
+        self.slice.device_ptr
+    }
+
+    /// The length in bytes.
+    #[must_use]
+    pub const fn len(&self) -> usize {
+        self.slice.len
+    }
+
+    /// `true` for an empty range.
+    #[must_use]
+    pub const fn is_empty(&self) -> bool {
+        self.slice.len == 0
+    }
+
+    /// How the kernel may use it.
+    #[must_use]
+    pub const fn access(&self) -> Access {
+        self.access
+    }
+}
+
+struct Entry {
+    range: Range<usize>,
+    access: Access,
+    slice: DeviceSlice,
+}
+
+/// An open device-access scope over one guest memory: holds the Store exclusively for `'s`.
+/// See the [module docs](self).
+pub struct DeviceAccess<'s, T: 'static, B: Backend> {
+    _store: PhantomData<&'s mut Store<T>>,
+    memory: ScopedMemory<B>,
+    stream: Stream,
+    device: DeviceId,
+    entries: Vec<Entry>,
+    /// Ranges this scope advised read-mostly (unset on close).
+    advised: Vec<Range<usize>>,
+    write_back: bool,
+    open: bool,
+}
+
+impl<T: 'static, B: Backend> fmt::Debug for DeviceAccess<'_, T, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceAccess")
+            .field("stream", &self.stream.raw())
+            .field("device", &self.device)
+            .field("ranges", &self.entries.len())
+            .field("open", &self.open)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
+    /// Opens a scope over `ranges` of `memory` with the default [`ScopeOptions`].
+    pub fn open(
+        store: &'s mut Store<T>,
+        creator: &TensorWasmMemoryCreator<B>,
+        memory: &Memory,
+        ranges: &[AccessRange],
+    ) -> Result<Self, TwmError> {
+        Self::open_with(store, creator, memory, ranges, ScopeOptions::default())
+    }
+
+    /// Opens a scope over `ranges` of `memory`. Every range is checked first (inside the
+    /// memory's current size, without overflow; the memory this creator's, device-accessible,
+    /// and this Store's): a refusal queues nothing and makes no stream. Then the tenant's
+    /// stream is taken (the Store's guest stream) and the ranges prefetched and advised as
+    /// `options` say. An error while doing so closes what was opened and is returned.
+    pub fn open_with(
+        store: &'s mut Store<T>,
+        creator: &TensorWasmMemoryCreator<B>,
+        memory: &Memory,
+        ranges: &[AccessRange],
+        options: ScopeOptions,
+    ) -> Result<Self, TwmError> {
+        let view = MemoryView::of(&*store, memory)?;
+        let (scoped, size) = creator.scoped(view)?;
+        let guest = store.data_mut().guest_context();
+        if let (Some(theirs), Some(ours)) = (scoped.store_charge(), guest.store_charge())
+            && !std::sync::Arc::ptr_eq(theirs, ours)
+        {
+            return Err(TwmError::ForeignMemory);
+        }
+        let mut entries = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            let range = guest_range(r.offset, r.len, size)?;
+            let slice = scoped.slice(&range)?;
+            entries.push(Entry {
+                range,
+                access: r.access,
+                slice,
+            });
+        }
+        let lease = guest.stream().map_err(TwmError::backend)?;
+        let stream = StreamId::of(lease.stream()).handle();
+        let device = creator.device();
+        let mut scope = Self {
+            _store: PhantomData,
+            memory: scoped,
+            stream,
+            device,
+            entries,
+            advised: Vec::new(),
+            write_back: options.write_back,
+            open: true,
+        };
+        if let Err(e) = scope.prepare(&options, creator) {
+            // Whatever was queued is waited for; the first error is the answer.
+            let _ = scope.finish();
+            return Err(e);
+        }
+        Ok(scope)
+    }
+
+    fn prepare(
+        &mut self,
+        options: &ScopeOptions,
+        creator: &TensorWasmMemoryCreator<B>,
+    ) -> Result<(), TwmError> {
+        let migrates = creator.capabilities().concurrent_managed_access;
+        for i in 0..self.entries.len() {
+            let (range, access) = (self.entries[i].range.clone(), self.entries[i].access);
+            if range.is_empty() {
+                continue;
+            }
+            if options.read_mostly && access == Access::Read {
+                self.memory.advise(&range, Advice::SetReadMostly)?;
+                self.advised.push(range.clone());
+            }
+            if options.prefetch && migrates {
+                let to = Location::Device(self.device);
+                self.memory.prefetch(&range, to, &self.stream)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
+    /// The `i`-th range (in the order given), as device pointers valid while the scope is open.
+    #[must_use]
+    pub fn slice(&self, i: usize) -> Option<ScopedSlice<'_>> {
+        self.entries.get(i).map(|e| ScopedSlice {
+            slice: e.slice,
+            access: e.access,
+            _scope: PhantomData,
+        })
+    }
+
+    /// Every range, in the order given.
+    pub fn slices(&self) -> impl ExactSizeIterator<Item = ScopedSlice<'_>> + '_ {
+        self.entries.iter().map(|e| ScopedSlice {
+            slice: e.slice,
+            access: e.access,
+            _scope: PhantomData,
+        })
+    }
+
+    /// The bytes of the `i`-th range on the host, for a kernel that runs on the CPU (a
+    /// fallback, or the simulated device): first waits for the stream, so no kernel launched on
+    /// it is still writing them. `None` for an unknown index or a backing the host cannot
+    /// access. One range at a time (the scope is borrowed mutably), so two overlapping ranges
+    /// never give two mutable views.
+    pub fn host_bytes_mut(&mut self, i: usize) -> Result<Option<&mut [u8]>, TwmError> {
+        let Some(range) = self.entries.get(i).map(|e| e.range.clone()) else {
+            return Ok(None);
+        };
+        let Some(ptr) = self.memory.host_ptr(range.start) else {
+            return Ok(None);
+        };
+        self.memory
+            .backend()
+            .synchronize(&self.stream)
+            .map_err(TwmError::backend)?;
+        // SAFETY: the backing is host-accessible and `range` was checked to lie inside the
+        // memory's visible size when the scope opened; the memory cannot shrink or go while the
+        // scope holds its Store (and its buffer); the Store is held exclusively, so neither the
+        // guest nor Wasmtime touches these bytes, and `&mut self` excludes any other view given
+        // out by this scope; the stream was just waited for.
+        Ok(Some(unsafe {
+            std::slice::from_raw_parts_mut(ptr, range.len())
+        }))
+    }
+
+    /// The tenant's stream: launch the kernels that use the ranges on it.
+    #[must_use]
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The device the memory and the stream are on.
+    #[must_use]
+    pub fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    /// Waits for the stream (every kernel launched on it), undoes the scope's read-mostly
+    /// advice, prefetches written ranges back to the host if asked, and gives the Store back. A
+    /// failure of the kernel reported by the driver at the wait is returned typed; the Store is
+    /// given back all the same.
+    pub fn close(mut self) -> Result<(), TwmError> {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<(), TwmError> {
+        if !self.open {
+            return Ok(());
+        }
+        self.open = false;
+        let backend = self.memory.backend();
+        let waited = backend.synchronize(&self.stream).map_err(TwmError::backend);
+        let mut result = waited;
+        for range in std::mem::take(&mut self.advised) {
+            let unset = self.memory.advise(&range, Advice::UnsetReadMostly);
+            result = result.and(unset);
+        }
+        if self.write_back && result.is_ok() && backend.capabilities().concurrent_managed_access {
+            for e in self
+                .entries
+                .iter()
+                .filter(|e| e.access.writes() && !e.range.is_empty())
+            {
+                self.memory
+                    .prefetch(&e.range, Location::Host, &self.stream)?;
+            }
+            backend
+                .synchronize(&self.stream)
+                .map_err(TwmError::backend)?;
+        }
+        result
+    }
+}
+
+impl<T: 'static, B: Backend> Drop for DeviceAccess<'_, T, B> {
+    /// Waits as [`close`](DeviceAccess::close) does (on an error or a panic path too), so the
+    /// Store is never given back while a kernel may still write its memory.
+    fn drop(&mut self) {
+        if let Err(e) = self.finish() {
+            tracing::warn!(error = %e, "twm: closing a device-access scope failed");
+        }
+    }
+}

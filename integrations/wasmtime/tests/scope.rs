@@ -1,0 +1,254 @@
+//! The device-access scope on a device whose streams complete work later than the call that
+//! queued it (the mock's `deferred_streams`): a kernel's writes reach the guest after the scope
+//! closes and never before; bad ranges and other Stores' memories are refused before anything
+//! is queued; a scope dropped by a panic still waits; hints set for the scope are undone.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use tensor_wasm_mem_core::{DeviceId, IsolationLevel, Location, Operation, PoolConfig, SizeClass};
+use tensor_wasm_mem_mock::{MockBackend, MockConfig};
+use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Linker, Memory, Module, Store};
+use tensor_wasm_mem_wasmtime::{
+    AccessRange, ChargeMode, DeviceAccess, ScopeOptions, Tenant, TenantStore,
+    TensorWasmMemoryCreator, TwmError, instantiate, new_store,
+};
+
+type Data = TenantStore<MockBackend>;
+
+const GUEST: &str = r#"(module
+  (memory (export "memory") 1 4)
+  (func (export "load") (param i32) (result i32) (i32.load8_u (local.get 0))))"#;
+
+fn deferred() -> Arc<MockBackend> {
+    Arc::new(MockBackend::new(MockConfig {
+        deferred_streams: true,
+        ..MockConfig::default()
+    }))
+}
+
+fn guest(creator: &TensorWasmMemoryCreator<MockBackend>) -> (Store<Data>, Instance, Memory) {
+    guest_at(creator, 1, IsolationLevel::StreamIsolated)
+}
+
+fn guest_at(
+    creator: &TensorWasmMemoryCreator<MockBackend>,
+    id: u64,
+    isolation: IsolationLevel,
+) -> (Store<Data>, Instance, Memory) {
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(id, format!("t{id}"), 4 * PAGE as u64, isolation);
+    let mut store = new_store(
+        &engine,
+        TenantStore::new(creator, &tenant, ChargeMode::Touched, ()),
+    );
+    let module = Module::new(&engine, GUEST).unwrap();
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    (store, instance, memory)
+}
+
+fn load(store: &mut Store<Data>, instance: &Instance, at: i32) -> i32 {
+    func::<_, i32, i32>(&mut *store, instance, "load")
+        .call(&mut *store, at)
+        .unwrap()
+}
+
+#[test]
+fn a_kernels_writes_reach_the_guest_after_close_and_never_before() {
+    let backend = deferred();
+    let creator = fresh(&backend);
+    let (mut store, instance, memory) = guest(&creator);
+    let scope = DeviceAccess::open(
+        &mut store,
+        &creator,
+        &memory,
+        &[AccessRange::read_write(0, PAGE as u64)],
+    )
+    .unwrap();
+    assert_eq!(scope.device(), DeviceId(0));
+    let slice = scope.slice(0).unwrap();
+    assert_eq!(slice.len(), PAGE);
+    backend
+        .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 0xaa)
+        .unwrap();
+    // The prefetch the scope made and the kernel are queued, not done: and the guest cannot
+    // run (the scope holds the Store; `tests/ui/scope_holds_the_store.rs`).
+    assert_eq!(backend.pending_work(), 2);
+    scope.close().unwrap();
+    assert_eq!(backend.pending_work(), 0, "close waited");
+    assert_eq!(load(&mut store, &instance, 0), 0xaa);
+    assert_eq!(load(&mut store, &instance, PAGE as i32 - 1), 0xaa);
+    assert_eq!(backend.stats().calls(Operation::Prefetch), 1);
+}
+
+#[test]
+fn bad_ranges_and_foreign_memories_are_refused_before_anything_is_queued() {
+    let backend = deferred();
+    let creator = fresh(&backend);
+    let (mut store, _instance, memory) = guest(&creator);
+    let (other, _, theirs) = guest(&creator);
+    let page = PAGE as u64;
+    let cases: [(&[AccessRange], &Memory, &str); 5] = [
+        (&[AccessRange::read(page, 1)], &memory, "past the end"),
+        (
+            &[AccessRange::read(0, 16), AccessRange::write(page - 1, 2)],
+            &memory,
+            "straddling, after a good one",
+        ),
+        (&[AccessRange::read(u64::MAX, 2)], &memory, "overflowing"),
+        (
+            &[AccessRange::read(0, 1)],
+            &theirs,
+            "another Store's memory",
+        ),
+        (
+            &[AccessRange::read(0, 4 * page)],
+            &memory,
+            "past the visible size",
+        ),
+    ];
+    for (ranges, mem, what) in cases {
+        let err = DeviceAccess::open(&mut store, &creator, mem, ranges).unwrap_err();
+        match what {
+            "another Store's memory" => assert!(matches!(err, TwmError::ForeignMemory), "{err}"),
+            "overflowing" => assert_eq!(err.kind(), tensor_wasm_mem_core::ErrorKind::Overflow),
+            _ => assert!(matches!(err, TwmError::GuestRange(_)), "{what}: {err}"),
+        }
+    }
+    let s = backend.stats();
+    assert_eq!(
+        (
+            s.streams_created,
+            s.calls(Operation::Prefetch),
+            backend.pending_work()
+        ),
+        (0, 0, 0),
+        "nothing was queued, no stream was made"
+    );
+    // A memory that is not ours (Memory::new bypasses the creator) is refused too.
+    let plain = Memory::new(
+        &mut store,
+        tensor_wasm_mem_wasmtime::wasmtime::MemoryType::new(1, None),
+    )
+    .unwrap();
+    let err =
+        DeviceAccess::open(&mut store, &creator, &plain, &[AccessRange::read(0, 1)]).unwrap_err();
+    assert!(matches!(err, TwmError::NotOurMemory), "{err}");
+    drop(other);
+}
+
+#[test]
+fn a_scope_dropped_by_a_panic_still_waits() {
+    let backend = deferred();
+    let creator = fresh(&backend);
+    let (mut store, instance, memory) = guest(&creator);
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let scope = DeviceAccess::open(&mut store, &creator, &memory, &[AccessRange::write(0, 16)])
+            .unwrap();
+        let slice = scope.slice(0).unwrap();
+        backend
+            .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 0x5a)
+            .unwrap();
+        panic!("the embedder's code fails mid-scope");
+    }));
+    assert!(panicked.is_err());
+    assert_eq!(backend.pending_work(), 0, "the drop waited");
+    assert_eq!(load(&mut store, &instance, 15), 0x5a);
+    assert_eq!(load(&mut store, &instance, 16), 0);
+}
+
+#[test]
+fn read_mostly_is_for_the_scope_and_write_back_returns_written_ranges_to_the_host() {
+    let backend = deferred();
+    let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 * PAGE, 1)]))
+        .build()
+        .unwrap();
+    let (mut store, _instance, memory) = guest(&creator);
+    let pool = Arc::clone(creator.pool().unwrap());
+    let options = ScopeOptions {
+        read_mostly: true,
+        write_back: true,
+        ..ScopeOptions::default()
+    };
+    let ranges = [AccessRange::read(0, 4096), AccessRange::write(8192, 4096)];
+    let scope = DeviceAccess::open_with(&mut store, &creator, &memory, &ranges, options).unwrap();
+    assert_eq!(scope.slices().len(), 2);
+    assert!(backend.hints(pool.slab(), 0).unwrap().read_mostly);
+    assert!(
+        !backend.hints(pool.slab(), 8192).unwrap().read_mostly,
+        "written: not advised"
+    );
+    scope.close().unwrap();
+    assert!(
+        !backend.hints(pool.slab(), 0).unwrap().read_mostly,
+        "undone at close"
+    );
+    let d0 = Location::Device(DeviceId(0));
+    assert_eq!(backend.residency(pool.slab(), 0).unwrap(), Some(d0));
+    assert_eq!(
+        backend.residency(pool.slab(), 8192).unwrap(),
+        Some(Location::Host),
+        "written back"
+    );
+    drop(store);
+    assert_eq!(pool.stats().hint_resets, 0, "nothing reused yet");
+}
+
+/// A CPU kernel's view waits for the stream first: it sees what device work queued before it
+/// wrote, and the guest sees the CPU kernel's writes after close.
+#[test]
+fn host_bytes_wait_for_the_stream_and_reach_the_guest() {
+    let backend = deferred();
+    let creator = fresh(&backend);
+    let (mut store, instance, memory) = guest(&creator);
+    let ranges = [AccessRange::read_write(100, 8), AccessRange::read(0, 4)];
+    let mut scope = DeviceAccess::open(&mut store, &creator, &memory, &ranges).unwrap();
+    let first = scope.slice(0).unwrap();
+    backend
+        .enqueue_fill(scope.stream(), first.device_ptr(), first.len(), 3)
+        .unwrap();
+    let bytes = scope.host_bytes_mut(0).unwrap().expect("host-accessible");
+    assert_eq!(bytes, &[3; 8], "the queued device write is done first");
+    bytes[7] = 9;
+    assert!(scope.host_bytes_mut(2).unwrap().is_none(), "no third range");
+    scope.close().unwrap();
+    assert_eq!(load(&mut store, &instance, 107), 9);
+    assert_eq!(load(&mut store, &instance, 108), 0, "only the range");
+}
+
+/// A kernel that faults (an illegal address, found by the device after the launch) is a typed
+/// error at close; the tenant's next use of the device is refused, clearly, while its context
+/// lives; a context-isolated neighbour is unaffected. Stream-isolated and shared tenants share
+/// the primary context, so one's fault is every one's (docs/SAFETY.md).
+#[test]
+fn a_kernel_fault_is_typed_and_stays_with_the_tenants_context() {
+    let backend = deferred();
+    let creator = fresh(&backend);
+    let context = IsolationLevel::ContextIsolated;
+    let (mut bad, _, bad_memory) = guest_at(&creator, 1, context);
+    let (mut good, good_instance, good_memory) = guest_at(&creator, 2, context);
+    let ranges = [AccessRange::write(0, 64)];
+    let scope = DeviceAccess::open(&mut bad, &creator, &bad_memory, &ranges).unwrap();
+    // Address 64, in the never-mapped first page: outside every allocation. (Just past this
+    // memory could be the neighbour's mapping.)
+    backend.enqueue_fill(scope.stream(), 64, 64, 1).unwrap(); // the launch succeeds
+    let err = scope.close().unwrap_err();
+    assert!(matches!(err, TwmError::Backend { .. }), "{err}");
+    assert_eq!(err.kind(), tensor_wasm_mem_core::ErrorKind::Driver);
+    assert!(err.to_string().contains("illegal address"), "{err}");
+    let again = DeviceAccess::open(&mut bad, &creator, &bad_memory, &ranges).unwrap_err();
+    assert!(again.to_string().contains("unusable"), "{again}");
+    // The neighbour's scope works, and its kernel's bytes reach its guest.
+    let scope = DeviceAccess::open(&mut good, &creator, &good_memory, &ranges).unwrap();
+    let slice = scope.slice(0).unwrap();
+    backend
+        .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 4)
+        .unwrap();
+    scope.close().unwrap();
+    assert_eq!(load(&mut good, &good_instance, 63), 4);
+    assert_eq!(backend.stats().kernel_faults, 1);
+}
