@@ -49,14 +49,34 @@ fn check(call: &str, result: sys::CUresult) -> Result<(), String> {
     }
 }
 
-/// Launches the increment kernel on `data..data + len`, ordered on `stream`, and waits.
+/// Launches the increment kernel on `data..data + len`, ordered on `stream`, and waits (the
+/// module is unloaded after, which must not happen while its kernel runs), with `context` pushed
+/// current for the call and popped after: the caller's context stack is left as it was. A
+/// device-access scope's own wait at close is then already satisfied; the mock's deferred
+/// streams test that wait.
 pub fn launch_increment(data: u64, len: u64, stream: u64, context: u64) -> Result<(), String> {
     let ptx = CString::new(INCREMENT_PTX).map_err(|e| e.to_string())?;
     let name = CString::new("increment").map_err(|e| e.to_string())?;
     // SAFETY: a live context of the backend (the stream's).
-    check("cuCtxSetCurrent", unsafe {
-        sys::cuCtxSetCurrent(context as sys::CUcontext)
+    check("cuCtxPushCurrent", unsafe {
+        sys::cuCtxPushCurrent_v2(context as sys::CUcontext)
     })?;
+    let launched = load_and_launch(&ptx, &name, data, len, stream);
+    let mut popped: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: pops what was pushed above; `popped` is a valid out-pointer.
+    let popped = check("cuCtxPopCurrent", unsafe {
+        sys::cuCtxPopCurrent_v2(&mut popped)
+    });
+    launched.and(popped)
+}
+
+fn load_and_launch(
+    ptx: &CString,
+    name: &CString,
+    data: u64,
+    len: u64,
+    stream: u64,
+) -> Result<(), String> {
     let mut module: sys::CUmodule = std::ptr::null_mut();
     // SAFETY: `module` is a valid out-pointer; `ptx` is a NUL-terminated PTX image.
     check("cuModuleLoadData", unsafe {

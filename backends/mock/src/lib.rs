@@ -279,10 +279,19 @@ impl State {
             let (start, end) = work.span();
             let Some((base, record)) = self.containing(start, end) else {
                 if let Work::Fill { context, .. } = work {
-                    // An illegal address: the context is unusable from now on, and nothing
-                    // more queued on this stream runs.
+                    // An illegal address: the context is unusable from now on, and the driver
+                    // abandons what is queued on any of its streams.
                     self.poisoned.insert(context);
                     self.stats.kernel_faults += 1;
+                    let streams = &self.streams;
+                    self.pending.retain(|raw, _| {
+                        let of = if *raw == DEFAULT_STREAM {
+                            PRIMARY_CONTEXT
+                        } else {
+                            streams.get(raw).map_or(0, |s| s.context)
+                        };
+                        of != context
+                    });
                     break;
                 }
                 continue;
@@ -426,7 +435,13 @@ impl MockBackend {
     /// launch) the stream's context is poisoned, as on a GPU: every later use of it is
     /// [`MockError::ContextPoisoned`], other contexts are unaffected. A range that overflows is
     /// refused at the call.
-    pub fn enqueue_fill(
+    ///
+    /// # Safety
+    ///
+    /// As for a kernel launch: when it runs, nothing else may access the bytes it writes (no
+    /// Rust reference to them, no host view such as Wasmtime's `Memory::data`), typically
+    /// because the memory is held by a device-access scope that waits for the stream.
+    pub unsafe fn enqueue_fill(
         &self,
         stream: &Stream,
         device_ptr: u64,
@@ -1283,8 +1298,10 @@ mod tests {
             .acquire_stream(key(1), IsolationLevel::StreamIsolated)
             .unwrap();
         let d0 = Location::Device(DeviceId(0));
-        mock.enqueue_fill(&s, a.device_ptr(), PAGE, 0xaa).unwrap();
-        mock.enqueue_fill(&s, a.device_ptr() + 8, 8, 0xbb).unwrap();
+        // SAFETY: the test holds no reference to the bytes while the fill can run.
+        unsafe { mock.enqueue_fill(&s, a.device_ptr(), PAGE, 0xaa).unwrap() };
+        // SAFETY: the test holds no reference to the bytes while the fill can run.
+        unsafe { mock.enqueue_fill(&s, a.device_ptr() + 8, 8, 0xbb).unwrap() };
         mock.prefetch(&a, 0, PAGE, d0, &s).unwrap();
         assert_eq!((read(&a, 0), read(&a, 8)), (0, 0), "nothing landed yet");
         assert_eq!(mock.residency(&a, 0).unwrap(), None);
@@ -1299,11 +1316,13 @@ mod tests {
         assert_eq!(mock.residency(&a, 0).unwrap(), Some(d0));
         assert_eq!((mock.pending_work(), mock.stats().work_completed), (0, 3));
         // Release waits too, for the shared stream as well.
-        mock.enqueue_fill(&s, a.device_ptr(), 1, 1).unwrap();
+        // SAFETY: the test holds no reference to the bytes while the fill can run.
+        unsafe { mock.enqueue_fill(&s, a.device_ptr(), 1, 1).unwrap() };
         mock.release_stream(s).unwrap();
         assert_eq!(read(&a, 0), 1);
         let shared = mock.acquire_stream(key(2), IsolationLevel::Shared).unwrap();
-        mock.enqueue_fill(&shared, a.device_ptr(), 1, 2).unwrap();
+        // SAFETY: the test holds no reference to the bytes while the fill can run.
+        unsafe { mock.enqueue_fill(&shared, a.device_ptr(), 1, 2).unwrap() };
         assert_eq!(read(&a, 0), 1);
         mock.release_stream(shared).unwrap();
         assert_eq!(read(&a, 0), 2);
@@ -1320,7 +1339,8 @@ mod tests {
         let s = mock
             .acquire_stream(key(1), IsolationLevel::StreamIsolated)
             .unwrap();
-        mock.enqueue_fill(&s, a.device_ptr(), PAGE, 0xaa).unwrap();
+        // SAFETY: the test holds no reference to the bytes while the fill can run.
+        unsafe { mock.enqueue_fill(&s, a.device_ptr(), PAGE, 0xaa).unwrap() };
         // SAFETY: `a` is live and not accessed meanwhile.
         unsafe { mock.zero(&a, 0, PAGE).unwrap() };
         assert_eq!(mock.stats().scrubs_over_pending_work, 1);
@@ -1328,7 +1348,8 @@ mod tests {
         assert_eq!(read(&a, 0), 0xaa, "the write landed after the scrub");
         // A write queued for memory that is freed before it runs faults: the stream's
         // context is poisoned, and its release reports it (destroying the stream all the same).
-        mock.enqueue_fill(&s, a.device_ptr(), PAGE, 0xcc).unwrap();
+        // SAFETY: the test holds no reference to the bytes while the fill can run.
+        unsafe { mock.enqueue_fill(&s, a.device_ptr(), PAGE, 0xcc).unwrap() };
         // SAFETY: `a` came from `mock`.
         unsafe { mock.free(a).unwrap() };
         assert_eq!(mock.stats().frees_over_pending_work, 1);
@@ -1354,9 +1375,10 @@ mod tests {
         let primary = mock
             .acquire_stream(key(3), IsolationLevel::StreamIsolated)
             .unwrap();
-        mock.enqueue_fill(&bad, a.device_ptr() + PAGE as u64, 1, 1)
-            .unwrap(); // launches
-        mock.enqueue_fill(&bad, a.device_ptr(), 1, 1).unwrap(); // after the fault: never runs
+        // SAFETY: the test holds no reference to the bytes while the fill can run.
+        unsafe { mock.enqueue_fill(&bad, a.device_ptr() + PAGE as u64, 1, 1) }.unwrap(); // launches
+        // SAFETY: the test holds no reference to the bytes while the fill can run.
+        unsafe { mock.enqueue_fill(&bad, a.device_ptr(), 1, 1) }.unwrap(); // after the fault: never runs
         let err = mock.synchronize(&bad).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Driver, "{err}");
         assert!(
@@ -1365,7 +1387,8 @@ mod tests {
         );
         assert_eq!(read(&a, 0), 0, "work after the fault did not run");
         for s in [&good, &primary] {
-            mock.enqueue_fill(s, a.device_ptr(), 1, 2).unwrap();
+            // SAFETY: the test holds no reference to the bytes while the fill can run.
+            unsafe { mock.enqueue_fill(s, a.device_ptr(), 1, 2).unwrap() };
             mock.synchronize(s).unwrap();
         }
         assert_eq!(read(&a, 0), 2);
@@ -1394,9 +1417,9 @@ mod tests {
             let s = mock
                 .acquire_stream(key(1), IsolationLevel::ContextIsolated)
                 .unwrap();
-            let err = mock
-                .enqueue_fill(&s, a.device_ptr() + offset, len, 1)
-                .unwrap_err();
+            // SAFETY: the range is outside the allocation or overflows: nothing is written.
+            let err =
+                unsafe { mock.enqueue_fill(&s, a.device_ptr() + offset, len, 1) }.unwrap_err();
             assert!(
                 matches!(
                     err,
@@ -1414,7 +1437,8 @@ mod tests {
         let s = mock
             .acquire_stream(key(1), IsolationLevel::StreamIsolated)
             .unwrap();
-        mock.enqueue_fill(&s, a.device_ptr(), PAGE, 7).unwrap();
+        // SAFETY: the test holds no reference to the bytes while the fill can run.
+        unsafe { mock.enqueue_fill(&s, a.device_ptr(), PAGE, 7).unwrap() };
         assert_eq!(read(&a, PAGE - 1), 7, "not deferred: done at the call");
         mock.release_stream(s).unwrap();
         // SAFETY: `a` came from `mock`.

@@ -10,8 +10,8 @@ use tensor_wasm_mem_core::{
 };
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
 use tensor_wasm_mem_wasmtime::{
-    AccessRange, Backend, ChargeMode, DeviceAccess, Tenant, TenantStore, TensorWasmMemoryCreator,
-    add_to_linker, instantiate, new_store,
+    AccessRange, Backend, ChargeMode, DeviceAccess, ScopeOptions, Tenant, TenantStore,
+    TensorWasmMemoryCreator, add_to_linker, instantiate, new_store,
 };
 
 use crate::backend::BackendKind;
@@ -153,12 +153,18 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
                 .get_memory(&mut store, "memory")
                 .ok_or_else(|| Failure::Other("no memory export".into()))?;
             let len = memory.data_size(&store) as u64;
-            // The scope holds the Store (no guest runs), checks the range, prefetches it to
-            // the device on the tenant's stream, and waits for the stream when it closes.
+            // The scope holds the Store (no guest runs), checks the range, and waits for the
+            // tenant's stream when it closes. The kernel runs on the CPU here, so nothing is
+            // prefetched to the device (a GPU kernel would keep the default, prefetch on).
             let written = {
                 let ranges = [AccessRange::read_write(0, len)];
-                let mut scope = DeviceAccess::open(&mut store, &creator, &memory, &ranges)
-                    .map_err(|e| other(&e))?;
+                let cpu = ScopeOptions {
+                    prefetch: false,
+                    ..ScopeOptions::default()
+                };
+                let mut scope =
+                    DeviceAccess::open_with(&mut store, &creator, &memory, &ranges, cpu)
+                        .map_err(|e| other(&e))?;
                 let bytes = scope
                     .host_bytes_mut(0)
                     .map_err(|e| other(&e))?

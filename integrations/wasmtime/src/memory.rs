@@ -53,6 +53,13 @@ pub struct GuestSlice<'s> {
 }
 
 impl GuestSlice<'_> {
+    pub(crate) const fn new(slice: DeviceSlice) -> Self {
+        Self {
+            slice,
+            _store: PhantomData,
+        }
+    }
+
     /// The device address of the first byte.
     #[must_use]
     pub const fn device_ptr(&self) -> u64 {

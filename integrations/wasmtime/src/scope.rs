@@ -28,7 +28,8 @@
 //! let slice = scope.slice(0).unwrap();
 //! // Launch a kernel on `scope.stream()` over `slice.device_ptr()..+slice.len()`; here, the
 //! // mock's simulated kernel:
-//! backend.enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 7)?;
+//! // SAFETY: the scope holds the Store: nothing else touches these bytes until it waits.
+//! unsafe { backend.enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 7)? };
 //! scope.close()?; // waits for the kernel; the Store is the guest's again
 //! assert_eq!(memory.data(&store)[4095], 7);
 //! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
@@ -46,7 +47,7 @@ use wasmtime::{Memory, Store};
 use crate::Backend;
 use crate::error::TwmError;
 use crate::guest::HasGuestContext;
-use crate::memory::{MemoryView, ScopedMemory, TensorWasmMemoryCreator, guest_range};
+use crate::memory::{GuestSlice, MemoryView, ScopedMemory, TensorWasmMemoryCreator, guest_range};
 use crate::tenancy::StreamId;
 
 /// How a kernel uses a range.
@@ -134,37 +135,27 @@ impl Default for ScopeOptions {
     }
 }
 
-/// One checked range of an open scope.
+/// One checked range of an open scope: a [`GuestSlice`] (device pointer and length) that lives
+/// as long as the scope's borrow, and how the kernel may use it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ScopedSlice<'a> {
-    slice: DeviceSlice,
+    slice: GuestSlice<'a>,
     access: Access,
-    _scope: PhantomData<&'a ()>,
 }
 
-impl ScopedSlice<'_> {
-    /// The device address of the first byte.
-    #[must_use]
-    pub const fn device_ptr(&self) -> u64 {
-        self.slice.device_ptr
-    }
-
-    /// The length in bytes.
-    #[must_use]
-    pub const fn len(&self) -> usize {
-        self.slice.len
-    }
-
-    /// `true` for an empty range.
-    #[must_use]
-    pub const fn is_empty(&self) -> bool {
-        self.slice.len == 0
-    }
-
+impl<'a> ScopedSlice<'a> {
     /// How the kernel may use it.
     #[must_use]
     pub const fn access(&self) -> Access {
         self.access
+    }
+}
+
+impl<'a> std::ops::Deref for ScopedSlice<'a> {
+    type Target = GuestSlice<'a>;
+
+    fn deref(&self) -> &GuestSlice<'a> {
+        &self.slice
     }
 }
 
@@ -285,23 +276,42 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
     }
 }
 
+impl<T: HasGuestContext<B>, B: Backend> DeviceAccess<'_, T, B> {
+    /// Opens a scope, runs `f` in it, and closes it: the form that cannot skip the wait. (A
+    /// scope from [`open`](Self::open) that is leaked with `mem::forget` never waits, and its
+    /// Store borrow ends all the same; launching a kernel is unsafe, and its contract includes
+    /// closing or dropping the scope.) `f`'s result comes back once the stream has been waited
+    /// for; an error of the open or of the wait is returned instead.
+    pub fn run<R>(
+        store: &mut Store<T>,
+        creator: &TensorWasmMemoryCreator<B>,
+        memory: &Memory,
+        ranges: &[AccessRange],
+        options: ScopeOptions,
+        f: impl FnOnce(&mut DeviceAccess<'_, T, B>) -> R,
+    ) -> Result<R, TwmError> {
+        let mut scope = DeviceAccess::open_with(store, creator, memory, ranges, options)?;
+        let out = f(&mut scope);
+        scope.close()?;
+        Ok(out)
+    }
+}
+
 impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
     /// The `i`-th range (in the order given), as device pointers valid while the scope is open.
     #[must_use]
     pub fn slice(&self, i: usize) -> Option<ScopedSlice<'_>> {
         self.entries.get(i).map(|e| ScopedSlice {
-            slice: e.slice,
+            slice: GuestSlice::new(e.slice),
             access: e.access,
-            _scope: PhantomData,
         })
     }
 
     /// Every range, in the order given.
     pub fn slices(&self) -> impl ExactSizeIterator<Item = ScopedSlice<'_>> + '_ {
         self.entries.iter().map(|e| ScopedSlice {
-            slice: e.slice,
+            slice: GuestSlice::new(e.slice),
             access: e.access,
-            _scope: PhantomData,
         })
     }
 
@@ -369,12 +379,12 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
                 .iter()
                 .filter(|e| e.access.writes() && !e.range.is_empty())
             {
-                self.memory
-                    .prefetch(&e.range, Location::Host, &self.stream)?;
+                let back = self.memory.prefetch(&e.range, Location::Host, &self.stream);
+                result = result.and(back);
             }
-            backend
-                .synchronize(&self.stream)
-                .map_err(TwmError::backend)?;
+            // Whatever was queued is waited for, even after a failed prefetch.
+            let waited = backend.synchronize(&self.stream).map_err(TwmError::backend);
+            result = result.and(waited);
         }
         result
     }

@@ -71,9 +71,9 @@ fn a_kernels_writes_reach_the_guest_after_close_and_never_before() {
     assert_eq!(scope.device(), DeviceId(0));
     let slice = scope.slice(0).unwrap();
     assert_eq!(slice.len(), PAGE);
-    backend
-        .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 0xaa)
-        .unwrap();
+    // SAFETY: nothing holds a view of the bytes while the kernel can run (the scope,
+    // or the Store's teardown, waits for the stream before any access).
+    unsafe { backend.enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 0xaa) }.unwrap();
     // The prefetch the scope made and the kernel are queued, not done: and the guest cannot
     // run (the scope holds the Store; `tests/ui/scope_holds_the_store.rs`).
     assert_eq!(backend.pending_work(), 2);
@@ -149,8 +149,9 @@ fn a_scope_dropped_by_a_panic_still_waits() {
         let scope = DeviceAccess::open(&mut store, &creator, &memory, &[AccessRange::write(0, 16)])
             .unwrap();
         let slice = scope.slice(0).unwrap();
-        backend
-            .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 0x5a)
+        // SAFETY: nothing holds a view of the bytes while the kernel can run (the scope,
+        // or the Store's teardown, waits for the stream before any access).
+        unsafe { backend.enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 0x5a) }
             .unwrap();
         panic!("the embedder's code fails mid-scope");
     }));
@@ -208,9 +209,9 @@ fn host_bytes_wait_for_the_stream_and_reach_the_guest() {
     let ranges = [AccessRange::read_write(100, 8), AccessRange::read(0, 4)];
     let mut scope = DeviceAccess::open(&mut store, &creator, &memory, &ranges).unwrap();
     let first = scope.slice(0).unwrap();
-    backend
-        .enqueue_fill(scope.stream(), first.device_ptr(), first.len(), 3)
-        .unwrap();
+    // SAFETY: nothing holds a view of the bytes while the kernel can run (the scope,
+    // or the Store's teardown, waits for the stream before any access).
+    unsafe { backend.enqueue_fill(scope.stream(), first.device_ptr(), first.len(), 3) }.unwrap();
     let bytes = scope.host_bytes_mut(0).unwrap().expect("host-accessible");
     assert_eq!(bytes, &[3; 8], "the queued device write is done first");
     bytes[7] = 9;
@@ -235,7 +236,8 @@ fn a_kernel_fault_is_typed_and_stays_with_the_tenants_context() {
     let scope = DeviceAccess::open(&mut bad, &creator, &bad_memory, &ranges).unwrap();
     // Address 64, in the never-mapped first page: outside every allocation. (Just past this
     // memory could be the neighbour's mapping.)
-    backend.enqueue_fill(scope.stream(), 64, 64, 1).unwrap(); // the launch succeeds
+    // SAFETY: writes nothing that exists (an illegal address).
+    unsafe { backend.enqueue_fill(scope.stream(), 64, 64, 1) }.unwrap(); // the launch succeeds
     let err = scope.close().unwrap_err();
     assert!(matches!(err, TwmError::Backend { .. }), "{err}");
     assert_eq!(err.kind(), tensor_wasm_mem_core::ErrorKind::Driver);
@@ -245,10 +247,34 @@ fn a_kernel_fault_is_typed_and_stays_with_the_tenants_context() {
     // The neighbour's scope works, and its kernel's bytes reach its guest.
     let scope = DeviceAccess::open(&mut good, &creator, &good_memory, &ranges).unwrap();
     let slice = scope.slice(0).unwrap();
-    backend
-        .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 4)
-        .unwrap();
+    // SAFETY: nothing holds a view of the bytes while the kernel can run (the scope,
+    // or the Store's teardown, waits for the stream before any access).
+    unsafe { backend.enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 4) }.unwrap();
     scope.close().unwrap();
     assert_eq!(load(&mut good, &good_instance, 63), 4);
     assert_eq!(backend.stats().kernel_faults, 1);
+}
+
+/// `DeviceAccess::run` opens, runs the closure and closes (the form a `mem::forget` cannot
+/// skip); a wait the driver refuses is a typed error from it.
+#[test]
+fn run_closes_the_scope_and_reports_a_failed_wait() {
+    let backend = deferred();
+    let creator = fresh(&backend);
+    let (mut store, instance, memory) = guest(&creator);
+    let ranges = [AccessRange::write(0, 32)];
+    let options = ScopeOptions::default();
+    let launched = DeviceAccess::run(&mut store, &creator, &memory, &ranges, options, |scope| {
+        let slice = scope.slice(0).unwrap();
+        // SAFETY: the scope holds the Store: nothing else touches these bytes until it waits.
+        unsafe { backend.enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 6) }
+    })
+    .unwrap();
+    assert!(launched.is_ok());
+    assert_eq!(backend.pending_work(), 0, "run waited");
+    assert_eq!(load(&mut store, &instance, 31), 6);
+    backend.fail_nth(Operation::Synchronize, 1);
+    let err =
+        DeviceAccess::run(&mut store, &creator, &memory, &ranges, options, |_| ()).unwrap_err();
+    assert!(matches!(err, TwmError::Backend { .. }), "{err}");
 }

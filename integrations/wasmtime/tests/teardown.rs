@@ -72,9 +72,9 @@ impl Rig {
             .unwrap();
         let (ptr, len) = (slice.device_ptr(), slice.len());
         let lease = store.data_mut().guest_context().stream().unwrap();
-        self.backend
-            .enqueue_fill(lease.stream(), ptr, len, byte)
-            .unwrap();
+        // SAFETY: nothing holds a view of the bytes while the kernel can run (the scope,
+        // or the Store's teardown, waits for the stream before any access).
+        unsafe { self.backend.enqueue_fill(lease.stream(), ptr, len, byte) }.unwrap();
     }
 }
 
@@ -134,9 +134,8 @@ fn the_model_shows_a_scrub_that_runs_before_the_tenants_work() {
     .unwrap();
     let slice = rig.creator.resolve(&a, &memory, 0, PAGE as u64).unwrap();
     let (ptr, len) = (slice.device_ptr(), slice.len());
-    rig.backend
-        .enqueue_fill(own.stream(), ptr, len, 0xaa)
-        .unwrap();
+    // SAFETY: the write lands at `own.release()` below, when no view of the bytes is held.
+    unsafe { rig.backend.enqueue_fill(own.stream(), ptr, len, 0xaa) }.unwrap();
     drop(a);
     let (b, memory) = rig.tenant(2, IsolationLevel::StreamIsolated);
     assert_eq!(rig.backend.stats().scrubs_over_pending_work, 1, "counted");

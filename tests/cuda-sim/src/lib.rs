@@ -899,14 +899,21 @@ entry! {
         };
         let len = usize::try_from(len).map_err(|_| code::ILLEGAL_ADDRESS)?;
         sim.range(data, len).map_err(|_| code::ILLEGAL_ADDRESS)?;
-        // SAFETY: `data..data + len` lies inside a live allocation of ours (checked above).
-        let bytes = unsafe { std::slice::from_raw_parts_mut(data as *mut u8, len) };
+        // Raw writes, as a device's: no Rust reference to the guest's bytes is made.
+        let base = data as *mut u8;
         match kernel {
-            Kernel::Increment => bytes.iter_mut().for_each(|b| *b = b.wrapping_add(1)),
+            Kernel::Increment => {
+                for i in 0..len {
+                    // SAFETY: `data..data + len` lies inside a live allocation of ours (checked
+                    // above); `i < len`.
+                    unsafe { base.add(i).write(base.add(i).read().wrapping_add(1)) };
+                }
+            }
             Kernel::Fill => {
                 // SAFETY: the third parameter of `fill` is a u32, by the launch contract.
                 let value = unsafe { (*params.add(2)).cast::<u32>().read_unaligned() };
-                bytes.fill(value as u8);
+                // SAFETY: as above, for the whole range.
+                unsafe { base.write_bytes(value as u8, len) };
             }
         }
         Ok(())
