@@ -516,19 +516,23 @@ impl<D: DriverApi> DriverBackend<D> {
         }
     }
 
-    /// The device of a live allocation of ours, and the checked range.
+    /// The device of a live allocation of ours, and the checked range as the driver names it:
+    /// its device address and length (`None` for an empty range, which the driver is not asked
+    /// about).
     fn checked(
         &self,
         allocation: &Allocation,
         offset: usize,
         len: usize,
-    ) -> Result<(DeviceId, core::ops::Range<usize>), Refusal> {
+    ) -> Result<(DeviceId, Option<(u64, usize)>), Refusal> {
         let address = allocation.device_ptr();
         let device = match self.state.lock().allocations.get(&address) {
             Some(r) if r.len == allocation.len() => r.device,
             _ => return Err(Refusal::UnknownAllocation { address }),
         };
-        Ok((device, allocation.range(offset, len)?))
+        let range = allocation.range(offset, len)?;
+        let span = (!range.is_empty()).then(|| (address + range.start as u64, range.len()));
+        Ok((device, span))
     }
 }
 
@@ -609,14 +613,13 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         offset: usize,
         len: usize,
     ) -> Result<(), D::Error> {
-        let (device, range) = self.checked(allocation, offset, len)?;
-        if range.is_empty() {
+        let (device, span) = self.checked(allocation, offset, len)?;
+        let Some((start, len)) = span else {
             return Ok(());
-        }
-        let start = allocation.device_ptr() + range.start as u64;
+        };
         // SAFETY: the range lies inside a live allocation of ours (checked); the caller
         // guarantees nothing else accesses it meanwhile.
-        self.in_primary(device, |d| unsafe { d.zero(device, start, range.len()) })
+        self.in_primary(device, |d| unsafe { d.zero(device, start, len) })
     }
 }
 
@@ -628,15 +631,14 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         len: usize,
         advice: Advice,
     ) -> Result<(), D::Error> {
-        let (device, range) = self.checked(allocation, offset, len)?;
+        let (device, span) = self.checked(allocation, offset, len)?;
         if let Some(location) = advice.location() {
             self.check_location(location)?;
         }
-        if range.is_empty() {
+        let Some((start, len)) = span else {
             return Ok(());
-        }
-        let start = allocation.device_ptr() + range.start as u64;
-        self.in_primary(device, |d| d.advise(start, range.len(), advice))
+        };
+        self.in_primary(device, |d| d.advise(start, len, advice))
     }
 
     fn prefetch(
@@ -647,7 +649,7 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         to: Location,
         stream: &Stream,
     ) -> Result<(), D::Error> {
-        let (_, range) = self.checked(allocation, offset, len)?;
+        let (_, span) = self.checked(allocation, offset, len)?;
         self.check_location(to)?;
         if let Location::Device(device) = to
             && !self.driver.device_facts(device).concurrent_managed_access
@@ -659,13 +661,10 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
             .into());
         }
         let using = self.stream_use(stream)?;
-        if range.is_empty() {
+        let Some((start, len)) = span else {
             return Ok(());
-        }
-        let start = allocation.device_ptr() + range.start as u64;
-        self.in_context(using.context, |d| {
-            d.prefetch(start, range.len(), to, using.raw())
-        })
+        };
+        self.in_context(using.context, |d| d.prefetch(start, len, to, using.raw()))
     }
 
     /// Unsets every advice over the range (accessed-by for the host and each device), then,
@@ -679,12 +678,10 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         offset: usize,
         len: usize,
     ) -> Result<(), D::Error> {
-        let (device, range) = self.checked(allocation, offset, len)?;
-        if range.is_empty() {
+        let (device, span) = self.checked(allocation, offset, len)?;
+        let Some((start, len)) = span else {
             return Ok(());
-        }
-        let start = allocation.device_ptr() + range.start as u64;
-        let len = range.len();
+        };
         let devices = self.driver.device_count();
         let migrates = self.driver.device_facts(device).concurrent_managed_access;
         let scrub = self.driver.scrub_stream(device);

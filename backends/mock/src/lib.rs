@@ -262,6 +262,12 @@ impl State {
             .map(|(base, r)| (*base, r))
     }
 
+    /// Whether queued work targets any of `range` of `allocation` (an empty range: no).
+    fn pending_in(&self, allocation: &Allocation, range: &std::ops::Range<usize>) -> bool {
+        let base = allocation.as_ptr() as usize;
+        !range.is_empty() && self.pending_over(base + range.start, base + range.end)
+    }
+
     /// Whether queued work targets any of `start..end` (addresses).
     fn pending_over(&self, start: usize, end: usize) -> bool {
         self.pending.values().flatten().any(|w| {
@@ -698,7 +704,7 @@ unsafe impl ManagedAllocator for MockBackend {
         self.enter(&mut state, Operation::Free)?;
         let address = allocation.as_ptr() as usize;
         Self::record(&state, &allocation)?;
-        if state.pending_over(address, address + allocation.len()) {
+        if state.pending_in(&allocation, &(0..allocation.len())) {
             state.stats.frees_over_pending_work += 1;
         }
         let Some(record) = state.allocations.remove(&address) else {
@@ -729,8 +735,7 @@ unsafe impl ManagedAllocator for MockBackend {
         self.enter(&mut state, Operation::Zero)?;
         Self::record(&state, allocation)?;
         let range = allocation.range(offset, len)?;
-        let base = allocation.as_ptr() as usize;
-        if !range.is_empty() && state.pending_over(base + range.start, base + range.end) {
+        if state.pending_in(allocation, &range) {
             state.stats.scrubs_over_pending_work += 1;
         }
         // SAFETY: `range` lies inside a live allocation of ours (checked against our table), and
@@ -837,8 +842,7 @@ impl Advisor for MockBackend {
         self.enter(&mut state, Operation::ResetHints)?;
         Self::record(&state, allocation)?;
         let range = allocation.range(offset, len)?;
-        let base = allocation.as_ptr() as usize;
-        if !range.is_empty() && state.pending_over(base + range.start, base + range.end) {
+        if state.pending_in(allocation, &range) {
             // A prefetch still queued would land after the reset.
             state.stats.scrubs_over_pending_work += 1;
         }

@@ -394,15 +394,19 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         self.inner.device
     }
 
-    /// A memory this creator made (any other is `NotOurMemory`), held for a device-access
-    /// scope, with its visible size as the guest sees it.
-    pub(crate) fn scoped(&self, view: MemoryView) -> Result<(ScopedMemory<B>, usize), TwmError> {
-        let shared = self
-            .inner
+    /// The live memory at `view`'s base, if this creator made it (any other is `NotOurMemory`).
+    fn shared(&self, view: MemoryView) -> Result<Arc<MemoryShared<B>>, TwmError> {
+        self.inner
             .registry()
             .get(&view.base)
             .cloned()
-            .ok_or(TwmError::NotOurMemory)?;
+            .ok_or(TwmError::NotOurMemory)
+    }
+
+    /// A memory this creator made (any other is `NotOurMemory`), held for a device-access
+    /// scope, with its visible size as the guest sees it.
+    pub(crate) fn scoped(&self, view: MemoryView) -> Result<(ScopedMemory<B>, usize), TwmError> {
+        let shared = self.shared(view)?;
         let size = {
             let buffer = shared.buffer.read().unwrap_or_else(PoisonError::into_inner);
             if !buffer.capabilities().device_accessible {
@@ -420,12 +424,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         view: MemoryView,
         f: impl FnOnce(&UnifiedBuffer<Arc<B>>, usize) -> Result<R, TwmError>,
     ) -> Result<R, TwmError> {
-        let shared = self
-            .inner
-            .registry()
-            .get(&view.base)
-            .cloned()
-            .ok_or(TwmError::NotOurMemory)?;
+        let shared = self.shared(view)?;
         let buffer = shared.buffer.read().unwrap_or_else(PoisonError::into_inner);
         f(&buffer, view.size.min(buffer.len()))
     }
