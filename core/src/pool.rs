@@ -391,9 +391,8 @@ impl<A: ManagedAllocator> SlotPool<A> {
             let mut state = self.state.lock();
             let state = &mut *state;
             let i = index as usize;
-            let zeroed = scrubbed
-                .as_ref()
-                .map_or_else(|(_, zeroed, _)| *zeroed, |()| true);
+            // Only a failed zeroing leaves the bytes dirty.
+            let zeroed = !matches!(scrubbed, Err((_, false, _)));
             if zeroed {
                 state.bytes_scrubbed += dirty as u64;
             }
@@ -444,9 +443,12 @@ impl<A: ManagedAllocator> SlotPool<A> {
             unsafe { self.allocator.zero(self.slab(), offset, dirty) }
                 .map_err(|e| (Operation::Zero, false, e))?;
         }
+        if hinted == 0 {
+            return Ok(());
+        }
         // A slot is only marked hinted after `reset_hints` is recorded.
         let reset = *self.reset_hints.lock();
-        if let Some(reset) = reset.filter(|_| hinted > 0) {
+        if let Some(reset) = reset {
             reset(&self.allocator, self.slab(), offset, hinted)
                 .map_err(|e| (Operation::ResetHints, true, e))?;
         }
