@@ -192,7 +192,9 @@ pub struct DeviceFacts {
 ///   alive;
 /// - [`zero`](Self::zero) writes zeros to exactly `ptr..ptr + len` and returns once they are
 ///   visible to the host;
-/// - [`device_facts`](Self::device_facts) is honest.
+/// - [`device_facts`](Self::device_facts) is honest;
+/// - where [`allocations_come_zeroed`](Self::allocations_come_zeroed) answers `true`, every
+///   allocation from `alloc_managed` reads as zeros.
 pub unsafe trait DriverApi: Send + Sync + 'static {
     /// The backend's error type; [`DriverBackend`]'s refusals convert into it.
     type Error: BackendError + From<Refusal>;
@@ -202,6 +204,12 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
 
     /// Facts about `device` (`device < device_count()`).
     fn device_facts(&self, device: DeviceId) -> DeviceFacts;
+
+    /// Whether fresh managed allocations read as zeros (`cuMemAllocManaged` does not promise it:
+    /// real drivers keep the default, `false`, and the core zeroes what a guest may read).
+    fn allocations_come_zeroed(&self) -> bool {
+        false
+    }
 
     /// The primary context of `device`, retained for the life of the driver value.
     fn primary_context(&self, device: DeviceId) -> u64;
@@ -442,8 +450,8 @@ impl<D: DriverApi + fmt::Debug> fmt::Debug for DriverBackend<D> {
 }
 
 impl<D: DriverApi> DriverBackend<D> {
-    /// Wraps a started driver. Capabilities: managed, host- and device-accessible, not zeroed,
-    /// no guard pages; concurrent managed access and pageable memory access only if every device
+    /// Wraps a started driver. Capabilities: managed, host- and device-accessible, zeroed only
+    /// where the driver says fresh allocations are, no guard pages; concurrent managed access and pageable memory access only if every device
     /// has them.
     pub fn new(driver: D) -> Self {
         let facts = (0..driver.device_count()).map(|d| driver.device_facts(DeviceId(d)));
@@ -457,7 +465,7 @@ impl<D: DriverApi> DriverBackend<D> {
                 host_accessible: true,
                 device_accessible: true,
                 managed: true,
-                comes_zeroed: false,
+                comes_zeroed: driver.allocations_come_zeroed(),
                 guard_pages: false,
                 concurrent_managed_access: concurrent,
                 pageable_memory_access: pageable,
@@ -533,6 +541,13 @@ impl<D: DriverApi> DriverBackend<D> {
         let range = allocation.range(offset, len)?;
         let span = (!range.is_empty()).then(|| (address + range.start as u64, range.len()));
         Ok((device, span))
+    }
+}
+
+impl<D: DriverApi + Default> Default for DriverBackend<D> {
+    /// A backend over the driver's default value.
+    fn default() -> Self {
+        Self::new(D::default())
     }
 }
 

@@ -198,13 +198,13 @@ pub struct MockHarness;
 #[derive(Debug)]
 pub struct PoisonedMockHarness;
 
-/// The mock backend with deferred streams: stream work (prefetches) completes only when the
-/// stream is synchronised or released, as on a GPU.
+/// The mock backend with deferred streams: stream work (memsets, prefetches, kernels, pool
+/// frees, event records) completes only when the device gets to it, as on a GPU.
 #[derive(Debug)]
 pub struct DeferredMockHarness;
 
 fn mock_harness_impl(config: MockConfig) -> Arc<MockBackend> {
-    Arc::new(MockBackend::new(MockConfig {
+    Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
         device_memory_bytes: 4 << 30,
         ..config
     }))
@@ -219,16 +219,38 @@ macro_rules! mock_harness {
                 mock_harness_impl($config)
             }
             fn live_allocations(b: &MockBackend) -> Option<u64> {
-                Some(b.stats().live_allocations)
+                let ours = b.stats().live_allocations;
+                assert_eq!(
+                    b.driver().stats().live_allocations,
+                    ours,
+                    "model and backend disagree"
+                );
+                Some(ours)
             }
             fn live_streams(b: &MockBackend) -> Option<u64> {
-                Some(b.stats().live_streams)
+                let ours = b.stats().live_streams;
+                assert_eq!(
+                    b.driver().stats().live_streams,
+                    ours,
+                    "model and backend disagree"
+                );
+                Some(ours)
             }
             fn live_contexts(b: &MockBackend) -> Option<u64> {
-                Some(b.stats().live_contexts)
+                let ours = b.stats().live_contexts;
+                assert_eq!(
+                    b.driver().stats().live_contexts,
+                    ours,
+                    "model and backend disagree"
+                );
+                Some(ours)
             }
             fn live_pools(b: &MockBackend) -> Option<u64> {
-                Some(b.stats().live_pools)
+                let ours = b.stats().live_pools;
+                let model = b.driver().stats();
+                assert_eq!(model.live_pools, ours, "model and backend disagree");
+                assert_eq!(model.live_pool_allocations, b.stats().live_pool_allocations);
+                Some(ours)
             }
             fn has_device_pools(_: &MockBackend) -> bool {
                 true
@@ -237,46 +259,53 @@ macro_rules! mock_harness {
                 true
             }
             fn fail_nth(b: &MockBackend, op: Operation, n: u64) -> bool {
-                b.fail_nth(op, n);
-                true
+                b.driver().fail_nth(op, n)
             }
             fn clear_faults(b: &MockBackend) {
-                b.clear_faults();
+                b.driver().clear_faults();
             }
             fn fail_release(b: &MockBackend, what: $crate::harness::Release, n: u64) -> bool {
+                use tensor_wasm_mem_mock::{Call, code};
                 use $crate::harness::Release;
-                let op = match what {
-                    Release::StreamDestroy => Operation::ReleaseStream,
-                    Release::PoolDestroy => Operation::DestroyPool,
-                    // The mock has no contexts to destroy and no context stack.
-                    Release::ContextDestroy | Release::ContextPush => return false,
+                let call = match what {
+                    Release::StreamDestroy => Call::StreamDestroy,
+                    Release::PoolDestroy => Call::PoolDestroy,
+                    Release::ContextDestroy => Call::CtxDestroy,
+                    Release::ContextPush => Call::CtxPush,
                 };
-                b.fail_nth(op, n);
+                b.driver().fail_call(call, n, code::UNKNOWN);
                 true
             }
             fn delay_next(b: &MockBackend, op: Operation, micros: u64) -> bool {
-                b.delay_next(op, std::time::Duration::from_micros(micros));
-                true
+                b.driver()
+                    .delay_next(op, std::time::Duration::from_micros(micros))
+            }
+            fn context_stack(b: &MockBackend) -> Option<(u64, u64)> {
+                Some((b.driver().context_depth() as u64, b.driver().current()))
+            }
+            fn push_context(b: &MockBackend, context: u64) -> bool {
+                use tensor_wasm_mem_core::DriverApi;
+                b.driver().push_current(context).is_ok()
+            }
+            fn pop_context(b: &MockBackend) {
+                use tensor_wasm_mem_core::DriverApi;
+                let _ = b.driver().pop_current();
             }
             fn too_much(b: &MockBackend) -> usize {
-                usize::try_from(b.config().device_memory_bytes).unwrap_or(usize::MAX) + 1
+                usize::try_from(b.driver().config().device_memory_bytes).unwrap_or(usize::MAX) + 1
             }
             fn hints(
                 b: &MockBackend,
                 allocation: &tensor_wasm_mem_core::Allocation,
                 offset: usize,
             ) -> Option<$crate::harness::HintState> {
-                let hints = b.hints(allocation, offset).ok()?;
-                let mut accessed_by = hints.accessed_by;
-                accessed_by.sort_by_key(|l| match l {
-                    tensor_wasm_mem_core::Location::Host => 0,
-                    tensor_wasm_mem_core::Location::Device(d) => u64::from(d.0) + 1,
-                });
+                let model = b.driver();
+                let hints = model.hints(allocation, offset).ok()?;
                 Some($crate::harness::HintState {
                     read_mostly: hints.read_mostly,
                     preferred: hints.preferred_location,
-                    accessed_by,
-                    resident: b.residency(allocation, offset).ok()?,
+                    accessed_by: hints.accessed_by,
+                    resident: model.residency(allocation, offset).ok()?,
                 })
             }
         }

@@ -200,6 +200,9 @@ pub fn device_pool_cap_holds_when_a_free_returns_late<H: Harness>() {
         let late = s.spawn(|| pool.free(first, &stream).expect("late free"));
         // The free has taken effect in the driver well before it returns.
         thread::sleep(std::time::Duration::from_millis(50));
+        // On an asynchronous driver the free is done when the stream gets to it: wait for it,
+        // so the block can be handed back while the free's caller still sleeps.
+        b.synchronize(&stream).expect("synchronize");
         let newcomer = pool.allocate(BLOCK, &stream).expect("newcomer");
         late.join().expect("free thread");
         newcomer

@@ -29,7 +29,7 @@
 //! // Launch a kernel on `scope.stream()` over `slice.device_ptr()..+slice.len()`; here, the
 //! // mock's simulated kernel:
 //! // SAFETY: the scope holds the Store: nothing else touches these bytes until it waits.
-//! unsafe { backend.enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 7)? };
+//! unsafe { backend.driver().enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 7)? };
 //! scope.close()?; // waits for the kernel; the Store is the guest's again
 //! assert_eq!(memory.data(&store)[4095], 7);
 //! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())

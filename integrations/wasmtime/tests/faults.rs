@@ -61,7 +61,7 @@ fn life(
         ));
     }
     if let Some((op, n)) = fault {
-        backend.fail_nth(op, n);
+        backend.driver().fail_nth(op, n);
     }
     let run = || -> Result<(), String> {
         let creator = builder.build().map_err(|e| format!("creator: {e}"))?;
@@ -96,7 +96,7 @@ fn life(
     };
     let result = catch_unwind(AssertUnwindSafe(run))
         .unwrap_or_else(|panic| panic!("a panic escaped: {:?}", panic.downcast_ref::<String>()));
-    backend.clear_faults();
+    backend.driver().clear_faults();
     (
         Outcome {
             error: result.err(),
@@ -134,19 +134,19 @@ fn every_fault_at_every_position_leaves_nothing() {
             );
             for fault in faults {
                 // Poisoned memory, so zeroing is a real step of the life.
-                let backend = Arc::new(MockBackend::new(MockConfig {
+                let backend = Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
                     poison_fresh_allocations: true,
                     ..MockConfig::default()
                 }));
                 let (outcome, tenant) = life(&backend, memory, cap, isolation, fault);
                 let label = format!("{memory:?} cap={cap} {isolation} fault={fault:?}");
                 runs += 1;
-                injected += backend.stats().injected_failures;
+                injected += backend.driver().stats().injected_failures;
                 if let Some(error) = &outcome.error {
                     failed += 1;
                     assert!(!error.is_empty(), "{label}: an error must say something");
                 }
-                let stats = backend.stats();
+                let stats = backend.driver().stats();
                 // A failed free leaves its allocation with the driver, by design: counted, and
                 // given back when the backend drops.
                 let lost_frees = match fault {

@@ -23,7 +23,7 @@ const GUEST: &str = r#"(module
   (func (export "load") (param i32) (result i32) (i32.load8_u (local.get 0))))"#;
 
 fn deferred() -> Arc<MockBackend> {
-    Arc::new(MockBackend::new(MockConfig {
+    Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
         deferred_streams: true,
         ..MockConfig::default()
     }))
@@ -73,15 +73,20 @@ fn a_kernels_writes_reach_the_guest_after_close_and_never_before() {
     assert_eq!(slice.len(), PAGE);
     // SAFETY: nothing holds a view of the bytes while the kernel can run (the scope,
     // or the Store's teardown, waits for the stream before any access).
-    unsafe { backend.enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 0xaa) }.unwrap();
+    unsafe {
+        backend
+            .driver()
+            .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 0xaa)
+    }
+    .unwrap();
     // The prefetch the scope made and the kernel are queued, not done: and the guest cannot
     // run (the scope holds the Store; `tests/ui/scope_holds_the_store.rs`).
-    assert_eq!(backend.pending_work(), 2);
+    assert_eq!(backend.driver().pending_work(), 2);
     scope.close().unwrap();
-    assert_eq!(backend.pending_work(), 0, "close waited");
+    assert_eq!(backend.driver().pending_work(), 0, "close waited");
     assert_eq!(load(&mut store, &instance, 0), 0xaa);
     assert_eq!(load(&mut store, &instance, PAGE as i32 - 1), 0xaa);
-    assert_eq!(backend.stats().calls(Operation::Prefetch), 1);
+    assert_eq!(backend.driver().stats().calls(Operation::Prefetch), 1);
 }
 
 #[test]
@@ -118,12 +123,12 @@ fn bad_ranges_and_foreign_memories_are_refused_before_anything_is_queued() {
             _ => assert!(matches!(err, TwmError::GuestRange(_)), "{what}: {err}"),
         }
     }
-    let s = backend.stats();
+    let s = backend.driver().stats();
     assert_eq!(
         (
             s.streams_created,
             s.calls(Operation::Prefetch),
-            backend.pending_work()
+            backend.driver().pending_work()
         ),
         (0, 0, 0),
         "nothing was queued, no stream was made"
@@ -151,12 +156,16 @@ fn a_scope_dropped_by_a_panic_still_waits() {
         let slice = scope.slice(0).unwrap();
         // SAFETY: nothing holds a view of the bytes while the kernel can run (the scope,
         // or the Store's teardown, waits for the stream before any access).
-        unsafe { backend.enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 0x5a) }
-            .unwrap();
+        unsafe {
+            backend
+                .driver()
+                .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 0x5a)
+        }
+        .unwrap();
         panic!("the embedder's code fails mid-scope");
     }));
     assert!(panicked.is_err());
-    assert_eq!(backend.pending_work(), 0, "the drop waited");
+    assert_eq!(backend.driver().pending_work(), 0, "the drop waited");
     assert_eq!(load(&mut store, &instance, 15), 0x5a);
     assert_eq!(load(&mut store, &instance, 16), 0);
 }
@@ -178,20 +187,27 @@ fn read_mostly_is_for_the_scope_and_write_back_returns_written_ranges_to_the_hos
     let ranges = [AccessRange::read(0, 4096), AccessRange::write(8192, 4096)];
     let scope = DeviceAccess::open_with(&mut store, &creator, &memory, &ranges, options).unwrap();
     assert_eq!(scope.slices().len(), 2);
-    assert!(backend.hints(pool.slab(), 0).unwrap().read_mostly);
+    assert!(backend.driver().hints(pool.slab(), 0).unwrap().read_mostly);
     assert!(
-        !backend.hints(pool.slab(), 8192).unwrap().read_mostly,
+        !backend
+            .driver()
+            .hints(pool.slab(), 8192)
+            .unwrap()
+            .read_mostly,
         "written: not advised"
     );
     scope.close().unwrap();
     assert!(
-        !backend.hints(pool.slab(), 0).unwrap().read_mostly,
+        !backend.driver().hints(pool.slab(), 0).unwrap().read_mostly,
         "undone at close"
     );
     let d0 = Location::Device(DeviceId(0));
-    assert_eq!(backend.residency(pool.slab(), 0).unwrap(), Some(d0));
     assert_eq!(
-        backend.residency(pool.slab(), 8192).unwrap(),
+        backend.driver().residency(pool.slab(), 0).unwrap(),
+        Some(d0)
+    );
+    assert_eq!(
+        backend.driver().residency(pool.slab(), 8192).unwrap(),
         Some(Location::Host),
         "written back"
     );
@@ -211,7 +227,12 @@ fn host_bytes_wait_for_the_stream_and_reach_the_guest() {
     let first = scope.slice(0).unwrap();
     // SAFETY: nothing holds a view of the bytes while the kernel can run (the scope,
     // or the Store's teardown, waits for the stream before any access).
-    unsafe { backend.enqueue_fill(scope.stream(), first.device_ptr(), first.len(), 3) }.unwrap();
+    unsafe {
+        backend
+            .driver()
+            .enqueue_fill(scope.stream(), first.device_ptr(), first.len(), 3)
+    }
+    .unwrap();
     let bytes = scope.host_bytes_mut(0).unwrap().expect("host-accessible");
     assert_eq!(bytes, &[3; 8], "the queued device write is done first");
     bytes[7] = 9;
@@ -237,22 +258,34 @@ fn a_kernel_fault_is_typed_and_stays_with_the_tenants_context() {
     // Address 64, in the never-mapped first page: outside every allocation. (Just past this
     // memory could be the neighbour's mapping.)
     // SAFETY: writes nothing that exists (an illegal address).
-    unsafe { backend.enqueue_fill(scope.stream(), 64, 64, 1) }.unwrap(); // the launch succeeds
+    unsafe { backend.driver().enqueue_fill(scope.stream(), 64, 64, 1) }.unwrap(); // the launch succeeds
     let err = scope.close().unwrap_err();
     assert!(matches!(err, TwmError::Backend { .. }), "{err}");
     assert_eq!(err.kind(), tensor_wasm_mem_core::ErrorKind::Driver);
-    assert!(err.to_string().contains("illegal address"), "{err}");
+    assert!(
+        err.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+        "{err}"
+    );
+    // Sticky: the context answers every later call with the same error.
     let again = DeviceAccess::open(&mut bad, &creator, &bad_memory, &ranges).unwrap_err();
-    assert!(again.to_string().contains("unusable"), "{again}");
+    assert!(
+        again.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+        "{again}"
+    );
     // The neighbour's scope works, and its kernel's bytes reach its guest.
     let scope = DeviceAccess::open(&mut good, &creator, &good_memory, &ranges).unwrap();
     let slice = scope.slice(0).unwrap();
     // SAFETY: nothing holds a view of the bytes while the kernel can run (the scope,
     // or the Store's teardown, waits for the stream before any access).
-    unsafe { backend.enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 4) }.unwrap();
+    unsafe {
+        backend
+            .driver()
+            .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 4)
+    }
+    .unwrap();
     scope.close().unwrap();
     assert_eq!(load(&mut good, &good_instance, 63), 4);
-    assert_eq!(backend.stats().kernel_faults, 1);
+    assert_eq!(backend.driver().stats().kernel_faults, 1);
 }
 
 /// `DeviceAccess::run` opens, runs the closure and closes (the form a `mem::forget` cannot
@@ -267,13 +300,17 @@ fn run_closes_the_scope_and_reports_a_failed_wait() {
     let launched = DeviceAccess::run(&mut store, &creator, &memory, &ranges, options, |scope| {
         let slice = scope.slice(0).unwrap();
         // SAFETY: the scope holds the Store: nothing else touches these bytes until it waits.
-        unsafe { backend.enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 6) }
+        unsafe {
+            backend
+                .driver()
+                .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 6)
+        }
     })
     .unwrap();
     assert!(launched.is_ok());
-    assert_eq!(backend.pending_work(), 0, "run waited");
+    assert_eq!(backend.driver().pending_work(), 0, "run waited");
     assert_eq!(load(&mut store, &instance, 31), 6);
-    backend.fail_nth(Operation::Synchronize, 1);
+    backend.driver().fail_nth(Operation::Synchronize, 1);
     let err =
         DeviceAccess::run(&mut store, &creator, &memory, &ranges, options, |_| ()).unwrap_err();
     assert!(matches!(err, TwmError::Backend { .. }), "{err}");
