@@ -432,7 +432,7 @@ fn with_context<D: DriverApi, T>(
 /// The three backend traits and [`DevicePools`](crate::DevicePools) on a [`DriverApi`]. See the
 /// [module docs](self).
 ///
-/// Streams are made on device 0 (the trait's `acquire_stream` names no device).
+/// Streams are made on the device `acquire_stream_on` names.
 pub struct DriverBackend<D: DriverApi> {
     driver: D,
     caps: Capabilities,

@@ -67,6 +67,12 @@ mockall::mock! {
     }
 
     impl StreamProvider for Backend {
+        fn acquire_stream_on(
+            &self,
+            tenant: TenantKey,
+            level: IsolationLevel,
+            device: DeviceId,
+        ) -> Result<Stream, MockError>;
         fn acquire_stream(
             &self,
             tenant: TenantKey,

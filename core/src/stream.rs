@@ -11,6 +11,7 @@
 //! A handle that this provider did not hand out (or already took back) is rejected with an
 //! error, never trusted.
 
+use crate::device::DeviceId;
 use crate::error::ErrorType;
 use crate::isolation::IsolationLevel;
 use crate::ledger::{TenantId, TenantKey};
@@ -27,10 +28,11 @@ pub struct Stream {
     context: u64,
     level: IsolationLevel,
     tenant: TenantKey,
+    device: DeviceId,
 }
 
 impl Stream {
-    /// Builds a handle (for backends).
+    /// Builds a handle (for backends), on device 0 (see [`on_device`](Self::on_device)).
     #[must_use]
     pub const fn new(raw: u64, context: u64, level: IsolationLevel, tenant: TenantKey) -> Self {
         Self {
@@ -38,7 +40,20 @@ impl Stream {
             context,
             level,
             tenant,
+            device: DeviceId(0),
         }
+    }
+
+    /// The same handle, on `device` (for backends).
+    #[must_use]
+    pub const fn on_device(self, device: DeviceId) -> Self {
+        Self { device, ..self }
+    }
+
+    /// The device its work runs on.
+    #[must_use]
+    pub const fn device(&self) -> DeviceId {
+        self.device
     }
 
     /// The backend's raw stream value (`CUstream` as an integer; [`DEFAULT_STREAM`] is the default
@@ -81,15 +96,27 @@ impl Stream {
 
 /// Hands out streams by isolation level. See the [module docs](self) for the contract.
 pub trait StreamProvider: ErrorType {
-    /// A stream for one instance of `tenant` at `level`.
+    /// A stream on `device` for one instance of `tenant` at `level` (the shared default stream
+    /// and the primary context are `device`'s; a context-isolated tenant's context is made on
+    /// the device of its first stream). A device that does not exist is refused.
     ///
     /// Context-isolated streams of one [`TenantKey`] share one context; two keys never do, even
     /// when their [`TenantId`]s are equal.
+    fn acquire_stream_on(
+        &self,
+        tenant: TenantKey,
+        level: IsolationLevel,
+        device: DeviceId,
+    ) -> Result<Stream, Self::Error>;
+
+    /// [`acquire_stream_on`](Self::acquire_stream_on) device 0.
     fn acquire_stream(
         &self,
         tenant: TenantKey,
         level: IsolationLevel,
-    ) -> Result<Stream, Self::Error>;
+    ) -> Result<Stream, Self::Error> {
+        self.acquire_stream_on(tenant, level, DeviceId(0))
+    }
 
     /// Gives a stream back: waits for the work queued on it, then destroys it (and the
     /// tenant's context after its last stream) where the level says so. The shared default
@@ -111,6 +138,14 @@ pub trait StreamProvider: ErrorType {
 macro_rules! forward_streams {
     ($($ty:ty),*) => {$(
         impl<T: StreamProvider + ?Sized> StreamProvider for $ty {
+            fn acquire_stream_on(
+                &self,
+                tenant: TenantKey,
+                level: IsolationLevel,
+                device: DeviceId,
+            ) -> Result<Stream, Self::Error> {
+                T::acquire_stream_on(self, tenant, level, device)
+            }
             fn acquire_stream(
                 &self,
                 tenant: TenantKey,
@@ -138,13 +173,24 @@ pub struct StreamLease<P: StreamProvider> {
 }
 
 impl<P: StreamProvider> StreamLease<P> {
-    /// Acquires a stream from `provider` (which may be `&T`, `Arc<T>` or an owned provider).
+    /// Acquires a stream on device 0 from `provider` (which may be `&T`, `Arc<T>` or an owned
+    /// provider).
     pub fn acquire(
         provider: P,
         tenant: TenantKey,
         level: IsolationLevel,
     ) -> Result<Self, P::Error> {
-        let stream = provider.acquire_stream(tenant, level)?;
+        Self::acquire_on(provider, tenant, level, DeviceId(0))
+    }
+
+    /// Acquires a stream on `device` from `provider`.
+    pub fn acquire_on(
+        provider: P,
+        tenant: TenantKey,
+        level: IsolationLevel,
+        device: DeviceId,
+    ) -> Result<Self, P::Error> {
+        let stream = provider.acquire_stream_on(tenant, level, device)?;
         Ok(Self {
             provider,
             stream: Some(stream),

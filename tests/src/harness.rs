@@ -203,6 +203,11 @@ pub struct PoisonedMockHarness;
 #[derive(Debug)]
 pub struct DeferredMockHarness;
 
+/// The mock backend with eight devices and deferred streams: every case on a machine shaped like
+/// a GPU server (the cases that name a device use each of them).
+#[derive(Debug)]
+pub struct EightDeviceDeferredMockHarness;
+
 fn mock_harness_impl(config: MockConfig) -> Arc<MockBackend> {
     Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
         device_memory_bytes: 4 << 30,
@@ -317,6 +322,15 @@ mock_harness!(
     PoisonedMockHarness,
     MockConfig {
         poison_fresh_allocations: true,
+        ..MockConfig::default()
+    }
+);
+
+mock_harness!(
+    EightDeviceDeferredMockHarness,
+    MockConfig {
+        device_count: 8,
+        deferred_streams: true,
         ..MockConfig::default()
     }
 );

@@ -83,6 +83,7 @@ macro_rules! conformance {
         #[case::failed_pool_destroy_stays_counted_until_drop($crate::races::failed_pool_destroy_stays_counted_until_drop::<$harness>)]
         #[case::context_stack_is_left_as_it_was($crate::races::context_stack_is_left_as_it_was::<$harness>)]
         #[case::device_pool_refuses_another_tenants_stream($crate::races::device_pool_refuses_another_tenants_stream::<$harness>)]
+        #[case::streams_are_made_on_the_device_named($crate::suite::streams_are_made_on_the_device_named::<$harness>)]
         fn conformance(#[case] case: fn()) {
             case();
         }

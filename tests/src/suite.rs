@@ -492,6 +492,47 @@ pub fn shared_stream_is_shared<H: Harness>() {
     assert_no_leaks::<H>(&b);
 }
 
+/// Streams are made on the device `acquire_stream_on` names, at every level, and work there
+/// (a prefetch of that device's memory to it); a device that does not exist is refused before
+/// anything is made.
+pub fn streams_are_made_on_the_device_named<H: Harness>() {
+    let b = H::backend();
+    let devices = b.device_count();
+    for d in 0..devices {
+        let device = DeviceId(d);
+        let a = b.allocate(device, 4 * PAGE).expect("allocate");
+        for level in [
+            IsolationLevel::Shared,
+            IsolationLevel::StreamIsolated,
+            IsolationLevel::ContextIsolated,
+        ] {
+            let s = b
+                .acquire_stream_on(key(u64::from(d) + 1), level, device)
+                .expect("acquire on the device");
+            assert_eq!(s.device(), device, "{level}");
+            if b.capabilities().concurrent_managed_access {
+                b.prefetch(&a, 0, PAGE, Location::Device(device), &s)
+                    .expect("prefetch on the device's stream");
+            }
+            b.synchronize(&s).expect("synchronize");
+            b.release_stream(s).expect("release");
+        }
+        // SAFETY: `a` came from `b` and is not used again.
+        unsafe { b.free(a).expect("free") };
+    }
+    for level in [
+        IsolationLevel::Shared,
+        IsolationLevel::StreamIsolated,
+        IsolationLevel::ContextIsolated,
+    ] {
+        let err = b
+            .acquire_stream_on(key(99), level, DeviceId(devices))
+            .expect_err("no such device");
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{level}");
+    }
+    assert_no_leaks::<H>(&b);
+}
+
 /// Stream-isolated instances get distinct streams, destroyed on release.
 pub fn isolated_streams_are_distinct_and_released<H: Harness>() {
     let b = H::backend();

@@ -12,6 +12,12 @@ mod with_deferred_mock {
     tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::DeferredMockHarness);
 }
 
+mod with_eight_device_deferred_mock {
+    tensor_wasm_mem_tests::conformance!(
+        tensor_wasm_mem_tests::harness::EightDeviceDeferredMockHarness
+    );
+}
+
 mod with_cudarc {
     tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::CudarcHarness);
 }

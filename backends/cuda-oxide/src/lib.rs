@@ -107,7 +107,12 @@ impl Advisor for CudaOxideBackend {
 }
 
 impl StreamProvider for CudaOxideBackend {
-    fn acquire_stream(&self, _: TenantKey, _: IsolationLevel) -> Result<Stream, OxideError> {
+    fn acquire_stream_on(
+        &self,
+        _: TenantKey,
+        _: IsolationLevel,
+        _: tensor_wasm_mem_core::DeviceId,
+    ) -> Result<Stream, OxideError> {
         Err(not_yet(Operation::AcquireStream))
     }
 

@@ -403,6 +403,46 @@ fn eight_devices_each_with_its_own_memory() {
     }
 }
 
+/// Streams, contexts and pools on any of eight devices: each is on the device named, and a
+/// pool refuses a stream of another device.
+#[test]
+fn streams_contexts_and_pools_on_any_of_eight_devices() {
+    let mock = with_config(MockConfig {
+        device_count: 8,
+        ..MockConfig::default()
+    });
+    for d in [0, 3, 7] {
+        let device = DeviceId(d);
+        let tenant = key(u64::from(d) + 1);
+        let isolated = mock
+            .acquire_stream_on(tenant, IsolationLevel::ContextIsolated, device)
+            .unwrap();
+        let primary = mock.driver().primary_context(device);
+        assert_ne!(isolated.context(), primary, "a context of its own");
+        let shared = mock
+            .acquire_stream_on(tenant, IsolationLevel::Shared, device)
+            .unwrap();
+        assert_eq!(shared.context(), primary, "the device's primary context");
+        let pool = mock
+            .create_pool(tenant, device, &DevicePoolConfig::default())
+            .unwrap();
+        let block = mock.pool_allocate(&pool, PAGE, &isolated).unwrap();
+        let elsewhere = DeviceId((d + 1) % 8);
+        let other = mock
+            .acquire_stream_on(tenant, IsolationLevel::StreamIsolated, elsewhere)
+            .unwrap();
+        let refused = mock.pool_allocate(&pool, PAGE, &other).unwrap_err();
+        assert_eq!(refused.kind(), ErrorKind::InvalidArgument);
+        mock.pool_free(&pool, block, &isolated).unwrap();
+        mock.destroy_pool(pool).unwrap();
+        for s in [isolated, shared, other] {
+            mock.release_stream(s).unwrap();
+        }
+    }
+    let s = mock.stats();
+    assert_eq!((s.live_streams, s.live_contexts, s.live_pools), (0, 0, 0));
+}
+
 /// Fault injection by backend operation reaches the entry point the backend calls; a failed
 /// free frees nothing, and what is left is given back (and counted) at drop.
 #[test]

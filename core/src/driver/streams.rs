@@ -72,13 +72,14 @@ impl<D: DriverApi> DriverBackend<D> {
     pub(super) fn stream_use(&self, stream: &Stream) -> Result<StreamUse<'_, D>, Refusal> {
         let raw = stream.raw();
         if raw == DEFAULT_STREAM {
-            if stream.is_shared() {
+            let device = stream.device();
+            if stream.is_shared() && device.0 < self.driver.device_count() {
                 return Ok(StreamUse {
                     backend: self,
                     raw: None,
-                    context: self.driver.primary_context(DeviceId(0)),
+                    context: self.driver.primary_context(device),
                     tenant: None,
-                    device: DeviceId(0),
+                    device,
                 });
             }
             return Err(Refusal::UnknownStream { raw });
@@ -89,6 +90,7 @@ impl<D: DriverApi> DriverBackend<D> {
                 if r.life == Life::Live
                     && r.tenant == stream.tenant_key()
                     && r.context == stream.context()
+                    && r.device == stream.device()
                     && r.level == stream.level() =>
             {
                 r.busy += 1;
@@ -263,12 +265,17 @@ impl<D: DriverApi> DriverBackend<D> {
 }
 
 impl<D: DriverApi> StreamProvider for DriverBackend<D> {
-    fn acquire_stream(&self, tenant: TenantKey, level: IsolationLevel) -> Result<Stream, D::Error> {
-        let device = DeviceId(0);
+    fn acquire_stream_on(
+        &self,
+        tenant: TenantKey,
+        level: IsolationLevel,
+        device: DeviceId,
+    ) -> Result<Stream, D::Error> {
+        self.check_device(device)?;
         let context = match level {
             IsolationLevel::Shared => {
                 let primary = self.driver.primary_context(device);
-                return Ok(Stream::new(DEFAULT_STREAM, primary, level, tenant));
+                return Ok(Stream::new(DEFAULT_STREAM, primary, level, tenant).on_device(device));
             }
             IsolationLevel::StreamIsolated => self.driver.primary_context(device),
             IsolationLevel::ContextIsolated => self.join_tenant_context(tenant, device)?,
@@ -289,7 +296,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
                 // ours is under `raw`: releases take their record out before destroying.
                 state.streams.insert(raw, record);
                 state.stats.live_streams += 1;
-                Ok(Stream::new(raw, context, level, tenant))
+                Ok(Stream::new(raw, context, level, tenant).on_device(device))
             }
             Err(e) => {
                 if level == IsolationLevel::ContextIsolated {
@@ -320,6 +327,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
                 r.life == Life::Live
                     && r.tenant == stream.tenant_key()
                     && r.context == stream.context()
+                    && r.device == stream.device()
                     && r.level == stream.level()
             }) else {
                 return Err(Refusal::UnknownStream { raw }.into());

@@ -120,13 +120,15 @@ impl<B: Backend> GuestContext<B> {
         self.store.as_ref()
     }
 
-    /// The instance's stream, acquired on first use at the tenant's isolation level.
+    /// The instance's stream, acquired on first use at the tenant's isolation level, on the
+    /// creator's device (where its memories are).
     pub fn stream(&mut self) -> Result<&StreamLease<Arc<B>>, B::Error> {
         if self.stream.is_none() {
-            let lease = StreamLease::acquire(
+            let lease = StreamLease::acquire_on(
                 Arc::clone(self.creator.backend()),
                 self.tenant,
                 self.isolation,
+                self.creator.device(),
             )?;
             if let Some(store) = &self.store {
                 store.add_stream(StreamId::of(lease.stream()));
