@@ -3,9 +3,7 @@
 
 use std::sync::Arc;
 
-use tensor_wasm_mem_core::{
-    Advisor, Allocation, DevicePools, Location, ManagedAllocator, Operation, StreamProvider,
-};
+use tensor_wasm_mem_core::{Allocation, Location, Operation};
 use tensor_wasm_mem_mock::{MockBackend, MockConfig};
 
 /// What the suite needs from a backend.
@@ -13,15 +11,9 @@ use tensor_wasm_mem_mock::{MockBackend, MockConfig};
 /// Counters and fault injection are optional: a backend that has none (a real driver) returns
 /// `None`/`false`, and the cases that need them print that they were skipped for it.
 pub trait Harness: 'static {
-    /// The backend type.
-    type Backend: ManagedAllocator
-        + Advisor
-        + StreamProvider
-        + DevicePools
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static;
+    /// The backend type (every backend trait, as the Wasmtime integration needs them: one
+    /// bound list, the integration's).
+    type Backend: tensor_wasm_mem_wasmtime::Backend;
 
     /// A fresh backend instance with at least one device.
     fn backend() -> Arc<Self::Backend>;

@@ -24,22 +24,17 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
-    /// The default backend of this build: the first compiled in of cudarc, cust, mock,
-    /// cuda-oxide.
-    pub const DEFAULT: Self = {
-        #[cfg(feature = "cudarc")]
-        let default = Self::Cudarc;
-        #[cfg(all(feature = "cust", not(feature = "cudarc")))]
-        let default = Self::Cust;
-        #[cfg(all(feature = "mock", not(any(feature = "cudarc", feature = "cust"))))]
-        let default = Self::Mock;
-        #[cfg(all(
-            feature = "cuda-oxide",
-            not(any(feature = "cudarc", feature = "cust", feature = "mock"))
-        ))]
-        let default = Self::CudaOxide;
-        default
-    };
+    /// The default backend of this build: the first of
+    /// [`backends::ENABLED`](tensor_wasm_mem_wasmtime::backends::ENABLED), the one place the
+    /// order of precedence is written (cudarc, cust, mock, cuda-oxide).
+    pub fn preferred() -> Self {
+        let first = tensor_wasm_mem_wasmtime::backends::ENABLED.first();
+        let all = <Self as clap::ValueEnum>::value_variants();
+        all.iter()
+            .copied()
+            .find(|k| Some(&k.name()) == first)
+            .unwrap_or(all[0])
+    }
 
     /// The stable name.
     pub const fn name(self) -> &'static str {

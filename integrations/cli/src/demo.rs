@@ -52,7 +52,7 @@ const GUEST: &str = r#"(module
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
     /// The backend.
-    #[arg(long, value_enum, default_value_t = BackendKind::DEFAULT)]
+    #[arg(long, value_enum, default_value_t = BackendKind::preferred())]
     pub backend: BackendKind,
 }
 

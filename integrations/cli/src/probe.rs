@@ -9,7 +9,7 @@ use crate::backend::BackendKind;
 #[derive(Debug, clap::Args)]
 pub struct ProbeArgs {
     /// The backend to probe.
-    #[arg(long, value_enum, default_value_t = BackendKind::DEFAULT)]
+    #[arg(long, value_enum, default_value_t = BackendKind::preferred())]
     pub backend: BackendKind,
     /// Print one JSON object.
     #[arg(long)]

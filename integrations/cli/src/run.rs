@@ -35,7 +35,7 @@ pub struct RunArgs {
     )]
     pub args: Vec<String>,
     /// The backend.
-    #[arg(long, value_enum, default_value_t = BackendKind::DEFAULT)]
+    #[arg(long, value_enum, default_value_t = BackendKind::preferred())]
     pub backend: BackendKind,
     /// The tenant's cap on linear memory (e.g. 64KiB, 16MiB, 1GiB); none by default.
     #[arg(long, value_name = "BYTES", value_parser = crate::bytes::parse_bytes)]
