@@ -237,8 +237,9 @@ mod tests {
     #[test]
     fn lease_releases_on_drop_and_reports_on_release() {
         let mut mock = MockBackend::new();
-        mock.expect_acquire_stream()
-            .returning(|tenant, level| Ok(Stream::new(42, 7, level, tenant)));
+        mock.expect_acquire_stream_on()
+            .withf(|_, _, device| *device == DeviceId(0))
+            .returning(|tenant, level, _| Ok(Stream::new(42, 7, level, tenant)));
         mock.expect_release_stream()
             .withf(|s| s.raw() == 42 && s.tenant() == TenantId(5))
             .times(2)
@@ -256,8 +257,8 @@ mod tests {
     #[test]
     fn acquire_failure_is_passed_on() {
         let mut mock = MockBackend::new();
-        mock.expect_acquire_stream()
-            .returning(|_, _| Err(MockError(ErrorKind::Driver)));
+        mock.expect_acquire_stream_on()
+            .returning(|_, _, _| Err(MockError(ErrorKind::Driver)));
         mock.expect_release_stream().never();
         let result = StreamLease::acquire(
             &mock,
