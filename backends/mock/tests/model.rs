@@ -158,6 +158,31 @@ fn a_free_while_a_prefetch_is_queued_is_counted() {
     assert_eq!(mock.driver().stats().kernel_faults, 0);
 }
 
+/// A kernel still queued over memory that was freed finds no memory when it runs, even when a
+/// new allocation of the same size follows at once (the freed address is not handed out again
+/// while work targets it): it faults, and the new allocation's bytes are untouched.
+#[test]
+fn stale_work_over_freed_memory_faults_and_never_lands_in_a_new_allocation() {
+    let mock = deferred();
+    let s = mock
+        .acquire_stream(key(1), IsolationLevel::ContextIsolated)
+        .unwrap();
+    let a = mock.allocate(DeviceId(0), PAGE).unwrap();
+    let old = a.device_ptr();
+    // SAFETY: no reference to the bytes while the kernel can run (the bug under test frees them).
+    unsafe { mock.driver().enqueue_fill(&s, old, PAGE, 0x77) }.unwrap();
+    // SAFETY: `a` came from `mock` (its kernel is still queued: the bug under test).
+    unsafe { mock.free(a).unwrap() };
+    let b = mock.allocate(DeviceId(0), PAGE).unwrap();
+    assert_ne!(b.device_ptr(), old, "the freed address is kept back");
+    let err = mock.synchronize(&s).unwrap_err();
+    assert_eq!(err.code(), Some(code::ILLEGAL_ADDRESS));
+    assert_eq!(read(&b, 0), 0, "nothing landed in the new allocation");
+    let _ = mock.release_stream(s);
+    // SAFETY: `b` came from `mock`.
+    unsafe { mock.free(b).unwrap() };
+}
+
 /// A pool block freed on one stream is reused by an allocation on another only once the free is
 /// ordered before it (here by an event recorded after the free and synchronised); before that,
 /// the other stream gets fresh memory.

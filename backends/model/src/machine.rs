@@ -139,6 +139,8 @@ struct EventRecord {
     completed: u64,
     /// Where the latest record is queued.
     queue: Option<Queue>,
+    /// The context of the latest record's stream (its sticky fault is the event's).
+    context: u64,
 }
 
 #[derive(Debug)]
@@ -164,6 +166,10 @@ struct State {
     next_handle: u64,
     faults: Vec<Fault>,
     delays: Vec<(Call, Duration)>,
+    /// Mappings freed while queued work still targeted them: never unmapped before the machine
+    /// goes, so the address cannot be handed to a new allocation that the stale work would then
+    /// write (it finds no allocation and faults, as on a GPU).
+    quarantine: Vec<(usize, usize)>,
     stats: ModelStats,
 }
 
@@ -374,7 +380,13 @@ impl State {
             return;
         };
         while pool.reserved > keep {
-            let Some((ptr, mapped)) = pool.cached.pop() else {
+            // A block that queued work still targets stays (unmapping it would let the address
+            // go to another allocation that the stale work would then write).
+            let free = pool
+                .cached
+                .iter()
+                .rposition(|&(a, m)| !self.queues.values().flatten().any(|w| w.overlaps(a, a + m)));
+            let Some((ptr, mapped)) = free.map(|i| pool.cached.swap_remove(i)) else {
                 break;
             };
             pool.reserved -= mapped as u64;
@@ -852,6 +864,7 @@ impl ModelDriver {
         let e = Self::event(&mut state, Call::EventRecord, event)?;
         e.recorded += 1;
         e.queue = Some(queue);
+        e.context = stream.context();
         let generation = e.recorded;
         state.enqueue(
             queue,
@@ -889,7 +902,12 @@ impl ModelDriver {
         let mut state = self.state();
         self.enter(&mut state, Call::EventQuery, false)?;
         let e = Self::event(&mut state, Call::EventQuery, event)?;
-        Ok(e.completed >= e.recorded)
+        let (done, context) = (e.completed >= e.recorded, e.context);
+        if context != 0 {
+            // A fault in the record's context is the event's answer, as the driver gives it.
+            Self::check_poison(&state, Call::EventQuery, context)?;
+        }
+        Ok(done)
     }
 
     /// `cuEventSynchronize`: runs the event's stream up to its latest record.
@@ -898,9 +916,14 @@ impl ModelDriver {
         self.enter(&mut state, Call::EventSynchronize, false)?;
         loop {
             let e = Self::event(&mut state, Call::EventSynchronize, event)?;
-            if e.completed >= e.recorded {
+            let (done, context) = (e.completed >= e.recorded, e.context);
+            if context != 0 {
+                Self::check_poison(&state, Call::EventSynchronize, context)?;
+            }
+            if done {
                 return Ok(());
             }
+            let e = Self::event(&mut state, Call::EventSynchronize, event)?;
             let Some(queue) = e.queue else {
                 return Ok(());
             };
@@ -1058,12 +1081,14 @@ unsafe impl DriverApi for ModelDriver {
         state.stats.frees += 1;
         state.stats.live_allocations -= 1;
         state.stats.live_bytes -= record.len as u64;
-        drop(state);
-        if let Some(p) = core::ptr::NonNull::new(address as *mut u8) {
+        if state.pending_over(address, address + record.len, None) {
+            state.quarantine.push((address, record.mapped));
+        } else if let Some(p) = core::ptr::NonNull::new(address as *mut u8) {
             // SAFETY: the mapping made for this allocation (taken out of the table just now);
-            // the caller guarantees it is not used afterwards.
+            // the caller guarantees it is not used afterwards, and no queued work targets it.
             unsafe { host::unmap(p, record.mapped) };
         }
+        drop(state);
         self.late_return(call);
         Ok(())
     }
@@ -1327,18 +1352,22 @@ unsafe impl DriverApi for ModelDriver {
             .checked_next_multiple_of(self.page)
             .filter(|_| bytes > 0)
             .ok_or(error(call, code::INVALID_VALUE))?;
-        let p = match state.pools.get_mut(&pool) {
-            Some(p) if !p.destroyed && p.device == device => p,
+        let reuse = match state.pools.get(&pool) {
+            // Only a block whose free has run is reused (a free still queued on another stream
+            // is not ordered before this stream's work; an event between them would be), and
+            // only one no queued work targets any more.
+            Some(p) if !p.destroyed && p.device == device => p
+                .cached
+                .iter()
+                .position(|&(a, m)| m == mapped && !state.pending_over(a, a + m, None)),
             Some(p) if !p.destroyed => return Err(error(call, code::INVALID_CONTEXT)),
             _ => return Err(error(call, code::INVALID_HANDLE)),
         };
-        // Only a block whose free has run is reused: a free still queued on another stream is
-        // not ordered before this stream's work (an event between them would be).
-        let reused = p
-            .cached
-            .iter()
-            .position(|&(_, m)| m == mapped)
-            .map(|i| p.cached.swap_remove(i));
+        let p = state
+            .pools
+            .get_mut(&pool)
+            .ok_or(error(call, code::INVALID_HANDLE))?;
+        let reused = reuse.map(|i| p.cached.swap_remove(i));
         let address = match reused {
             Some((address, _)) => address,
             None => {
@@ -1428,6 +1457,27 @@ impl Drop for ModelDriver {
     /// Unmaps whatever is still mapped (counted in [`leaked_at_drop`](crate::leaked_at_drop)).
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        // A pool block whose free is still queued was given back by its caller: run the frees
+        // (nothing else) so it is not counted as leaked.
+        let frees: Vec<usize> = state
+            .queues
+            .values()
+            .flatten()
+            .filter_map(|w| match w {
+                Work::PoolFree { ptr } => Some(*ptr),
+                _ => None,
+            })
+            .collect();
+        state.queues.clear();
+        for ptr in frees {
+            state.release_pool_block(ptr);
+        }
+        for (address, mapped) in std::mem::take(&mut state.quarantine) {
+            if let Some(p) = core::ptr::NonNull::new(address as *mut u8) {
+                // SAFETY: a freed mapping of ours kept back from reuse; nothing uses it now.
+                unsafe { host::unmap(p, mapped) };
+            }
+        }
         let mut leaked = 0;
         for (address, record) in std::mem::take(&mut state.allocations) {
             leaked += 1;
