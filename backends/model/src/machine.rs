@@ -270,11 +270,7 @@ impl State {
                     && self.run_one(other)
                 {}
             }
-            Work::Signal { event, generation } => {
-                if let Some(e) = self.events.get_mut(&event) {
-                    e.completed = e.completed.max(generation);
-                }
-            }
+            Work::Signal { event, generation } => self.signal(event, generation),
             Work::PoolFree { ptr } => self.release_pool_block(ptr),
             Work::Memset { start, end, value } => {
                 if self.containing(start, end).is_some() {
@@ -334,14 +330,17 @@ impl State {
             for work in self.queues.remove(&q).unwrap_or_default() {
                 match work {
                     Work::PoolFree { ptr } => self.release_pool_block(ptr),
-                    Work::Signal { event, generation } => {
-                        if let Some(e) = self.events.get_mut(&event) {
-                            e.completed = e.completed.max(generation);
-                        }
-                    }
+                    Work::Signal { event, generation } => self.signal(event, generation),
                     _ => {}
                 }
             }
+        }
+    }
+
+    /// The device reached record `generation` of `event`.
+    fn signal(&mut self, event: u64, generation: u64) {
+        if let Some(e) = self.events.get_mut(&event) {
+            e.completed = e.completed.max(generation);
         }
     }
 
@@ -376,16 +375,18 @@ impl State {
 
     /// Gives kept blocks of `pool` back until it holds at most `keep` bytes (or what is live).
     fn trim(&mut self, pool_raw: u64, keep: u64) {
-        let Some(pool) = self.pools.get_mut(&pool_raw) else {
-            return;
-        };
-        while pool.reserved > keep {
+        while let Some(pool) = self.pools.get(&pool_raw)
+            && pool.reserved > keep
+        {
             // A block that queued work still targets stays (unmapping it would let the address
             // go to another allocation that the stale work would then write).
             let free = pool
                 .cached
                 .iter()
-                .rposition(|&(a, m)| !self.queues.values().flatten().any(|w| w.overlaps(a, a + m)));
+                .rposition(|&(a, m)| !self.pending_over(a, a + m, None));
+            let Some(pool) = self.pools.get_mut(&pool_raw) else {
+                break;
+            };
             let Some((ptr, mapped)) = free.map(|i| pool.cached.swap_remove(i)) else {
                 break;
             };
@@ -789,14 +790,27 @@ impl ModelDriver {
         function: Function,
         args: &[u64],
     ) -> Result<(), ModelError> {
+        let kernel = self.state().functions.get(&function.0).map(|&(_, k)| k);
+        // SAFETY: the caller's contract is this call's.
+        unsafe { self.launch_kernel(stream, kernel, args) }
+    }
+
+    /// [`launch`](Self::launch) of `kernel` (`None`: an unknown function handle).
+    ///
+    /// # Safety
+    ///
+    /// As for [`launch`](Self::launch).
+    unsafe fn launch_kernel(
+        &self,
+        stream: &Stream,
+        kernel: Option<Kernel>,
+        args: &[u64],
+    ) -> Result<(), ModelError> {
         let mut state = self.state();
         self.enter(&mut state, Call::Launch, false)?;
         let queue = Self::queue_of(&state, Call::Launch, stream)?;
         Self::check_poison(&state, Call::Launch, stream.context())?;
-        let &(_, kernel) = state
-            .functions
-            .get(&function.0)
-            .ok_or(error(Call::Launch, code::INVALID_HANDLE))?;
+        let kernel = kernel.ok_or(error(Call::Launch, code::INVALID_HANDLE))?;
         if args.len() != kernel.arity() {
             return Err(error(Call::Launch, code::INVALID_VALUE));
         }
@@ -814,7 +828,7 @@ impl ModelDriver {
     }
 
     /// The simulated `fill` kernel over `device_ptr..device_ptr + len` with `byte`, launched on
-    /// `stream` (a module loaded and the function got on the way, as a CUDA program would).
+    /// `stream` (a `cuLaunchKernel` of `fill`, without a module to load first).
     ///
     /// # Safety
     ///
@@ -826,16 +840,9 @@ impl ModelDriver {
         len: usize,
         byte: u8,
     ) -> Result<(), ModelError> {
-        let function = {
-            let mut state = self.state();
-            let handle = state.handle();
-            state.modules.insert(handle);
-            let function = state.handle();
-            state.functions.insert(function, (handle, Kernel::Fill));
-            Function(function)
-        };
+        let args = [device_ptr, len as u64, u64::from(byte)];
         // SAFETY: the caller's contract is `launch`'s.
-        unsafe { self.launch(stream, function, &[device_ptr, len as u64, u64::from(byte)]) }
+        unsafe { self.launch_kernel(stream, Some(Kernel::Fill), &args) }
     }
 
     /// `cuEventCreate`.
@@ -916,15 +923,11 @@ impl ModelDriver {
         self.enter(&mut state, Call::EventSynchronize, false)?;
         loop {
             let e = Self::event(&mut state, Call::EventSynchronize, event)?;
-            let (done, context) = (e.completed >= e.recorded, e.context);
+            let (done, context, queue) = (e.completed >= e.recorded, e.context, e.queue);
             if context != 0 {
                 Self::check_poison(&state, Call::EventSynchronize, context)?;
             }
-            if done {
-                return Ok(());
-            }
-            let e = Self::event(&mut state, Call::EventSynchronize, event)?;
-            let Some(queue) = e.queue else {
+            let Some(queue) = queue.filter(|_| !done) else {
                 return Ok(());
             };
             if !state.run_one(queue) {
@@ -1073,7 +1076,8 @@ unsafe impl DriverApi for ModelDriver {
             .allocations
             .remove(&address)
             .ok_or(error(call, code::INVALID_VALUE))?;
-        if state.pending_over(address, address + record.len, None) {
+        let pending = state.pending_over(address, address + record.len, None);
+        if pending {
             // What is still queued over it finds no memory when it runs (a kernel faults).
             state.stats.frees_over_pending_work += 1;
         }
@@ -1081,7 +1085,7 @@ unsafe impl DriverApi for ModelDriver {
         state.stats.frees += 1;
         state.stats.live_allocations -= 1;
         state.stats.live_bytes -= record.len as u64;
-        if state.pending_over(address, address + record.len, None) {
+        if pending {
             state.quarantine.push((address, record.mapped));
         } else if let Some(p) = core::ptr::NonNull::new(address as *mut u8) {
             // SAFETY: the mapping made for this allocation (taken out of the table just now);
@@ -1162,12 +1166,11 @@ unsafe impl DriverApi for ModelDriver {
         self.enter(&mut state, call, true)?;
         let context = self.current();
         let queue = Self::queue_in(&state, call, context, stream)?;
-        let base = Self::managed(&state, call, ptr, len)?;
+        Self::managed(&state, call, ptr, len)?;
         self.location(call, to)?;
         if matches!(to, Location::Device(_)) && !self.config.concurrent_managed_access {
             return Err(error(call, code::NOT_SUPPORTED));
         }
-        let _ = base;
         let start = ptr as usize;
         state.enqueue(
             queue,
