@@ -107,6 +107,17 @@ fn primary_context_release(device: CUdevice) -> Result<(), CudaCallError> {
     })
 }
 
+/// `cuMemGetInfo_v2`: `(free, total)` bytes of the current context's device.
+pub(crate) fn mem_get_info() -> Result<(u64, u64), CudaCallError> {
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: both are valid out-pointers; a current context is the caller's to provide (the
+    // driver answers an error, not undefined behaviour, without one).
+    check("cuMemGetInfo_v2", unsafe {
+        sys::cuMemGetInfo_v2(&mut free, &mut total)
+    })?;
+    Ok((free as u64, total as u64))
+}
+
 pub(crate) fn push_current(ctx: usize) -> Result<(), CudaCallError> {
     // SAFETY: `ctx` is a live context of this backend (primary or created by it).
     check("cuCtxPushCurrent_v2", unsafe {
@@ -398,6 +409,10 @@ macro_rules! common_driver_api {
 
         fn device_facts(&self, device: DeviceId) -> tensor_wasm_mem_core::DeviceFacts {
             self.devices.facts(device)
+        }
+
+        fn memory_info(&self) -> Result<Option<(u64, u64)>, $error> {
+            Ok(Some(cuda::mem_get_info()?))
         }
 
         fn primary_context(&self, device: DeviceId) -> u64 {

@@ -170,6 +170,14 @@ pub unsafe trait ManagedAllocator: ErrorType {
     /// How many devices this backend can allocate on (ids `0..device_count()`).
     fn device_count(&self) -> u32;
 
+    /// What `device` offers and holds now; `None` for a device this backend does not have. By
+    /// default the capabilities with no memory figures; driver backends ask the driver
+    /// (`cuMemGetInfo` in the device's primary context).
+    fn device_report(&self, device: DeviceId) -> Option<crate::DeviceReport> {
+        (device.0 < self.device_count())
+            .then(|| crate::DeviceReport::from_capabilities(device, &self.capabilities()))
+    }
+
     /// Allocates `bytes` bytes of managed memory attached globally, on `device`.
     fn allocate(&self, device: DeviceId, bytes: usize) -> Result<crate::Allocation, Self::Error>;
 
@@ -205,6 +213,9 @@ macro_rules! forward_allocator {
             }
             fn device_count(&self) -> u32 {
                 T::device_count(self)
+            }
+            fn device_report(&self, device: DeviceId) -> Option<crate::DeviceReport> {
+                T::device_report(self, device)
             }
             fn allocate(&self, device: DeviceId, bytes: usize) -> Result<Allocation, Self::Error> {
                 T::allocate(self, device, bytes)

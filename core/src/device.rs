@@ -185,6 +185,40 @@ impl Capabilities {
     }
 }
 
+/// What one device offers and holds now, as [`ManagedAllocator::device_report`] answers it
+/// (for `twm probe`, placement by free memory, and metrics).
+///
+/// [`ManagedAllocator::device_report`]: crate::ManagedAllocator::device_report
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DeviceReport {
+    /// The device.
+    pub device: DeviceId,
+    /// `CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS` of this device.
+    pub concurrent_managed_access: bool,
+    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS` of this device.
+    pub pageable_memory_access: bool,
+    /// Its memory in bytes (`cuMemGetInfo`'s total), where the backend can say.
+    pub total_bytes: Option<u64>,
+    /// Its free memory in bytes now (`cuMemGetInfo`'s free), where the backend can say.
+    pub free_bytes: Option<u64>,
+}
+
+impl DeviceReport {
+    /// A report from a backend's capabilities alone (memory figures unknown): what
+    /// [`ManagedAllocator::device_report`](crate::ManagedAllocator::device_report) answers by
+    /// default.
+    #[must_use]
+    pub const fn from_capabilities(device: DeviceId, caps: &Capabilities) -> Self {
+        Self {
+            device,
+            concurrent_managed_access: caps.concurrent_managed_access,
+            pageable_memory_access: caps.pageable_memory_access,
+            total_bytes: None,
+            free_bytes: None,
+        }
+    }
+}
+
 /// Parses a [`Location`] from `host`, `device:N` or `N`.
 impl FromStr for Location {
     type Err = ParseNameError;

@@ -211,6 +211,12 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
         false
     }
 
+    /// `(free, total)` bytes of the current context's device (`cuMemGetInfo`); `None` where the
+    /// driver cannot say (the default).
+    fn memory_info(&self) -> Result<Option<(u64, u64)>, Self::Error> {
+        Ok(None)
+    }
+
     /// The primary context of `device`, retained for the life of the driver value.
     fn primary_context(&self, device: DeviceId) -> u64;
 
@@ -566,6 +572,21 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
 
     fn device_count(&self) -> u32 {
         self.driver.device_count()
+    }
+
+    /// The device's own facts, and its memory as `cuMemGetInfo` in its primary context
+    /// answers (figures `None` if the driver cannot say or the call fails).
+    fn device_report(&self, device: DeviceId) -> Option<crate::DeviceReport> {
+        self.check_device(device).ok()?;
+        let facts = self.driver.device_facts(device);
+        let memory = self.in_primary(device, |d| d.memory_info()).ok().flatten();
+        Some(crate::DeviceReport {
+            device,
+            concurrent_managed_access: facts.concurrent_managed_access,
+            pageable_memory_access: facts.pageable_memory_access,
+            total_bytes: memory.map(|(_, total)| total),
+            free_bytes: memory.map(|(free, _)| free),
+        })
     }
 
     fn allocate(&self, device: DeviceId, bytes: usize) -> Result<Allocation, D::Error> {

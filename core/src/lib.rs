@@ -30,7 +30,7 @@ pub mod mocks;
 pub use advisor::Advisor;
 pub use allocator::{Allocation, MIN_ALIGN, ManagedAllocator};
 pub use buffer::{DeviceSlice, UnifiedBuffer};
-pub use device::{Advice, Capabilities, DeviceId, Location, ParseNameError};
+pub use device::{Advice, Capabilities, DeviceId, DeviceReport, Location, ParseNameError};
 pub use driver::{
     CudaCallError, DeviceFacts, DriverApi, DriverBackend, DriverStats, Refusal, cuda_result_kind,
     cuda_result_name, reclaimed_at_drop, unreleased_at_drop,

@@ -148,11 +148,13 @@ pub enum Call {
     EventQuery,
     /// `cuEventDestroy_v2`.
     EventDestroy,
+    /// `cuMemGetInfo_v2`.
+    MemGetInfo,
 }
 
 impl Call {
     /// Every entry point, in declaration order.
-    pub const ALL: [Self; 27] = [
+    pub const ALL: [Self; 28] = [
         Self::CtxPush,
         Self::CtxPop,
         Self::CtxCreate,
@@ -180,6 +182,7 @@ impl Call {
         Self::EventSynchronize,
         Self::EventQuery,
         Self::EventDestroy,
+        Self::MemGetInfo,
     ];
 
     /// The libcuda entry point's name.
@@ -213,6 +216,7 @@ impl Call {
             Self::EventSynchronize => "cuEventSynchronize",
             Self::EventQuery => "cuEventQuery",
             Self::EventDestroy => "cuEventDestroy_v2",
+            Self::MemGetInfo => "cuMemGetInfo_v2",
         }
     }
 
@@ -239,6 +243,29 @@ impl Call {
             Operation::PoolStats => Self::PoolReserved,
             _ => return None,
         })
+    }
+
+    /// Calls that give something back or wait (frees, destroys, pops, synchronises): what a
+    /// device failed with [`ModelDriver::fail_device`] still answers, so a test can check that
+    /// nothing leaks after the failure.
+    #[must_use]
+    pub const fn is_teardown(self) -> bool {
+        matches!(
+            self,
+            Self::CtxPop
+                | Self::CtxDestroy
+                | Self::Free
+                | Self::StreamDestroy
+                | Self::StreamSynchronize
+                | Self::PoolDestroy
+                | Self::PoolFree
+                | Self::PoolTrim
+                | Self::PoolReserved
+                | Self::EventSynchronize
+                | Self::EventQuery
+                | Self::EventDestroy
+                | Self::MemGetInfo
+        )
     }
 
     const fn index(self) -> usize {

@@ -170,6 +170,9 @@ struct State {
     /// goes, so the address cannot be handed to a new allocation that the stale work would then
     /// write (it finds no allocation and faults, as on a GPU).
     quarantine: Vec<(usize, usize)>,
+    /// Per device: the code every call that is not teardown answers there, once the device is
+    /// failed with [`ModelDriver::fail_device`].
+    failed_devices: Vec<Option<u32>>,
     stats: ModelStats,
 }
 
@@ -454,6 +457,7 @@ impl ModelDriver {
         };
         let mut state = State {
             used: vec![0; config.device_count as usize],
+            failed_devices: vec![None; config.device_count as usize],
             ..State::default()
         };
         for device in 0..config.device_count {
@@ -530,6 +534,39 @@ impl ModelDriver {
         });
     }
 
+    /// Fails `device` as a whole: from now on every call there (in a context of that device, or
+    /// creating a context or pool on it) answers `code`, except teardown
+    /// ([`Call::is_teardown`]: frees, destroys, pops, synchronises), until
+    /// [`restore_device`](Self::restore_device). Other devices go on. (A real lost device,
+    /// `CUDA_ERROR_ECC_UNCORRECTABLE` or an Xid, also fails teardown; the model keeps it working
+    /// so tests can prove nothing of the other tenants leaks.) `false` for a device the machine
+    /// does not have.
+    pub fn fail_device(&self, device: DeviceId, code: u32) -> bool {
+        let mut state = self.state();
+        match state.failed_devices.get_mut(device.0 as usize) {
+            Some(slot) => {
+                *slot = Some(code);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Undoes [`fail_device`](Self::fail_device).
+    pub fn restore_device(&self, device: DeviceId) {
+        if let Some(slot) = self.state().failed_devices.get_mut(device.0 as usize) {
+            *slot = None;
+        }
+    }
+
+    /// The code a call of `call` on `device` answers because the device is failed, if it is.
+    fn device_down(state: &State, call: Call, device: u32) -> Result<(), ModelError> {
+        match state.failed_devices.get(device as usize).copied().flatten() {
+            Some(code) if !call.is_teardown() => Err(error(call, code)),
+            _ => Ok(()),
+        }
+    }
+
     /// Removes every pending injected failure and delay.
     pub fn clear_faults(&self) {
         let mut state = self.state();
@@ -568,7 +605,7 @@ impl ModelDriver {
         let current = self.current();
         match state.contexts.get(&current) {
             Some(c) if c.poisoned => Err(error(call, code::ILLEGAL_ADDRESS)),
-            Some(c) => Ok(c.device),
+            Some(c) => Self::device_down(state, call, c.device).map(|()| c.device),
             None => Err(error(call, code::INVALID_CONTEXT)),
         }
     }
@@ -637,7 +674,7 @@ impl ModelDriver {
     fn check_poison(state: &State, call: Call, context: u64) -> Result<(), ModelError> {
         match state.contexts.get(&context) {
             Some(c) if c.poisoned => Err(error(call, code::ILLEGAL_ADDRESS)),
-            Some(_) => Ok(()),
+            Some(c) => Self::device_down(state, call, c.device),
             None => Err(error(call, code::INVALID_CONTEXT)),
         }
     }
@@ -1007,6 +1044,14 @@ unsafe impl DriverApi for ModelDriver {
         !self.config.poison_fresh_allocations
     }
 
+    fn memory_info(&self) -> Result<Option<(u64, u64)>, ModelError> {
+        let mut state = self.state();
+        let device = self.enter(&mut state, Call::MemGetInfo, true)?;
+        let total = self.config.device_memory_bytes;
+        let used = state.used.get(device as usize).copied().unwrap_or(0);
+        Ok(Some((total.saturating_sub(used), total)))
+    }
+
     fn primary_context(&self, device: DeviceId) -> u64 {
         let state = self.state();
         state.primaries.get(device.0 as usize).copied().unwrap_or(0)
@@ -1244,6 +1289,7 @@ unsafe impl DriverApi for ModelDriver {
         if device.0 >= self.config.device_count {
             return Err(error(call, code::INVALID_DEVICE));
         }
+        Self::device_down(&state, call, device.0)?;
         let handle = state.handle();
         state.contexts.insert(
             handle,
@@ -1310,6 +1356,7 @@ unsafe impl DriverApi for ModelDriver {
         if device.0 >= self.config.device_count {
             return Err(error(call, code::INVALID_DEVICE));
         }
+        Self::device_down(&state, call, device.0)?;
         let handle = state.handle();
         state.pools.insert(
             handle,

@@ -65,7 +65,8 @@ pub trait DescribeDriver {
 
 impl DescribeDriver for tensor_wasm_mem_mock::MockBackend {
     fn driver(&self) -> String {
-        "simulated device in host memory (no driver)".into()
+        let n = tensor_wasm_mem_core::ManagedAllocator::device_count(self);
+        format!("simulated machine of {n} device(s) in host memory (no driver)")
     }
 }
 
@@ -94,11 +95,32 @@ impl DescribeDriver for tensor_wasm_mem_cuda_oxide::CudaOxideBackend {
     }
 }
 
+/// The simulated device count a command asks for (`--devices N`): the mock's machine, which a
+/// real driver refuses (it reports its own devices).
+pub fn simulated_devices(
+    kind: BackendKind,
+    devices: Option<u32>,
+) -> Result<u32, crate::run::Failure> {
+    match devices {
+        None => Ok(1),
+        Some(0) => Err(crate::run::Failure::Usage(
+            "--devices needs at least one device".into(),
+        )),
+        #[cfg(feature = "mock")]
+        Some(n) if kind == BackendKind::Mock => Ok(n),
+        Some(_) => Err(crate::run::Failure::Usage(format!(
+            "--devices sets the simulated machine (--backend mock); the {kind} backend reports the \
+             devices the driver has"
+        ))),
+    }
+}
+
 /// Calls `$body` with `$b` bound to an `Arc` of the chosen backend (the body returns
 /// `Result<_, Failure>`), or returns the failure that says why the backend did not start.
+/// `$devices` is the simulated machine's device count ([`simulated_devices`]).
 #[macro_export]
 macro_rules! with_backend {
-    ($kind:expr, |$b:ident| $body:expr) => {
+    ($kind:expr, $devices:expr, |$b:ident| $body:expr) => {
         match $kind {
             #[cfg(feature = "cudarc")]
             $crate::backend::BackendKind::Cudarc => {
@@ -124,7 +146,11 @@ macro_rules! with_backend {
             },
             #[cfg(feature = "mock")]
             $crate::backend::BackendKind::Mock => {
-                let $b = std::sync::Arc::new(tensor_wasm_mem_mock::MockBackend::default());
+                let config = tensor_wasm_mem_mock::MockConfig {
+                    device_count: $devices,
+                    ..tensor_wasm_mem_mock::MockConfig::default()
+                };
+                let $b = std::sync::Arc::new(tensor_wasm_mem_mock::with_config(config));
                 $body
             }
             #[cfg(feature = "cuda-oxide")]

@@ -40,6 +40,16 @@ pub fn format_bytes(bytes: u64) -> String {
     format!("{bytes}B")
 }
 
+/// Formats a byte count in the largest binary unit it reaches, to one decimal (`15.9GiB`).
+pub fn approx_bytes(bytes: u64) -> String {
+    for (shift, unit) in [(30, "GiB"), (20, "MiB"), (10, "KiB")] {
+        if bytes >= 1 << shift {
+            return format!("{:.1}{unit}", bytes as f64 / (1u64 << shift) as f64);
+        }
+    }
+    format!("{bytes}B")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

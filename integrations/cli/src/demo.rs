@@ -1,6 +1,7 @@
-//! `twm demo`: several tenants with caps and isolation levels on pooled managed memory; guests
-//! fill their memory, a host-side "kernel" reads and writes guest data through a device-access
-//! scope (`DeviceAccess`), and the figures are printed.
+//! `twm demo`: several tenants with caps and isolation levels on pooled managed memory, placed
+//! across the devices (`--devices N` simulates N); guests fill their memory, a host-side "kernel"
+//! reads and writes guest data through a device-access scope (`DeviceAccess`), and the figures
+//! are printed, per tenant and per device.
 
 use std::sync::Arc;
 
@@ -10,13 +11,13 @@ use tensor_wasm_mem_core::{
 };
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
 use tensor_wasm_mem_wasmtime::{
-    AccessRange, Backend, ChargeMode, DeviceAccess, ScopeOptions, Tenant, TenantStore,
-    TensorWasmMemoryCreator, add_to_linker, instantiate, new_store,
+    AccessRange, Backend, ChargeMode, DeviceAccess, Placement, PlacementPolicy, ScopeOptions,
+    TenantBudgets, TenantStore, TensorWasmMemoryCreator, add_to_linker, instantiate, new_store,
 };
 
 use crate::backend::BackendKind;
 use crate::bytes::format_bytes;
-use crate::report::stats_table;
+use crate::report::{occupancy_table, stats_table};
 use crate::run::Failure;
 
 const GUEST: &str = r#"(module
@@ -25,8 +26,8 @@ const GUEST: &str = r#"(module
   (memory (export "memory") 1 64)
   ;; Grows towards $pages (past the tenant's cap memory.grow answers -1 and the guest carries on
   ;; with what it has), writes a pattern over all of it, marks it read-mostly and hands it to
-  ;; device 0. Returns the pages it has.
-  (func (export "fill") (param $seed i32) (param $pages i32) (result i32)
+  ;; its device. Returns the pages it has.
+  (func (export "fill") (param $seed i32) (param $pages i32) (param $device i32) (result i32)
     (local $i i32) (local $end i32)
     (drop (memory.grow (i32.sub (local.get $pages) (memory.size))))
     (local.set $end (i32.mul (memory.size) (i32.const 65536)))
@@ -36,7 +37,7 @@ const GUEST: &str = r#"(module
       (local.set $i (i32.add (local.get $i) (i32.const 1)))
       (br $next)))
     (drop (call $advise (i32.const 0) (local.get $end) (i32.const 0) (i32.const -1)))
-    (drop (call $prefetch (i32.const 0) (local.get $end) (i32.const 0)))
+    (drop (call $prefetch (i32.const 0) (local.get $end) (local.get $device)))
     (memory.size))
   (func (export "checksum") (result i32)
     (local $i i32) (local $end i32) (local $acc i32)
@@ -54,7 +55,19 @@ pub struct DemoArgs {
     /// The backend.
     #[arg(long, value_enum, default_value_t = BackendKind::preferred())]
     pub backend: BackendKind,
+    /// Simulate this many devices (`--backend mock` only; default 1) and spread the tenants
+    /// over them, at least one per device.
+    #[arg(long, value_name = "N")]
+    pub devices: Option<u32>,
 }
+
+/// The demo's tenants: name, cap, isolation and the pages its guest asks for, cycled to give
+/// every device at least one.
+const PROFILES: [(&str, u64, IsolationLevel, i32); 3] = [
+    ("alice", 1 << 20, IsolationLevel::StreamIsolated, 12),
+    ("bob", 256 << 10, IsolationLevel::ContextIsolated, 8),
+    ("carol", 4 << 20, IsolationLevel::Shared, 48),
+];
 
 /// The kernel: halves every byte of the slice; returns the sum of the bytes it wrote. It runs
 /// on the host, over the bytes a device-access scope hands out (`host_bytes_mut`): the same
@@ -71,7 +84,11 @@ fn kernel(bytes: &mut [u8]) -> u32 {
 
 pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
     let other = |e: &dyn std::fmt::Display| Failure::Other(e.to_string());
+    let devices = backend.device_count();
+    let placement =
+        Placement::for_backend(&*backend, PlacementPolicy::RoundRobin).map_err(|e| other(&e))?;
     let creator = TensorWasmMemoryCreator::builder(backend)
+        .all_devices()
         .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(64 << 16, 6)]))
         .build()
         .map_err(|e| other(&e))?;
@@ -80,20 +97,24 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
     let mut linker = Linker::new(&engine);
     add_to_linker(&mut linker).map_err(|e| other(&e))?;
 
-    let tenants = [
-        (
-            Tenant::new(1, "alice", 1 << 20, IsolationLevel::StreamIsolated),
-            12,
-        ),
-        (
-            Tenant::new(2, "bob", 256 << 10, IsolationLevel::ContextIsolated),
-            8,
-        ),
-        (Tenant::new(3, "carol", 4 << 20, IsolationLevel::Shared), 48),
-    ];
+    let count = PROFILES.len().max(devices as usize);
+    let mut tenants = Vec::with_capacity(count);
+    for i in 0..count {
+        let (name, cap, isolation, pages) = PROFILES[i % PROFILES.len()];
+        let name = match i / PROFILES.len() {
+            0 => name.to_string(),
+            k => format!("{name}{}", k + 1),
+        };
+        let tenant = placement
+            .admit(i as u64 + 1, name, TenantBudgets::for_cap(cap), isolation)
+            .map_err(|e| other(&e))?;
+        tenants.push((tenant, pages));
+    }
     println!(
-        "twm demo: {} tenants on one engine, memories from a pool of 6 slots of 4MiB",
-        tenants.len()
+        "twm demo: {} tenants on one engine over {devices} device(s) ({} placement), memories \
+         from a pool of 6 slots of 4MiB per device",
+        tenants.len(),
+        placement.policy().name()
     );
     // Each tenant's kernel scratch comes from its own device memory pool, under the same cap as
     // its linear memory.
@@ -109,11 +130,12 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
             0,
             IsolationLevel::Shared,
             tenant.context().key(),
-        );
+        )
+        .on_device(tenant.device());
         match TenantDevicePool::new(
             std::sync::Arc::clone(creator.backend()),
             std::sync::Arc::clone(tenant.context()),
-            DeviceId(0),
+            tenant.device(),
             &pool_config,
         ) {
             Ok(pool) => {
@@ -129,8 +151,17 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
         }
     }
     println!(
-        "\n{:<6} {:<6} {:<17} {:>6} {:>6} {:>7} {:>12} {:>12} {:>7}",
-        "round", "tenant", "isolation", "cap", "asked", "got", "sum before", "sum after", "kernel"
+        "\n{:<6} {:<8} {:>6} {:<17} {:>6} {:>6} {:>7} {:>12} {:>12} {:>7}",
+        "round",
+        "tenant",
+        "device",
+        "isolation",
+        "cap",
+        "asked",
+        "got",
+        "sum before",
+        "sum after",
+        "kernel"
     );
     for round in 1..=2 {
         for (tenant, pages) in &tenants {
@@ -140,13 +171,15 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
             );
             let instance = instantiate(&mut store, &linker, &module).map_err(|e| other(&e))?;
             let fill = instance
-                .get_typed_func::<(i32, i32), i32>(&mut store, "fill")
+                .get_typed_func::<(i32, i32, i32), i32>(&mut store, "fill")
                 .map_err(|e| other(&e))?;
             let checksum = instance
                 .get_typed_func::<(), i32>(&mut store, "checksum")
                 .map_err(|e| other(&e))?;
+            let seed = tenant.context().id().0 as i32;
+            let device = tenant.device().0 as i32;
             let got = fill
-                .call(&mut store, (tenant.context().id().0 as i32, *pages))
+                .call(&mut store, (seed, *pages, device))
                 .map_err(|e| other(&e))?;
             let before = checksum.call(&mut store, ()).map_err(|e| other(&e))?;
             let memory = instance
@@ -179,9 +212,10 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
             // The guest must see exactly the bytes the kernel wrote.
             let ok = after as u32 == written && after != before;
             println!(
-                "{:<6} {:<6} {:<17} {:>6} {:>6} {:>7} {:>12} {:>12} {:>7}",
+                "{:<6} {:<8} {:>6} {:<17} {:>6} {:>6} {:>7} {:>12} {:>12} {:>7}",
                 round,
                 tenant.name(),
+                tenant.device().0,
                 tenant.context().isolation().name(),
                 format_bytes(tenant.context().cap()),
                 format_bytes(*pages as u64 * 65536),
@@ -203,6 +237,7 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
         format_bytes(scratch_bytes as u64),
         stats_table(&stats, &creator)
     );
+    println!("{}", occupancy_table(&placement, &creator));
     drop(scratch);
     let after: Vec<_> = tenants.iter().map(|(t, _)| t.stats()).collect();
     println!(

@@ -24,6 +24,8 @@ struct Cli {
     command: Command,
 }
 
+// `RunArgs` is the largest by far; the command line is parsed once.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Several tenants, pooled memories, a host "kernel" on guest data, and the figures.
@@ -71,6 +73,20 @@ fn negative_numbers_as_values(args: impl Iterator<Item = OsString>) -> Vec<OsStr
     .collect()
 }
 
+/// `twm probe`: describes the backend (which may fail to start).
+fn probe_command(args: &probe::ProbeArgs) -> Result<(), Failure> {
+    let n = backend::simulated_devices(args.backend, args.devices)?;
+    with_backend!(args.backend, n, |b| {
+        probe::probe(
+            args.backend,
+            &*b,
+            &backend::DescribeDriver::driver(&*b),
+            args.json,
+        );
+        Ok::<(), Failure>(())
+    })
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse_from(negative_numbers_as_values(std::env::args_os())) {
         Ok(cli) => cli,
@@ -80,17 +96,11 @@ fn main() -> ExitCode {
         }
     };
     let result = match &cli.command {
-        Command::Demo(args) => with_backend!(args.backend, |b| demo::demo(b)),
-        Command::Run(args) => with_backend!(args.backend, |b| run::run(b, args)),
-        Command::Probe(args) => with_backend!(args.backend, |b| {
-            probe::probe(
-                args.backend,
-                &*b,
-                &backend::DescribeDriver::driver(&*b),
-                args.json,
-            );
-            Ok::<(), Failure>(())
-        }),
+        Command::Demo(args) => backend::simulated_devices(args.backend, args.devices)
+            .and_then(|n| with_backend!(args.backend, n, |b| demo::demo(b))),
+        Command::Run(args) => backend::simulated_devices(args.backend, args.devices)
+            .and_then(|n| with_backend!(args.backend, n, |b| run::run(b, args))),
+        Command::Probe(args) => probe_command(args),
         Command::Bench(args) => bench::bench(args),
     };
     match result {

@@ -1,9 +1,11 @@
 //! `twm probe`: what a backend and its device offer.
 
 use serde_json::json;
+use tensor_wasm_mem_core::DeviceId;
 use tensor_wasm_mem_wasmtime::Backend;
 
 use crate::backend::BackendKind;
+use crate::bytes::format_bytes;
 
 /// `twm probe` arguments.
 #[derive(Debug, clap::Args)]
@@ -14,6 +16,9 @@ pub struct ProbeArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Simulate this many devices (`--backend mock` only; default 1).
+    #[arg(long, value_name = "N")]
+    pub devices: Option<u32>,
 }
 
 /// Describes a backend that started.
@@ -48,16 +53,48 @@ pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out:
         ("comes zeroed", "comes_zeroed", json!(caps.comes_zeroed)),
         ("guard pages", "guard_pages", json!(caps.guard_pages)),
     ];
+    let reports: Vec<_> = (0..backend.device_count())
+        .filter_map(|d| backend.device_report(DeviceId(d)))
+        .collect();
     if json_out {
-        let object: serde_json::Map<String, serde_json::Value> = rows
+        let mut object: serde_json::Map<String, serde_json::Value> = rows
             .iter()
             .map(|(_, key, v)| ((*key).to_string(), v.clone()))
             .collect();
+        let list = reports
+            .iter()
+            .map(|r| {
+                json!({
+                    "device": r.device.0,
+                    "total_bytes": r.total_bytes,
+                    "free_bytes": r.free_bytes,
+                    "concurrent_managed_access": r.concurrent_managed_access,
+                    "pageable_memory_access": r.pageable_memory_access,
+                })
+            })
+            .collect();
+        object.insert("device_list".into(), serde_json::Value::Array(list));
         println!("{}", serde_json::Value::Object(object));
     } else {
         for (label, _, v) in rows {
             let shown = v.as_str().map_or_else(|| v.to_string(), str::to_string);
             println!("{label:<27} {shown}");
+        }
+        let bytes = |b: Option<u64>| b.map_or_else(|| "unknown".to_string(), format_bytes);
+        let yes = |b: bool| if b { "yes" } else { "no" };
+        println!(
+            "\n{:<8} {:>10} {:>10} {:>18} {:>16}",
+            "device", "memory", "free", "concurrent managed", "pageable access"
+        );
+        for r in &reports {
+            println!(
+                "{:<8} {:>10} {:>10} {:>18} {:>16}",
+                r.device.0,
+                bytes(r.total_bytes),
+                bytes(r.free_bytes),
+                yes(r.concurrent_managed_access),
+                yes(r.pageable_memory_access)
+            );
         }
     }
 }

@@ -1,9 +1,12 @@
 //! Stats tables and JSON for tenants and creators.
 
 use serde_json::{Value, json};
-use tensor_wasm_mem_wasmtime::{Backend, CreatorStats, TenantStats, TensorWasmMemoryCreator};
+use tensor_wasm_mem_wasmtime::core::DeviceId;
+use tensor_wasm_mem_wasmtime::{
+    Backend, CreatorStats, Placement, TenantStats, TensorWasmMemoryCreator,
+};
 
-use crate::bytes::format_bytes;
+use crate::bytes::{approx_bytes, format_bytes};
 
 pub fn tenant_json(s: &TenantStats) -> Value {
     json!({
@@ -23,6 +26,7 @@ pub fn tenant_json(s: &TenantStats) -> Value {
         "held_denials": s.held_denials,
         "memory_denials": s.memory_denials,
         "device_pool_bytes": s.device_pool_bytes,
+        "device": s.device.0,
     })
 }
 
@@ -38,13 +42,63 @@ pub fn creator_json(s: &CreatorStats) -> Value {
             "exhaustions": p.exhaustions,
         })
     });
+    let devices: Vec<Value> = s
+        .devices
+        .iter()
+        .map(|d| {
+            json!({
+                "device": d.device.0,
+                "live_memories": d.live_memories,
+                "pool_in_use": d.pool.as_ref().map(|p| p.in_use()),
+            })
+        })
+        .collect();
     json!({
         "live_memories": s.live_memories,
         "created": s.created,
         "dropped": s.dropped,
         "refused": s.refused,
         "pool": pool,
+        "devices": devices,
     })
+}
+
+/// One line per device: the tenants placed there and what they committed, hold and touched,
+/// the creator's memories and pool slots there, and the device's free memory.
+pub fn occupancy_table<B: Backend>(
+    placement: &Placement,
+    creator: &TensorWasmMemoryCreator<B>,
+) -> String {
+    let mut out = format!(
+        "{:<7} {:>8} {:>10} {:>10} {:>10} {:>9} {:>11} {:>10}\n",
+        "device", "tenants", "committed", "held", "touched", "memories", "pool slots", "free"
+    );
+    let creator_stats = creator.stats();
+    for d in placement.devices() {
+        let on = creator_stats.devices.iter().find(|c| c.device == d.device);
+        let memories = on.map_or(0, |c| c.live_memories);
+        let slots = on.and_then(|c| c.pool.as_ref()).map_or_else(
+            || "-".into(),
+            |p| format!("{}/{}", p.in_use(), p.in_use() + p.free()),
+        );
+        let free = creator
+            .backend()
+            .device_report(DeviceId(d.device.0))
+            .and_then(|r| r.free_bytes)
+            .map_or_else(|| "unknown".into(), approx_bytes);
+        out += &format!(
+            "{:<7} {:>8} {:>10} {:>10} {:>10} {:>9} {:>11} {:>10}\n",
+            d.device.0,
+            d.tenants,
+            format_bytes(d.committed_bytes),
+            format_bytes(d.held_bytes),
+            format_bytes(d.touched_bytes),
+            memories,
+            slots,
+            free
+        );
+    }
+    out
 }
 
 /// The per-tenant table and the creator / pool line.
@@ -53,9 +107,10 @@ pub fn stats_table<B: Backend>(
     creator: &TensorWasmMemoryCreator<B>,
 ) -> String {
     let mut out = format!(
-        "{:<10} {:<17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
+        "{:<10} {:<17} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
         "tenant",
         "isolation",
+        "device",
         "cap",
         "live",
         "peak",
@@ -74,9 +129,10 @@ pub fn stats_table<B: Backend>(
     };
     for s in tenants {
         out += &format!(
-            "{:<10} {:<17} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
+            "{:<10} {:<17} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}\n",
             s.name,
             s.isolation.name(),
+            s.device.0,
             limit(s.cap),
             format_bytes(s.live_bytes),
             format_bytes(s.peak_bytes),

@@ -65,6 +65,17 @@ pub struct RunArgs {
     /// Print the stats table to stderr.
     #[arg(long)]
     pub stats: bool,
+    /// At exit, print the layer's metrics in the Prometheus text format (to stdout after the
+    /// results; with --json, as the object's "metrics" string). Every metric is listed in
+    /// docs/SCALING.md.
+    #[arg(long)]
+    pub metrics: bool,
+    /// The device the tenant is placed on (its memories, pool slots and stream).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub device: u32,
+    /// Simulate this many devices (`--backend mock` only; default 1).
+    #[arg(long, value_name = "N")]
+    pub devices: Option<u32>,
     /// Print one JSON object instead of plain results.
     #[arg(long)]
     pub json: bool,
@@ -289,7 +300,18 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
     }
     let bytes = std::fs::read(&args.file)
         .map_err(|e| Failure::Other(format!("cannot read {}: {e}", args.file.display())))?;
-    let mut builder = TensorWasmMemoryCreator::builder(backend).limits(limits);
+    let count = backend.device_count();
+    if args.device >= count {
+        return Err(Failure::Usage(format!(
+            "--device {}: the {} backend has {count} device(s) (0 to {})",
+            args.device,
+            args.backend,
+            count - 1
+        )));
+    }
+    let mut builder = TensorWasmMemoryCreator::builder(backend)
+        .limits(limits)
+        .all_devices();
     if let Some(slots) = args.pool {
         if slots == 0 {
             return Err(Failure::Usage("--pool needs at least one slot".into()));
@@ -325,7 +347,8 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
     if let Some(memories) = args.tenant_memories {
         budgets.memories = memories;
     }
-    let tenant = Tenant::with_budgets(1, "cli", budgets, args.isolation);
+    let tenant = Tenant::with_devices(1, "cli", budgets, args.isolation, &[DeviceId(args.device)])
+        .map_err(|e| Failure::Other(e.to_string()))?;
 
     let mut runs = Vec::new();
     let mut outcome = Ok(());
@@ -355,6 +378,10 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
             stats_table(&[tenant.stats()], &creator)
         );
     }
+    let metrics = args.metrics.then(|| prometheus_text(&tenant, &creator));
+    if let Some(text) = metrics.as_ref().filter(|_| !args.json) {
+        out(text.trim_end())?;
+    }
     if args.json {
         let error = outcome
             .as_ref()
@@ -367,10 +394,24 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
             "error": error,
             "tenant": tenant_json(&tenant.stats()),
             "creator": creator_json(&creator.stats()),
+            "metrics": metrics,
         });
         out(&report.to_string())?;
     }
     outcome
+}
+
+/// The tenant's and the creator's figures, published through the `metrics` facade to a
+/// Prometheus recorder of this call's own (no global recorder is installed), rendered as text.
+fn prometheus_text<B: Backend>(tenant: &Tenant, creator: &TensorWasmMemoryCreator<B>) -> String {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        tensor_wasm_mem_wasmtime::metrics::describe();
+        tensor_wasm_mem_wasmtime::metrics::record_tenant(tenant);
+        tensor_wasm_mem_wasmtime::metrics::record_creator(creator);
+    });
+    handle.render()
 }
 
 /// The exported function `name` of type `[] -> []` (`_start`, `_initialize`), if exported; an

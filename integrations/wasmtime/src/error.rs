@@ -1,6 +1,6 @@
 //! The integration's error.
 
-use tensor_wasm_mem_core::{Denied, ErrorKind, PlanError, PoolError, RangeError};
+use tensor_wasm_mem_core::{Denied, DeviceId, ErrorKind, PlanError, PoolError, RangeError};
 
 /// Everything the Wasmtime integration can refuse or fail with.
 ///
@@ -110,6 +110,43 @@ pub enum TwmError {
     /// A memory of another Store than the one given.
     #[error("this memory belongs to another Store than the one given")]
     ForeignMemory,
+    /// A device the backend does not have.
+    #[error("{device} does not exist: the backend has {count} device(s)")]
+    UnknownDevice {
+        /// The device named.
+        device: DeviceId,
+        /// Devices the backend has.
+        count: u32,
+    },
+    /// A device set that is empty or names a device twice.
+    #[error("invalid device set: {0}")]
+    Devices(&'static str),
+    /// A tenant's home device is not one this creator serves.
+    #[error("{tenant_name:?} is on {device}, which this creator does not serve")]
+    DeviceNotServed {
+        /// The tenant's name.
+        tenant_name: String,
+        /// Its home device.
+        device: DeviceId,
+    },
+    /// No device can take a new tenant: every device is full (its committed caps plus this one
+    /// would pass its capacity) or unavailable.
+    #[error(
+        "no device can take tenant {tenant_name:?} with a cap of {cap} bytes: {available} of \
+         {devices} device(s) take tenants, the most room left on one is {largest_room} bytes"
+    )]
+    Unplaceable {
+        /// The tenant's name.
+        tenant_name: String,
+        /// The cap (touched budget) it asked for.
+        cap: u64,
+        /// Devices the placement knows.
+        devices: u32,
+        /// Of them, those taking tenants (not marked unavailable).
+        available: u32,
+        /// The most capacity left on one available device.
+        largest_room: u64,
+    },
 }
 
 /// Refuses the memory types no creator of ours serves: shared memories and page sizes other
@@ -146,6 +183,10 @@ impl TwmError {
             | Self::ForeignMemory => ErrorKind::InvalidArgument,
             Self::CustomPageSize { .. } => ErrorKind::Unsupported,
             Self::NotOurMemory | Self::NotDeviceAccessible => ErrorKind::Unsupported,
+            Self::UnknownDevice { .. } | Self::Devices(_) | Self::DeviceNotServed { .. } => {
+                ErrorKind::InvalidArgument
+            }
+            Self::Unplaceable { .. } => ErrorKind::LimitExceeded,
         }
     }
 

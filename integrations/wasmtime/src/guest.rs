@@ -19,7 +19,7 @@
 //! | `-1` | [`TWM_ERR_OUT_OF_RANGE`] | the range ends past the memory's current size |
 //! | `-2` | [`TWM_ERR_OVERFLOW`] | `ptr + len` wraps the 32-bit address space |
 //! | `-3` | [`TWM_ERR_UNKNOWN_ADVICE`] | no such advice code |
-//! | `-4` | [`TWM_ERR_UNKNOWN_DEVICE`] | a location below `-1`, or a device that does not exist |
+//! | `-4` | [`TWM_ERR_UNKNOWN_DEVICE`] | a location below `-1`, a device that does not exist, or one the tenant is not bound to ([`Tenant::devices`]) |
 //! | `-5` | [`TWM_ERR_BACKEND`] | the backend (driver) failed |
 //! | `-6` | [`TWM_ERR_NOT_DEVICE_MEMORY`] | no exported `memory`, or one that is not device-visible |
 //!
@@ -29,7 +29,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use tensor_wasm_mem_core::{
-    Advice, ErrorKind, IsolationLevel, Location, ManagedAllocator, StreamLease, TenantKey,
+    Advice, DeviceId, ErrorKind, IsolationLevel, Location, ManagedAllocator, StreamLease, TenantKey,
 };
 use wasmtime::{Caller, Extern, Linker};
 
@@ -60,6 +60,8 @@ pub struct GuestContext<B: Backend> {
     creator: TensorWasmMemoryCreator<B>,
     tenant: TenantKey,
     isolation: IsolationLevel,
+    /// The tenant's devices, its home first (where the stream is made).
+    devices: Vec<DeviceId>,
     stream: Option<StreamLease<Arc<B>>>,
     /// The Store's shared charge, which its memories keep: the stream is recorded there while
     /// it lives, so a memory that goes first waits for it.
@@ -86,6 +88,7 @@ impl<B: Backend> GuestContext<B> {
             creator,
             tenant: tenant.context().key(),
             isolation: tenant.context().isolation(),
+            devices: tenant.devices().to_vec(),
             stream: None,
             store: None,
             calls: 0,
@@ -120,15 +123,21 @@ impl<B: Backend> GuestContext<B> {
         self.store.as_ref()
     }
 
+    /// The tenant's home device (where its memories and its stream are).
+    #[must_use]
+    pub fn device(&self) -> DeviceId {
+        self.devices[0]
+    }
+
     /// The instance's stream, acquired on first use at the tenant's isolation level, on the
-    /// creator's device (where its memories are).
+    /// tenant's home device (where its memories are).
     pub fn stream(&mut self) -> Result<&StreamLease<Arc<B>>, B::Error> {
         if self.stream.is_none() {
             let lease = StreamLease::acquire_on(
                 Arc::clone(self.creator.backend()),
                 self.tenant,
                 self.isolation,
-                self.creator.device(),
+                self.device(),
             )?;
             if let Some(store) = &self.store {
                 store.add_stream(StreamId::of(lease.stream()));
@@ -260,9 +269,10 @@ fn code_for(error: &TwmError) -> i32 {
     }
 }
 
-/// Decodes and checks `ptr`/`len` (unsigned 32-bit) and `location`.
+/// Decodes and checks `ptr`/`len` (unsigned 32-bit) and `location`: the host, or a device the
+/// backend has and the tenant is bound to.
 fn guest_args<B: Backend>(
-    creator: &TensorWasmMemoryCreator<B>,
+    context: &GuestContext<B>,
     ptr: i32,
     len: i32,
     location: i32,
@@ -273,7 +283,7 @@ fn guest_args<B: Backend>(
     }
     let location = Location::from_guest_code(location).ok_or(TWM_ERR_UNKNOWN_DEVICE)?;
     if let Location::Device(d) = location
-        && d.0 >= creator.backend().device_count()
+        && (d.0 >= context.creator.backend().device_count() || !context.devices.contains(&d))
     {
         return Err(TWM_ERR_UNKNOWN_DEVICE);
     }
@@ -294,8 +304,9 @@ fn advise_call<B: Backend, T: HasGuestContext<B>>(
     advice: i32,
     location: i32,
 ) -> Result<(), i32> {
-    let creator = caller.data_mut().guest_context().creator.clone();
-    let (offset, len, location) = guest_args(&creator, ptr, len, location)?;
+    let context = caller.data_mut().guest_context();
+    let (offset, len, location) = guest_args(context, ptr, len, location)?;
+    let creator = context.creator.clone();
     let advice = Advice::from_guest_code(advice, location).ok_or(TWM_ERR_UNKNOWN_ADVICE)?;
     let memory = guest_memory(caller)?;
     creator
@@ -309,8 +320,9 @@ fn prefetch_call<B: Backend, T: HasGuestContext<B>>(
     len: i32,
     location: i32,
 ) -> Result<(), i32> {
-    let creator = caller.data_mut().guest_context().creator.clone();
-    let (offset, len, location) = guest_args(&creator, ptr, len, location)?;
+    let context = caller.data_mut().guest_context();
+    let (offset, len, location) = guest_args(context, ptr, len, location)?;
+    let creator = context.creator.clone();
     let memory = guest_memory(caller)?;
     let view = MemoryView::of(&*caller, &memory).map_err(|e| code_for(&e))?;
     // Check the range before acquiring a stream, so a bad call creates nothing.

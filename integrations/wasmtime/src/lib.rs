@@ -7,6 +7,9 @@ mod error;
 mod guarded;
 mod guest;
 mod memory;
+#[cfg(feature = "metrics")]
+pub mod metrics;
+mod placement;
 mod scope;
 mod tenancy;
 #[cfg(feature = "wasi")]
@@ -24,8 +27,10 @@ pub use guest::{
     TenantStore, add_to_linker,
 };
 pub use memory::{
-    CreatorBuilder, CreatorStats, GuestSlice, TensorWasmLinearMemory, TensorWasmMemoryCreator,
+    CreatorBuilder, CreatorDeviceStats, CreatorStats, GuestSlice, TensorWasmLinearMemory,
+    TensorWasmMemoryCreator,
 };
+pub use placement::{DevicePlacement, Placement, PlacementPolicy};
 pub use scope::{Access, AccessRange, DeviceAccess, ScopeOptions, ScopedSlice};
 pub use tenancy::{
     ChargeMode, HasTenantLimiter, LimiterStats, TABLE_ELEMENT_BYTES, Tenant, TenantLimiter,

@@ -161,6 +161,11 @@ impl<B: Backend> ScopedMemory<B> {
     pub(crate) fn backend(&self) -> Arc<B> {
         Arc::clone(self.buffer().allocator())
     }
+
+    /// The device the memory is on.
+    pub(crate) fn device(&self) -> DeviceId {
+        self.buffer().device()
+    }
 }
 
 /// Everything a memory holds charged to its tenant.
@@ -177,9 +182,11 @@ struct MemoryCharges {
 
 struct CreatorInner<B: Backend> {
     backend: Arc<B>,
-    device: DeviceId,
+    /// The devices served, the default (for memories of no tenant) first.
+    devices: Vec<DeviceId>,
     limits: PlanLimits,
-    pool: Option<Arc<SlotPool<Arc<B>>>>,
+    /// A pool per served device, in the same order (empty: fresh allocations).
+    pools: Vec<Arc<SlotPool<Arc<B>>>>,
     tenant: Option<(Arc<Tenant>, ChargeMode)>,
     /// Live memories by base address.
     registry: Mutex<HashMap<usize, Arc<MemoryShared<B>>>>,
@@ -205,14 +212,27 @@ pub struct CreatorStats {
     pub dropped: u64,
     /// Memories refused (plan, cap, guard, pool or backend).
     pub refused: u64,
-    /// The pool's figures, when memories come from a pool.
+    /// The default device's pool's figures, when memories come from pools.
+    pub pool: Option<PoolStats>,
+    /// Each served device's figures, in the order served.
+    pub devices: Vec<CreatorDeviceStats>,
+}
+
+/// A creator's figures on one device it serves.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CreatorDeviceStats {
+    /// The device.
+    pub device: DeviceId,
+    /// Memories alive on it now.
+    pub live_memories: u64,
+    /// Its pool's figures, when memories come from pools.
     pub pool: Option<PoolStats>,
 }
 
 /// Builds a [`TensorWasmMemoryCreator`].
 pub struct CreatorBuilder<B: Backend> {
     backend: Arc<B>,
-    device: DeviceId,
+    devices: Vec<DeviceId>,
     limits: PlanLimits,
     pool: Option<PoolConfig>,
     tenant: Option<(Arc<Tenant>, ChargeMode)>,
@@ -221,7 +241,7 @@ pub struct CreatorBuilder<B: Backend> {
 impl<B: Backend> fmt::Debug for CreatorBuilder<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CreatorBuilder")
-            .field("device", &self.device)
+            .field("devices", &self.devices)
             .field("limits", &self.limits)
             .field("pool", &self.pool)
             .finish_non_exhaustive()
@@ -229,11 +249,29 @@ impl<B: Backend> fmt::Debug for CreatorBuilder<B> {
 }
 
 impl<B: Backend> CreatorBuilder<B> {
-    /// Allocate on `device` (default device 0).
+    /// Serve `device` only (default device 0).
     #[must_use]
     pub fn device(mut self, device: DeviceId) -> Self {
-        self.device = device;
+        self.devices = vec![device];
         self
+    }
+
+    /// Serve every device of `devices`: a memory is made on its tenant's home device
+    /// ([`Tenant::device`]), which must be one of them ([`TwmError::DeviceNotServed`]
+    /// otherwise); a memory of no tenant (a Store without a limiter) on the first. With a pool,
+    /// each device gets its own. An empty set, or one naming a device twice, is refused by
+    /// [`build`](Self::build).
+    #[must_use]
+    pub fn devices(mut self, devices: &[DeviceId]) -> Self {
+        self.devices = devices.to_vec();
+        self
+    }
+
+    /// Serve every device of the backend (see [`devices`](Self::devices)).
+    #[must_use]
+    pub fn all_devices(self) -> Self {
+        let all: Vec<DeviceId> = (0..self.backend.device_count()).map(DeviceId).collect();
+        self.devices(&all)
     }
 
     /// Plan memories under `limits` (default: [`PlanLimits::default`], 256 MiB per memory).
@@ -243,8 +281,8 @@ impl<B: Backend> CreatorBuilder<B> {
         self
     }
 
-    /// Take memories from a slot pool carved as `config` says (its device is used for the slab),
-    /// instead of a fresh allocation each.
+    /// Take memories from slot pools carved as `config` says, one per served device (its slab
+    /// on that device: `config.device` is replaced), instead of a fresh allocation each.
     #[must_use]
     pub fn pool(mut self, config: PoolConfig) -> Self {
         self.pool = Some(config);
@@ -259,20 +297,32 @@ impl<B: Backend> CreatorBuilder<B> {
         self
     }
 
-    /// Builds the creator (allocating the pool's slab, if any).
+    /// Builds the creator (allocating the pools' slabs, if any). A device the backend does not
+    /// have is [`TwmError::UnknownDevice`].
     pub fn build(self) -> Result<TensorWasmMemoryCreator<B>, TwmError> {
-        let pool = match self.pool {
-            Some(config) => Some(Arc::new(
-                SlotPool::new(Arc::clone(&self.backend), config).map_err(TwmError::from_core)?,
-            )),
-            None => None,
-        };
+        crate::placement::check_device_set(&self.devices)?;
+        let count = self.backend.device_count();
+        if let Some(&device) = self.devices.iter().find(|d| d.0 >= count) {
+            return Err(TwmError::UnknownDevice { device, count });
+        }
+        let mut pools = Vec::new();
+        if let Some(config) = self.pool {
+            for &device in &self.devices {
+                let config = PoolConfig {
+                    device,
+                    ..config.clone()
+                };
+                let pool = SlotPool::new(Arc::clone(&self.backend), config)
+                    .map_err(TwmError::from_core)?;
+                pools.push(Arc::new(pool));
+            }
+        }
         Ok(TensorWasmMemoryCreator {
             inner: Arc::new(CreatorInner {
                 backend: self.backend,
-                device: self.device,
+                devices: self.devices,
                 limits: self.limits,
-                pool,
+                pools,
                 tenant: self.tenant,
                 registry: Mutex::new(HashMap::new()),
                 created: AtomicU64::new(0),
@@ -318,9 +368,9 @@ impl<B: Backend> Clone for TensorWasmMemoryCreator<B> {
 impl<B: Backend> fmt::Debug for TensorWasmMemoryCreator<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TensorWasmMemoryCreator")
-            .field("device", &self.inner.device)
+            .field("devices", &self.inner.devices)
             .field("limits", &self.inner.limits)
-            .field("pooled", &self.inner.pool.is_some())
+            .field("pooled", &!self.inner.pools.is_empty())
             .field("stats", &self.stats())
             .finish_non_exhaustive()
     }
@@ -331,7 +381,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     pub fn builder(backend: Arc<B>) -> CreatorBuilder<B> {
         CreatorBuilder {
             backend,
-            device: DeviceId(0),
+            devices: vec![DeviceId(0)],
             limits: PlanLimits::default(),
             pool: None,
             tenant: None,
@@ -356,10 +406,17 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         self.inner.limits
     }
 
-    /// The pool, if memories come from one.
+    /// The default device's pool, if memories come from pools.
     #[must_use]
     pub fn pool(&self) -> Option<&Arc<SlotPool<Arc<B>>>> {
-        self.inner.pool.as_ref()
+        self.inner.pools.first()
+    }
+
+    /// The pool of `device`, if memories come from pools and the creator serves it.
+    #[must_use]
+    pub fn pool_on(&self, device: DeviceId) -> Option<&Arc<SlotPool<Arc<B>>>> {
+        let i = self.inner.devices.iter().position(|d| *d == device)?;
+        self.inner.pools.get(i)
     }
 
     /// Makes `config` safe for this backend ([`configure`]) and installs this creator in it.
@@ -384,14 +441,46 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             created,
             dropped,
             refused: self.inner.refused.load(Ordering::Acquire),
-            pool: self.inner.pool.as_ref().map(|p| p.stats()),
+            pool: self.inner.pools.first().map(|p| p.stats()),
+            devices: self.device_stats(),
         }
     }
 
-    /// The device every memory of this creator is on.
+    fn device_stats(&self) -> Vec<CreatorDeviceStats> {
+        let mut live = vec![0u64; self.inner.devices.len()];
+        for shared in self.inner.registry().values() {
+            let device = shared
+                .buffer
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .device();
+            if let Some(i) = self.inner.devices.iter().position(|d| *d == device) {
+                live[i] += 1;
+            }
+        }
+        self.inner
+            .devices
+            .iter()
+            .zip(live)
+            .enumerate()
+            .map(|(i, (&device, live_memories))| CreatorDeviceStats {
+                device,
+                live_memories,
+                pool: self.inner.pools.get(i).map(|p| p.stats()),
+            })
+            .collect()
+    }
+
+    /// The default device: where memories of no tenant are made (the first served).
     #[must_use]
     pub fn device(&self) -> DeviceId {
-        self.inner.device
+        self.inner.devices[0]
+    }
+
+    /// Every device this creator serves, the default first.
+    #[must_use]
+    pub fn devices(&self) -> &[DeviceId] {
+        &self.inner.devices
     }
 
     /// The live memory at `view`'s base, if this creator made it (any other is `NotOurMemory`).
@@ -554,7 +643,27 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         // A zero-capacity memory still gets a real (one page) allocation: the base pointer of a
         // linear memory must be non-null and unique.
         let allocate = capacity.max(1);
-        let held = match &self.inner.pool {
+        // The tenant's home device (it must be served), or the default for no tenant.
+        let tenant = match (creation, &self.inner.tenant) {
+            (Some(creation), _) => Some(creation.store.tenant()),
+            (None, Some((tenant, _))) => Some(tenant),
+            (None, None) => None,
+        };
+        let slot = match tenant {
+            Some(tenant) => self
+                .inner
+                .devices
+                .iter()
+                .position(|d| *d == tenant.device())
+                .ok_or_else(|| TwmError::DeviceNotServed {
+                    tenant_name: tenant.name().to_string(),
+                    device: tenant.device(),
+                })?,
+            None => 0,
+        };
+        let device = self.inner.devices[slot];
+        let pool = self.inner.pools.get(slot);
+        let held = match pool {
             Some(pool) => pool.slot_size_for(allocate).unwrap_or(allocate),
             None => allocate,
         } as u64;
@@ -598,19 +707,15 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         let _span = tracing::debug_span!(
             "twm.memory.create",
             isolation = level,
+            device = device.0,
             initial,
             capacity,
             held
         )
         .entered();
-        let buffer = match &self.inner.pool {
+        let buffer = match pool {
             Some(pool) => pool.acquire(allocate, initial),
-            None => UnifiedBuffer::new(
-                Arc::clone(&self.inner.backend),
-                self.inner.device,
-                allocate,
-                initial,
-            ),
+            None => UnifiedBuffer::new(Arc::clone(&self.inner.backend), device, allocate, initial),
         }
         .map_err(TwmError::from_core)?;
         let base = buffer.as_ptr() as usize;

@@ -233,7 +233,7 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
         }
         let lease = guest.stream().map_err(TwmError::backend)?;
         let stream = StreamId::of(lease.stream()).handle();
-        let device = creator.device();
+        let device = scoped.device();
         let mut scope = Self {
             _store: PhantomData,
             memory: scoped,

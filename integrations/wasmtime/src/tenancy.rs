@@ -45,8 +45,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tensor_wasm_mem_core::{
-    Denied, IsolationLevel, MemoryPlan, PlanLimits, Purpose, Reservation, Stream, TenantBudgets,
-    TenantContext, TenantId, TenantKey,
+    Denied, DeviceId, IsolationLevel, MemoryPlan, PlanLimits, Purpose, Reservation, Stream,
+    TenantBudgets, TenantContext, TenantId, TenantKey,
 };
 use wasmtime::{AsContextMut, Instance, Linker, Module, ResourceLimiter, Store};
 
@@ -67,12 +67,23 @@ pub enum ChargeMode {
     Capacity,
 }
 
-/// A tenant: its ledger ([`TenantContext`]), a name for errors and reports, and memory counts.
+/// A tenant: its ledger ([`TenantContext`]), a name for errors and reports, memory counts, and
+/// the devices it is bound to.
+///
+/// A tenant is bound to one device or a set of them (device 0 unless made with
+/// [`with_devices`](Self::with_devices) or placed by a [`Placement`](crate::Placement)): its
+/// memories, pool slots and guest stream are on its home device ([`device`](Self::device), the
+/// first of the set), and its guests may prefetch to or advise any device of the set
+/// ([`may_use`](Self::may_use)), and no other.
 #[derive(Debug)]
 pub struct Tenant {
     context: Arc<TenantContext>,
     name: String,
     memories_created: AtomicU64,
+    devices: Vec<DeviceId>,
+    /// What a [`Placement`](crate::Placement) committed for this tenant on its device, given
+    /// back when the tenant goes.
+    _placed: Option<crate::placement::PlacementCharge>,
 }
 
 /// A snapshot of a tenant's figures.
@@ -110,6 +121,8 @@ pub struct TenantStats {
     pub memory_denials: u64,
     /// Of `live_bytes`, the bytes in the tenant's device memory pools.
     pub device_pool_bytes: u64,
+    /// Its home device (where its memories, pool slots and stream are).
+    pub device: DeviceId,
 }
 
 impl Tenant {
@@ -124,22 +137,81 @@ impl Tenant {
         Self::with_budgets(id, name, TenantBudgets::for_cap(cap_bytes), isolation)
     }
 
-    /// A tenant with `budgets` at an isolation level.
+    /// A tenant with `budgets` at an isolation level, on device 0.
     pub fn with_budgets(
         id: u64,
         name: impl Into<String>,
         budgets: TenantBudgets,
         isolation: IsolationLevel,
     ) -> Arc<Self> {
-        Arc::new(Self {
+        Arc::new(Self::make(
+            id,
+            name.into(),
+            budgets,
+            isolation,
+            vec![DeviceId(0)],
+            None,
+        ))
+    }
+
+    /// A tenant with `budgets` at an isolation level, bound to `devices`: the first is its home
+    /// (memories, pool slots, stream), all of them may be prefetched to and advised. An empty
+    /// set, or a device named twice, is [`TwmError::Devices`].
+    pub fn with_devices(
+        id: u64,
+        name: impl Into<String>,
+        budgets: TenantBudgets,
+        isolation: IsolationLevel,
+        devices: &[DeviceId],
+    ) -> Result<Arc<Self>, TwmError> {
+        crate::placement::check_device_set(devices)?;
+        Ok(Arc::new(Self::make(
+            id,
+            name.into(),
+            budgets,
+            isolation,
+            devices.to_vec(),
+            None,
+        )))
+    }
+
+    pub(crate) fn make(
+        id: u64,
+        name: String,
+        budgets: TenantBudgets,
+        isolation: IsolationLevel,
+        devices: Vec<DeviceId>,
+        placed: Option<crate::placement::PlacementCharge>,
+    ) -> Self {
+        Self {
             context: Arc::new(TenantContext::with_budgets(
                 TenantId(id),
                 budgets,
                 isolation,
             )),
-            name: name.into(),
+            name,
             memories_created: AtomicU64::new(0),
-        })
+            devices,
+            _placed: placed,
+        }
+    }
+
+    /// Its home device: where its memories, pool slots and guest stream are.
+    #[must_use]
+    pub fn device(&self) -> DeviceId {
+        self.devices[0]
+    }
+
+    /// Every device it is bound to (its home first).
+    #[must_use]
+    pub fn devices(&self) -> &[DeviceId] {
+        &self.devices
+    }
+
+    /// Whether its guests may prefetch to or advise `device`.
+    #[must_use]
+    pub fn may_use(&self, device: DeviceId) -> bool {
+        self.devices.contains(&device)
     }
 
     /// The ledger.
@@ -175,6 +247,7 @@ impl Tenant {
             held_denials: ledger.held_denials,
             memory_denials: ledger.memory_denials,
             device_pool_bytes: ledger.device_pool_bytes,
+            device: self.device(),
         }
     }
 
@@ -240,6 +313,7 @@ pub(crate) struct StreamId {
     context: u64,
     level: IsolationLevel,
     tenant: TenantKey,
+    device: DeviceId,
 }
 
 impl StreamId {
@@ -249,12 +323,13 @@ impl StreamId {
             context: stream.context(),
             level: stream.level(),
             tenant: stream.tenant_key(),
+            device: stream.device(),
         }
     }
 
     /// A handle to the same stream, for a wait (the backend refuses it if the stream is gone).
     pub(crate) fn handle(self) -> Stream {
-        Stream::new(self.raw, self.context, self.level, self.tenant)
+        Stream::new(self.raw, self.context, self.level, self.tenant).on_device(self.device)
     }
 }
 

@@ -1,0 +1,223 @@
+//! The figures the memory layer keeps, exported through the [`metrics`] facade (feature
+//! `metrics`): gauges and counters with `tenant`, `device` and `isolation` labels, named as
+//! Prometheus names them (`twm_` prefix, `_bytes` for sizes, `_total` for counters), so an
+//! embedder plugs in any exporter (`metrics-exporter-prometheus`, OpenTelemetry, statsd...).
+//!
+//! The layer keeps its figures itself (cheap atomics on every path); these functions publish a
+//! snapshot of them, at whatever rate the embedder likes (a scrape, a timer, process exit). A
+//! counter is published with [`metrics::Counter::absolute`], so publishing twice never counts
+//! twice. [`describe`] registers help text and units once.
+//!
+//! | Metric | Kind | Labels | What |
+//! |---|---|---|---|
+//! | `twm_tenant_cap_bytes` | gauge | tenant, device, isolation | the touched budget |
+//! | `twm_tenant_touched_bytes` | gauge | tenant, device, isolation | touched bytes charged now |
+//! | `twm_tenant_touched_peak_bytes` | gauge | tenant, device, isolation | the most touched at once |
+//! | `twm_tenant_held_limit_bytes` | gauge | tenant, device, isolation | the held budget |
+//! | `twm_tenant_held_bytes` | gauge | tenant, device, isolation | capacity held now (slots, allocations, tables, device pools) |
+//! | `twm_tenant_held_peak_bytes` | gauge | tenant, device, isolation | the most capacity held at once |
+//! | `twm_tenant_device_pool_bytes` | gauge | tenant, device, isolation | of the touched bytes, those in device pools |
+//! | `twm_tenant_live_memories` | gauge | tenant, device, isolation | memories alive now |
+//! | `twm_tenant_memories_created_total` | counter | tenant, device, isolation | memories ever charged |
+//! | `twm_tenant_denials_total` | counter | tenant, device, isolation, budget | requests refused, by budget (`touched`, `held`, `memories`) |
+//! | `twm_creator_live_memories` | gauge | device | memories alive on the device |
+//! | `twm_creator_memories_created_total` | counter | - | memories ever made |
+//! | `twm_creator_memories_refused_total` | counter | - | memories refused (plan, cap, guard, pool, backend) |
+//! | `twm_pool_slots` | gauge | device | slots of the device's pool |
+//! | `twm_pool_slots_in_use` | gauge | device | of them, in use |
+//! | `twm_pool_exhaustions_total` | counter | device | acquisitions refused for want of a slot |
+//! | `twm_pool_scrub_failures_total` | counter | device | slots retired because a scrub failed |
+//! | `twm_device_memory_total_bytes` | gauge | device | the device's memory (`cuMemGetInfo`) |
+//! | `twm_device_memory_free_bytes` | gauge | device | its free memory now |
+//! | `twm_device_capacity_bytes` | gauge | device | caps the placement lets it hold |
+//! | `twm_device_committed_bytes` | gauge | device | caps of the tenants placed on it |
+//! | `twm_device_tenants` | gauge | device | tenants placed on it, alive |
+//! | `twm_device_available` | gauge | device | 1 while it takes new tenants |
+//! | `twm_device_held_bytes` | gauge | device | bytes its tenants hold |
+//! | `twm_device_touched_bytes` | gauge | device | bytes its tenants touched |
+//! | `twm_placement_refusals_total` | counter | - | tenants no device could take |
+
+use metrics::{Unit, counter, describe_counter, describe_gauge, gauge};
+
+use crate::{Backend, Placement, Tenant, TensorWasmMemoryCreator};
+
+/// Registers help text and units for every metric with the installed recorder (once, after
+/// installing it; harmless to repeat).
+pub fn describe() {
+    let tenant_gauges = [
+        ("twm_tenant_cap_bytes", "The tenant's touched budget."),
+        (
+            "twm_tenant_touched_bytes",
+            "Touched bytes charged to the tenant now.",
+        ),
+        (
+            "twm_tenant_touched_peak_bytes",
+            "The most touched bytes charged at once.",
+        ),
+        ("twm_tenant_held_limit_bytes", "The tenant's held budget."),
+        ("twm_tenant_held_bytes", "Capacity the tenant holds now."),
+        (
+            "twm_tenant_held_peak_bytes",
+            "The most capacity the tenant held at once.",
+        ),
+        (
+            "twm_tenant_device_pool_bytes",
+            "Of the touched bytes, those in device pools.",
+        ),
+        ("twm_device_memory_total_bytes", "The device's memory."),
+        ("twm_device_memory_free_bytes", "The device's free memory."),
+        (
+            "twm_device_capacity_bytes",
+            "Caps the placement lets the device hold.",
+        ),
+        (
+            "twm_device_committed_bytes",
+            "Caps of the tenants placed on the device.",
+        ),
+        ("twm_device_held_bytes", "Bytes the device's tenants hold."),
+        (
+            "twm_device_touched_bytes",
+            "Bytes the device's tenants touched.",
+        ),
+    ];
+    for (name, help) in tenant_gauges {
+        describe_gauge!(name, Unit::Bytes, help);
+    }
+    let counts = [
+        (
+            "twm_tenant_live_memories",
+            "Memories of the tenant alive now.",
+        ),
+        (
+            "twm_creator_live_memories",
+            "Memories of the creator alive on the device.",
+        ),
+        ("twm_pool_slots", "Slots of the device's pool."),
+        (
+            "twm_pool_slots_in_use",
+            "Slots of the device's pool in use.",
+        ),
+        ("twm_device_tenants", "Tenants placed on the device, alive."),
+        (
+            "twm_device_available",
+            "1 while the device takes new tenants.",
+        ),
+    ];
+    for (name, help) in counts {
+        describe_gauge!(name, Unit::Count, help);
+    }
+    let counters = [
+        (
+            "twm_tenant_memories_created_total",
+            "Memories ever charged to the tenant.",
+        ),
+        (
+            "twm_tenant_denials_total",
+            "Requests a budget of the tenant refused.",
+        ),
+        (
+            "twm_creator_memories_created_total",
+            "Memories the creator made.",
+        ),
+        (
+            "twm_creator_memories_refused_total",
+            "Memories the creator refused.",
+        ),
+        (
+            "twm_pool_exhaustions_total",
+            "Pool acquisitions refused for want of a slot.",
+        ),
+        (
+            "twm_pool_scrub_failures_total",
+            "Pool slots retired after a failed scrub.",
+        ),
+        (
+            "twm_placement_refusals_total",
+            "Tenants no device could take.",
+        ),
+    ];
+    for (name, help) in counters {
+        describe_counter!(name, Unit::Count, help);
+    }
+}
+
+/// Publishes one tenant's figures.
+pub fn record_tenant(tenant: &Tenant) {
+    let s = tenant.stats();
+    let labels = [
+        ("tenant", s.name.clone()),
+        ("device", s.device.0.to_string()),
+        ("isolation", s.isolation.name().to_string()),
+    ];
+    gauge!("twm_tenant_cap_bytes", &labels).set(s.cap as f64);
+    gauge!("twm_tenant_touched_bytes", &labels).set(s.live_bytes as f64);
+    gauge!("twm_tenant_touched_peak_bytes", &labels).set(s.peak_bytes as f64);
+    gauge!("twm_tenant_held_limit_bytes", &labels).set(s.held_limit as f64);
+    gauge!("twm_tenant_held_bytes", &labels).set(s.held_bytes as f64);
+    gauge!("twm_tenant_held_peak_bytes", &labels).set(s.held_peak_bytes as f64);
+    gauge!("twm_tenant_device_pool_bytes", &labels).set(s.device_pool_bytes as f64);
+    gauge!("twm_tenant_live_memories", &labels).set(s.live_memories as f64);
+    counter!("twm_tenant_memories_created_total", &labels).absolute(s.memories_created);
+    let touched_denials = s
+        .denials
+        .saturating_sub(s.held_denials)
+        .saturating_sub(s.memory_denials);
+    for (budget, n) in [
+        ("touched", touched_denials),
+        ("held", s.held_denials),
+        ("memories", s.memory_denials),
+    ] {
+        let [a, b, c] = labels.clone();
+        let labels = [a, b, c, ("budget", budget.to_string())];
+        counter!("twm_tenant_denials_total", &labels).absolute(n);
+    }
+}
+
+/// Publishes a creator's figures, per device it serves, and each device's memory as the backend
+/// reports it.
+pub fn record_creator<B: Backend>(creator: &TensorWasmMemoryCreator<B>) {
+    let s = creator.stats();
+    counter!("twm_creator_memories_created_total").absolute(s.created);
+    counter!("twm_creator_memories_refused_total").absolute(s.refused);
+    for d in &s.devices {
+        let labels = [("device", d.device.0.to_string())];
+        gauge!("twm_creator_live_memories", &labels).set(d.live_memories as f64);
+        if let Some(pool) = &d.pool {
+            gauge!("twm_pool_slots", &labels).set((pool.in_use() + pool.free()) as f64);
+            gauge!("twm_pool_slots_in_use", &labels).set(pool.in_use() as f64);
+            counter!("twm_pool_exhaustions_total", &labels).absolute(pool.exhaustions);
+            counter!("twm_pool_scrub_failures_total", &labels).absolute(pool.scrub_failures);
+        }
+    }
+    record_devices(&**creator.backend());
+}
+
+/// Publishes each device's memory (total and free) as the backend reports it.
+pub fn record_devices<B: Backend + ?Sized>(backend: &B) {
+    for d in 0..backend.device_count() {
+        let Some(report) = backend.device_report(tensor_wasm_mem_core::DeviceId(d)) else {
+            continue;
+        };
+        let labels = [("device", d.to_string())];
+        if let Some(total) = report.total_bytes {
+            gauge!("twm_device_memory_total_bytes", &labels).set(total as f64);
+        }
+        if let Some(free) = report.free_bytes {
+            gauge!("twm_device_memory_free_bytes", &labels).set(free as f64);
+        }
+    }
+}
+
+/// Publishes a placement's figures per device.
+pub fn record_placement(placement: &Placement) {
+    for d in placement.devices() {
+        let labels = [("device", d.device.0.to_string())];
+        gauge!("twm_device_capacity_bytes", &labels).set(d.capacity_bytes as f64);
+        gauge!("twm_device_committed_bytes", &labels).set(d.committed_bytes as f64);
+        gauge!("twm_device_tenants", &labels).set(d.tenants as f64);
+        gauge!("twm_device_available", &labels).set(if d.available { 1.0 } else { 0.0 });
+        gauge!("twm_device_held_bytes", &labels).set(d.held_bytes as f64);
+        gauge!("twm_device_touched_bytes", &labels).set(d.touched_bytes as f64);
+    }
+    counter!("twm_placement_refusals_total").absolute(placement.refusals());
+}

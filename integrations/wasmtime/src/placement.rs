@@ -1,0 +1,393 @@
+//! Placement of tenants across devices: a [`Placement`] knows each device's capacity for
+//! tenants, picks the device for a new tenant by its [`PlacementPolicy`] (or takes the one the
+//! embedder names), and refuses with [`TwmError::Unplaceable`] when no device can take it.
+//!
+//! Capacity is admission control on caps: a device takes a tenant while the caps (touched
+//! budgets) of the tenants placed there, plus the new one's, fit in its capacity (by default its
+//! memory as the driver reports it; an embedder may overcommit by giving more, since managed
+//! memory is demand-paged). What a tenant committed goes back when the last `Arc` of the
+//! [`Tenant`] drops. A device can be marked unavailable (drained, or failed): it takes no new
+//! tenant, and its tenants go on as they can.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+
+use tensor_wasm_mem_core::{DeviceId, IsolationLevel, ManagedAllocator, TenantBudgets};
+
+use crate::error::TwmError;
+use crate::tenancy::Tenant;
+
+/// How a [`Placement`] picks the device of a new tenant among those that can take it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PlacementPolicy {
+    /// The device whose tenants hold the fewest bytes now (the held bytes of their ledgers:
+    /// memory slots or allocations, tables, device pools); ties go to the fewest committed
+    /// bytes, then the lowest ordinal.
+    #[default]
+    LeastHeld,
+    /// Each device in turn, skipping those that cannot take the tenant.
+    RoundRobin,
+}
+
+impl PlacementPolicy {
+    /// A stable name (`least-held`, `round-robin`).
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::LeastHeld => "least-held",
+            Self::RoundRobin => "round-robin",
+        }
+    }
+}
+
+/// One device's share of a [`Placement`], as [`Placement::devices`] reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DevicePlacement {
+    /// The device.
+    pub device: DeviceId,
+    /// Whether it takes new tenants.
+    pub available: bool,
+    /// Caps it may hold in bytes.
+    pub capacity_bytes: u64,
+    /// Caps of the tenants placed on it, in bytes.
+    pub committed_bytes: u64,
+    /// Tenants placed on it, alive now.
+    pub tenants: u64,
+    /// Tenants ever placed on it.
+    pub placed: u64,
+    /// Bytes its tenants hold now (their ledgers' held bytes).
+    pub held_bytes: u64,
+    /// Bytes its tenants have touched now (their ledgers' live bytes).
+    pub touched_bytes: u64,
+}
+
+#[derive(Debug)]
+struct Slot {
+    device: DeviceId,
+    available: bool,
+    capacity: u64,
+    committed: u64,
+    placed: u64,
+    tenants: Vec<Weak<Tenant>>,
+}
+
+impl Slot {
+    fn room(&self) -> u64 {
+        self.capacity.saturating_sub(self.committed)
+    }
+
+    fn takes(&self, cap: u64) -> bool {
+        self.available && cap <= self.room()
+    }
+
+    /// The held and touched bytes of its live tenants; drops the entries of tenants that are
+    /// gone. The tenants are kept alive in `alive`, which the caller drops after the state's
+    /// lock: a tenant whose last `Arc` went meanwhile gives its commitment back under that lock.
+    fn figures(&mut self, alive: &mut Vec<Arc<Tenant>>) -> (u64, u64) {
+        let (mut held, mut touched) = (0u64, 0u64);
+        self.tenants.retain(|t| match t.upgrade() {
+            Some(t) => {
+                let ledger = t.context().stats();
+                held = held.saturating_add(ledger.held_bytes);
+                touched = touched.saturating_add(ledger.live_bytes);
+                alive.push(t);
+                true
+            }
+            None => false,
+        });
+        (held, touched)
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    slots: Vec<Slot>,
+    next: usize,
+    refusals: u64,
+}
+
+/// What a placed tenant committed on its device, given back when the tenant drops.
+#[derive(Debug)]
+pub(crate) struct PlacementCharge {
+    state: Weak<Mutex<State>>,
+    slot: usize,
+    bytes: u64,
+}
+
+impl Drop for PlacementCharge {
+    fn drop(&mut self) {
+        if let Some(state) = self.state.upgrade() {
+            let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(slot) = state.slots.get_mut(self.slot) {
+                slot.committed = slot.committed.saturating_sub(self.bytes);
+            }
+        }
+    }
+}
+
+/// Places tenants on devices: see the [module](self) and [`PlacementPolicy`].
+///
+/// ```
+/// use tensor_wasm_mem_wasmtime::core::{DeviceId, IsolationLevel, TenantBudgets};
+/// use tensor_wasm_mem_wasmtime::{Placement, PlacementPolicy};
+///
+/// // Two devices that each take 1 GiB of caps.
+/// let placement = Placement::new(
+///     [(DeviceId(0), 1 << 30), (DeviceId(1), 1 << 30)],
+///     PlacementPolicy::RoundRobin,
+/// )?;
+/// let budgets = TenantBudgets::for_cap(768 << 20);
+/// let a = placement.admit(1, "a", budgets, IsolationLevel::StreamIsolated)?;
+/// let b = placement.admit(2, "b", budgets, IsolationLevel::StreamIsolated)?;
+/// assert_eq!((a.device(), b.device()), (DeviceId(0), DeviceId(1)));
+/// // Neither device has 768 MiB of room left.
+/// assert!(placement.admit(3, "c", budgets, IsolationLevel::StreamIsolated).is_err());
+/// drop(a); // its commitment goes back
+/// assert_eq!(placement.admit(3, "c", budgets, IsolationLevel::StreamIsolated)?.device(), DeviceId(0));
+/// # Ok::<(), tensor_wasm_mem_wasmtime::TwmError>(())
+/// ```
+pub struct Placement {
+    policy: PlacementPolicy,
+    state: Arc<Mutex<State>>,
+}
+
+impl fmt::Debug for Placement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Placement")
+            .field("policy", &self.policy)
+            .field("devices", &self.devices())
+            .finish()
+    }
+}
+
+/// Checks a device set: not empty, no device twice.
+pub(crate) fn check_device_set(devices: &[DeviceId]) -> Result<(), TwmError> {
+    if devices.is_empty() {
+        return Err(TwmError::Devices("no device named"));
+    }
+    for (i, d) in devices.iter().enumerate() {
+        if devices[..i].contains(d) {
+            return Err(TwmError::Devices("a device is named twice"));
+        }
+    }
+    Ok(())
+}
+
+impl Placement {
+    /// A placement over `devices`, each with the caps (bytes) it may hold. An empty list, or a
+    /// device named twice, is [`TwmError::Devices`].
+    pub fn new(
+        devices: impl IntoIterator<Item = (DeviceId, u64)>,
+        policy: PlacementPolicy,
+    ) -> Result<Self, TwmError> {
+        let slots: Vec<Slot> = devices
+            .into_iter()
+            .map(|(device, capacity)| Slot {
+                device,
+                available: true,
+                capacity,
+                committed: 0,
+                placed: 0,
+                tenants: Vec::new(),
+            })
+            .collect();
+        let ids: Vec<DeviceId> = slots.iter().map(|s| s.device).collect();
+        check_device_set(&ids)?;
+        Ok(Self {
+            policy,
+            state: Arc::new(Mutex::new(State {
+                slots,
+                next: 0,
+                refusals: 0,
+            })),
+        })
+    }
+
+    /// A placement over every device of `backend`, each taking as many bytes of caps as it has
+    /// memory (as [`ManagedAllocator::device_report`] says; unlimited where the backend cannot
+    /// say).
+    pub fn for_backend<B: ManagedAllocator + ?Sized>(
+        backend: &B,
+        policy: PlacementPolicy,
+    ) -> Result<Self, TwmError> {
+        let devices = (0..backend.device_count()).map(|d| {
+            let device = DeviceId(d);
+            let total = backend
+                .device_report(device)
+                .and_then(|r| r.total_bytes)
+                .unwrap_or(u64::MAX);
+            (device, total)
+        });
+        Self::new(devices, policy)
+    }
+
+    /// The policy.
+    #[must_use]
+    pub fn policy(&self) -> PlacementPolicy {
+        self.policy
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A new tenant with `budgets` at `isolation`, on the device the policy picks among those
+    /// that can take its cap; [`TwmError::Unplaceable`] if none can.
+    pub fn admit(
+        &self,
+        id: u64,
+        name: impl Into<String>,
+        budgets: TenantBudgets,
+        isolation: IsolationLevel,
+    ) -> Result<Arc<Tenant>, TwmError> {
+        let name = name.into();
+        // Dropped after `state` (declared first): see `Slot::figures`.
+        let mut alive = Vec::new();
+        let mut state = self.state();
+        let cap = budgets.touched_bytes;
+        let count = state.slots.len();
+        let chosen = match self.policy {
+            PlacementPolicy::RoundRobin => (0..count)
+                .map(|k| (state.next + k) % count)
+                .find(|&i| state.slots[i].takes(cap)),
+            PlacementPolicy::LeastHeld => {
+                let mut best: Option<(u64, u64, usize)> = None;
+                for i in 0..count {
+                    if !state.slots[i].takes(cap) {
+                        continue;
+                    }
+                    let (held, _) = state.slots[i].figures(&mut alive);
+                    let key = (held, state.slots[i].committed, i);
+                    if best.is_none_or(|b| key < b) {
+                        best = Some(key);
+                    }
+                }
+                best.map(|(_, _, i)| i)
+            }
+        };
+        match chosen {
+            Some(i) => {
+                state.next = (i + 1) % count;
+                Ok(self.place(&mut state, i, id, name, budgets, isolation))
+            }
+            None => Err(Self::refuse(&mut state, name, cap)),
+        }
+    }
+
+    /// A new tenant on `device`, as the embedder chooses; [`TwmError::UnknownDevice`] for a
+    /// device this placement does not know, [`TwmError::Unplaceable`] if that device is
+    /// unavailable or has no room for the cap.
+    pub fn admit_on(
+        &self,
+        device: DeviceId,
+        id: u64,
+        name: impl Into<String>,
+        budgets: TenantBudgets,
+        isolation: IsolationLevel,
+    ) -> Result<Arc<Tenant>, TwmError> {
+        let name = name.into();
+        let mut state = self.state();
+        let Some(i) = state.slots.iter().position(|s| s.device == device) else {
+            return Err(TwmError::UnknownDevice {
+                device,
+                count: state.slots.len() as u32,
+            });
+        };
+        if !state.slots[i].takes(budgets.touched_bytes) {
+            return Err(Self::refuse(&mut state, name, budgets.touched_bytes));
+        }
+        Ok(self.place(&mut state, i, id, name, budgets, isolation))
+    }
+
+    fn place(
+        &self,
+        state: &mut State,
+        i: usize,
+        id: u64,
+        name: String,
+        budgets: TenantBudgets,
+        isolation: IsolationLevel,
+    ) -> Arc<Tenant> {
+        let slot = &mut state.slots[i];
+        slot.committed += budgets.touched_bytes;
+        slot.placed += 1;
+        let charge = PlacementCharge {
+            state: Arc::downgrade(&self.state),
+            slot: i,
+            bytes: budgets.touched_bytes,
+        };
+        let tenant = Arc::new(Tenant::make(
+            id,
+            name,
+            budgets,
+            isolation,
+            vec![slot.device],
+            Some(charge),
+        ));
+        slot.tenants.push(Arc::downgrade(&tenant));
+        tracing::debug!(
+            device = slot.device.0,
+            tenant = id,
+            cap = budgets.touched_bytes,
+            "twm: tenant placed"
+        );
+        tenant
+    }
+
+    fn refuse(state: &mut State, tenant_name: String, cap: u64) -> TwmError {
+        state.refusals += 1;
+        let available = state.slots.iter().filter(|s| s.available);
+        TwmError::Unplaceable {
+            tenant_name,
+            cap,
+            devices: state.slots.len() as u32,
+            available: available.clone().count() as u32,
+            largest_room: available.map(Slot::room).max().unwrap_or(0),
+        }
+    }
+
+    /// Marks `device` as taking new tenants or not (drained, or failed); its tenants are not
+    /// moved. [`TwmError::UnknownDevice`] for a device this placement does not know.
+    pub fn set_available(&self, device: DeviceId, available: bool) -> Result<(), TwmError> {
+        let mut state = self.state();
+        let count = state.slots.len() as u32;
+        let slot = state
+            .slots
+            .iter_mut()
+            .find(|s| s.device == device)
+            .ok_or(TwmError::UnknownDevice { device, count })?;
+        slot.available = available;
+        Ok(())
+    }
+
+    /// Admissions refused so far.
+    #[must_use]
+    pub fn refusals(&self) -> u64 {
+        self.state().refusals
+    }
+
+    /// Each device's share now, in the order given.
+    #[must_use]
+    pub fn devices(&self) -> Vec<DevicePlacement> {
+        // Dropped after `state` (declared first): see `Slot::figures`.
+        let mut alive = Vec::new();
+        let mut state = self.state();
+        state
+            .slots
+            .iter_mut()
+            .map(|slot| {
+                let (held, touched) = slot.figures(&mut alive);
+                DevicePlacement {
+                    device: slot.device,
+                    available: slot.available,
+                    capacity_bytes: slot.capacity,
+                    committed_bytes: slot.committed,
+                    tenants: slot.tenants.len() as u64,
+                    placed: slot.placed,
+                    held_bytes: held,
+                    touched_bytes: touched,
+                }
+            })
+            .collect()
+    }
+}
