@@ -358,6 +358,36 @@ pub struct LedgerStats {
     pub memory_denials: u64,
 }
 
+/// Running totals of many tenants' ledgers: the touched and held bytes of every tenant made
+/// with [`TenantContext::in_group`] on it, kept as they charge and uncharge (one atomic add each),
+/// so a group's figures cost one load however many tenants it has. What placement reads per
+/// device ("least held bytes") without visiting its tenants.
+#[derive(Debug, Default)]
+pub struct LedgerGroup {
+    touched: AtomicU64,
+    held: AtomicU64,
+}
+
+impl LedgerGroup {
+    /// Touched bytes charged to the group's tenants now.
+    pub fn touched_bytes(&self) -> u64 {
+        self.touched.load(Ordering::Acquire)
+    }
+
+    /// Held bytes charged to the group's tenants now.
+    pub fn held_bytes(&self) -> u64 {
+        self.held.load(Ordering::Acquire)
+    }
+
+    fn total(&self, budget: Budget) -> Option<&AtomicU64> {
+        match budget {
+            Budget::Touched => Some(&self.touched),
+            Budget::Held => Some(&self.held),
+            Budget::Memories => None,
+        }
+    }
+}
+
 /// A tenant: an identity, hard budgets ([`TenantBudgets`]), an isolation level, and the ledger
 /// that enforces them.
 ///
@@ -375,6 +405,7 @@ pub struct TenantContext {
     granted: AtomicU64,
     denials: AtomicU64,
     device_pool: AtomicU64,
+    group: Option<Arc<LedgerGroup>>,
 }
 
 impl TenantContext {
@@ -399,6 +430,22 @@ impl TenantContext {
             granted: AtomicU64::new(0),
             denials: AtomicU64::new(0),
             device_pool: AtomicU64::new(0),
+            group: None,
+        }
+    }
+
+    /// A tenant as [`with_budgets`](Self::with_budgets) makes it, whose charges also count in
+    /// `group`'s totals.
+    #[must_use]
+    pub fn in_group(
+        id: TenantId,
+        budgets: TenantBudgets,
+        isolation: IsolationLevel,
+        group: Arc<LedgerGroup>,
+    ) -> Self {
+        Self {
+            group: Some(group),
+            ..Self::with_budgets(id, budgets, isolation)
         }
     }
 
@@ -503,14 +550,32 @@ impl TenantContext {
         if purpose == Purpose::DevicePool {
             self.device_pool.fetch_add(amount, Ordering::AcqRel);
         }
+        self.group_add(amount, purpose, true);
         self.granted.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Adds (or takes back) `amount` in the group's totals of the budgets `purpose` charges.
+    fn group_add(&self, amount: u64, purpose: Purpose, add: bool) {
+        let Some(group) = &self.group else {
+            return;
+        };
+        for budget in [Budget::Touched, Budget::Held] {
+            if let Some(total) = group.total(budget).filter(|_| purpose.charges(budget)) {
+                if add {
+                    total.fetch_add(amount, Ordering::AcqRel);
+                } else {
+                    total.fetch_sub(amount, Ordering::AcqRel);
+                }
+            }
+        }
     }
 
     fn uncharge(&self, amount: u64, purpose: Purpose) {
         if purpose == Purpose::DevicePool {
             self.device_pool.fetch_sub(amount, Ordering::AcqRel);
         }
+        self.group_add(amount, purpose, false);
         for budget in [Budget::Touched, Budget::Held, Budget::Memories] {
             if purpose.charges(budget) {
                 self.meter(budget).uncharge(amount);
@@ -612,6 +677,38 @@ mod tests {
             cap,
             IsolationLevel::StreamIsolated,
         ))
+    }
+
+    #[test]
+    fn a_group_sums_its_tenants_as_they_charge() {
+        let group = Arc::new(LedgerGroup::default());
+        let budgets = TenantBudgets::for_cap(100);
+        let a = Arc::new(TenantContext::in_group(
+            TenantId(1),
+            budgets,
+            IsolationLevel::default(),
+            Arc::clone(&group),
+        ));
+        let b = Arc::new(TenantContext::in_group(
+            TenantId(2),
+            budgets,
+            IsolationLevel::default(),
+            Arc::clone(&group),
+        ));
+        let outside = tenant(100);
+        let mut ta = a.try_reserve(60).unwrap();
+        let hb = b.try_reserve_for(500, Purpose::Held).unwrap();
+        let pool = b.try_reserve_for(30, Purpose::DevicePool).unwrap();
+        let _count = a.try_reserve_for(1, Purpose::Memory).unwrap();
+        let _other = outside.try_reserve(50).unwrap();
+        assert_eq!((group.touched_bytes(), group.held_bytes()), (90, 530));
+        assert!(a.try_reserve(41).is_err(), "a refusal counts nowhere");
+        ta.try_grow(10).unwrap();
+        assert_eq!(group.touched_bytes(), 100);
+        ta.shrink_to(20);
+        assert_eq!(group.touched_bytes(), 50);
+        drop((ta, hb, pool));
+        assert_eq!((group.touched_bytes(), group.held_bytes()), (0, 0));
     }
 
     #[test]

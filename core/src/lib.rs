@@ -38,8 +38,8 @@ pub use driver::{
 pub use error::{BackendError, Error, ErrorKind, ErrorType, Operation, RangeError, check_range};
 pub use isolation::IsolationLevel;
 pub use ledger::{
-    Budget, Denied, LedgerStats, Purpose, Reservation, TenantBudgets, TenantContext, TenantId,
-    TenantKey,
+    Budget, Denied, LedgerGroup, LedgerStats, Purpose, Reservation, TenantBudgets, TenantContext,
+    TenantId, TenantKey,
 };
 pub use plan::{
     DEFAULT_MAX_BYTES, HARD_MAX_LINEAR_MEMORY_BYTES, MemoryPlan, MemoryType, PlanError, PlanLimits,

@@ -509,6 +509,64 @@ fn rss_mib(setup: Setup, instances: usize, bar: &ProgressBar) -> Result<f64, Fai
         })
 }
 
+/// Tenants already placed when a placement decision is timed, and tenants placed for the
+/// bookkeeping-memory figure.
+const PLACED_TENANTS: u64 = 1_000;
+const MEMORY_TENANTS: u64 = 20_000;
+
+/// Placement on a simulated 8-device machine: the median cost of one decision (an `admit` with
+/// `PLACED_TENANTS` tenants already placed, then the tenant dropped) per policy, and the host
+/// memory the layer keeps per placed tenant (resident growth over `MEMORY_TENANTS` tenants).
+fn placement_figures(quick: bool, bar: &ProgressBar) -> Result<Value, Failure> {
+    use tensor_wasm_mem_core::{IsolationLevel, TenantBudgets};
+    use tensor_wasm_mem_wasmtime::{Placement, PlacementPolicy};
+    let backend = tensor_wasm_mem_mock::with_config(tensor_wasm_mem_mock::MockConfig {
+        device_count: 8,
+        ..tensor_wasm_mem_mock::MockConfig::default()
+    });
+    // 1 MiB caps: 16 GiB devices take 16,384 tenants each, more than either figure places.
+    let budgets = TenantBudgets::for_cap(1 << 20);
+    let level = IsolationLevel::StreamIsolated;
+    let mut decision_ns = serde_json::Map::new();
+    for policy in [PlacementPolicy::LeastHeld, PlacementPolicy::RoundRobin] {
+        let placement = Placement::for_backend(&backend, policy).map_err(other)?;
+        let _placed = (0..PLACED_TENANTS)
+            .map(|i| placement.admit(i, "t", budgets, level))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(other)?;
+        let (samples, per) = if quick { (15, 200) } else { (31, 1000) };
+        let mut times = Vec::with_capacity(samples);
+        for _ in 0..samples {
+            let start = Instant::now();
+            for i in 0..per {
+                black_box(
+                    placement
+                        .admit(PLACED_TENANTS + i, "n", budgets, level)
+                        .map_err(other)?,
+                );
+            }
+            times.push(start.elapsed().as_nanos() as f64 / per as f64);
+        }
+        decision_ns.insert(policy.name().to_string(), json!(median(&mut times)));
+    }
+    bar.inc(1);
+    let placement = Placement::for_backend(&backend, PlacementPolicy::RoundRobin).map_err(other)?;
+    let before = resident_bytes();
+    let tenants = (0..MEMORY_TENANTS)
+        .map(|i| placement.admit(i, format!("tenant-{i}"), budgets, level))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(other)?;
+    let after = resident_bytes();
+    drop(black_box(tenants));
+    bar.inc(1);
+    Ok(json!({
+        "devices": 8,
+        "placed_tenants": PLACED_TENANTS,
+        "decision_ns": decision_ns,
+        "bytes_per_tenant": after.saturating_sub(before) as f64 / MEMORY_TENANTS as f64,
+    }))
+}
+
 struct Row {
     group: &'static str,
     unit: &'static str,
@@ -538,7 +596,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         + 2 * sizes.grow_samples
         + 3 * details.len() * sizes.loop_placements
         + ROUNDTRIP_SIZES.len()
-        + 2;
+        + 4;
     let bar = ProgressBar::new(steps as u64);
     bar.set_style(
         ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len}")
@@ -582,6 +640,8 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         bar.set_message(format!("resident {}", setup.key()));
         rss.push((setup, rss_mib(setup, sizes.rss_instances, &bar)?));
     }
+    bar.set_message("placement, 8 devices");
+    let placement = placement_figures(args.quick, &bar)?;
     bar.finish_and_clear();
 
     let get =
@@ -623,6 +683,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             "guest_loop_detail_ms": detail,
             "kernel_roundtrip_us": roundtrips.iter().map(|(name, (scope, copy))| ((*name).to_string(), json!({"twm_scope": scope, "explicit_copy": copy}))).collect::<serde_json::Map<_, _>>(),
             "rss_1000_mib": rss.iter().map(|(s, v)| (twm_key(*s).to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+            "placement": placement,
         });
         println!("{report}");
         return Ok(());
@@ -715,6 +776,22 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             );
         }
     }
+    for (policy, ns) in placement["decision_ns"].as_object().into_iter().flatten() {
+        println!(
+            "{:<26} {:<18} {:>9.3} {:<3}",
+            format!("place 1 of {PLACED_TENANTS}, 8 dev"),
+            policy,
+            ns.as_f64().unwrap_or(f64::NAN),
+            "ns"
+        );
+    }
+    println!(
+        "{:<26} {:<18} {:>9.1} {:<3}",
+        "memory per placed tenant",
+        "bookkeeping",
+        placement["bytes_per_tenant"].as_f64().unwrap_or(f64::NAN),
+        "B"
+    );
     for ((growable, simd), row) in &loops {
         let base = row[0].1;
         let group = format!(

@@ -12,7 +12,9 @@
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
-use tensor_wasm_mem_core::{DeviceId, IsolationLevel, ManagedAllocator, TenantBudgets};
+use tensor_wasm_mem_core::{
+    DeviceId, IsolationLevel, LedgerGroup, ManagedAllocator, TenantBudgets,
+};
 
 use crate::error::TwmError;
 use crate::tenancy::Tenant;
@@ -21,8 +23,9 @@ use crate::tenancy::Tenant;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PlacementPolicy {
     /// The device whose tenants hold the fewest bytes now (the held bytes of their ledgers:
-    /// memory slots or allocations, tables, device pools); ties go to the fewest committed
-    /// bytes, then the lowest ordinal.
+    /// memory slots or allocations, tables, device pools, summed as they change in a
+    /// [`LedgerGroup`] per device, so a decision costs the same however many tenants there
+    /// are); ties go to the fewest committed bytes, then the lowest ordinal.
     #[default]
     LeastHeld,
     /// Each device in turn, skipping those that cannot take the tenant.
@@ -68,7 +71,10 @@ struct Slot {
     capacity: u64,
     committed: u64,
     placed: u64,
-    tenants: Vec<Weak<Tenant>>,
+    /// Tenants placed here and alive.
+    tenants: u64,
+    /// The running totals of their ledgers.
+    group: Arc<LedgerGroup>,
 }
 
 impl Slot {
@@ -78,24 +84,6 @@ impl Slot {
 
     fn takes(&self, cap: u64) -> bool {
         self.available && cap <= self.room()
-    }
-
-    /// The held and touched bytes of its live tenants; drops the entries of tenants that are
-    /// gone. The tenants are kept alive in `alive`, which the caller drops after the state's
-    /// lock: a tenant whose last `Arc` went meanwhile gives its commitment back under that lock.
-    fn figures(&mut self, alive: &mut Vec<Arc<Tenant>>) -> (u64, u64) {
-        let (mut held, mut touched) = (0u64, 0u64);
-        self.tenants.retain(|t| match t.upgrade() {
-            Some(t) => {
-                let ledger = t.context().stats();
-                held = held.saturating_add(ledger.held_bytes);
-                touched = touched.saturating_add(ledger.live_bytes);
-                alive.push(t);
-                true
-            }
-            None => false,
-        });
-        (held, touched)
     }
 }
 
@@ -120,6 +108,7 @@ impl Drop for PlacementCharge {
             let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
             if let Some(slot) = state.slots.get_mut(self.slot) {
                 slot.committed = slot.committed.saturating_sub(self.bytes);
+                slot.tenants = slot.tenants.saturating_sub(1);
             }
         }
     }
@@ -188,7 +177,8 @@ impl Placement {
                 capacity,
                 committed: 0,
                 placed: 0,
-                tenants: Vec::new(),
+                tenants: 0,
+                group: Arc::default(),
             })
             .collect();
         let ids: Vec<DeviceId> = slots.iter().map(|s| s.device).collect();
@@ -241,8 +231,6 @@ impl Placement {
         isolation: IsolationLevel,
     ) -> Result<Arc<Tenant>, TwmError> {
         let name = name.into();
-        // Dropped after `state` (declared first): see `Slot::figures`.
-        let mut alive = Vec::new();
         let mut state = self.state();
         let cap = budgets.touched_bytes;
         let count = state.slots.len();
@@ -256,8 +244,8 @@ impl Placement {
                     if !state.slots[i].takes(cap) {
                         continue;
                     }
-                    let (held, _) = state.slots[i].figures(&mut alive);
-                    let key = (held, state.slots[i].committed, i);
+                    let slot = &state.slots[i];
+                    let key = (slot.group.held_bytes(), slot.committed, i);
                     if best.is_none_or(|b| key < b) {
                         best = Some(key);
                     }
@@ -311,6 +299,7 @@ impl Placement {
         let slot = &mut state.slots[i];
         slot.committed += budgets.touched_bytes;
         slot.placed += 1;
+        slot.tenants += 1;
         let charge = PlacementCharge {
             state: Arc::downgrade(&self.state),
             slot: i,
@@ -322,9 +311,8 @@ impl Placement {
             budgets,
             isolation,
             vec![slot.device],
-            Some(charge),
+            Some((charge, Arc::clone(&slot.group))),
         ));
-        slot.tenants.push(Arc::downgrade(&tenant));
         tracing::debug!(
             device = slot.device.0,
             tenant = id,
@@ -369,24 +357,18 @@ impl Placement {
     /// Each device's share now, in the order given.
     #[must_use]
     pub fn devices(&self) -> Vec<DevicePlacement> {
-        // Dropped after `state` (declared first): see `Slot::figures`.
-        let mut alive = Vec::new();
-        let mut state = self.state();
-        state
+        self.state()
             .slots
-            .iter_mut()
-            .map(|slot| {
-                let (held, touched) = slot.figures(&mut alive);
-                DevicePlacement {
-                    device: slot.device,
-                    available: slot.available,
-                    capacity_bytes: slot.capacity,
-                    committed_bytes: slot.committed,
-                    tenants: slot.tenants.len() as u64,
-                    placed: slot.placed,
-                    held_bytes: held,
-                    touched_bytes: touched,
-                }
+            .iter()
+            .map(|slot| DevicePlacement {
+                device: slot.device,
+                available: slot.available,
+                capacity_bytes: slot.capacity,
+                committed_bytes: slot.committed,
+                tenants: slot.tenants,
+                placed: slot.placed,
+                held_bytes: slot.group.held_bytes(),
+                touched_bytes: slot.group.touched_bytes(),
             })
             .collect()
     }

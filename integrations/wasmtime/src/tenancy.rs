@@ -45,8 +45,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tensor_wasm_mem_core::{
-    Denied, DeviceId, IsolationLevel, MemoryPlan, PlanLimits, Purpose, Reservation, Stream,
-    TenantBudgets, TenantContext, TenantId, TenantKey,
+    Denied, DeviceId, IsolationLevel, LedgerGroup, MemoryPlan, PlanLimits, Purpose, Reservation,
+    Stream, TenantBudgets, TenantContext, TenantId, TenantKey,
 };
 use wasmtime::{AsContextMut, Instance, Linker, Module, ResourceLimiter, Store};
 
@@ -181,14 +181,20 @@ impl Tenant {
         budgets: TenantBudgets,
         isolation: IsolationLevel,
         devices: Vec<DeviceId>,
-        placed: Option<crate::placement::PlacementCharge>,
+        placed: Option<(crate::placement::PlacementCharge, Arc<LedgerGroup>)>,
     ) -> Self {
+        let (placed, context) = match placed {
+            Some((charge, group)) => (
+                Some(charge),
+                TenantContext::in_group(TenantId(id), budgets, isolation, group),
+            ),
+            None => (
+                None,
+                TenantContext::with_budgets(TenantId(id), budgets, isolation),
+            ),
+        };
         Self {
-            context: Arc::new(TenantContext::with_budgets(
-                TenantId(id),
-                budgets,
-                isolation,
-            )),
+            context: Arc::new(context),
             name,
             memories_created: AtomicU64::new(0),
             devices,
