@@ -358,17 +358,32 @@ pub struct LedgerStats {
     pub memory_denials: u64,
 }
 
-/// Running totals of many tenants' ledgers: the touched and held bytes of every tenant made
-/// with [`TenantContext::in_group`] on it, kept as they charge and uncharge (one atomic add each),
-/// so a group's figures cost one load however many tenants it has. What placement reads per
-/// device ("least held bytes") without visiting its tenants.
+/// Running totals of many tenants' ledgers: the members (tenants made with
+/// [`TenantContext::in_group`] on it and not yet dropped), their committed caps (each member's
+/// touched budget, from its creation until the ledger itself drops, whoever holds it last), and
+/// the touched and held bytes they have charged now, kept as they charge and uncharge (one
+/// atomic add each), so a group's figures cost one load however many tenants it has. What
+/// placement reads per device without visiting its tenants. (Totals are kept modulo 2^64: exact
+/// unless the true sum passes `u64::MAX`, as an unlimited budget's cap does.)
 #[derive(Debug, Default)]
 pub struct LedgerGroup {
     touched: AtomicU64,
     held: AtomicU64,
+    committed: AtomicU64,
+    members: AtomicU64,
 }
 
 impl LedgerGroup {
+    /// The caps (touched budgets) of the members alive now.
+    pub fn committed_bytes(&self) -> u64 {
+        self.committed.load(Ordering::Acquire)
+    }
+
+    /// Members alive now.
+    pub fn members(&self) -> u64 {
+        self.members.load(Ordering::Acquire)
+    }
+
     /// Touched bytes charged to the group's tenants now.
     pub fn touched_bytes(&self) -> u64 {
         self.touched.load(Ordering::Acquire)
@@ -434,8 +449,9 @@ impl TenantContext {
         }
     }
 
-    /// A tenant as [`with_budgets`](Self::with_budgets) makes it, whose charges also count in
-    /// `group`'s totals.
+    /// A tenant as [`with_budgets`](Self::with_budgets) makes it, a member of `group` until it
+    /// drops: its cap counts in the group's committed bytes and its charges in the group's
+    /// totals.
     #[must_use]
     pub fn in_group(
         id: TenantId,
@@ -443,10 +459,19 @@ impl TenantContext {
         isolation: IsolationLevel,
         group: Arc<LedgerGroup>,
     ) -> Self {
-        Self {
-            group: Some(group),
-            ..Self::with_budgets(id, budgets, isolation)
-        }
+        let mut context = Self::with_budgets(id, budgets, isolation);
+        group
+            .committed
+            .fetch_add(budgets.touched_bytes, Ordering::AcqRel);
+        group.members.fetch_add(1, Ordering::AcqRel);
+        context.group = Some(group);
+        context
+    }
+
+    /// The group this tenant is a member of, if any.
+    #[must_use]
+    pub fn group(&self) -> Option<&Arc<LedgerGroup>> {
+        self.group.as_ref()
     }
 
     /// The tenant's id.
@@ -603,6 +628,18 @@ impl TenantContext {
             bytes,
             purpose,
         })
+    }
+}
+
+impl Drop for TenantContext {
+    /// Leaves the group: the cap is no longer committed there.
+    fn drop(&mut self) {
+        if let Some(group) = &self.group {
+            group
+                .committed
+                .fetch_sub(self.touched.limit, Ordering::AcqRel);
+            group.members.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 

@@ -180,7 +180,8 @@ pub trait DevicePools: ErrorType {
         pool: &PoolHandle,
         allocation: PoolAllocation,
     ) -> Result<(), Self::Error> {
-        let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, pool.tenant_key());
+        let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, pool.tenant_key())
+            .on_device(pool.device());
         self.pool_free(pool, allocation, &shared)
     }
 }

@@ -264,7 +264,6 @@ impl Call {
                 | Self::EventSynchronize
                 | Self::EventQuery
                 | Self::EventDestroy
-                | Self::MemGetInfo
         )
     }
 

@@ -306,12 +306,12 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
             "--device {}: the {} backend has {count} device(s) (0 to {})",
             args.device,
             args.backend,
-            count - 1
+            count.saturating_sub(1)
         )));
     }
     let mut builder = TensorWasmMemoryCreator::builder(backend)
         .limits(limits)
-        .all_devices();
+        .device(DeviceId(args.device));
     if let Some(slots) = args.pool {
         if slots == 0 {
             return Err(Failure::Usage("--pool needs at least one slot".into()));

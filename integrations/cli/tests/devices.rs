@@ -141,12 +141,20 @@ fn run_metrics_are_prometheus_text_matching_the_stats() {
         &[("tenant", "cli"), ("budget", "touched")],
     );
     assert_eq!(by_touched.1, 2.0);
-    // Per device: both devices reported, the memories made on device 1.
+    // Per device: both devices' memory reported; the creator serves the tenant's device only.
     for d in ["0", "1"] {
         let total = value(&samples, "twm_device_memory_total_bytes", &[("device", d)]).1;
         assert!(total > 0.0);
-        let _ = value(&samples, "twm_creator_live_memories", &[("device", d)]);
     }
+    assert_eq!(
+        value(&samples, "twm_creator_live_memories", &[("device", "1")]).1,
+        0.0
+    );
+    assert!(
+        !samples
+            .iter()
+            .any(|(n, l, _, _)| n == "twm_creator_live_memories" && l["device"] == "0")
+    );
     assert_eq!(
         value(&samples, "twm_creator_memories_created_total", &[]).1,
         report["creator"]["created"].as_u64().unwrap() as f64
@@ -308,4 +316,36 @@ fn run_on_a_device_and_refusals_of_bad_device_options() {
     let o = twm(&["demo", "--devices", "0"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(err(&o).contains("at least one device"), "{}", err(&o));
+}
+
+#[test]
+fn a_pooled_run_on_a_device_reports_that_devices_pool() {
+    let path = module();
+    let o = twm(&[
+        "run",
+        &path,
+        "--devices",
+        "4",
+        "--device",
+        "2",
+        "--pool",
+        "1",
+        "--repeat",
+        "2",
+        "--invoke",
+        "grow",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", err(&o));
+    let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
+    let devices = v["creator"]["devices"].as_array().unwrap();
+    assert_eq!(
+        devices.len(),
+        1,
+        "only the tenant's device is served: {devices:?}"
+    );
+    assert_eq!(devices[0]["device"], 2);
+    assert_eq!(v["creator"]["pool"]["free"], 1);
+    assert_eq!(v["creator"]["created"], 2);
 }

@@ -111,7 +111,7 @@ pub enum TwmError {
     #[error("this memory belongs to another Store than the one given")]
     ForeignMemory,
     /// A device the backend does not have.
-    #[error("{device} does not exist: the backend has {count} device(s)")]
+    #[error("{device} is unknown here: there are {count} device(s)")]
     UnknownDevice {
         /// The device named.
         device: DeviceId,
@@ -121,6 +121,15 @@ pub enum TwmError {
     /// A device set that is empty or names a device twice.
     #[error("invalid device set: {0}")]
     Devices(&'static str),
+    /// A device-access scope over a memory on one device, for a guest whose stream is on
+    /// another (the memory was made where its Store named no tenant).
+    #[error("the memory is on {memory} but the guest's stream is on {stream}")]
+    DeviceMismatch {
+        /// The memory's device.
+        memory: DeviceId,
+        /// The guest stream's device (its tenant's home).
+        stream: DeviceId,
+    },
     /// A tenant's home device is not one this creator serves.
     #[error("{tenant_name:?} is on {device}, which this creator does not serve")]
     DeviceNotServed {
@@ -183,9 +192,10 @@ impl TwmError {
             | Self::ForeignMemory => ErrorKind::InvalidArgument,
             Self::CustomPageSize { .. } => ErrorKind::Unsupported,
             Self::NotOurMemory | Self::NotDeviceAccessible => ErrorKind::Unsupported,
-            Self::UnknownDevice { .. } | Self::Devices(_) | Self::DeviceNotServed { .. } => {
-                ErrorKind::InvalidArgument
-            }
+            Self::UnknownDevice { .. }
+            | Self::Devices(_)
+            | Self::DeviceNotServed { .. }
+            | Self::DeviceMismatch { .. } => ErrorKind::InvalidArgument,
             Self::Unplaceable { .. } => ErrorKind::LimitExceeded,
         }
     }

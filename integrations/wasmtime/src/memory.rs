@@ -84,6 +84,8 @@ impl GuestSlice<'_> {
 /// never charged less than it holds.
 struct MemoryShared<B: Backend> {
     buffer: RwLock<UnifiedBuffer<Arc<B>>>,
+    /// The buffer's device (it never changes), read without the buffer's lock.
+    device: DeviceId,
     charges: MemoryCharges,
 }
 
@@ -164,7 +166,7 @@ impl<B: Backend> ScopedMemory<B> {
 
     /// The device the memory is on.
     pub(crate) fn device(&self) -> DeviceId {
-        self.buffer().device()
+        self.0.device
     }
 }
 
@@ -449,12 +451,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     fn device_stats(&self) -> Vec<CreatorDeviceStats> {
         let mut live = vec![0u64; self.inner.devices.len()];
         for shared in self.inner.registry().values() {
-            let device = shared
-                .buffer
-                .read()
-                .unwrap_or_else(PoisonError::into_inner)
-                .device();
-            if let Some(i) = self.inner.devices.iter().position(|d| *d == device) {
+            if let Some(i) = self.inner.devices.iter().position(|d| *d == shared.device) {
                 live[i] += 1;
             }
         }
@@ -721,6 +718,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         let base = buffer.as_ptr() as usize;
         let shared = Arc::new(MemoryShared {
             buffer: RwLock::new(buffer),
+            device,
             charges,
         });
         self.inner.registry().insert(base, Arc::clone(&shared));

@@ -8,18 +8,25 @@
 //! counter is published with [`metrics::Counter::absolute`], so publishing twice never counts
 //! twice. [`describe`] registers help text and units once.
 //!
+//! Tenant series carry `tenant` (its name) and `tenant_id` (its id): names need not be unique,
+//! ids should be. A limit that is unlimited (`u64::MAX`) is not published. The creator, pool
+//! and placement series carry no instance label: publish one creator and one placement per
+//! recorder (or per [`metrics::with_local_recorder`] scope). Series of tenants that are gone stay
+//! in the exporter until it forgets them (`metrics-exporter-prometheus`: `idle_timeout`), so a
+//! process with many short-lived tenants should set one.
+//!
 //! | Metric | Kind | Labels | What |
 //! |---|---|---|---|
-//! | `twm_tenant_cap_bytes` | gauge | tenant, device, isolation | the touched budget |
-//! | `twm_tenant_touched_bytes` | gauge | tenant, device, isolation | touched bytes charged now |
-//! | `twm_tenant_touched_peak_bytes` | gauge | tenant, device, isolation | the most touched at once |
-//! | `twm_tenant_held_limit_bytes` | gauge | tenant, device, isolation | the held budget |
-//! | `twm_tenant_held_bytes` | gauge | tenant, device, isolation | capacity held now (slots, allocations, tables, device pools) |
-//! | `twm_tenant_held_peak_bytes` | gauge | tenant, device, isolation | the most capacity held at once |
-//! | `twm_tenant_device_pool_bytes` | gauge | tenant, device, isolation | of the touched bytes, those in device pools |
-//! | `twm_tenant_live_memories` | gauge | tenant, device, isolation | memories alive now |
-//! | `twm_tenant_memories_created_total` | counter | tenant, device, isolation | memories ever charged |
-//! | `twm_tenant_denials_total` | counter | tenant, device, isolation, budget | requests refused, by budget (`touched`, `held`, `memories`) |
+//! | `twm_tenant_cap_bytes` | gauge | tenant, tenant_id, device, isolation | the touched budget |
+//! | `twm_tenant_touched_bytes` | gauge | tenant, tenant_id, device, isolation | touched bytes charged now |
+//! | `twm_tenant_touched_peak_bytes` | gauge | tenant, tenant_id, device, isolation | the most touched at once |
+//! | `twm_tenant_held_limit_bytes` | gauge | tenant, tenant_id, device, isolation | the held budget |
+//! | `twm_tenant_held_bytes` | gauge | tenant, tenant_id, device, isolation | capacity held now (slots, allocations, tables, device pools) |
+//! | `twm_tenant_held_peak_bytes` | gauge | tenant, tenant_id, device, isolation | the most capacity held at once |
+//! | `twm_tenant_device_pool_bytes` | gauge | tenant, tenant_id, device, isolation | of the touched bytes, those in device pools |
+//! | `twm_tenant_live_memories` | gauge | tenant, tenant_id, device, isolation | memories alive now |
+//! | `twm_tenant_memories_created_total` | counter | tenant, tenant_id, device, isolation | memories ever charged |
+//! | `twm_tenant_denials_total` | counter | tenant, tenant_id, device, isolation, budget | requests refused, by budget (`touched`, `held`, `memories`) |
 //! | `twm_creator_live_memories` | gauge | device | memories alive on the device |
 //! | `twm_creator_memories_created_total` | counter | - | memories ever made |
 //! | `twm_creator_memories_refused_total` | counter | - | memories refused (plan, cap, guard, pool, backend) |
@@ -146,13 +153,19 @@ pub fn record_tenant(tenant: &Tenant) {
     let s = tenant.stats();
     let labels = [
         ("tenant", s.name.clone()),
+        ("tenant_id", s.id.0.to_string()),
         ("device", s.device.0.to_string()),
         ("isolation", s.isolation.name().to_string()),
     ];
-    gauge!("twm_tenant_cap_bytes", &labels).set(s.cap as f64);
+    // An unlimited budget (`u64::MAX`) has no limit to publish.
+    if s.cap != u64::MAX {
+        gauge!("twm_tenant_cap_bytes", &labels).set(s.cap as f64);
+    }
     gauge!("twm_tenant_touched_bytes", &labels).set(s.live_bytes as f64);
     gauge!("twm_tenant_touched_peak_bytes", &labels).set(s.peak_bytes as f64);
-    gauge!("twm_tenant_held_limit_bytes", &labels).set(s.held_limit as f64);
+    if s.held_limit != u64::MAX {
+        gauge!("twm_tenant_held_limit_bytes", &labels).set(s.held_limit as f64);
+    }
     gauge!("twm_tenant_held_bytes", &labels).set(s.held_bytes as f64);
     gauge!("twm_tenant_held_peak_bytes", &labels).set(s.held_peak_bytes as f64);
     gauge!("twm_tenant_device_pool_bytes", &labels).set(s.device_pool_bytes as f64);
@@ -167,8 +180,8 @@ pub fn record_tenant(tenant: &Tenant) {
         ("held", s.held_denials),
         ("memories", s.memory_denials),
     ] {
-        let [a, b, c] = labels.clone();
-        let labels = [a, b, c, ("budget", budget.to_string())];
+        let [a, b, c, d] = labels.clone();
+        let labels = [a, b, c, d, ("budget", budget.to_string())];
         counter!("twm_tenant_denials_total", &labels).absolute(n);
     }
 }
@@ -212,7 +225,9 @@ pub fn record_devices<B: Backend + ?Sized>(backend: &B) {
 pub fn record_placement(placement: &Placement) {
     for d in placement.devices() {
         let labels = [("device", d.device.0.to_string())];
-        gauge!("twm_device_capacity_bytes", &labels).set(d.capacity_bytes as f64);
+        if d.capacity_bytes != u64::MAX {
+            gauge!("twm_device_capacity_bytes", &labels).set(d.capacity_bytes as f64);
+        }
         gauge!("twm_device_committed_bytes", &labels).set(d.committed_bytes as f64);
         gauge!("twm_device_tenants", &labels).set(d.tenants as f64);
         gauge!("twm_device_available", &labels).set(if d.available { 1.0 } else { 0.0 });

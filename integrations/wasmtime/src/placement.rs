@@ -5,12 +5,14 @@
 //! Capacity is admission control on caps: a device takes a tenant while the caps (touched
 //! budgets) of the tenants placed there, plus the new one's, fit in its capacity (by default its
 //! memory as the driver reports it; an embedder may overcommit by giving more, since managed
-//! memory is demand-paged). What a tenant committed goes back when the last `Arc` of the
-//! [`Tenant`] drops. A device can be marked unavailable (drained, or failed): it takes no new
+//! memory is demand-paged). What a tenant committed goes back when its ledger drops (the last
+//! of the [`Tenant`], its device pools and any clone of its [`TenantContext`]).
+//!
+//! [`TenantContext`]: tensor_wasm_mem_core::TenantContext A device can be marked unavailable (drained, or failed): it takes no new
 //! tenant, and its tenants go on as they can.
 
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tensor_wasm_mem_core::{
     DeviceId, IsolationLevel, LedgerGroup, ManagedAllocator, TenantBudgets,
@@ -25,7 +27,9 @@ pub enum PlacementPolicy {
     /// The device whose tenants hold the fewest bytes now (the held bytes of their ledgers:
     /// memory slots or allocations, tables, device pools, summed as they change in a
     /// [`LedgerGroup`] per device, so a decision costs the same however many tenants there
-    /// are); ties go to the fewest committed bytes, then the lowest ordinal.
+    /// are). A device counts at least its committed caps: a tenant just placed holds nothing
+    /// until it instantiates, and a burst of admissions must not all go to one device. Ties go
+    /// to the fewest committed bytes, then the lowest ordinal.
     #[default]
     LeastHeld,
     /// Each device in turn, skipping those that cannot take the tenant.
@@ -69,17 +73,16 @@ struct Slot {
     device: DeviceId,
     available: bool,
     capacity: u64,
-    committed: u64,
     placed: u64,
-    /// Tenants placed here and alive.
-    tenants: u64,
-    /// The running totals of their ledgers.
+    /// The running totals of its tenants' ledgers: members, committed caps, held and touched
+    /// bytes, for as long as each ledger lives (a device pool or a clone of the ledger can
+    /// outlive the `Tenant`).
     group: Arc<LedgerGroup>,
 }
 
 impl Slot {
     fn room(&self) -> u64 {
-        self.capacity.saturating_sub(self.committed)
+        self.capacity.saturating_sub(self.group.committed_bytes())
     }
 
     fn takes(&self, cap: u64) -> bool {
@@ -92,26 +95,6 @@ struct State {
     slots: Vec<Slot>,
     next: usize,
     refusals: u64,
-}
-
-/// What a placed tenant committed on its device, given back when the tenant drops.
-#[derive(Debug)]
-pub(crate) struct PlacementCharge {
-    state: Weak<Mutex<State>>,
-    slot: usize,
-    bytes: u64,
-}
-
-impl Drop for PlacementCharge {
-    fn drop(&mut self) {
-        if let Some(state) = self.state.upgrade() {
-            let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(slot) = state.slots.get_mut(self.slot) {
-                slot.committed = slot.committed.saturating_sub(self.bytes);
-                slot.tenants = slot.tenants.saturating_sub(1);
-            }
-        }
-    }
 }
 
 /// Places tenants on devices: see the [module](self) and [`PlacementPolicy`].
@@ -175,9 +158,7 @@ impl Placement {
                 device,
                 available: true,
                 capacity,
-                committed: 0,
                 placed: 0,
-                tenants: 0,
                 group: Arc::default(),
             })
             .collect();
@@ -194,21 +175,27 @@ impl Placement {
     }
 
     /// A placement over every device of `backend`, each taking as many bytes of caps as it has
-    /// memory (as [`ManagedAllocator::device_report`] says; unlimited where the backend cannot
-    /// say).
+    /// memory (as [`ManagedAllocator::device_report`] says). A device whose memory the backend
+    /// cannot report (a failed `cuMemGetInfo`, or a backend with no figures) starts unavailable
+    /// with no capacity: use [`new`](Self::new) to give capacities yourself.
     pub fn for_backend<B: ManagedAllocator + ?Sized>(
         backend: &B,
         policy: PlacementPolicy,
     ) -> Result<Self, TwmError> {
-        let devices = (0..backend.device_count()).map(|d| {
-            let device = DeviceId(d);
-            let total = backend
-                .device_report(device)
-                .and_then(|r| r.total_bytes)
-                .unwrap_or(u64::MAX);
-            (device, total)
-        });
-        Self::new(devices, policy)
+        let totals: Vec<(DeviceId, Option<u64>)> = (0..backend.device_count())
+            .map(|d| {
+                let device = DeviceId(d);
+                let total = backend.device_report(device).and_then(|r| r.total_bytes);
+                (device, total)
+            })
+            .collect();
+        let this = Self::new(totals.iter().map(|(d, t)| (*d, t.unwrap_or(0))), policy)?;
+        for (device, total) in totals {
+            if total.is_none() {
+                this.set_available(device, false)?;
+            }
+        }
+        Ok(this)
     }
 
     /// The policy.
@@ -244,8 +231,11 @@ impl Placement {
                     if !state.slots[i].takes(cap) {
                         continue;
                     }
+                    // A new tenant holds nothing until it instantiates: it counts by its cap
+                    // until it holds more, so a burst of admissions spreads.
                     let slot = &state.slots[i];
-                    let key = (slot.group.held_bytes(), slot.committed, i);
+                    let committed = slot.group.committed_bytes();
+                    let key = (slot.group.held_bytes().max(committed), committed, i);
                     if best.is_none_or(|b| key < b) {
                         best = Some(key);
                     }
@@ -297,21 +287,14 @@ impl Placement {
         isolation: IsolationLevel,
     ) -> Arc<Tenant> {
         let slot = &mut state.slots[i];
-        slot.committed += budgets.touched_bytes;
         slot.placed += 1;
-        slot.tenants += 1;
-        let charge = PlacementCharge {
-            state: Arc::downgrade(&self.state),
-            slot: i,
-            bytes: budgets.touched_bytes,
-        };
         let tenant = Arc::new(Tenant::make(
             id,
             name,
             budgets,
             isolation,
             vec![slot.device],
-            Some((charge, Arc::clone(&slot.group))),
+            Some(Arc::clone(&slot.group)),
         ));
         tracing::debug!(
             device = slot.device.0,
@@ -364,8 +347,8 @@ impl Placement {
                 device: slot.device,
                 available: slot.available,
                 capacity_bytes: slot.capacity,
-                committed_bytes: slot.committed,
-                tenants: slot.tenants,
+                committed_bytes: slot.group.committed_bytes(),
+                tenants: slot.group.members(),
                 placed: slot.placed,
                 held_bytes: slot.group.held_bytes(),
                 touched_bytes: slot.group.touched_bytes(),

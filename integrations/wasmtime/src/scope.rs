@@ -234,6 +234,15 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
         let lease = guest.stream().map_err(TwmError::backend)?;
         let stream = StreamId::of(lease.stream()).handle();
         let device = scoped.device();
+        if stream.device() != device {
+            // A memory made where its Store named no tenant (the creator's default device)
+            // while the guest context's tenant lives elsewhere: no stream of the tenant can
+            // order work on it.
+            return Err(TwmError::DeviceMismatch {
+                memory: device,
+                stream: stream.device(),
+            });
+        }
         let mut scope = Self {
             _store: PhantomData,
             memory: scoped,

@@ -81,9 +81,6 @@ pub struct Tenant {
     name: String,
     memories_created: AtomicU64,
     devices: Vec<DeviceId>,
-    /// What a [`Placement`](crate::Placement) committed for this tenant on its device, given
-    /// back when the tenant goes.
-    _placed: Option<crate::placement::PlacementCharge>,
 }
 
 /// A snapshot of a tenant's figures.
@@ -181,24 +178,17 @@ impl Tenant {
         budgets: TenantBudgets,
         isolation: IsolationLevel,
         devices: Vec<DeviceId>,
-        placed: Option<(crate::placement::PlacementCharge, Arc<LedgerGroup>)>,
+        group: Option<Arc<LedgerGroup>>,
     ) -> Self {
-        let (placed, context) = match placed {
-            Some((charge, group)) => (
-                Some(charge),
-                TenantContext::in_group(TenantId(id), budgets, isolation, group),
-            ),
-            None => (
-                None,
-                TenantContext::with_budgets(TenantId(id), budgets, isolation),
-            ),
+        let context = match group {
+            Some(group) => TenantContext::in_group(TenantId(id), budgets, isolation, group),
+            None => TenantContext::with_budgets(TenantId(id), budgets, isolation),
         };
         Self {
             context: Arc::new(context),
             name,
             memories_created: AtomicU64::new(0),
             devices,
-            _placed: placed,
         }
     }
 

@@ -455,3 +455,132 @@ fn device_sets_and_served_devices_are_checked() {
     ));
     assert!(p.set_available(DeviceId(3), false).is_err());
 }
+
+#[test]
+fn a_commitment_lasts_as_long_as_the_ledger_not_the_tenant() {
+    use tensor_wasm_mem_core::{DEFAULT_STREAM, DevicePoolConfig, Stream, TenantDevicePool};
+    let backend = machine(2);
+    let placement = Placement::for_backend(&*backend, PlacementPolicy::RoundRobin).unwrap();
+    let tenant = placement
+        .admit(1, "pooled", budgets(), IsolationLevel::Shared)
+        .unwrap();
+    let device = tenant.device();
+    let config = DevicePoolConfig {
+        max_bytes: 0,
+        release_threshold: 1 << 20,
+    };
+    let pool = TenantDevicePool::new(
+        Arc::clone(&backend),
+        Arc::clone(tenant.context()),
+        device,
+        &config,
+    )
+    .unwrap();
+    let shared = Stream::new(
+        DEFAULT_STREAM,
+        0,
+        IsolationLevel::Shared,
+        tenant.context().key(),
+    )
+    .on_device(device);
+    let buffer = pool.allocate(64 << 10, &shared).unwrap();
+    drop(tenant);
+    // The pool still holds the ledger, and charges on it: the device is still committed.
+    let d = placement.devices()[device.0 as usize].clone();
+    assert_eq!((d.tenants, d.committed_bytes), (1, 1 << 20), "{d:?}");
+    assert!(
+        d.held_bytes >= 64 << 10 && d.touched_bytes >= 64 << 10,
+        "{d:?}"
+    );
+    drop(buffer);
+    drop(pool);
+    let d = placement.devices()[device.0 as usize].clone();
+    assert_eq!(
+        (d.tenants, d.committed_bytes, d.held_bytes),
+        (0, 0, 0),
+        "{d:?}"
+    );
+}
+
+#[rstest]
+#[case(2)]
+#[case(8)]
+fn least_held_spreads_a_burst_of_admissions(#[case] n: u32) {
+    let placement = Placement::for_backend(&*machine(n), PlacementPolicy::LeastHeld).unwrap();
+    let tenants: Vec<_> = (0..n)
+        .map(|i| {
+            placement
+                .admit(u64::from(i), "burst", budgets(), IsolationLevel::Shared)
+                .unwrap()
+        })
+        .collect();
+    let mut devices: Vec<u32> = tenants.iter().map(|t| t.device().0).collect();
+    devices.sort_unstable();
+    assert_eq!(
+        devices,
+        (0..n).collect::<Vec<_>>(),
+        "one each, none holding yet"
+    );
+}
+
+#[test]
+fn a_device_that_cannot_report_its_memory_takes_no_tenant() {
+    let backend = machine(2);
+    assert!(backend.driver().fail_device(DeviceId(1), code::UNKNOWN));
+    let placement = Placement::for_backend(&*backend, PlacementPolicy::RoundRobin).unwrap();
+    backend.driver().restore_device(DeviceId(1));
+    let d = placement.devices();
+    assert!(d[0].available && !d[1].available, "{d:?}");
+    assert_eq!(d[1].capacity_bytes, 0);
+    for i in 0..3 {
+        let t = placement
+            .admit(i, "t", budgets(), IsolationLevel::Shared)
+            .unwrap();
+        assert_eq!(t.device(), DeviceId(0));
+    }
+}
+
+#[test]
+fn a_scope_refuses_a_memory_on_another_device_than_the_guests_stream() {
+    use tensor_wasm_mem_wasmtime::GuestContext;
+    struct Data(GuestContext<MockBackend>);
+    impl HasGuestContext<MockBackend> for Data {
+        fn guest_context(&mut self) -> &mut GuestContext<MockBackend> {
+            &mut self.0
+        }
+    }
+    let rig = rig(2, false);
+    let tenant = Tenant::with_devices(
+        1,
+        "t",
+        budgets(),
+        IsolationLevel::StreamIsolated,
+        &[DeviceId(1)],
+    )
+    .unwrap();
+    // No limiter: the memory goes to the creator's default device 0, the stream to device 1.
+    let mut store = Store::new(
+        &rig.engine,
+        Data(GuestContext::new(rig.creator.clone(), &tenant)),
+    );
+    let module = Module::new(&rig.engine, "(module (memory (export \"memory\") 1))").unwrap();
+    let instance = wasmtime::Instance::new(&mut store, &module, &[]).unwrap();
+    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    let e = DeviceAccess::open(
+        &mut store,
+        &rig.creator,
+        &memory,
+        &[AccessRange::read(0, 64)],
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TwmError::DeviceMismatch {
+                memory: DeviceId(0),
+                stream: DeviceId(1)
+            }
+        ),
+        "{e}"
+    );
+}
