@@ -79,6 +79,13 @@ fn attribute(device: CUdevice, attribute: CUdevice_attribute) -> Result<bool, Cu
     Ok(v != 0)
 }
 
+fn can_access_peer(device: CUdevice, peer: CUdevice) -> bool {
+    let mut v: c_int = 0;
+    // SAFETY: `v` is a valid out-pointer; both devices came from cuDeviceGet.
+    let result = unsafe { sys::cuDeviceCanAccessPeer(&mut v, device, peer) };
+    check("cuDeviceCanAccessPeer", result).is_ok() && v != 0
+}
+
 fn device_name(device: CUdevice) -> Result<String, CudaCallError> {
     let mut buf = [0 as c_char; 256];
     // SAFETY: `buf` is valid for its length, which is passed.
@@ -238,6 +245,8 @@ pub struct DeviceInfo {
 #[derive(Debug)]
 struct Device {
     info: DeviceInfo,
+    /// Per device ordinal: whether this device can access memory on that one directly.
+    peers: Vec<bool>,
     cu: CUdevice,
     primary: usize,
     /// The stream zeroing runs on.
@@ -313,10 +322,19 @@ impl Devices {
             };
             this.devices.push(Device {
                 info,
+                peers: Vec::new(),
                 cu,
                 primary,
                 scrub_stream,
             });
+        }
+        // Peer access, asked once: a pair the driver cannot answer for is taken as no access.
+        let cus: Vec<CUdevice> = this.devices.iter().map(|d| d.cu).collect();
+        for device in &mut this.devices {
+            device.peers = cus
+                .iter()
+                .map(|&peer| peer != device.cu && can_access_peer(device.cu, peer))
+                .collect();
         }
         Ok(this)
     }
@@ -336,6 +354,14 @@ impl Devices {
 
     pub(crate) fn count(&self) -> u32 {
         self.devices.len() as u32
+    }
+
+    pub(crate) fn can_access_peer(&self, id: DeviceId, peer: DeviceId) -> bool {
+        self.devices
+            .get(id.0 as usize)
+            .and_then(|d| d.peers.get(peer.0 as usize))
+            .copied()
+            .unwrap_or(false)
     }
 
     pub(crate) fn facts(&self, id: DeviceId) -> DeviceFacts {
@@ -409,6 +435,10 @@ macro_rules! common_driver_api {
 
         fn device_facts(&self, device: DeviceId) -> tensor_wasm_mem_core::DeviceFacts {
             self.devices.facts(device)
+        }
+
+        fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> bool {
+            self.devices.can_access_peer(device, peer)
         }
 
         fn memory_info(&self) -> Result<Option<(u64, u64)>, $error> {

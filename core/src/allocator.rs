@@ -178,6 +178,14 @@ pub unsafe trait ManagedAllocator: ErrorType {
             .then(|| crate::DeviceReport::from_capabilities(device, &self.capabilities()))
     }
 
+    /// Whether `device` can access memory resident on another device, `peer`, directly (peer
+    /// access over NVLink or PCIe: `cuDeviceCanAccessPeer`). `false` for the same device, an
+    /// unknown one, or a backend that cannot say (the default).
+    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> bool {
+        let _ = (device, peer);
+        false
+    }
+
     /// Allocates `bytes` bytes of managed memory attached globally, on `device`.
     fn allocate(&self, device: DeviceId, bytes: usize) -> Result<crate::Allocation, Self::Error>;
 
@@ -216,6 +224,9 @@ macro_rules! forward_allocator {
             }
             fn device_report(&self, device: DeviceId) -> Option<crate::DeviceReport> {
                 T::device_report(self, device)
+            }
+            fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> bool {
+                T::can_access_peer(self, device, peer)
             }
             fn allocate(&self, device: DeviceId, bytes: usize) -> Result<Allocation, Self::Error> {
                 T::allocate(self, device, bytes)

@@ -211,6 +211,13 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
         false
     }
 
+    /// Whether `device` can access memory resident on `peer` directly
+    /// (`cuDeviceCanAccessPeer`; `device != peer`, both below `device_count()`). Default: no.
+    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> bool {
+        let _ = (device, peer);
+        false
+    }
+
     /// `(free, total)` bytes of the current context's device (`cuMemGetInfo`); `None` where the
     /// driver cannot say (the default).
     fn memory_info(&self) -> Result<Option<(u64, u64)>, Self::Error> {
@@ -572,6 +579,13 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
 
     fn device_count(&self) -> u32 {
         self.driver.device_count()
+    }
+
+    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> bool {
+        device != peer
+            && self.check_device(device).is_ok()
+            && self.check_device(peer).is_ok()
+            && self.driver.can_access_peer(device, peer)
     }
 
     /// The device's own facts, and its memory as `cuMemGetInfo` in its primary context

@@ -62,6 +62,9 @@ pub struct ModelConfig {
     pub concurrent_managed_access: bool,
     /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS` (reported only).
     pub pageable_memory_access: bool,
+    /// Every pair of distinct devices can access each other's memory (`cuDeviceCanAccessPeer`
+    /// answers 1), as on an NVLink server; off, none can.
+    pub peer_access: bool,
     /// Fill fresh managed allocations with `0xA5`, as `cuMemAllocManaged` does not zero (the
     /// backend then reports `comes_zeroed = false` and the core zeroes). Commits the memory: for
     /// tests.
@@ -75,14 +78,15 @@ pub struct ModelConfig {
 }
 
 impl Default for ModelConfig {
-    /// One device with 16 GiB, concurrent managed access, memory that comes zeroed, work that
-    /// completes at the call.
+    /// One device with 16 GiB, concurrent managed access, peer access between devices, memory
+    /// that comes zeroed, work that completes at the call.
     fn default() -> Self {
         Self {
             device_count: 1,
             device_memory_bytes: 16 << 30,
             concurrent_managed_access: true,
             pageable_memory_access: false,
+            peer_access: true,
             poison_fresh_allocations: false,
             deferred_streams: false,
         }

@@ -1044,6 +1044,11 @@ unsafe impl DriverApi for ModelDriver {
         !self.config.poison_fresh_allocations
     }
 
+    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> bool {
+        let count = self.config.device_count;
+        self.config.peer_access && device != peer && device.0 < count && peer.0 < count
+    }
+
     fn memory_info(&self) -> Result<Option<(u64, u64)>, ModelError> {
         let mut state = self.state();
         let device = self.enter(&mut state, Call::MemGetInfo, true)?;

@@ -21,6 +21,13 @@ pub struct ProbeArgs {
     pub devices: Option<u32>,
 }
 
+/// The devices whose memory `device` can access directly.
+fn peers<B: Backend>(backend: &B, device: DeviceId) -> Vec<u32> {
+    (0..backend.device_count())
+        .filter(|&p| backend.can_access_peer(device, DeviceId(p)))
+        .collect()
+}
+
 /// Describes a backend that started.
 pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out: bool) {
     let caps = backend.capabilities();
@@ -70,6 +77,7 @@ pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out:
                     "free_bytes": r.free_bytes,
                     "concurrent_managed_access": r.concurrent_managed_access,
                     "pageable_memory_access": r.pageable_memory_access,
+                    "peers": peers(backend, r.device),
                 })
             })
             .collect();
@@ -83,17 +91,26 @@ pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out:
         let bytes = |b: Option<u64>| b.map_or_else(|| "unknown".to_string(), format_bytes);
         let yes = |b: bool| if b { "yes" } else { "no" };
         println!(
-            "\n{:<8} {:>10} {:>10} {:>18} {:>16}",
+            "\n{:<8} {:>10} {:>10} {:>18} {:>16}  peers",
             "device", "memory", "free", "concurrent managed", "pageable access"
         );
         for r in &reports {
+            let list: Vec<String> = peers(backend, r.device)
+                .iter()
+                .map(u32::to_string)
+                .collect();
             println!(
-                "{:<8} {:>10} {:>10} {:>18} {:>16}",
+                "{:<8} {:>10} {:>10} {:>18} {:>16}  {}",
                 r.device.0,
                 bytes(r.total_bytes),
                 bytes(r.free_bytes),
                 yes(r.concurrent_managed_access),
-                yes(r.pageable_memory_access)
+                yes(r.pageable_memory_access),
+                if list.is_empty() {
+                    "-".to_string()
+                } else {
+                    list.join(",")
+                }
             );
         }
     }

@@ -19,7 +19,7 @@
 //! | `-1` | [`TWM_ERR_OUT_OF_RANGE`] | the range ends past the memory's current size |
 //! | `-2` | [`TWM_ERR_OVERFLOW`] | `ptr + len` wraps the 32-bit address space |
 //! | `-3` | [`TWM_ERR_UNKNOWN_ADVICE`] | no such advice code |
-//! | `-4` | [`TWM_ERR_UNKNOWN_DEVICE`] | a location below `-1`, a device that does not exist, or one the tenant is not bound to ([`Tenant::devices`]) |
+//! | `-4` | [`TWM_ERR_UNKNOWN_DEVICE`] | a location below `-1`, a device that does not exist, one the tenant is not bound to ([`Tenant::devices`]), or an `accessed_by` device with no peer access to the memory's device |
 //! | `-5` | [`TWM_ERR_BACKEND`] | the backend (driver) failed |
 //! | `-6` | [`TWM_ERR_NOT_DEVICE_MEMORY`] | no exported `memory`, or one that is not device-visible |
 //!
@@ -309,6 +309,17 @@ fn advise_call<B: Backend, T: HasGuestContext<B>>(
     let creator = context.creator.clone();
     let advice = Advice::from_guest_code(advice, location).ok_or(TWM_ERR_UNKNOWN_ADVICE)?;
     let memory = guest_memory(caller)?;
+    // Mapping the memory for another device of the tenant's set takes peer access from that
+    // device to the memory's.
+    if let Advice::SetAccessedBy(Location::Device(d))
+    | Advice::UnsetAccessedBy(Location::Device(d)) = advice
+    {
+        let view = MemoryView::of(&*caller, &memory).map_err(|e| code_for(&e))?;
+        let home = creator.memory_device(view).map_err(|e| code_for(&e))?;
+        if d != home && !creator.backend().can_access_peer(d, home) {
+            return Err(TWM_ERR_UNKNOWN_DEVICE);
+        }
+    }
     creator
         .advise(&*caller, &memory, offset, len, advice)
         .map_err(|e| code_for(&e))

@@ -489,6 +489,11 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             .ok_or(TwmError::NotOurMemory)
     }
 
+    /// The device of a memory this creator made (any other is `NotOurMemory`).
+    pub(crate) fn memory_device(&self, view: MemoryView) -> Result<DeviceId, TwmError> {
+        Ok(self.shared(view)?.device)
+    }
+
     /// A memory this creator made (any other is `NotOurMemory`), held for a device-access
     /// scope, with its visible size as the guest sees it.
     pub(crate) fn scoped(&self, view: MemoryView) -> Result<(ScopedMemory<B>, usize), TwmError> {

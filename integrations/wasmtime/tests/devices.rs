@@ -584,3 +584,58 @@ fn a_scope_refuses_a_memory_on_another_device_than_the_guests_stream() {
         "{e}"
     );
 }
+
+#[rstest]
+#[case(true)]
+#[case(false)]
+fn accessed_by_a_peer_device_needs_peer_access(#[case] peers: bool) {
+    let backend = Arc::new(with_config(MockConfig {
+        device_count: 2,
+        peer_access: peers,
+        ..MockConfig::default()
+    }));
+    use tensor_wasm_mem_core::ManagedAllocator;
+    assert_eq!(backend.can_access_peer(DeviceId(1), DeviceId(0)), peers);
+    assert!(
+        !backend.can_access_peer(DeviceId(0), DeviceId(0)),
+        "not its own peer"
+    );
+    assert!(
+        !backend.can_access_peer(DeviceId(0), DeviceId(7)),
+        "no such device"
+    );
+    let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .all_devices()
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let module = Module::new(&engine, GUEST).unwrap();
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).unwrap();
+    let tenant = Tenant::with_devices(
+        1,
+        "both",
+        budgets(),
+        IsolationLevel::StreamIsolated,
+        &[DeviceId(0), DeviceId(1)],
+    )
+    .unwrap();
+    let mut store = new_store(
+        &engine,
+        TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()),
+    );
+    let instance = instantiate(&mut store, &linker, &module).unwrap();
+    // Its memory is on device 0; device 1 is in its set.
+    assert_eq!(call(&mut store, &instance, "accessed_by", 0), TWM_OK);
+    assert_eq!(
+        call(&mut store, &instance, "prefetch", 1),
+        TWM_OK,
+        "migration needs no peer"
+    );
+    let expected = if peers {
+        TWM_OK
+    } else {
+        TWM_ERR_UNKNOWN_DEVICE
+    };
+    assert_eq!(call(&mut store, &instance, "accessed_by", 1), expected);
+}

@@ -538,6 +538,15 @@ entry! {
 }
 
 entry! {
+    /// `cuDeviceCanAccessPeer`: every pair of distinct devices can.
+    fn cuDeviceCanAccessPeer(can: *mut c_int, device: c_int, peer: c_int) |sim| {
+        sim.device(device)?;
+        sim.device(peer)?;
+        put(can, c_int::from(device != peer))
+    }
+}
+
+entry! {
     /// `cuDeviceTotalMem_v2`.
     fn cuDeviceTotalMem_v2(bytes: *mut usize, device: c_int) |sim| {
         sim.device(device)?;
