@@ -492,7 +492,7 @@ fn a_commitment_lasts_as_long_as_the_ledger_not_the_tenant() {
         d.held_bytes >= 64 << 10 && d.touched_bytes >= 64 << 10,
         "{d:?}"
     );
-    drop(buffer);
+    pool.free(buffer, &shared).unwrap();
     drop(pool);
     let d = placement.devices()[device.0 as usize].clone();
     assert_eq!(
