@@ -24,6 +24,8 @@ fi
 target="$(rustc -vV | sed -n 's/^host: //p')"
 # The precompiled std is not instrumented: the ABI check would refuse to link it.
 export RUSTFLAGS="-Zsanitizer=thread -Cunsafe-allow-abi-mismatch=sanitizer"
+# As in asan.sh: line tables only, no incremental cache.
+export CARGO_PROFILE_DEV_DEBUG=line-tables-only CARGO_INCREMENTAL=0
 export TSAN_OPTIONS="halt_on_error=0 second_deadlock_stack=1 print_suppressions=1 suppressions=$PWD/scripts/tsan.supp"
 log="$(mktemp)"
 set +e
@@ -37,12 +39,20 @@ set +e
 } 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e
-passed=$(grep -E '^test result:' "$log" | awk '{s += $4} END {print s + 0}')
-failed=$(grep -E '^test result:' "$log" | awk '{s += $6} END {print s + 0}')
+passed=$({ grep -E '^test result:' "$log" || true; } | awk '{s += $4} END {print s + 0}')
+failed=$({ grep -E '^test result:' "$log" || true; } | awk '{s += $6} END {print s + 0}')
 reports=$(grep -c 'WARNING: ThreadSanitizer' "$log" || true)
 # What was suppressed, per pattern, summed over the test binaries.
-grep -E '^\s*[0-9]+ race:' "$log" | awk '{n[$2] += $1} END {for (p in n) print "tsan: suppressed " n[p] " x " p}' | sort
+{ grep -E '^\s*[0-9]+ race:' "$log" || true; } | awk '{n[$2] += $1} END {for (p in n) print "tsan: suppressed " n[p] " x " p}' | sort
 echo "tsan: $passed passed, $failed failed, $reports unsuppressed reports (exit $status)"
+if [ "$status" -ne 0 ] && [ "$passed" -eq 0 ]; then
+    # Prefixed, as CI keeps only the lines that start with `tsan:`.
+    echo "tsan: the build failed; the first error lines and the machine's room:"
+    { grep -E '^error|LLVM ERROR|No space|memory allocation|SIGKILL' "$log" || true; } | head -n 20 | sed 's/^/tsan: /'
+    df -h . | tail -n 1 | sed 's/^/tsan: /'
+    rm -f "$log"
+    exit 1
+fi
 rm -f "$log"
 if [ "$reports" -gt 0 ] || [ "$failed" -gt 0 ]; then
     exit 1

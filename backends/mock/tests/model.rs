@@ -272,6 +272,99 @@ fn a_wait_on_an_event_orders_two_streams() {
     unsafe { mock.free(a_mem).unwrap() };
 }
 
+/// A wait is for the record the event had when the wait was queued: recording the event again
+/// elsewhere, or destroying it, before the waiting stream runs changes nothing (the driver's
+/// `cuStreamWaitEvent`). A model that followed the event's latest record would let `y` run
+/// before `x`'s work.
+#[test]
+fn a_wait_is_for_the_record_it_saw_whatever_happens_to_the_event_later() {
+    for later in ["re-record", "destroy"] {
+        let mock = deferred();
+        let mem = mock.allocate(DeviceId(0), PAGE).unwrap();
+        let [x, y, z] = [0, 1, 2].map(|_| {
+            mock.acquire_stream(key(1), IsolationLevel::StreamIsolated)
+                .unwrap()
+        });
+        // SAFETY: no reference to the bytes while the kernels can run.
+        unsafe { mock.driver().enqueue_fill(&x, mem.device_ptr(), 4, 1) }.unwrap();
+        let event = mock.driver().event_create().unwrap();
+        mock.driver().event_record(event, &x).unwrap();
+        mock.driver().stream_wait_event(&y, event).unwrap();
+        match later {
+            // The new record is on an idle stream: it completes at once when z runs.
+            "re-record" => {
+                mock.driver().event_record(event, &z).unwrap();
+                mock.synchronize(&z).unwrap();
+            }
+            _ => mock.driver().event_destroy(event).unwrap(),
+        }
+        // SAFETY: as above.
+        unsafe { mock.driver().enqueue_fill(&y, mem.device_ptr(), 2, 2) }.unwrap();
+        mock.synchronize(&y).unwrap();
+        assert_eq!(
+            (read(&mem, 0), read(&mem, 3)),
+            (2, 1),
+            "{later}: x ran up to its record before y's fill"
+        );
+        if later == "re-record" {
+            mock.driver().event_destroy(event).unwrap();
+        }
+        for s in [x, y, z] {
+            mock.release_stream(s).unwrap();
+        }
+        // SAFETY: `mem` came from `mock`.
+        unsafe { mock.free(mem).unwrap() };
+        assert_eq!(mock.driver().stats().live_events, 0);
+    }
+}
+
+/// Destroying a context lets the device finish what it queued first: a stream of another
+/// context waiting on one of its events still sees its work, in order. A model that dropped the
+/// destroyed context's queue would run the waiter over memory the first context never wrote.
+#[test]
+fn a_destroyed_context_finishes_its_work_before_a_waiter_elsewhere_goes_on() {
+    let mock = deferred();
+    let driver = mock.driver();
+    let before = driver.stats();
+    let mem = mock.allocate(DeviceId(0), PAGE).unwrap();
+    let waiter = mock
+        .acquire_stream(key(1), IsolationLevel::StreamIsolated)
+        .unwrap();
+    // A context of its own, made and used through the raw driver calls.
+    let context = driver.context_create(DeviceId(0)).unwrap();
+    driver.push_current(context).unwrap();
+    let raw = driver.stream_create().unwrap();
+    driver.pop_current().unwrap();
+    let theirs =
+        tensor_wasm_mem_core::Stream::new(raw, context, IsolationLevel::ContextIsolated, key(2));
+    // SAFETY: no reference to the bytes while the kernels can run.
+    unsafe { driver.enqueue_fill(&theirs, mem.device_ptr(), 4, 1) }.unwrap();
+    let event = driver.event_create().unwrap();
+    driver.event_record(event, &theirs).unwrap();
+    driver.stream_wait_event(&waiter, event).unwrap();
+    // SAFETY: as above.
+    unsafe { driver.enqueue_fill(&waiter, mem.device_ptr(), 2, 2) }.unwrap();
+    assert_eq!(read(&mem, 3), 0, "nothing ran yet");
+    driver.context_destroy(context).unwrap();
+    assert_eq!(read(&mem, 3), 1, "the context's fill ran before it went");
+    mock.synchronize(&waiter).unwrap();
+    assert_eq!((read(&mem, 0), read(&mem, 3)), (2, 1));
+    driver.event_destroy(event).unwrap();
+    mock.release_stream(waiter).unwrap();
+    // SAFETY: `mem` came from `mock`.
+    unsafe { mock.free(mem).unwrap() };
+    let after = driver.stats();
+    assert_eq!(
+        (after.live_streams, after.live_contexts, after.live_events),
+        (
+            before.live_streams,
+            before.live_contexts,
+            before.live_events
+        ),
+        "the context took its stream with it"
+    );
+}
+
 /// A kernel outside every live allocation poisons its context when it runs (sticky: the next
 /// call in it is `CUDA_ERROR_ILLEGAL_ADDRESS`, typed), abandons its queued work, and leaves
 /// another tenant's context working.

@@ -98,9 +98,13 @@ enum Work {
         event: u64,
         generation: u64,
     },
+    /// Waits until `source` (the queue the event's record was on when the wait was queued) has
+    /// run its `Signal { event, generation }`: what a later record or a destroy of the event
+    /// does cannot change what this wait waits for, as with `cuStreamWaitEvent`.
     Wait {
         event: u64,
         generation: u64,
+        source: Option<Queue>,
     },
 }
 
@@ -265,13 +269,22 @@ impl State {
             return false;
         };
         match work {
-            Work::Wait { event, generation } => {
-                // The device waits for the event's stream to reach the record.
-                while let Some(e) = self.events.get(&event)
-                    && e.completed < generation
-                    && let Some(other) = e.queue.filter(|&q| q != queue)
-                    && self.run_one(other)
-                {}
+            Work::Wait {
+                event,
+                generation,
+                source,
+            } => {
+                // The device waits for the record's stream to reach the record (abandoned work,
+                // after a fault, is gone from the queue and waits for nothing).
+                if let Some(source) = source.filter(|&q| q != queue) {
+                    while self.queues.get(&source).is_some_and(|w| {
+                        w.iter().any(|w| {
+                            matches!(*w, Work::Signal { event: e, generation: g }
+                                if e == event && g == generation)
+                        })
+                    }) && self.run_one(source)
+                    {}
+                }
             }
             Work::Signal { event, generation } => self.signal(event, generation),
             Work::PoolFree { ptr } => self.release_pool_block(ptr),
@@ -358,6 +371,14 @@ impl State {
             return;
         };
         let Some(pool) = self.pools.get_mut(&pool_raw) else {
+            // Its pool is gone: the block goes back to the device at once.
+            self.used[record.device as usize] -= record.mapped as u64;
+            self.stats.pool_reserved_bytes -= record.mapped as u64;
+            if let Some(ptr) = core::ptr::NonNull::new(ptr as *mut u8) {
+                // SAFETY: a block of a pool that no longer exists, mapped with this length and
+                // just taken out of the table: no one else holds it.
+                unsafe { host::unmap(ptr, record.mapped) };
+            }
             return;
         };
         pool.live -= 1;
@@ -928,12 +949,14 @@ impl ModelDriver {
         self.enter(&mut state, Call::StreamWaitEvent, false)?;
         let queue = Self::queue_of(&state, Call::StreamWaitEvent, stream)?;
         Self::check_poison(&state, Call::StreamWaitEvent, stream.context())?;
-        let generation = Self::event(&mut state, Call::StreamWaitEvent, event)?.recorded;
+        let e = Self::event(&mut state, Call::StreamWaitEvent, event)?;
+        let (generation, source) = (e.recorded, e.queue.filter(|_| e.completed < e.recorded));
         state.enqueue(
             queue,
             Work::Wait {
                 event: event.0,
                 generation,
+                source,
             },
         );
         self.settle(&mut state, queue);
@@ -1311,8 +1334,9 @@ unsafe impl DriverApi for ModelDriver {
         Ok(handle)
     }
 
-    /// Destroys a non-primary context with its streams (their queued work abandoned, pool frees
-    /// run, as the driver tears the context down).
+    /// Destroys a non-primary context with its streams. The device first finishes the work the
+    /// context queued (a wait on another stream for one of its events is then satisfied); a
+    /// poisoned context's abandoned work only gives back its pool blocks and reaches its records.
     fn context_destroy(&self, context: u64) -> Result<(), ModelError> {
         let call = Call::CtxDestroy;
         let mut state = self.state();
@@ -1327,14 +1351,23 @@ unsafe impl DriverApi for ModelDriver {
             .filter(|(_, s)| s.context == context)
             .map(|(&h, _)| h)
             .collect();
+        // The device finishes what the context queued before it goes (a poisoned context's
+        // work was abandoned at the fault); whatever is left still gives back its pool blocks
+        // and reaches its event records, so no wait elsewhere waits forever.
+        let poisoned = state.contexts.get(&context).is_some_and(|c| c.poisoned);
         for queue in streams
             .iter()
             .map(|&s| Queue::Stream(s))
             .chain([Queue::Default(context)])
         {
+            if !poisoned {
+                state.drain(queue);
+            }
             for work in state.queues.remove(&queue).unwrap_or_default() {
-                if let Work::PoolFree { ptr } = work {
-                    state.release_pool_block(ptr);
+                match work {
+                    Work::PoolFree { ptr } => state.release_pool_block(ptr),
+                    Work::Signal { event, generation } => state.signal(event, generation),
+                    _ => {}
                 }
             }
         }
