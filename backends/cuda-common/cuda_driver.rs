@@ -206,6 +206,31 @@ unsafe fn zero(ptr: u64, len: usize, stream: usize) -> Result<(), CudaCallError>
     synchronize(stream)
 }
 
+/// `CU_MEMHOSTREGISTER_DEVICEMAP`.
+const HOST_REGISTER_DEVICEMAP: u32 = 2;
+
+/// Registers `ptr..ptr + len` of host memory, device-mapped (`cuMemHostRegister_v2`).
+pub(crate) fn host_register(ptr: u64, len: usize) -> Result<(), CudaCallError> {
+    // SAFETY: the driver reads the range's page tables and pins its pages; a range that is not
+    // mapped is an error it answers, not undefined behaviour. Only called on devices that report
+    // registration (so the symbol is probed by the attribute first).
+    check("cuMemHostRegister_v2", unsafe {
+        sys::cuMemHostRegister_v2(ptr as usize as *mut _, len, HOST_REGISTER_DEVICEMAP)
+    })
+}
+
+/// Unregisters the host range registered at `ptr` (`cuMemHostUnregister`).
+///
+/// # Safety
+///
+/// `ptr` is the base of a registered range that no device work uses any more.
+pub(crate) unsafe fn host_unregister(ptr: u64) -> Result<(), CudaCallError> {
+    // SAFETY: guaranteed by the caller.
+    check("cuMemHostUnregister", unsafe {
+        sys::cuMemHostUnregister(ptr as usize as *mut _)
+    })
+}
+
 pub(crate) fn stream_create() -> Result<usize, CudaCallError> {
     let mut s: CUstream = std::ptr::null_mut();
     // SAFETY: `s` is a valid out-pointer.
@@ -240,6 +265,11 @@ pub struct DeviceInfo {
     pub concurrent_managed_access: bool,
     /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS`.
     pub pageable_memory_access: bool,
+    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES` (ATS).
+    pub pageable_uses_host_page_tables: bool,
+    /// `CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED` and
+    /// `CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`.
+    pub host_registration: bool,
 }
 
 #[derive(Debug)]
@@ -311,6 +341,22 @@ impl Devices {
                     cu,
                     CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS,
                 )?,
+                // Attributes an older driver may not know: an error reads as "no".
+                pageable_uses_host_page_tables: attribute(
+                    cu,
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES,
+                )
+                .unwrap_or(false),
+                host_registration: attribute(
+                    cu,
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED,
+                )
+                .unwrap_or(false)
+                    && attribute(
+                        cu,
+                        CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
+                    )
+                    .unwrap_or(false),
             };
             let primary = primary_context_retain(cu)?;
             let scrub_stream = match in_context(primary, stream_create) {
@@ -369,6 +415,8 @@ impl Devices {
         DeviceFacts {
             concurrent_managed_access: info.concurrent_managed_access,
             pageable_memory_access: info.pageable_memory_access,
+            pageable_uses_host_page_tables: info.pageable_uses_host_page_tables,
+            host_registration: info.host_registration,
         }
     }
 
@@ -494,6 +542,15 @@ macro_rules! common_driver_api {
 
         fn context_destroy(&self, context: u64) -> Result<(), $error> {
             Ok(self.devices.context_destroy(context)?)
+        }
+
+        fn host_register(&self, ptr: u64, len: usize) -> Result<(), $error> {
+            Ok(cuda::host_register(ptr, len)?)
+        }
+
+        unsafe fn host_unregister(&self, ptr: u64) -> Result<(), $error> {
+            // SAFETY: guaranteed by the caller (the `DriverApi::host_unregister` contract).
+            Ok(unsafe { cuda::host_unregister(ptr) }?)
         }
     };
 }

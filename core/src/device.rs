@@ -197,6 +197,10 @@ pub struct DeviceReport {
     pub concurrent_managed_access: bool,
     /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS` of this device.
     pub pageable_memory_access: bool,
+    /// Whether host memory registered device-mapped is accessible at its own address
+    /// (`CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED` and
+    /// `CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`).
+    pub host_registration: bool,
     /// Its memory in bytes (`cuMemGetInfo`'s total), where the backend can say.
     pub total_bytes: Option<u64>,
     /// Its free memory in bytes now (`cuMemGetInfo`'s free), where the backend can say.
@@ -213,6 +217,7 @@ impl DeviceReport {
             device,
             concurrent_managed_access: caps.concurrent_managed_access,
             pageable_memory_access: caps.pageable_memory_access,
+            host_registration: false,
             total_bytes: None,
             free_bytes: None,
         }

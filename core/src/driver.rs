@@ -31,6 +31,7 @@ use crate::advisor::Advisor;
 use crate::allocator::{Allocation, ManagedAllocator};
 use crate::device::{Advice, Capabilities, DeviceId, Location};
 use crate::error::{BackendError, ErrorKind, ErrorType, RangeError};
+use crate::host::{HostAccess, HostMemory};
 use crate::ledger::TenantKey;
 
 use crate::stream::{DEFAULT_STREAM, Stream};
@@ -85,6 +86,15 @@ pub enum Refusal {
         /// The pool's raw handle.
         pool: u64,
     },
+    /// The driver (or its binding) cannot register host memory for devices.
+    #[error("this backend cannot register host memory")]
+    NoHostRegistration,
+    /// Attached host memory handed to `free`: it goes back with `HostMemory::detach_host`.
+    #[error("{address:#x} is attached host memory: detach it, do not free it")]
+    AttachedHost {
+        /// Its base address.
+        address: u64,
+    },
     /// The device cannot do this.
     #[error("{device} does not support {what}")]
     Unsupported {
@@ -101,12 +111,15 @@ impl Refusal {
     pub const fn kind(&self) -> ErrorKind {
         match self {
             Self::Range(e) => e.kind(),
-            Self::Unsupported { .. } | Self::NoDevicePools => ErrorKind::Unsupported,
+            Self::Unsupported { .. } | Self::NoDevicePools | Self::NoHostRegistration => {
+                ErrorKind::Unsupported
+            }
             Self::UnknownPool { .. }
             | Self::ZeroSize
             | Self::InvalidDevice { .. }
             | Self::UnknownAllocation { .. }
             | Self::UnknownStream { .. }
+            | Self::AttachedHost { .. }
             | Self::ForeignStream { .. } => ErrorKind::InvalidArgument,
         }
     }
@@ -176,8 +189,15 @@ impl CudaCallError {
 pub struct DeviceFacts {
     /// `CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS`.
     pub concurrent_managed_access: bool,
-    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS`.
+    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS`: the device reaches any host memory.
     pub pageable_memory_access: bool,
+    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES` (ATS, as on Grace
+    /// Hopper; reported only).
+    pub pageable_uses_host_page_tables: bool,
+    /// `CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED` and
+    /// `CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM` both: host memory registered
+    /// device-mapped is device-accessible at its own address.
+    pub host_registration: bool,
 }
 
 /// A CUDA-like driver's raw calls, as a backend crate wraps them. Contexts and streams are raw
@@ -283,6 +303,26 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
     /// Destroys a context made by `context_create` (current on no thread of ours).
     fn context_destroy(&self, context: u64) -> Result<(), Self::Error>;
 
+    /// Registers host memory `ptr..ptr + len` (non-empty, page-aligned) for device access,
+    /// device-mapped (`cuMemHostRegister_v2` with `CU_MEMHOSTREGISTER_DEVICEMAP`), with a
+    /// device's primary context current. Drivers that cannot keep this default.
+    fn host_register(&self, ptr: u64, len: usize) -> Result<(), Self::Error> {
+        let _ = (ptr, len);
+        Err(Refusal::NoHostRegistration.into())
+    }
+
+    /// Unregisters host memory registered at `ptr` (`cuMemHostUnregister`), with the primary
+    /// context current that registered it.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must be the base of a range registered with [`host_register`](Self::host_register)
+    /// that no device work uses any more.
+    unsafe fn host_unregister(&self, ptr: u64) -> Result<(), Self::Error> {
+        let _ = ptr;
+        Err(Refusal::NoHostRegistration.into())
+    }
+
     /// Creates a stream-ordered memory pool on `device` (`max_bytes` 0: no driver maximum), with
     /// `device`'s primary context current. Drivers without pools keep this default.
     fn pool_create(
@@ -339,6 +379,12 @@ pub struct DriverStats {
     pub live_allocations: u64,
     /// Bytes in them.
     pub live_bytes: u64,
+    /// Host ranges attached for device access ([`HostMemory`]) alive.
+    pub attached_host_ranges: u64,
+    /// Bytes in them.
+    pub attached_host_bytes: u64,
+    /// Of those, bytes registered with the driver ([`HostAccess::Registered`]).
+    pub registered_host_bytes: u64,
     /// Streams the driver holds for this backend (the shared default stream not counted),
     /// including retired ones whose destroy failed.
     pub live_streams: u64,
@@ -389,11 +435,13 @@ enum Life {
     Failed,
 }
 
-/// A live managed allocation of ours.
+/// A live allocation of ours: managed memory, or host memory attached through [`HostMemory`].
 #[derive(Debug)]
 struct AllocationRecord {
     len: usize,
     device: DeviceId,
+    /// `None`: managed memory from `alloc_managed`; `Some`: attached host memory.
+    host: Option<HostAccess>,
 }
 
 #[derive(Debug, Default)]
@@ -545,16 +593,26 @@ impl<D: DriverApi> DriverBackend<D> {
         allocation: &Allocation,
         offset: usize,
         len: usize,
-    ) -> Result<(DeviceId, Option<(u64, usize)>), Refusal> {
+    ) -> Result<Checked, Refusal> {
         let address = allocation.device_ptr();
-        let device = match self.state.lock().allocations.get(&address) {
-            Some(r) if r.len == allocation.len() => r.device,
+        let (device, host) = match self.state.lock().allocations.get(&address) {
+            Some(r) if r.len == allocation.len() => (r.device, r.host),
             _ => return Err(Refusal::UnknownAllocation { address }),
         };
         let range = allocation.range(offset, len)?;
         let span = (!range.is_empty()).then(|| (address + range.start as u64, range.len()));
-        Ok((device, span))
+        Ok(Checked { device, host, span })
     }
+}
+
+/// A range [`DriverBackend::checked`] found inside a live allocation of ours.
+struct Checked {
+    /// The allocation's device.
+    device: DeviceId,
+    /// How the device reaches it, when it is attached host memory.
+    host: Option<HostAccess>,
+    /// The driver's address and length of the range (`None`: empty).
+    span: Option<(u64, usize)>,
 }
 
 impl<D: DriverApi + Default> Default for DriverBackend<D> {
@@ -598,6 +656,7 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
             device,
             concurrent_managed_access: facts.concurrent_managed_access,
             pageable_memory_access: facts.pageable_memory_access,
+            host_registration: facts.host_registration,
             total_bytes: memory.map(|(_, total)| total),
             free_bytes: memory.map(|(free, _)| free),
         })
@@ -613,9 +672,14 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
             return Err(Refusal::UnknownAllocation { address }.into());
         };
         let mut state = self.state.lock();
-        state
-            .allocations
-            .insert(address, AllocationRecord { len: bytes, device });
+        state.allocations.insert(
+            address,
+            AllocationRecord {
+                len: bytes,
+                device,
+                host: None,
+            },
+        );
         state.stats.live_allocations += 1;
         state.stats.live_bytes += bytes as u64;
         // SAFETY: the `DriverApi` contract: a fresh managed allocation of `bytes` bytes.
@@ -630,7 +694,11 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         let record = {
             let mut state = self.state.lock();
             match state.allocations.remove(&address) {
-                Some(r) if r.len == allocation.len() => r,
+                Some(r) if r.len == allocation.len() && r.host.is_none() => r,
+                Some(r) if r.host.is_some() => {
+                    state.allocations.insert(address, r);
+                    return Err(Refusal::AttachedHost { address }.into());
+                }
                 Some(r) => {
                     state.allocations.insert(address, r);
                     return Err(Refusal::UnknownAllocation { address }.into());
@@ -663,10 +731,19 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         offset: usize,
         len: usize,
     ) -> Result<(), D::Error> {
-        let (device, span) = self.checked(allocation, offset, len)?;
+        let Checked { device, host, span } = self.checked(allocation, offset, len)?;
         let Some((start, len)) = span else {
             return Ok(());
         };
+        if host.is_some() {
+            // Attached host memory is the host's to write: zeros written here are what the
+            // device reads (through the host's page tables, or the pinned pages).
+            // SAFETY: the range lies inside attached host memory, mapped readable and writable
+            // by `attach_host`'s contract (checked against our table); the caller guarantees
+            // nothing else accesses it meanwhile.
+            unsafe { (start as usize as *mut u8).write_bytes(0, len) };
+            return Ok(());
+        }
         // SAFETY: the range lies inside a live allocation of ours (checked); the caller
         // guarantees nothing else accesses it meanwhile.
         self.in_primary(device, |d| unsafe { d.zero(device, start, len) })
@@ -681,9 +758,16 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         len: usize,
         advice: Advice,
     ) -> Result<(), D::Error> {
-        let (device, span) = self.checked(allocation, offset, len)?;
+        let Checked { device, host, span } = self.checked(allocation, offset, len)?;
         if let Some(location) = advice.location() {
             self.check_location(location)?;
+        }
+        if host == Some(HostAccess::Registered) {
+            return Err(Refusal::Unsupported {
+                device,
+                what: "advice on registered host memory (pinned, never migrated)",
+            }
+            .into());
         }
         let Some((start, len)) = span else {
             return Ok(());
@@ -699,7 +783,7 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         to: Location,
         stream: &Stream,
     ) -> Result<(), D::Error> {
-        let (_, span) = self.checked(allocation, offset, len)?;
+        let Checked { host, span, .. } = self.checked(allocation, offset, len)?;
         self.check_location(to)?;
         if let Location::Device(device) = to
             && !self.driver.device_facts(device).concurrent_managed_access
@@ -711,7 +795,9 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
             .into());
         }
         let using = self.stream_use(stream)?;
-        let Some((start, len)) = span else {
+        let Some((start, len)) = span.filter(|_| host != Some(HostAccess::Registered)) else {
+            // Empty, or registered host memory: pinned pages the device reads where they are,
+            // so there is nothing to migrate.
             return Ok(());
         };
         self.in_context(using.context, |d| d.prefetch(start, len, to, using.raw()))
@@ -728,8 +814,9 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         offset: usize,
         len: usize,
     ) -> Result<(), D::Error> {
-        let (device, span) = self.checked(allocation, offset, len)?;
-        let Some((start, len)) = span else {
+        let Checked { device, host, span } = self.checked(allocation, offset, len)?;
+        let Some((start, len)) = span.filter(|_| host != Some(HostAccess::Registered)) else {
+            // Empty, or registered host memory, which takes no advice and never migrates.
             return Ok(());
         };
         let devices = self.driver.device_count();
@@ -749,6 +836,122 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
             }
             Ok(())
         })
+    }
+}
+
+impl<D: DriverApi> DriverBackend<D> {
+    /// Counts an attached range in or out of the figures.
+    fn count_host(stats: &mut DriverStats, access: HostAccess, len: usize, attached: bool) {
+        let registered = if access == HostAccess::Registered {
+            len as u64
+        } else {
+            0
+        };
+        if attached {
+            stats.attached_host_ranges += 1;
+            stats.attached_host_bytes += len as u64;
+            stats.registered_host_bytes += registered;
+        } else {
+            stats.attached_host_ranges -= 1;
+            stats.attached_host_bytes -= len as u64;
+            stats.registered_host_bytes -= registered;
+        }
+    }
+}
+
+// SAFETY: `can_attach_host` reads the driver's device facts (honest by the `DriverApi`
+// contract: pageable access, or registration with the host pointer usable on the device);
+// `attach_host` registers exactly the range given (or, with pageable access, asks the driver
+// nothing) and records it; `detach_host` unregisters it and forgets it only once the driver
+// has let go.
+unsafe impl<D: DriverApi> HostMemory for DriverBackend<D> {
+    fn can_attach_host(&self, device: DeviceId, access: HostAccess) -> bool {
+        if self.check_device(device).is_err() {
+            return false;
+        }
+        let facts = self.driver.device_facts(device);
+        match access {
+            HostAccess::Pageable => facts.pageable_memory_access,
+            HostAccess::Registered => facts.host_registration,
+        }
+    }
+
+    unsafe fn attach_host(
+        &self,
+        device: DeviceId,
+        access: HostAccess,
+        ptr: core::ptr::NonNull<u8>,
+        len: usize,
+    ) -> Result<Allocation, D::Error> {
+        if len == 0 {
+            return Err(Refusal::ZeroSize.into());
+        }
+        self.check_device(device)?;
+        if !self.can_attach_host(device, access) {
+            return Err(Refusal::Unsupported {
+                device,
+                what: match access {
+                    HostAccess::Pageable => "pageable memory access",
+                    HostAccess::Registered => "host memory registration",
+                },
+            }
+            .into());
+        }
+        let address = ptr.as_ptr() as usize as u64;
+        let record = AllocationRecord {
+            len,
+            device,
+            host: Some(access),
+        };
+        // The record goes in first (a second attach of the same base is refused), and leaves
+        // again if the driver refuses the registration.
+        {
+            let mut state = self.state.lock();
+            if state.allocations.contains_key(&address) {
+                return Err(Refusal::UnknownAllocation { address }.into());
+            }
+            state.allocations.insert(address, record);
+        }
+        if access == HostAccess::Registered
+            && let Err(e) = self.in_primary(device, |d| d.host_register(address, len))
+        {
+            self.state.lock().allocations.remove(&address);
+            return Err(e);
+        }
+        Self::count_host(&mut self.state.lock().stats, access, len, true);
+        // SAFETY: the caller guarantees host memory mapped readable and writable for `len`
+        // bytes, page-aligned (so at least `MIN_ALIGN`), owned by the caller until detached.
+        Ok(unsafe { Allocation::from_raw_parts(ptr, len, device) })
+    }
+
+    unsafe fn detach_host(&self, allocation: Allocation) -> Result<(), D::Error> {
+        let address = allocation.device_ptr();
+        let record = {
+            let mut state = self.state.lock();
+            match state.allocations.remove(&address) {
+                Some(r) if r.len == allocation.len() && r.host.is_some() => r,
+                Some(r) => {
+                    state.allocations.insert(address, r);
+                    return Err(Refusal::UnknownAllocation { address }.into());
+                }
+                None => return Err(Refusal::UnknownAllocation { address }.into()),
+            }
+        };
+        let access = record.host.unwrap_or(HostAccess::Pageable);
+        if access == HostAccess::Registered {
+            // SAFETY: a range this backend registered (its record was in the table); the
+            // caller guarantees no device work uses it any more.
+            let unregistered =
+                self.in_primary(record.device, |d| unsafe { d.host_unregister(address) });
+            if let Err(e) = unregistered {
+                let mut state = self.state.lock();
+                state.allocations.insert(address, record);
+                state.release_failed(false);
+                return Err(e);
+            }
+        }
+        Self::count_host(&mut self.state.lock().stats, access, record.len, false);
+        Ok(())
     }
 }
 
@@ -801,9 +1004,17 @@ impl<D: DriverApi> Drop for DriverBackend<D> {
         }
         for (address, record) in state.allocations.drain() {
             let primary = driver.primary_context(record.device);
-            // SAFETY: a live allocation of ours; the backend is going away, and by the
-            // `Allocation` contract nothing may use its memory past the backend's life.
-            let (freed, _) = with_context(driver, primary, |d| unsafe { d.free(address) });
+            let (freed, _) = match record.host {
+                // SAFETY: a live allocation of ours; the backend is going away, and by the
+                // `Allocation` contract nothing may use its memory past the backend's life.
+                None => with_context(driver, primary, |d| unsafe { d.free(address) }),
+                Some(HostAccess::Registered) => with_context(driver, primary, |d| {
+                    // SAFETY: a range this backend registered (its owner could not detach it);
+                    // no device work of this backend outlives it.
+                    unsafe { d.host_unregister(address) }
+                }),
+                Some(HostAccess::Pageable) => continue,
+            };
             tally(freed.is_ok());
         }
         RECLAIMED_AT_DROP.fetch_add(reclaimed, Ordering::AcqRel);

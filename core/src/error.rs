@@ -145,6 +145,10 @@ pub enum Operation {
     DestroyPool,
     /// `DevicePools::pool_stats`.
     PoolStats,
+    /// `HostMemory::attach_host`.
+    AttachHost,
+    /// `HostMemory::detach_host`.
+    DetachHost,
 }
 
 impl Operation {
@@ -167,6 +171,8 @@ impl Operation {
             Self::TrimPool => "trim_pool",
             Self::DestroyPool => "destroy_pool",
             Self::PoolStats => "pool_stats",
+            Self::AttachHost => "attach_host",
+            Self::DetachHost => "detach_host",
         }
     }
 }

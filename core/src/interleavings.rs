@@ -300,6 +300,8 @@ unsafe impl DriverApi for Fake {
         DeviceFacts {
             concurrent_managed_access: true,
             pageable_memory_access: false,
+            pageable_uses_host_page_tables: false,
+            host_registration: false,
         }
     }
     fn primary_context(&self, _: DeviceId) -> u64 {

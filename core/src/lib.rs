@@ -13,6 +13,7 @@ mod buffer;
 mod device;
 mod driver;
 mod error;
+mod host;
 #[cfg(test)]
 mod interleavings;
 mod isolation;
@@ -36,6 +37,7 @@ pub use driver::{
     cuda_result_name, reclaimed_at_drop, unreleased_at_drop,
 };
 pub use error::{BackendError, Error, ErrorKind, ErrorType, Operation, RangeError, check_range};
+pub use host::{HostAccess, HostMemory};
 pub use isolation::IsolationLevel;
 pub use ledger::{
     Budget, Denied, LedgerGroup, LedgerStats, Purpose, Reservation, TenantBudgets, TenantContext,

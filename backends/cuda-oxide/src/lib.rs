@@ -4,8 +4,9 @@
 
 use tensor_wasm_mem_core::{
     Advice, Advisor, Allocation, BackendError, Capabilities, DeviceId, DevicePoolConfig,
-    DevicePoolStats, DevicePools, ErrorKind, ErrorType, IsolationLevel, Location, ManagedAllocator,
-    Operation, PoolAllocation, PoolHandle, Stream, StreamProvider, TenantKey,
+    DevicePoolStats, DevicePools, ErrorKind, ErrorType, HostAccess, HostMemory, IsolationLevel,
+    Location, ManagedAllocator, Operation, PoolAllocation, PoolHandle, Stream, StreamProvider,
+    TenantKey,
 };
 
 /// The only error of the reserved slot.
@@ -122,6 +123,28 @@ impl StreamProvider for CudaOxideBackend {
 
     fn synchronize(&self, _: &Stream) -> Result<(), OxideError> {
         Err(not_yet(Operation::Synchronize))
+    }
+}
+
+// SAFETY: no host memory is ever attached: `can_attach_host` answers `false` and every call
+// answers `NotYetWired` without touching the range.
+unsafe impl HostMemory for CudaOxideBackend {
+    fn can_attach_host(&self, _: DeviceId, _: HostAccess) -> bool {
+        false
+    }
+
+    unsafe fn attach_host(
+        &self,
+        _: DeviceId,
+        _: HostAccess,
+        _: core::ptr::NonNull<u8>,
+        _: usize,
+    ) -> Result<Allocation, OxideError> {
+        Err(not_yet(Operation::AttachHost))
+    }
+
+    unsafe fn detach_host(&self, _: Allocation) -> Result<(), OxideError> {
+        Err(not_yet(Operation::DetachHost))
     }
 }
 

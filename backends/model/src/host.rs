@@ -78,3 +78,40 @@ pub(crate) unsafe fn zero(ptr: *mut u8, len: usize) {
     // SAFETY: guaranteed by the caller.
     unsafe { ptr.write_bytes(0, len) };
 }
+
+/// Whether every page of `start..start + len` is mapped readable in this process (what a device
+/// reaching host memory through its page tables, or pinning it, needs). Each page's first byte
+/// is read with `process_vm_readv` on ourselves, which answers `EFAULT` for an inaccessible page
+/// instead of raising a signal. Writability is not checked: the memory the model is shown is
+/// mapped read-write or `PROT_NONE`, never read-only.
+pub(crate) fn accessible(start: usize, len: usize) -> bool {
+    if len == 0 {
+        return true;
+    }
+    let page = page_size();
+    let Some(end) = start.checked_add(len) else {
+        return false;
+    };
+    let mut at = start;
+    // SAFETY: getpid has no preconditions.
+    let pid = unsafe { libc::getpid() };
+    while at < end {
+        let mut byte = 0u8;
+        let local = libc::iovec {
+            iov_base: (&raw mut byte).cast(),
+            iov_len: 1,
+        };
+        let remote = libc::iovec {
+            iov_base: at as *mut libc::c_void,
+            iov_len: 1,
+        };
+        // SAFETY: `local` is one valid byte of ours; the kernel checks `remote` and answers an
+        // error for an address that is not readable, touching nothing.
+        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+        if n != 1 {
+            return false;
+        }
+        at = (at / page + 1) * page;
+    }
+    true
+}

@@ -31,6 +31,10 @@ pub mod code {
     pub const INVALID_HANDLE: u32 = 400;
     /// `CUDA_ERROR_NOT_FOUND`.
     pub const NOT_FOUND: u32 = 500;
+    /// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
+    pub const HOST_MEMORY_ALREADY_REGISTERED: u32 = 712;
+    /// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`.
+    pub const HOST_MEMORY_NOT_REGISTERED: u32 = 713;
     /// `CUDA_ERROR_ILLEGAL_ADDRESS`: sticky for the context, as on a GPU.
     pub const ILLEGAL_ADDRESS: u32 = 700;
     /// `CUDA_ERROR_NOT_SUPPORTED`.
@@ -60,8 +64,17 @@ pub struct ModelConfig {
     /// `CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS`. Without it, a prefetch to a device is
     /// `CUDA_ERROR_NOT_SUPPORTED`, as the driver answers.
     pub concurrent_managed_access: bool,
-    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS` (reported only).
+    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS` (HMM): any host memory is device-accessible
+    /// at its own address. On, advice and prefetch accept host ranges outside every managed
+    /// allocation, and kernels may touch host memory that is mapped readable and writable (a
+    /// `PROT_NONE` guard page is an illegal address, as through the host's page tables). Off,
+    /// they are `CUDA_ERROR_INVALID_VALUE` and an illegal address.
     pub pageable_memory_access: bool,
+    /// `CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED` and
+    /// `CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`: `cuMemHostRegister`
+    /// (device-mapped) pins host ranges that kernels may then touch at their own address. Off,
+    /// it answers `CUDA_ERROR_NOT_SUPPORTED`.
+    pub host_registration: bool,
     /// Every pair of distinct devices can access each other's memory (`cuDeviceCanAccessPeer`
     /// answers 1), as on an NVLink server; off, none can.
     pub peer_access: bool,
@@ -86,6 +99,7 @@ impl Default for ModelConfig {
             device_memory_bytes: 16 << 30,
             concurrent_managed_access: true,
             pageable_memory_access: false,
+            host_registration: false,
             peer_access: true,
             poison_fresh_allocations: false,
             deferred_streams: false,
@@ -154,11 +168,15 @@ pub enum Call {
     EventDestroy,
     /// `cuMemGetInfo_v2`.
     MemGetInfo,
+    /// `cuMemHostRegister_v2`.
+    HostRegister,
+    /// `cuMemHostUnregister`.
+    HostUnregister,
 }
 
 impl Call {
     /// Every entry point, in declaration order.
-    pub const ALL: [Self; 28] = [
+    pub const ALL: [Self; 30] = [
         Self::CtxPush,
         Self::CtxPop,
         Self::CtxCreate,
@@ -187,6 +205,8 @@ impl Call {
         Self::EventQuery,
         Self::EventDestroy,
         Self::MemGetInfo,
+        Self::HostRegister,
+        Self::HostUnregister,
     ];
 
     /// The libcuda entry point's name.
@@ -221,6 +241,8 @@ impl Call {
             Self::EventQuery => "cuEventQuery",
             Self::EventDestroy => "cuEventDestroy_v2",
             Self::MemGetInfo => "cuMemGetInfo_v2",
+            Self::HostRegister => "cuMemHostRegister_v2",
+            Self::HostUnregister => "cuMemHostUnregister",
         }
     }
 
@@ -245,6 +267,8 @@ impl Call {
             Operation::TrimPool => Self::PoolTrim,
             Operation::DestroyPool => Self::PoolDestroy,
             Operation::PoolStats => Self::PoolReserved,
+            Operation::AttachHost => Self::HostRegister,
+            Operation::DetachHost => Self::HostUnregister,
             _ => return None,
         })
     }
@@ -268,6 +292,7 @@ impl Call {
                 | Self::EventSynchronize
                 | Self::EventQuery
                 | Self::EventDestroy
+                | Self::HostUnregister
         )
     }
 
@@ -402,6 +427,12 @@ pub struct ModelStats {
     pub kernel_faults: u64,
     /// Events alive.
     pub live_events: u64,
+    /// Host ranges registered with `cuMemHostRegister` and not unregistered.
+    pub registered_ranges: u64,
+    /// Bytes in them.
+    pub registered_bytes: u64,
+    /// Unregistrations of a range that queued work still targets.
+    pub unregisters_over_pending_work: u64,
 }
 
 impl ModelStats {

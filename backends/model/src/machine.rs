@@ -55,10 +55,77 @@ struct Record {
     device: u32,
     /// The pool it came from (`None`: managed memory).
     pool: Option<u64>,
+    /// Its advice and residency, by offset.
+    hints: HintMaps,
+}
+
+/// Advice and residency over a range of addresses (offsets in an allocation, or host addresses
+/// for pageable system memory).
+#[derive(Debug)]
+struct HintMaps {
     read_mostly: RangeMap<()>,
     preferred: RangeMap<Location>,
     accessed_by: Vec<(Location, RangeMap<()>)>,
     residency: RangeMap<Location>,
+}
+
+impl Default for HintMaps {
+    fn default() -> Self {
+        Self {
+            read_mostly: RangeMap::new(),
+            preferred: RangeMap::new(),
+            accessed_by: Vec::new(),
+            residency: RangeMap::new(),
+        }
+    }
+}
+
+impl HintMaps {
+    fn apply(&mut self, range: std::ops::Range<usize>, advice: Advice) {
+        match advice {
+            Advice::SetReadMostly => self.read_mostly.set(range, Some(())),
+            Advice::UnsetReadMostly => self.read_mostly.set(range, None),
+            Advice::SetPreferredLocation(l) => self.preferred.set(range, Some(l)),
+            Advice::UnsetPreferredLocation => self.preferred.set(range, None),
+            Advice::SetAccessedBy(l) | Advice::UnsetAccessedBy(l) => {
+                let on = matches!(advice, Advice::SetAccessedBy(_)).then_some(());
+                match self.accessed_by.iter_mut().find(|(at, _)| *at == l) {
+                    Some((_, map)) => map.set(range, on),
+                    None if on.is_some() => {
+                        let mut map = RangeMap::new();
+                        map.set(range, on);
+                        self.accessed_by.push((l, map));
+                    }
+                    None => {}
+                }
+            }
+        }
+    }
+
+    fn at(&self, at: usize) -> Hints {
+        let mut accessed_by: Vec<Location> = self
+            .accessed_by
+            .iter()
+            .filter(|(_, m)| m.get(at).is_some())
+            .map(|(l, _)| *l)
+            .collect();
+        accessed_by.sort_by_key(|l| match l {
+            Location::Host => 0,
+            Location::Device(d) => u64::from(d.0) + 1,
+        });
+        Hints {
+            read_mostly: self.read_mostly.get(at).is_some(),
+            preferred_location: self.preferred.get(at).copied(),
+            accessed_by,
+        }
+    }
+}
+
+/// A host range registered with `cuMemHostRegister`.
+#[derive(Debug)]
+struct Registration {
+    len: usize,
+    device: u32,
 }
 
 #[derive(Debug)]
@@ -177,7 +244,13 @@ struct State {
     /// Per device: the code every call that is not teardown answers there, once the device is
     /// failed with [`ModelDriver::fail_device`].
     failed_devices: Vec<Option<u32>>,
+    /// Host ranges registered with `cuMemHostRegister`, by base address.
+    registered: BTreeMap<usize, Registration>,
+    /// Advice and residency of pageable system memory, by host address.
+    system: HintMaps,
     stats: ModelStats,
+    /// The configuration's pageable memory access (read by work as it runs).
+    pageable: bool,
 }
 
 /// One simulated CUDA driver: devices, contexts (with a per-thread current-context stack),
@@ -231,6 +304,23 @@ impl State {
     fn containing_mut(&mut self, start: usize, end: usize) -> Option<(usize, &mut Record)> {
         let (&base, record) = self.allocations.range_mut(..=start).next_back()?;
         (end <= base + record.len).then_some((base, record))
+    }
+
+    /// Whether `start..end` lies inside one host range registered for `device` (a
+    /// registration without `CU_MEMHOSTREGISTER_PORTABLE` is for its context's device only).
+    fn registered_over(&self, start: usize, end: usize, device: Option<u32>) -> bool {
+        self.registered
+            .range(..=start)
+            .next_back()
+            .is_some_and(|(&base, r)| end <= base + r.len && Some(r.device) == device)
+    }
+
+    /// Whether any registered host range overlaps `start..end`.
+    fn registration_overlaps(&self, start: usize, end: usize) -> bool {
+        self.registered
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&base, r)| start < base + r.len)
     }
 
     /// Whether work queued anywhere but `except` touches `start..end`.
@@ -304,20 +394,34 @@ impl State {
             }
             Work::Prefetch { start, end, to } => {
                 if let Some((base, record)) = self.containing_mut(start, end) {
-                    record.residency.set(start - base..end - base, Some(to));
+                    record
+                        .hints
+                        .residency
+                        .set(start - base..end - base, Some(to));
+                } else if self.pageable {
+                    self.system.residency.set(start..end, Some(to));
                 }
             }
             Work::Kernel { kernel, args } => {
-                let legal = work
-                    .spans()
-                    .iter()
-                    .all(|&(s, e)| s == e || self.containing(s, e).is_some());
+                let device = self
+                    .queue_context(queue)
+                    .and_then(|c| self.contexts.get(&c))
+                    .map(|c| c.device);
+                let legal = work.spans().iter().all(|&(s, e)| {
+                    s == e
+                        || self.containing(s, e).is_some()
+                        || self.registered_over(s, e, device)
+                        || (self.pageable && host::accessible(s, e - s))
+                });
                 if !legal {
                     self.fault(queue);
                     return true;
                 }
-                // SAFETY: every range the kernel touches lies inside a live mapping of ours
-                // (checked just now); the launch's caller guaranteed nothing else accesses them.
+                // SAFETY: every range the kernel touches lies inside a live mapping of ours, a
+                // registered host range (pinned: mapped readable and writable while registered,
+                // by `cuMemHostRegister`'s own check), or host memory found readable and writable
+                // just now with pageable access on (checked just now); the launch's caller
+                // guaranteed nothing else accesses them.
                 unsafe { run_kernel(kernel, args) };
             }
         }
@@ -479,6 +583,7 @@ impl ModelDriver {
         let mut state = State {
             used: vec![0; config.device_count as usize],
             failed_devices: vec![None; config.device_count as usize],
+            pageable: config.pageable_memory_access,
             ..State::default()
         };
         for device in 0..config.device_count {
@@ -716,47 +821,69 @@ impl ModelDriver {
         }
     }
 
-    /// The managed allocation holding `ptr..ptr + len` (non-empty): its base.
-    fn managed(state: &State, call: Call, ptr: u64, len: usize) -> Result<usize, ModelError> {
+    /// What advice and prefetch may name at `ptr..ptr + len` (non-empty): the managed
+    /// allocation holding it (`Some(base)`), or, with pageable memory access, host memory
+    /// outside every allocation (`None`).
+    fn advisable(
+        &self,
+        state: &State,
+        call: Call,
+        ptr: u64,
+        len: usize,
+    ) -> Result<Option<usize>, ModelError> {
         let invalid = error(call, code::INVALID_VALUE);
         let start = usize::try_from(ptr).map_err(|_| invalid)?;
         let end = start.checked_add(len).ok_or(invalid)?;
-        match state.containing(start, end) {
-            Some((base, r)) if r.pool.is_none() && len > 0 => Ok(base),
+        if len == 0 {
+            return Err(invalid);
+        }
+        match state.allocations.range(..end).next_back() {
+            Some((&base, r)) if end <= base + r.len && r.pool.is_none() => Ok(Some(base)),
+            // Overlapping an allocation without lying inside it, or a pool block.
+            Some((&base, r)) if start < base + r.len => Err(invalid),
+            _ if self.config.pageable_memory_access => Ok(None),
             _ => Err(invalid),
         }
     }
 
-    fn record<'s>(state: &'s State, allocation: &Allocation) -> Result<&'s Record, ModelError> {
-        state
-            .allocations
-            .get(&(allocation.as_ptr() as usize))
-            .filter(|r| r.len == allocation.len())
-            .ok_or(error(Call::Advise, code::INVALID_VALUE))
+    /// The hint maps `allocation` is read through and the offset of its base in them: its own
+    /// record, or the system memory's (pageable memory access) for attached host memory.
+    fn hint_maps<'s>(
+        &self,
+        state: &'s State,
+        allocation: &Allocation,
+    ) -> Result<(&'s HintMaps, usize), ModelError> {
+        let base = allocation.as_ptr() as usize;
+        allocation
+            .range(0, 1)
+            .map_err(|e| ModelError::Refused(e.into()))?;
+        match state.allocations.get(&base) {
+            Some(r) if r.len == allocation.len() => Ok((&r.hints, 0)),
+            None if self.config.pageable_memory_access
+                && state.containing(base, base).is_none() =>
+            {
+                Ok((&state.system, base))
+            }
+            _ => Err(error(Call::Advise, code::INVALID_VALUE)),
+        }
     }
 
-    /// The hints in force at `offset` of `allocation`.
+    /// The hints in force at `offset` of `allocation` (managed, or attached host memory with
+    /// pageable memory access).
     pub fn hints(&self, allocation: &Allocation, offset: usize) -> Result<Hints, ModelError> {
         let state = self.state();
-        let record = Self::record(&state, allocation)?;
+        let (maps, base) = self.hint_maps(&state, allocation)?;
         allocation
             .range(offset, 1)
             .map_err(|e| ModelError::Refused(e.into()))?;
-        let mut accessed_by: Vec<Location> = record
-            .accessed_by
-            .iter()
-            .filter(|(_, m)| m.get(offset).is_some())
-            .map(|(l, _)| *l)
-            .collect();
-        accessed_by.sort_by_key(|l| match l {
-            Location::Host => 0,
-            Location::Device(d) => u64::from(d.0) + 1,
-        });
-        Ok(Hints {
-            read_mostly: record.read_mostly.get(offset).is_some(),
-            preferred_location: record.preferred.get(offset).copied(),
-            accessed_by,
-        })
+        Ok(maps.at(base + offset))
+    }
+
+    /// The host ranges registered now, as `(base, len)` in address order.
+    #[must_use]
+    pub fn registered_ranges(&self) -> Vec<(usize, usize)> {
+        let state = self.state();
+        state.registered.iter().map(|(&b, r)| (b, r.len)).collect()
     }
 
     /// Where `offset` of `allocation` was last prefetched to, by work that has run (`None`:
@@ -767,11 +894,11 @@ impl ModelDriver {
         offset: usize,
     ) -> Result<Option<Location>, ModelError> {
         let state = self.state();
-        let record = Self::record(&state, allocation)?;
+        let (maps, base) = self.hint_maps(&state, allocation)?;
         allocation
             .range(offset, 1)
             .map_err(|e| ModelError::Refused(e.into()))?;
-        Ok(record.residency.get(offset).copied())
+        Ok(maps.residency.get(base + offset).copied())
     }
 
     /// Work items queued and not yet run, over all streams.
@@ -1016,10 +1143,7 @@ impl ModelDriver {
             mapped,
             device,
             pool,
-            read_mostly: RangeMap::new(),
-            preferred: RangeMap::new(),
-            accessed_by: Vec::new(),
-            residency: RangeMap::new(),
+            hints: HintMaps::default(),
         }
     }
 
@@ -1060,6 +1184,8 @@ unsafe impl DriverApi for ModelDriver {
         DeviceFacts {
             concurrent_managed_access: self.config.concurrent_managed_access,
             pageable_memory_access: self.config.pageable_memory_access,
+            pageable_uses_host_page_tables: false,
+            host_registration: self.config.host_registration,
         }
     }
 
@@ -1202,33 +1328,20 @@ unsafe impl DriverApi for ModelDriver {
         let call = Call::Advise;
         let mut state = self.state();
         self.enter(&mut state, call, true)?;
-        let base = Self::managed(&state, call, ptr, len)?;
+        let base = self.advisable(&state, call, ptr, len)?;
         if let Some(location) = advice.location() {
             self.location(call, location)?;
         }
-        let record = state
-            .allocations
-            .get_mut(&base)
-            .ok_or(error(call, code::INVALID_VALUE))?;
-        let start = ptr as usize - base;
-        let range = start..start + len;
-        match advice {
-            Advice::SetReadMostly => record.read_mostly.set(range, Some(())),
-            Advice::UnsetReadMostly => record.read_mostly.set(range, None),
-            Advice::SetPreferredLocation(l) => record.preferred.set(range, Some(l)),
-            Advice::UnsetPreferredLocation => record.preferred.set(range, None),
-            Advice::SetAccessedBy(l) | Advice::UnsetAccessedBy(l) => {
-                let on = matches!(advice, Advice::SetAccessedBy(_)).then_some(());
-                match record.accessed_by.iter_mut().find(|(at, _)| *at == l) {
-                    Some((_, map)) => map.set(range, on),
-                    None if on.is_some() => {
-                        let mut map = RangeMap::new();
-                        map.set(range, on);
-                        record.accessed_by.push((l, map));
-                    }
-                    None => {}
-                }
+        let start = ptr as usize;
+        match base {
+            Some(base) => {
+                let record = state
+                    .allocations
+                    .get_mut(&base)
+                    .ok_or(error(call, code::INVALID_VALUE))?;
+                record.hints.apply(start - base..start - base + len, advice);
             }
+            None => state.system.apply(start..start + len, advice),
         }
         Ok(())
     }
@@ -1239,7 +1352,7 @@ unsafe impl DriverApi for ModelDriver {
         self.enter(&mut state, call, true)?;
         let context = self.current();
         let queue = Self::queue_in(&state, call, context, stream)?;
-        Self::managed(&state, call, ptr, len)?;
+        self.advisable(&state, call, ptr, len)?;
         self.location(call, to)?;
         if matches!(to, Location::Device(_)) && !self.config.concurrent_managed_access {
             return Err(error(call, code::NOT_SUPPORTED));
@@ -1379,6 +1492,55 @@ unsafe impl DriverApi for ModelDriver {
         state.contexts.remove(&context);
         state.stats.live_contexts -= 1;
         state.stats.contexts_destroyed += 1;
+        Ok(())
+    }
+
+    fn host_register(&self, ptr: u64, len: usize) -> Result<(), ModelError> {
+        let call = Call::HostRegister;
+        let mut state = self.state();
+        let device = self.enter(&mut state, call, true)?;
+        if !self.config.host_registration {
+            return Err(error(call, code::NOT_SUPPORTED));
+        }
+        let invalid = error(call, code::INVALID_VALUE);
+        let start = usize::try_from(ptr).map_err(|_| invalid)?;
+        let end = start.checked_add(len).ok_or(invalid)?;
+        if len == 0 || !start.is_multiple_of(self.page) || !len.is_multiple_of(self.page) {
+            return Err(invalid);
+        }
+        if state.registration_overlaps(start, end) {
+            return Err(error(call, code::HOST_MEMORY_ALREADY_REGISTERED));
+        }
+        // Device memory is not host memory to pin, and pinning needs every page mapped
+        // readable and writable (a PROT_NONE guard cannot be pinned).
+        let over_allocation = state
+            .allocations
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&b, r)| start < b + r.mapped);
+        if over_allocation || !host::accessible(start, len) {
+            return Err(invalid);
+        }
+        state.registered.insert(start, Registration { len, device });
+        state.stats.registered_ranges += 1;
+        state.stats.registered_bytes += len as u64;
+        Ok(())
+    }
+
+    unsafe fn host_unregister(&self, ptr: u64) -> Result<(), ModelError> {
+        let call = Call::HostUnregister;
+        let mut state = self.state();
+        self.enter(&mut state, call, true)?;
+        let start = usize::try_from(ptr).map_err(|_| error(call, code::INVALID_VALUE))?;
+        let record = state
+            .registered
+            .remove(&start)
+            .ok_or(error(call, code::HOST_MEMORY_NOT_REGISTERED))?;
+        if state.pending_over(start, start + record.len, None) {
+            state.stats.unregisters_over_pending_work += 1;
+        }
+        state.stats.registered_ranges -= 1;
+        state.stats.registered_bytes -= record.len as u64;
         Ok(())
     }
 

@@ -18,7 +18,7 @@ use tensor_wasm_mem_wasmtime::wasmtime::{
     Config, Engine, InstanceAllocationStrategy, InstancePre, Linker, Module,
     PoolingAllocationConfig, Store,
 };
-use tensor_wasm_mem_wasmtime::{GuardedHostCreator, TensorWasmMemoryCreator};
+use tensor_wasm_mem_wasmtime::{Backing, GuardedHostCreator, TensorWasmMemoryCreator};
 
 use crate::run::Failure;
 
@@ -135,6 +135,28 @@ enum Setup {
     /// guest calls WASI (as `twm run` does), on the same module, which imports nothing.
     TwmPooledWasi,
     TwmGuarded,
+    /// The device-visible guarded backing, fresh memories: what `Backing::detect` picks on a
+    /// simulated device with pageable memory access (guard pages, no bounds checks, and a
+    /// device that reaches the pages).
+    TwmDeviceGuarded,
+    /// The same from a guarded slot pool.
+    TwmDeviceGuardedPooled,
+}
+
+/// The simulated machine the device-guarded setups run on: one device with pageable memory
+/// access (HMM), on which `Backing::detect` picks the guarded pageable backing.
+fn pageable_mock() -> Arc<MockBackend> {
+    Arc::new(tensor_wasm_mem_mock::with_config(
+        tensor_wasm_mem_mock::MockConfig {
+            pageable_memory_access: true,
+            ..tensor_wasm_mem_mock::MockConfig::default()
+        },
+    ))
+}
+
+/// The backing the device-guarded setups run on (named in the output).
+fn device_guarded_backing() -> Backing {
+    Backing::detect(&*pageable_mock(), &[DeviceId(0)])
 }
 
 impl Setup {
@@ -146,6 +168,8 @@ impl Setup {
             Self::TwmPooled => "twm_pooled",
             Self::TwmPooledWasi => "twm_pooled_wasi",
             Self::TwmGuarded => "twm_guarded",
+            Self::TwmDeviceGuarded => "twm_device_guarded",
+            Self::TwmDeviceGuardedPooled => "twm_device_guarded_pooled",
         }
     }
 
@@ -157,6 +181,8 @@ impl Setup {
             Self::TwmPooled,
             Self::TwmPooledWasi,
             Self::TwmGuarded,
+            Self::TwmDeviceGuarded,
+            Self::TwmDeviceGuardedPooled,
         ]
         .into_iter()
         .find(|s| s.key() == key)
@@ -192,6 +218,19 @@ impl Setup {
                 .map_err(other)?
                 .engine(),
             Self::TwmGuarded => GuardedHostCreator::new(PlanLimits::default()).engine(),
+            Self::TwmDeviceGuarded => TensorWasmMemoryCreator::builder(pageable_mock())
+                .build()
+                .map_err(other)?
+                .engine(),
+            Self::TwmDeviceGuardedPooled => TensorWasmMemoryCreator::builder(pageable_mock())
+                .limits(PlanLimits::new(16 << 16).map_err(other)?)
+                .pool(PoolConfig::new(
+                    DeviceId(0),
+                    [SizeClass::new(16 << 16, slots)],
+                ))
+                .build()
+                .map_err(other)?
+                .engine(),
         };
         engine.map_err(other)
     }
@@ -585,16 +624,23 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         (Setup::TwmFresh, Some((Setup::WasmtimeDefault, 1.0))),
         (Setup::TwmPooled, Some((Setup::WasmtimePooling, 0.8))),
         (Setup::TwmPooledWasi, Some((Setup::TwmPooled, 1.1))),
+        (Setup::TwmDeviceGuarded, Some((Setup::WasmtimeDefault, 1.0))),
+        (
+            Setup::TwmDeviceGuardedPooled,
+            Some((Setup::WasmtimePooling, 0.8)),
+        ),
     ];
     let loop_setups = [
         (Setup::WasmtimeDefault, "wasmtime_default", None),
         (Setup::TwmFresh, "twm_checked", Some(1.3)),
         (Setup::TwmGuarded, "twm_guarded", Some(1.05)),
+        (Setup::TwmDeviceGuarded, "twm_device_guarded", Some(1.05)),
     ];
+    let backing = device_guarded_backing();
     let details = [(false, false), (true, false), (false, true), (true, true)];
     let steps = instantiate_setups.len() * sizes.instantiate_batches
         + 2 * sizes.grow_samples
-        + 3 * details.len() * sizes.loop_placements
+        + loop_setups.len() * details.len() * sizes.loop_placements
         + ROUNDTRIP_SIZES.len()
         + 4;
     let bar = ProgressBar::new(steps as u64);
@@ -679,7 +725,9 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
                 "wasmtime_default": loop_get("wasmtime_default"),
                 "twm_checked": loop_get("twm_checked"),
                 "twm_guarded": loop_get("twm_guarded"),
+                "twm_device_guarded": loop_get("twm_device_guarded"),
             },
+            "device_guarded_backing": backing.name(),
             "guest_loop_detail_ms": detail,
             "kernel_roundtrip_us": roundtrips.iter().map(|(name, (scope, copy))| ((*name).to_string(), json!({"twm_scope": scope, "explicit_copy": copy}))).collect::<serde_json::Map<_, _>>(),
             "rss_1000_mib": rss.iter().map(|(s, v)| (twm_key(*s).to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
@@ -727,8 +775,12 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         },
     ];
     println!(
-        "twm bench{} (medians; ratio against Wasmtime, target in brackets)\n",
+        "twm bench{} (medians; ratio against Wasmtime, target in brackets)",
         if args.quick { " --quick" } else { "" }
+    );
+    println!(
+        "twm_device_guarded*: the {backing} backing, on a simulated device with pageable memory \
+         access\n"
     );
     println!(
         "{:<26} {:<18} {:>12} {:>8} {:>8}",
@@ -744,7 +796,9 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             // Pooled is held against Wasmtime's pooling allocator, the WASI-linked pooled setup
             // against the same without WASI.
             let base = match setup {
-                Setup::TwmPooled => get(&instantiate, Setup::WasmtimePooling),
+                Setup::TwmPooled | Setup::TwmDeviceGuardedPooled => {
+                    get(&instantiate, Setup::WasmtimePooling)
+                }
                 Setup::TwmPooledWasi => get(&instantiate, Setup::TwmPooled),
                 _ => base,
             };

@@ -48,10 +48,13 @@ pub enum TwmError {
         /// Guard bytes asked for.
         guard: usize,
     },
-    /// The engine asked for an address-space reservation the backing cannot provide.
+    /// The engine asked for an address-space reservation the backing cannot provide (managed
+    /// memory has none; a guarded pool slot has its fixed size).
     #[error(
-        "the engine asks for a reservation of {reserved} bytes, which managed memory cannot \
-         provide: set Config::memory_reservation(0) (tensor_wasm_mem_wasmtime::configure does)"
+        "the engine asks for a reservation of {reserved} bytes, which this backing cannot \
+         provide: for managed memory set Config::memory_reservation(0) \
+         (tensor_wasm_mem_wasmtime::configure does); for a guarded pool, install the creator \
+         with its own install() or engine(), which reserve what its slots hold"
     )]
     ReservationNotHonoured {
         /// Reservation asked for.
@@ -87,6 +90,17 @@ pub enum TwmError {
         /// The backend's error.
         #[source]
         source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
+    /// A guarded backing was asked for where a served device cannot reach host memory that
+    /// way (no pageable memory access, or no host registration).
+    #[error("the {backing} backing is not available on {device}: it lacks {access} host access")]
+    BackingUnavailable {
+        /// The backing asked for.
+        backing: crate::Backing,
+        /// The device that lacks it.
+        device: DeviceId,
+        /// The host access it lacks.
+        access: tensor_wasm_mem_core::HostAccess,
     },
     /// The host could not map memory for the guarded backing.
     #[error("host memory mapping failed: {0}")]
@@ -190,7 +204,7 @@ impl TwmError {
             | Self::SharedMemory
             | Self::NoMemoryExport(_)
             | Self::ForeignMemory => ErrorKind::InvalidArgument,
-            Self::CustomPageSize { .. } => ErrorKind::Unsupported,
+            Self::CustomPageSize { .. } | Self::BackingUnavailable { .. } => ErrorKind::Unsupported,
             Self::NotOurMemory | Self::NotDeviceAccessible => ErrorKind::Unsupported,
             Self::UnknownDevice { .. }
             | Self::Devices(_)

@@ -11,6 +11,7 @@ use wasmtime::{Config, Engine, LinearMemory, MemoryCreator, MemoryType};
 
 use crate::config::configure;
 use crate::error::TwmError;
+use crate::host_mapping::{HostMapping, page_size};
 
 /// What the guarded backing offers: host memory, zeroed, with guard pages; nothing on a device.
 pub const GUARDED_CAPABILITIES: Capabilities = Capabilities {
@@ -22,15 +23,6 @@ pub const GUARDED_CAPABILITIES: Capabilities = Capabilities {
     concurrent_managed_access: false,
     pageable_memory_access: false,
 };
-
-fn host_page() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(size)
-        .ok()
-        .filter(|&s| s > 0)
-        .unwrap_or(4096)
-}
 
 /// A `MemoryCreator` of guarded host memories.
 #[derive(Clone)]
@@ -93,40 +85,22 @@ impl GuardedHostCreator {
             },
             &self.limits,
         )?;
-        let page = host_page();
         let capacity = plan.capacity_usize()?;
         // Reserve what Wasmtime expects (it elides checks against reservation + guard), and at
         // least our capacity; everything past the accessible size is PROT_NONE.
-        let reservation = reserved.unwrap_or(0).max(capacity);
-        let overflow =
-            || TwmError::Plan(tensor_wasm_mem_core::PlanError::TooLargeForHost { bytes: u64::MAX });
-        let mapped = reservation
+        let span = reserved
+            .unwrap_or(0)
+            .max(capacity)
             .checked_add(guard)
-            .and_then(|n| n.checked_next_multiple_of(page))
-            .ok_or_else(overflow)?
-            .max(page);
-        // SAFETY: an anonymous private PROT_NONE mapping at an address of the kernel's choice
-        // touches no existing memory; the result is checked.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                mapped,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(TwmError::HostMapping(std::io::Error::last_os_error()));
-        }
+            .ok_or(TwmError::Plan(
+                tensor_wasm_mem_core::PlanError::TooLargeForHost { bytes: u64::MAX },
+            ))?;
         let mut memory = GuardedHostMemory {
-            base: ptr as usize,
-            mapped,
+            mapping: HostMapping::reserve(span)?,
             len: 0,
             accessible: 0,
             capacity,
-            page,
+            page: page_size(),
         };
         // On failure `memory` drops and unmaps.
         memory.grow(plan.initial_usize()?)?;
@@ -157,8 +131,7 @@ unsafe impl MemoryCreator for GuardedHostCreator {
 /// One guarded host memory: a PROT_NONE reservation whose first `byte_size` bytes (rounded up to
 /// host pages) are readable and writable.
 pub struct GuardedHostMemory {
-    base: usize,
-    mapped: usize,
+    mapping: HostMapping,
     len: usize,
     accessible: usize,
     capacity: usize,
@@ -170,7 +143,7 @@ impl fmt::Debug for GuardedHostMemory {
         f.debug_struct("GuardedHostMemory")
             .field("len", &self.len)
             .field("capacity", &self.capacity)
-            .field("mapped", &self.mapped)
+            .field("mapped", &self.mapping.len())
             .finish()
     }
 }
@@ -185,18 +158,7 @@ impl GuardedHostMemory {
         }
         let want = new_size.next_multiple_of(self.page);
         if want > self.accessible {
-            // SAFETY: `accessible..want` lies inside our own mapping (`want <= capacity <=
-            // mapped`, rounded to pages of a mapping whose size is a page multiple).
-            let rc = unsafe {
-                libc::mprotect(
-                    (self.base + self.accessible) as *mut libc::c_void,
-                    want - self.accessible,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                )
-            };
-            if rc != 0 {
-                return Err(TwmError::HostMapping(std::io::Error::last_os_error()));
-            }
+            self.mapping.open(self.accessible, want - self.accessible)?;
             self.accessible = want;
         }
         self.len = self.len.max(new_size);
@@ -204,8 +166,8 @@ impl GuardedHostMemory {
     }
 }
 
-// SAFETY: `as_ptr` is the base of a mapping of `mapped >= capacity + guard` bytes owned by this
-// memory until it drops and never moved; `byte_size` bytes from it are readable and writable
+// SAFETY: `as_ptr` is the base of a mapping of at least `capacity + guard` bytes (and Wasmtime's
+// reservation) owned by this memory until it drops (then unmapped) and never moved; `byte_size` bytes from it are readable and writable
 // (mprotect'ed before `len` grows), fresh pages read as zero, and everything past the accessible
 // pages is PROT_NONE up to the end of the reservation and guard.
 unsafe impl LinearMemory for GuardedHostMemory {
@@ -222,14 +184,6 @@ unsafe impl LinearMemory for GuardedHostMemory {
     }
 
     fn as_ptr(&self) -> *mut u8 {
-        self.base as *mut u8
-    }
-}
-
-impl Drop for GuardedHostMemory {
-    fn drop(&mut self) {
-        // SAFETY: `base..base + mapped` is exactly the mapping made in `create`, used by no one
-        // once Wasmtime drops the memory.
-        unsafe { libc::munmap(self.base as *mut libc::c_void, self.mapped) };
+        self.mapping.base() as *mut u8
     }
 }

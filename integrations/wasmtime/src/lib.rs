@@ -2,10 +2,12 @@
 #![deny(missing_docs)]
 
 pub mod backends;
+mod backing;
 mod config;
 mod error;
 mod guarded;
 mod guest;
+mod host_mapping;
 mod memory;
 #[cfg(feature = "metrics")]
 pub mod metrics;
@@ -15,9 +17,10 @@ mod tenancy;
 #[cfg(feature = "wasi")]
 pub mod wasi;
 
-use tensor_wasm_mem_core::{Advisor, DevicePools, ManagedAllocator, StreamProvider};
+use tensor_wasm_mem_core::{Advisor, DevicePools, HostMemory, ManagedAllocator, StreamProvider};
 
 pub use backends::{DefaultBackend, default_backend};
+pub use backing::{Backing, ParseBackingError, guarded_mappings_kept};
 pub use config::{BoundsStrategy, GUARDED_GUARD, GUARDED_RESERVATION, configure, engine_config};
 pub use error::TwmError;
 pub use guarded::{GUARDED_CAPABILITIES, GuardedHostCreator, GuardedHostMemory};
@@ -55,7 +58,15 @@ pub use wasmtime;
     note = "if this is `NoDefaultBackend`, several backend features are on and there is no default: name the backend's type"
 )]
 pub trait Backend:
-    ManagedAllocator + Advisor + StreamProvider + DevicePools + std::fmt::Debug + Send + Sync + 'static
+    ManagedAllocator
+    + Advisor
+    + StreamProvider
+    + DevicePools
+    + HostMemory
+    + std::fmt::Debug
+    + Send
+    + Sync
+    + 'static
 {
 }
 
@@ -64,6 +75,7 @@ impl<T> Backend for T where
         + Advisor
         + StreamProvider
         + DevicePools
+        + HostMemory
         + std::fmt::Debug
         + Send
         + Sync

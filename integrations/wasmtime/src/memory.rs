@@ -12,6 +12,8 @@ use tensor_wasm_mem_core::{
     PlanLimits, PoolConfig, PoolStats, Purpose, Reservation, SlotPool, Stream, StreamProvider,
     UnifiedBuffer, check_range,
 };
+
+use crate::backing::{Backing, CreatorPool, GuardedPool, GuardedRegion, MemoryBacking};
 use wasmtime::{AsContext, Config, Engine, LinearMemory, Memory, MemoryCreator, MemoryType};
 
 use crate::Backend;
@@ -83,7 +85,7 @@ impl GuestSlice<'_> {
 /// in order: the buffer (freed, or back in its pool) first, then the charges, so a tenant is
 /// never charged less than it holds.
 struct MemoryShared<B: Backend> {
-    buffer: RwLock<UnifiedBuffer<Arc<B>>>,
+    buffer: RwLock<MemoryBacking<B>>,
     /// The buffer's device (it never changes), read without the buffer's lock.
     device: DeviceId,
     charges: MemoryCharges,
@@ -119,15 +121,13 @@ impl<B: Backend> ScopedMemory<B> {
         self.0.charges._store.as_ref()
     }
 
-    fn buffer(&self) -> std::sync::RwLockReadGuard<'_, UnifiedBuffer<Arc<B>>> {
+    fn buffer(&self) -> std::sync::RwLockReadGuard<'_, MemoryBacking<B>> {
         self.0.buffer.read().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// A device slice of a range already checked against the visible size.
     pub(crate) fn slice(&self, range: &std::ops::Range<usize>) -> Result<DeviceSlice, TwmError> {
-        self.buffer()
-            .device_slice(range.start, range.len())
-            .map_err(TwmError::GuestRange)
+        self.buffer().device_slice(range.start, range.len())
     }
 
     pub(crate) fn prefetch(
@@ -136,9 +136,7 @@ impl<B: Backend> ScopedMemory<B> {
         to: Location,
         stream: &Stream,
     ) -> Result<(), TwmError> {
-        self.buffer()
-            .prefetch(range.start, range.len(), to, stream)
-            .map_err(TwmError::from_core)
+        self.buffer().prefetch(range.start, range.len(), to, stream)
     }
 
     pub(crate) fn advise(
@@ -146,9 +144,7 @@ impl<B: Backend> ScopedMemory<B> {
         range: &std::ops::Range<usize>,
         advice: Advice,
     ) -> Result<(), TwmError> {
-        self.buffer()
-            .advise(range.start, range.len(), advice)
-            .map_err(TwmError::from_core)
+        self.buffer().advise(range.start, range.len(), advice)
     }
 
     /// The host address of visible byte `offset`, where the backing is host-accessible.
@@ -187,8 +183,10 @@ struct CreatorInner<B: Backend> {
     /// The devices served, the default (for memories of no tenant) first.
     devices: Vec<DeviceId>,
     limits: PlanLimits,
+    /// What memories are made of.
+    backing: Backing,
     /// A pool per served device, in the same order (empty: fresh allocations).
-    pools: Vec<Arc<SlotPool<Arc<B>>>>,
+    pools: Vec<CreatorPool<B>>,
     tenant: Option<(Arc<Tenant>, ChargeMode)>,
     /// Live memories by base address.
     registry: Mutex<HashMap<usize, Arc<MemoryShared<B>>>>,
@@ -206,6 +204,8 @@ impl<B: Backend> CreatorInner<B> {
 /// Figures of a creator (and its pool, if it has one).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CreatorStats {
+    /// What its memories are made of.
+    pub backing: Backing,
     /// Memories alive now.
     pub live_memories: u64,
     /// Memories ever created (allocations, or slots taken).
@@ -234,6 +234,7 @@ pub struct CreatorDeviceStats {
 /// Builds a [`TensorWasmMemoryCreator`].
 pub struct CreatorBuilder<B: Backend> {
     backend: Arc<B>,
+    backing: Option<Backing>,
     devices: Vec<DeviceId>,
     limits: PlanLimits,
     pool: Option<PoolConfig>,
@@ -243,6 +244,7 @@ pub struct CreatorBuilder<B: Backend> {
 impl<B: Backend> fmt::Debug for CreatorBuilder<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CreatorBuilder")
+            .field("backing", &self.backing)
             .field("devices", &self.devices)
             .field("limits", &self.limits)
             .field("pool", &self.pool)
@@ -276,6 +278,15 @@ impl<B: Backend> CreatorBuilder<B> {
         self.devices(&all)
     }
 
+    /// Make memories of `backing` (see [`Backing`]) instead of what [`Backing::detect`] picks
+    /// from the devices. A guarded backing a served device cannot serve is refused by
+    /// [`build`](Self::build) ([`TwmError::BackingUnavailable`]).
+    #[must_use]
+    pub fn backing(mut self, backing: Backing) -> Self {
+        self.backing = Some(backing);
+        self
+    }
+
     /// Plan memories under `limits` (default: [`PlanLimits::default`], 256 MiB per memory).
     #[must_use]
     pub fn limits(mut self, limits: PlanLimits) -> Self {
@@ -307,6 +318,11 @@ impl<B: Backend> CreatorBuilder<B> {
         if let Some(&device) = self.devices.iter().find(|d| d.0 >= count) {
             return Err(TwmError::UnknownDevice { device, count });
         }
+        let backing = match self.backing {
+            Some(backing) => backing,
+            None => Backing::detect(&*self.backend, &self.devices),
+        };
+        backing.check(&*self.backend, &self.devices)?;
         let mut pools = Vec::new();
         if let Some(config) = self.pool {
             for &device in &self.devices {
@@ -314,13 +330,20 @@ impl<B: Backend> CreatorBuilder<B> {
                     device,
                     ..config.clone()
                 };
-                let pool = SlotPool::new(Arc::clone(&self.backend), config)
-                    .map_err(TwmError::from_core)?;
-                pools.push(Arc::new(pool));
+                let backend = Arc::clone(&self.backend);
+                pools.push(match backing {
+                    Backing::Managed => CreatorPool::Managed(Arc::new(
+                        SlotPool::new(backend, config).map_err(TwmError::from_core)?,
+                    )),
+                    Backing::Guarded(access) => CreatorPool::Guarded(Arc::new(GuardedPool::new(
+                        backend, device, access, &config,
+                    )?)),
+                });
             }
         }
         Ok(TensorWasmMemoryCreator {
             inner: Arc::new(CreatorInner {
+                backing,
                 backend: self.backend,
                 devices: self.devices,
                 limits: self.limits,
@@ -370,6 +393,7 @@ impl<B: Backend> Clone for TensorWasmMemoryCreator<B> {
 impl<B: Backend> fmt::Debug for TensorWasmMemoryCreator<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TensorWasmMemoryCreator")
+            .field("backing", &self.inner.backing)
             .field("devices", &self.inner.devices)
             .field("limits", &self.inner.limits)
             .field("pooled", &!self.inner.pools.is_empty())
@@ -383,6 +407,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     pub fn builder(backend: Arc<B>) -> CreatorBuilder<B> {
         CreatorBuilder {
             backend,
+            backing: None,
             devices: vec![DeviceId(0)],
             limits: PlanLimits::default(),
             pool: None,
@@ -396,10 +421,20 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         &self.inner.backend
     }
 
-    /// The backend's capabilities.
+    /// What the creator's memories offer: the backend's capabilities as its [`Backing`] shapes
+    /// them (a guarded backing has guard pages, which [`install`](Self::install) turns into
+    /// Wasmtime's guard-page Config).
     #[must_use]
     pub fn capabilities(&self) -> Capabilities {
-        self.inner.backend.capabilities()
+        self.inner
+            .backing
+            .capabilities(self.inner.backend.capabilities())
+    }
+
+    /// What the creator's memories are made of (chosen at [`build`](CreatorBuilder::build)).
+    #[must_use]
+    pub fn backing(&self) -> Backing {
+        self.inner.backing
     }
 
     /// The plan limits in force.
@@ -408,17 +443,22 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         self.inner.limits
     }
 
-    /// The default device's pool, if memories come from pools.
+    /// The default device's managed slot pool, if memories come from managed pools (the
+    /// figures of any pool, guarded ones too, are in [`stats`](Self::stats)).
     #[must_use]
     pub fn pool(&self) -> Option<&Arc<SlotPool<Arc<B>>>> {
-        self.inner.pools.first()
+        self.pool_on(self.device())
     }
 
-    /// The pool of `device`, if memories come from pools and the creator serves it.
+    /// The managed slot pool of `device`, if memories come from managed pools and the creator
+    /// serves it.
     #[must_use]
     pub fn pool_on(&self, device: DeviceId) -> Option<&Arc<SlotPool<Arc<B>>>> {
         let i = self.inner.devices.iter().position(|d| *d == device)?;
-        self.inner.pools.get(i)
+        match self.inner.pools.get(i)? {
+            CreatorPool::Managed(pool) => Some(pool),
+            CreatorPool::Guarded(_) => None,
+        }
     }
 
     /// Makes `config` safe for this backend ([`configure`]) and installs this creator in it.
@@ -439,11 +479,12 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         let created = self.inner.created.load(Ordering::Acquire);
         let dropped = self.inner.dropped.load(Ordering::Acquire);
         CreatorStats {
+            backing: self.inner.backing,
             live_memories: created - dropped.min(created),
             created,
             dropped,
             refused: self.inner.refused.load(Ordering::Acquire),
-            pool: self.inner.pools.first().map(|p| p.stats()),
+            pool: self.inner.pools.first().map(CreatorPool::stats),
             devices: self.device_stats(),
         }
     }
@@ -463,7 +504,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             .map(|(i, (&device, live_memories))| CreatorDeviceStats {
                 device,
                 live_memories,
-                pool: self.inner.pools.get(i).map(|p| p.stats()),
+                pool: self.inner.pools.get(i).map(CreatorPool::stats),
             })
             .collect()
     }
@@ -513,7 +554,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     fn with_buffer<R>(
         &self,
         view: MemoryView,
-        f: impl FnOnce(&UnifiedBuffer<Arc<B>>, usize) -> Result<R, TwmError>,
+        f: impl FnOnce(&MemoryBacking<B>, usize) -> Result<R, TwmError>,
     ) -> Result<R, TwmError> {
         let shared = self.shared(view)?;
         let buffer = shared.buffer.read().unwrap_or_else(PoisonError::into_inner);
@@ -558,9 +599,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
                 return Err(TwmError::NotDeviceAccessible);
             }
             let range = guest_range(offset, len, size)?;
-            buffer
-                .device_slice(range.start, range.len())
-                .map_err(TwmError::GuestRange)
+            buffer.device_slice(range.start, range.len())
         })
     }
 
@@ -575,9 +614,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     ) -> Result<(), TwmError> {
         self.with_buffer(MemoryView::of(store, memory)?, |buffer, size| {
             let range = guest_range(offset, len, size)?;
-            buffer
-                .advise(range.start, range.len(), advice)
-                .map_err(TwmError::from_core)
+            buffer.advise(range.start, range.len(), advice)
         })
     }
 
@@ -605,9 +642,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     ) -> Result<(), TwmError> {
         self.with_buffer(view, |buffer, size| {
             let range = guest_range(offset, len, size)?;
-            buffer
-                .prefetch(range.start, range.len(), to, stream)
-                .map_err(TwmError::from_core)
+            buffer.prefetch(range.start, range.len(), to, stream)
         })
     }
 
@@ -626,11 +661,16 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         creation: &Option<Creation>,
     ) -> Result<TensorWasmLinearMemory<B>, TwmError> {
         crate::error::check_memory_type(ty)?;
-        if guard > 0 {
-            return Err(TwmError::GuardNotHonoured { guard });
-        }
-        if let Some(reserved) = reserved.filter(|&r| r > 0) {
-            return Err(TwmError::ReservationNotHonoured { reserved });
+        // Managed memory has no guard pages and no reservation: Wasmtime must check bounds.
+        // A guarded backing maps (or its pool slot holds) what Wasmtime asks for.
+        let backing = self.inner.backing;
+        if backing == Backing::Managed {
+            if guard > 0 {
+                return Err(TwmError::GuardNotHonoured { guard });
+            }
+            if let Some(reserved) = reserved.filter(|&r| r > 0) {
+                return Err(TwmError::ReservationNotHonoured { reserved });
+            }
         }
         let plan_type = PlanType {
             minimum_pages: ty.minimum(),
@@ -708,6 +748,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             .map_or("unbound", |(t, _)| t.context().isolation().name());
         let _span = tracing::debug_span!(
             "twm.memory.create",
+            backing = backing.name(),
             isolation = level,
             device = device.0,
             initial,
@@ -715,11 +756,24 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             held
         )
         .entered();
-        let buffer = match pool {
-            Some(pool) => pool.acquire(allocate, initial),
-            None => UnifiedBuffer::new(Arc::clone(&self.inner.backend), device, allocate, initial),
-        }
-        .map_err(TwmError::from_core)?;
+        let backend = Arc::clone(&self.inner.backend);
+        let reserved = reserved.unwrap_or(0);
+        let buffer = match (pool, backing) {
+            (Some(CreatorPool::Managed(pool)), _) => MemoryBacking::Managed(
+                pool.acquire(allocate, initial)
+                    .map_err(TwmError::from_core)?,
+            ),
+            (Some(CreatorPool::Guarded(pool)), _) => {
+                MemoryBacking::Guarded(pool.acquire(allocate, initial, reserved, guard)?)
+            }
+            (None, Backing::Managed) => MemoryBacking::Managed(
+                UnifiedBuffer::new(backend, device, allocate, initial)
+                    .map_err(TwmError::from_core)?,
+            ),
+            (None, Backing::Guarded(access)) => MemoryBacking::Guarded(GuardedRegion::new(
+                backend, device, access, allocate, initial, reserved, guard,
+            )?),
+        };
         let base = buffer.as_ptr() as usize;
         let shared = Arc::new(MemoryShared {
             buffer: RwLock::new(buffer),
@@ -816,10 +870,16 @@ impl<B: Backend> TensorWasmLinearMemory<B> {
         self.capacity
     }
 
-    /// `true` when the memory is unified memory a device can use with no copy.
+    /// `true` when the memory is unified memory a device can use with no copy (managed memory,
+    /// or guarded host memory with pageable memory access).
     #[must_use]
     pub fn is_uvm_backed(&self) -> bool {
-        self.creator.backend.capabilities().is_uvm()
+        self.shared
+            .buffer
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .capabilities()
+            .is_uvm()
     }
 
     fn grow(&mut self, new_size: usize) -> Result<(), TwmError> {
@@ -856,7 +916,7 @@ impl<B: Backend> TensorWasmLinearMemory<B> {
                 let keep = touched.bytes() - charged;
                 touched.shrink_to(keep);
             }
-            return Err(TwmError::from_core(e));
+            return Err(e);
         }
         self.len = self.len.max(new_size);
         Ok(())

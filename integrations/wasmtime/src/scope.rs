@@ -266,13 +266,17 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
         options: &ScopeOptions,
         creator: &TensorWasmMemoryCreator<B>,
     ) -> Result<(), TwmError> {
-        let migrates = creator.capabilities().concurrent_managed_access;
+        // Pages move (and hints mean something) only on memory that migrates: managed memory,
+        // or guarded memory with pageable access, on a device with concurrent managed access.
+        // Registered host memory is read where it is: nothing to prefetch or advise.
+        let caps = creator.capabilities();
+        let migrates = caps.concurrent_managed_access && caps.managed;
         for i in 0..self.entries.len() {
             let (range, access) = (self.entries[i].range.clone(), self.entries[i].access);
             if range.is_empty() {
                 continue;
             }
-            if options.read_mostly && access == Access::Read {
+            if options.read_mostly && caps.managed && access == Access::Read {
                 self.memory.advise(&range, Advice::SetReadMostly)?;
                 self.advised.push(range.clone());
             }

@@ -21,6 +21,10 @@ pub mod code {
     pub const INVALID_HANDLE: u32 = 400;
     /// `CUDA_ERROR_NOT_FOUND`.
     pub const NOT_FOUND: u32 = 500;
+    /// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
+    pub const HOST_MEMORY_ALREADY_REGISTERED: u32 = 712;
+    /// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`.
+    pub const HOST_MEMORY_NOT_REGISTERED: u32 = 713;
     /// `CUDA_ERROR_ILLEGAL_ADDRESS`.
     pub const ILLEGAL_ADDRESS: u32 = 700;
     /// `CUDA_ERROR_NOT_SUPPORTED`.
@@ -70,6 +74,10 @@ pub struct SimConfig {
     pub pageable: u32,
     /// Fill fresh managed allocations with `0xA5` (the driver does not zero them).
     pub poison: u32,
+    /// `CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED` and
+    /// `CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM` (0 or 1): whether
+    /// `cuMemHostRegister_v2` registers host ranges.
+    pub host_register: u32,
 }
 
 impl Default for SimConfig {
@@ -81,6 +89,7 @@ impl Default for SimConfig {
             concurrent: 1,
             pageable: 0,
             poison: 0,
+            host_register: 0,
         }
     }
 }

@@ -44,6 +44,8 @@ mod attr {
     pub const COMPUTE_CAPABILITY_MAJOR: u32 = 75;
     pub const COMPUTE_CAPABILITY_MINOR: u32 = 76;
     pub const UNIFIED_ADDRESSING: u32 = 41;
+    pub const CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: u32 = 91;
+    pub const HOST_REGISTER_SUPPORTED: u32 = 99;
 }
 
 /// `CUmemLocation` (CUDA 12.2+): a location type and an id.
@@ -177,6 +179,8 @@ struct Sim {
     contexts: BTreeMap<u64, Context>,
     streams: BTreeMap<u64, u64>,
     allocations: BTreeMap<u64, Allocation>,
+    /// Host ranges registered with `cuMemHostRegister_v2`: base -> length.
+    registered: BTreeMap<u64, usize>,
     pools: BTreeMap<u64, Pool>,
     /// Loaded modules (`cuModuleLoadData`), by handle.
     modules: BTreeMap<u64, ()>,
@@ -510,6 +514,9 @@ entry! {
             attr::MANAGED_MEMORY => config.managed,
             attr::CONCURRENT_MANAGED_ACCESS => config.concurrent,
             attr::PAGEABLE_MEMORY_ACCESS => config.pageable,
+            attr::HOST_REGISTER_SUPPORTED | attr::CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM => {
+                config.host_register
+            }
             attr::UNIFIED_ADDRESSING => 1,
             attr::COMPUTE_CAPABILITY_MAJOR => 9,
             attr::COMPUTE_CAPABILITY_MINOR => 0,
@@ -724,6 +731,44 @@ entry! {
         sim.stats.live_allocations += 1;
         sim.stats.live_bytes += bytes as u64;
         put(ptr, address)
+    }
+}
+
+entry! {
+    /// `cuMemHostRegister_v2`: records a host range for device access (device-mapped). The
+    /// simulator cannot pin; it keeps the driver's rules: a non-empty range, no overlap with
+    /// another registration, `CUDA_ERROR_NOT_SUPPORTED` where the device cannot.
+    fn cuMemHostRegister_v2(ptr: *mut c_void, bytes: usize, flags: c_uint) |sim| {
+        sim.context_device()?;
+        if sim.config().host_register == 0 {
+            return Err(code::NOT_SUPPORTED);
+        }
+        let start = ptr as u64;
+        let end = start.checked_add(bytes as u64).ok_or(code::INVALID_VALUE)?;
+        if ptr.is_null() || bytes == 0 || flags & !0xf != 0 {
+            return Err(code::INVALID_VALUE);
+        }
+        let overlaps = sim
+            .registered
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&b, &n)| start < b + n as u64);
+        if overlaps {
+            return Err(code::HOST_MEMORY_ALREADY_REGISTERED);
+        }
+        sim.registered.insert(start, bytes);
+        Ok(())
+    }
+}
+
+entry! {
+    /// `cuMemHostUnregister`: `ptr` must be the base of a registered range.
+    fn cuMemHostUnregister(ptr: *mut c_void) |sim| {
+        sim.context_device()?;
+        sim.registered
+            .remove(&(ptr as u64))
+            .map(|_| ())
+            .ok_or(code::HOST_MEMORY_NOT_REGISTERED)
     }
 }
 

@@ -1,0 +1,750 @@
+//! Where a [`TensorWasmMemoryCreator`](crate::TensorWasmMemoryCreator) puts linear memory:
+//! [`Backing`].
+//!
+//! - [`Backing::Managed`]: managed memory (`cuMemAllocManaged`), which migrates between host and
+//!   device on demand. It cannot carry guard pages, so compiled code checks bounds explicitly
+//!   (about 1.0x on a fixed-size memory, 1.5-1.9x on a growable one's scalar loop).
+//! - [`Backing::Guarded`]: host virtual memory with `PROT_NONE` guard pages, made device-visible
+//!   as a [`HostAccess`] says, and compiled code runs with no bounds checks at all (Wasmtime's
+//!   guard-page Config: signals-based traps, a 4 GiB reservation and a 32 MiB guard that the
+//!   backing really maps).
+//!   - `Guarded(HostAccess::Pageable)` where the device has pageable memory access (HMM, ATS):
+//!     the device reaches the pages through the host's page tables (a guard faults there too),
+//!     advice and prefetch go to the driver, pages migrate as with managed memory.
+//!   - `Guarded(HostAccess::Registered)` where the device can map registered host memory: each
+//!     page the guest can reach is pinned (`cuMemHostRegister`, a registration per growth) and
+//!     read by the device over the link, zero-copy, never migrated. It suits streaming reads (a
+//!     kernel that reads each byte once or twice); a kernel that reuses data is better served by
+//!     managed memory, whose pages move to the device once. Advice is refused (a typed
+//!     `Unsupported` error) and a prefetch has nothing to do.
+//!
+//! By default a creator picks at start-up from what its devices report ([`Backing::detect`]):
+//! guarded pageable memory where every served device has pageable memory access, managed memory
+//! otherwise. Registration is never picked by default, because it trades a kernel's bandwidth
+//! for the guest's speed: an embedder chooses it with
+//! [`CreatorBuilder::backing`](crate::CreatorBuilder::backing).
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tensor_wasm_mem_core::{
+    Advice, Allocation, Capabilities, ClassStats, DeviceId, DeviceSlice, Error as CoreError,
+    HostAccess, HostMemory, Location, Operation, PoolConfig, PoolError, PoolStats, Stream,
+    UnifiedBuffer, check_range,
+};
+
+use crate::Backend;
+use crate::config::{GUARDED_GUARD, GUARDED_RESERVATION};
+use crate::error::TwmError;
+use crate::host_mapping::{HostMapping, page_size};
+
+/// The memory behind a creator's linear memories. See the [module docs](self).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Backing {
+    /// Managed memory, explicit bounds checks.
+    #[default]
+    Managed,
+    /// Host virtual memory with guard pages, device-visible as the [`HostAccess`] says; no
+    /// bounds checks in compiled code.
+    Guarded(HostAccess),
+}
+
+impl Backing {
+    /// Every backing, in the order [`detect`](Self::detect) prefers them.
+    pub const ALL: [Self; 3] = [
+        Self::Guarded(HostAccess::Pageable),
+        Self::Guarded(HostAccess::Registered),
+        Self::Managed,
+    ];
+
+    /// A stable name for spans, metrics, the CLI and `--json`: `managed`, `guarded_pageable`
+    /// or `guarded_registered`.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Managed => "managed",
+            Self::Guarded(HostAccess::Pageable) => "guarded_pageable",
+            Self::Guarded(HostAccess::Registered) => "guarded_registered",
+        }
+    }
+
+    /// The backing a creator serving `devices` on `backend` uses unless told otherwise: guarded
+    /// pageable memory where every device has pageable memory access, managed memory otherwise
+    /// (registration is opt-in, see the [module docs](self)).
+    pub fn detect<B: HostMemory + ?Sized>(backend: &B, devices: &[DeviceId]) -> Self {
+        let pageable = !devices.is_empty()
+            && devices
+                .iter()
+                .all(|&d| backend.can_attach_host(d, HostAccess::Pageable));
+        if pageable {
+            Self::Guarded(HostAccess::Pageable)
+        } else {
+            Self::Managed
+        }
+    }
+
+    /// Whether `backend` can serve this backing on every one of `devices`; the first device
+    /// that cannot is the error.
+    pub fn check<B: HostMemory + ?Sized>(
+        self,
+        backend: &B,
+        devices: &[DeviceId],
+    ) -> Result<(), TwmError> {
+        let Self::Guarded(access) = self else {
+            return Ok(());
+        };
+        match devices
+            .iter()
+            .find(|&&d| !backend.can_attach_host(d, access))
+        {
+            Some(&device) => Err(TwmError::BackingUnavailable {
+                backing: self,
+                device,
+                access,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// What memories of this backing offer, on a backend offering `backend`: a guarded backing
+    /// is host- and device-accessible, zeroed, with guard pages; it migrates (is managed) only
+    /// with pageable access on a backend whose memory migrates.
+    #[must_use]
+    pub const fn capabilities(self, backend: Capabilities) -> Capabilities {
+        match self {
+            Self::Managed => backend,
+            Self::Guarded(access) => Capabilities {
+                host_accessible: true,
+                device_accessible: true,
+                managed: backend.managed && matches!(access, HostAccess::Pageable),
+                comes_zeroed: true,
+                guard_pages: true,
+                ..backend
+            },
+        }
+    }
+}
+
+impl fmt::Display for Backing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A backing name that is none of [`Backing::ALL`]'s.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown backing {0:?}: expected managed, guarded_pageable (pageable) or guarded_registered (registered)"
+)]
+pub struct ParseBackingError(String);
+
+/// Parses `managed`, `guarded_pageable` (or `pageable`), `guarded_registered` (or
+/// `registered`).
+impl FromStr for Backing {
+    type Err = ParseBackingError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "managed" => Ok(Self::Managed),
+            "guarded_pageable" | "pageable" => Ok(Self::Guarded(HostAccess::Pageable)),
+            "guarded_registered" | "registered" => Ok(Self::Guarded(HostAccess::Registered)),
+            other => Err(ParseBackingError(other.to_string())),
+        }
+    }
+}
+
+/// One memory's storage: a managed buffer, or a guarded region.
+pub(crate) enum MemoryBacking<B: Backend> {
+    Managed(UnifiedBuffer<Arc<B>>),
+    Guarded(GuardedRegion<B>),
+}
+
+impl<B: Backend> MemoryBacking<B> {
+    pub(crate) fn capabilities(&self) -> Capabilities {
+        match self {
+            Self::Managed(b) => b.capabilities(),
+            Self::Guarded(r) => Backing::Guarded(r.access).capabilities(r.backend.capabilities()),
+        }
+    }
+
+    pub(crate) fn allocator(&self) -> &Arc<B> {
+        match self {
+            Self::Managed(b) => b.allocator(),
+            Self::Guarded(r) => &r.backend,
+        }
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        match self {
+            Self::Managed(b) => b.as_ptr(),
+            Self::Guarded(r) => r.base as *mut u8,
+        }
+    }
+
+    /// Visible bytes.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::Managed(b) => b.len(),
+            Self::Guarded(r) => r.len,
+        }
+    }
+
+    pub(crate) fn grow_to(&mut self, new_len: usize) -> Result<(), TwmError> {
+        match self {
+            Self::Managed(b) => b.grow_to(new_len).map_err(TwmError::from_core),
+            Self::Guarded(r) => r.grow_to(new_len),
+        }
+    }
+
+    /// A checked device slice of the visible bytes.
+    pub(crate) fn device_slice(&self, offset: usize, len: usize) -> Result<DeviceSlice, TwmError> {
+        match self {
+            Self::Managed(b) => b.device_slice(offset, len),
+            Self::Guarded(r) => check_range(offset, len, r.len).map(|range| DeviceSlice {
+                device_ptr: (r.base + range.start) as u64,
+                len,
+            }),
+        }
+        .map_err(TwmError::GuestRange)
+    }
+
+    pub(crate) fn advise(&self, offset: usize, len: usize, advice: Advice) -> Result<(), TwmError> {
+        match self {
+            Self::Managed(b) => b.advise(offset, len, advice).map_err(TwmError::from_core),
+            Self::Guarded(r) => r.each_span(offset, len, Operation::Advise, |a, o, l| {
+                r.backend.advise(a, o, l, advice)
+            }),
+        }
+    }
+
+    pub(crate) fn prefetch(
+        &self,
+        offset: usize,
+        len: usize,
+        to: Location,
+        stream: &Stream,
+    ) -> Result<(), TwmError> {
+        match self {
+            Self::Managed(b) => b
+                .prefetch(offset, len, to, stream)
+                .map_err(TwmError::from_core),
+            Self::Guarded(r) => r.each_span(offset, len, Operation::Prefetch, |a, o, l| {
+                r.backend.prefetch(a, o, l, to, stream)
+            }),
+        }
+    }
+}
+
+/// Where a guarded region's address space comes from.
+enum Home<B: Backend> {
+    /// A reservation of its own, unmapped with it.
+    Own(HostMapping),
+    /// A slot of a guarded pool, given back (scrubbed) with it.
+    Slot {
+        pool: Arc<GuardedPool<B>>,
+        class: usize,
+        index: u32,
+    },
+}
+
+/// One guarded memory: `PROT_NONE` host address space whose first `accessible` bytes (whole
+/// pages, at least the visible size) are readable, writable and attached to the backend for
+/// `device`, one attached range per growth.
+pub(crate) struct GuardedRegion<B: Backend> {
+    backend: Arc<B>,
+    device: DeviceId,
+    access: HostAccess,
+    home: Home<B>,
+    base: usize,
+    page: usize,
+    len: usize,
+    accessible: usize,
+    capacity: usize,
+    /// The attached ranges, in address order, covering `base..base + accessible`.
+    chunks: Vec<Allocation>,
+    /// Advice or a prefetch reached the backend: hints are reset before the pages go.
+    hinted: AtomicBool,
+}
+
+impl<B: Backend> fmt::Debug for GuardedRegion<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GuardedRegion")
+            .field("device", &self.device)
+            .field("access", &self.access)
+            .field("len", &self.len)
+            .field("accessible", &self.accessible)
+            .field("capacity", &self.capacity)
+            .field("chunks", &self.chunks.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> GuardedRegion<B> {
+    /// A region in a reservation of its own: `max(reserved, capacity) + guard` bytes of address
+    /// space (what Wasmtime elides checks against), `initial` bytes open.
+    pub(crate) fn new(
+        backend: Arc<B>,
+        device: DeviceId,
+        access: HostAccess,
+        capacity: usize,
+        initial: usize,
+        reserved: usize,
+        guard: usize,
+    ) -> Result<Self, TwmError> {
+        let span = reserved
+            .max(capacity)
+            .checked_add(guard)
+            .ok_or(TwmError::Plan(
+                tensor_wasm_mem_core::PlanError::TooLargeForHost { bytes: u64::MAX },
+            ))?;
+        let mapping = HostMapping::reserve(span)?;
+        let base = mapping.base();
+        Self::open_in(
+            backend,
+            device,
+            access,
+            Home::Own(mapping),
+            base,
+            capacity,
+            initial,
+        )
+    }
+
+    fn open_in(
+        backend: Arc<B>,
+        device: DeviceId,
+        access: HostAccess,
+        home: Home<B>,
+        base: usize,
+        capacity: usize,
+        initial: usize,
+    ) -> Result<Self, TwmError> {
+        let mut region = Self {
+            backend,
+            device,
+            access,
+            home,
+            base,
+            page: page_size(),
+            len: 0,
+            accessible: 0,
+            capacity,
+            chunks: Vec::new(),
+            hinted: AtomicBool::new(false),
+        };
+        // On failure `region` drops: what was opened is closed and detached again.
+        region.grow_to(initial)?;
+        Ok(region)
+    }
+
+    /// The mapping the region lies in, and the region's offset in it.
+    fn mapping(&self) -> (&HostMapping, usize) {
+        match &self.home {
+            Home::Own(m) => (m, 0),
+            Home::Slot { pool, .. } => (&pool.mapping, self.base - pool.mapping.base()),
+        }
+    }
+
+    fn grow_to(&mut self, new_len: usize) -> Result<(), TwmError> {
+        if new_len > self.capacity {
+            return Err(TwmError::CapacityExceeded {
+                requested: new_len,
+                capacity: self.capacity,
+            });
+        }
+        let want = new_len.next_multiple_of(self.page);
+        if want > self.accessible {
+            let (mapping, at) = self.mapping();
+            let (start, len) = (at + self.accessible, want - self.accessible);
+            mapping.open(start, len)?;
+            let ptr = std::ptr::NonNull::new((self.base + self.accessible) as *mut u8)
+                .ok_or(TwmError::NotOurMemory)?;
+            // SAFETY: `ptr..ptr + len` lies inside our mapping, page-aligned, opened readable
+            // and writable just now, owned by this region, and stays mapped until the chunk is
+            // detached (`release` detaches every chunk before the pages are dropped or
+            // unmapped, and leaks the mapping if the backend refuses).
+            let attached = unsafe { self.backend.attach_host(self.device, self.access, ptr, len) };
+            match attached {
+                Ok(chunk) => self.chunks.push(chunk),
+                Err(e) => {
+                    let (mapping, _) = self.mapping();
+                    let _ = mapping.close(start, len);
+                    return Err(TwmError::from_core(CoreError::backend(
+                        Operation::AttachHost,
+                        e,
+                    )));
+                }
+            }
+            self.accessible = want;
+        }
+        self.len = self.len.max(new_len);
+        Ok(())
+    }
+
+    /// Runs `f` on each attached chunk's part of visible `offset..offset + len` (checked), as
+    /// `(chunk, offset in it, length)`.
+    fn each_span(
+        &self,
+        offset: usize,
+        len: usize,
+        op: Operation,
+        f: impl Fn(&Allocation, usize, usize) -> Result<(), B::Error>,
+    ) -> Result<(), TwmError> {
+        let range = check_range(offset, len, self.len).map_err(TwmError::GuestRange)?;
+        self.hinted.store(true, Ordering::Release);
+        let (start, end) = (self.base + range.start, self.base + range.end);
+        for chunk in &self.chunks {
+            let (c_start, c_end) = (
+                chunk.as_ptr() as usize,
+                chunk.as_ptr() as usize + chunk.len(),
+            );
+            let (s, e) = (start.max(c_start), end.min(c_end));
+            if s < e {
+                f(chunk, s - c_start, e - s)
+                    .map_err(|e| TwmError::from_core(CoreError::backend(op, e)))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives the pages back to the backend: hints reset (if any were given), every chunk
+    /// detached. Whether the backend let go of everything (if not, the pages must stay mapped),
+    /// and whether hints were reset.
+    fn release(&mut self) -> (bool, bool) {
+        let mut clean = true;
+        let hinted = self.hinted.load(Ordering::Acquire);
+        if hinted {
+            for chunk in &self.chunks {
+                if let Err(e) = self.backend.reset_hints(chunk, 0, chunk.len()) {
+                    tracing::warn!(error = %e, "twm: resetting a guarded region's hints failed");
+                    clean = false;
+                }
+            }
+        }
+        for chunk in self.chunks.drain(..).rev() {
+            // SAFETY: a chunk this region attached; its Store's streams were waited for before
+            // the memory dropped (`MemoryShared`'s drop), so no device work uses it.
+            if let Err(e) = unsafe { self.backend.detach_host(chunk) } {
+                tracing::warn!(error = %e, "twm: detaching a guarded region from the device failed");
+                clean = false;
+            }
+        }
+        (clean, hinted)
+    }
+}
+
+impl<B: Backend> Drop for GuardedRegion<B> {
+    fn drop(&mut self) {
+        let (clean, hinted) = self.release();
+        match &mut self.home {
+            Home::Own(mapping) => {
+                if !clean {
+                    // The backend still holds part of it: the address space stays reserved
+                    // rather than being reused under a device mapping.
+                    LEAKED_MAPPINGS.fetch_add(1, Ordering::AcqRel);
+                    mapping.keep_mapped();
+                }
+            }
+            Home::Slot { pool, class, index } => {
+                pool.release(*class, *index, self.accessible, clean, hinted);
+            }
+        }
+    }
+}
+
+/// Guarded reservations (own or slots) kept mapped because the backend refused to let go of
+/// them, process-wide.
+static LEAKED_MAPPINGS: AtomicU64 = AtomicU64::new(0);
+
+/// Guarded regions whose pages stayed mapped (or whose pool slot was withdrawn) because the
+/// backend refused to detach them, over the whole process: non-zero is a driver fault to look at.
+#[must_use]
+pub fn guarded_mappings_kept() -> u64 {
+    LEAKED_MAPPINGS.load(Ordering::Acquire)
+}
+
+/// One size class of a guarded pool.
+#[derive(Debug)]
+struct GuardedClass {
+    /// Offset of its first slot in the pool's mapping.
+    offset: usize,
+    /// Address space per slot: its reservation and guard.
+    stride: usize,
+    /// Largest capacity a slot holds.
+    slot_bytes: usize,
+    slots: usize,
+}
+
+#[derive(Debug, Default)]
+struct GuardedPoolState {
+    /// A slot was withdrawn with chunks the backend would not detach: the pool's address space
+    /// stays mapped when the pool goes.
+    driver_held: bool,
+    /// Per class: free slot indices, the most recently freed reused first.
+    free: Vec<Vec<u32>>,
+    acquisitions: u64,
+    releases: u64,
+    bytes_scrubbed: u64,
+    scrub_failures: u64,
+    hint_resets: u64,
+    exhaustions: u64,
+}
+
+/// Guarded slots in one reservation, each `reservation + guard` of address space (so Wasmtime's
+/// guard-page Config holds in every slot), with guard space between them. A slot is scrubbed
+/// when it is given back by dropping the pages its holder could touch (`MADV_DONTNEED` up to
+/// its high-water mark, as Wasmtime's pooling allocator does): they read as zeros and hold no
+/// memory until touched again. Its chunks are detached first (registered pages unregistered: a
+/// pinned page would survive the drop for the device), and its hints reset.
+pub(crate) struct GuardedPool<B: Backend> {
+    backend: Arc<B>,
+    device: DeviceId,
+    access: HostAccess,
+    mapping: HostMapping,
+    classes: Vec<GuardedClass>,
+    state: Mutex<GuardedPoolState>,
+}
+
+impl<B: Backend> fmt::Debug for GuardedPool<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GuardedPool")
+            .field("device", &self.device)
+            .field("access", &self.access)
+            .field("classes", &self.classes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> GuardedPool<B> {
+    /// Reserves the pool's address space: per class, `slots` slots of `max(slot_bytes,
+    /// GUARDED_RESERVATION) + GUARDED_GUARD` bytes.
+    pub(crate) fn new(
+        backend: Arc<B>,
+        device: DeviceId,
+        access: HostAccess,
+        config: &PoolConfig,
+    ) -> Result<Self, TwmError> {
+        let page = page_size();
+        let mut classes: Vec<GuardedClass> = Vec::new();
+        let mut total = 0usize;
+        let mut sorted = config.classes.clone();
+        sorted.sort_by_key(|c| c.slot_bytes);
+        for class in sorted {
+            let slot_bytes = class.slot_bytes.next_multiple_of(page);
+            if class.slots == 0 || slot_bytes == 0 {
+                return Err(PoolError::InvalidConfig {
+                    reason: "every class needs at least one slot of at least one byte",
+                }
+                .into());
+            }
+            if classes.iter().any(|c| c.slot_bytes == slot_bytes) {
+                return Err(PoolError::InvalidConfig {
+                    reason: "slot sizes must be distinct after rounding",
+                }
+                .into());
+            }
+            let stride = usize::try_from(GUARDED_RESERVATION)
+                .ok()
+                .map(|r| r.max(slot_bytes))
+                .and_then(|r| r.checked_add(usize::try_from(GUARDED_GUARD).ok()?))
+                .and_then(|s| s.checked_next_multiple_of(page))
+                .ok_or(PoolError::SizeOverflow)?;
+            let bytes = stride
+                .checked_mul(class.slots)
+                .ok_or(PoolError::SizeOverflow)?;
+            classes.push(GuardedClass {
+                offset: total,
+                stride,
+                slot_bytes,
+                slots: class.slots,
+            });
+            total = total.checked_add(bytes).ok_or(PoolError::SizeOverflow)?;
+        }
+        if classes.is_empty() {
+            return Err(PoolError::InvalidConfig {
+                reason: "a pool needs at least one size class",
+            }
+            .into());
+        }
+        let mapping = HostMapping::reserve(total)?;
+        let free = classes
+            .iter()
+            .map(|c| (0..c.slots as u32).rev().collect())
+            .collect();
+        Ok(Self {
+            backend,
+            device,
+            access,
+            mapping,
+            classes,
+            state: Mutex::new(GuardedPoolState {
+                free,
+                ..GuardedPoolState::default()
+            }),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, GuardedPoolState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The slot size a memory of `capacity` bytes would hold (the smallest class that fits).
+    pub(crate) fn slot_size_for(&self, capacity: usize) -> Option<usize> {
+        self.classes
+            .iter()
+            .map(|c| c.slot_bytes)
+            .find(|&s| s >= capacity)
+    }
+
+    /// A region in a free slot of the smallest class that holds `capacity` and whose address
+    /// space covers Wasmtime's `reserved + guard`.
+    pub(crate) fn acquire(
+        self: &Arc<Self>,
+        capacity: usize,
+        initial: usize,
+        reserved: usize,
+        guard: usize,
+    ) -> Result<GuardedRegion<B>, TwmError> {
+        let needed = reserved.max(capacity).saturating_add(guard);
+        let fitting = || {
+            self.classes
+                .iter()
+                .enumerate()
+                .filter(move |(_, c)| c.slot_bytes >= capacity)
+        };
+        let Some((_, largest)) = fitting().next_back() else {
+            let largest = self.classes.last().map_or(0, |c| c.slot_bytes);
+            return Err(PoolError::TooLarge {
+                requested: capacity as u64,
+                largest: largest as u64,
+            }
+            .into());
+        };
+        if needed > largest.stride {
+            return Err(TwmError::ReservationNotHonoured { reserved: needed });
+        }
+        let taken = {
+            let mut state = self.state();
+            let found = fitting()
+                .filter(|(_, c)| c.stride >= needed)
+                .find_map(|(i, _)| state.free[i].pop().map(|index| (i, index)));
+            match found {
+                Some(slot) => {
+                    state.acquisitions += 1;
+                    Some(slot)
+                }
+                None => {
+                    state.exhaustions += 1;
+                    None
+                }
+            }
+        };
+        let Some((class, index)) = taken else {
+            return Err(PoolError::Exhausted {
+                requested: capacity as u64,
+            }
+            .into());
+        };
+        let c = &self.classes[class];
+        let base = self.mapping.base() + c.offset + c.stride * index as usize;
+        // On failure the region drops and gives the slot back.
+        GuardedRegion::open_in(
+            Arc::clone(&self.backend),
+            self.device,
+            self.access,
+            Home::Slot {
+                pool: Arc::clone(self),
+                class,
+                index,
+            },
+            base,
+            capacity,
+            initial,
+        )
+    }
+
+    /// A slot comes back with its first `touched` bytes open: they are dropped and closed, and
+    /// the slot is free again. A slot the backend did not let go of (`clean == false`), or whose
+    /// scrub failed, is withdrawn for good rather than handed to another tenant.
+    fn release(&self, class: usize, index: u32, touched: usize, clean: bool, hinted: bool) {
+        let c = &self.classes[class];
+        let offset = c.offset + c.stride * index as usize;
+        let scrubbed = clean
+            // SAFETY: the slot's holder is gone and its chunks detached (`clean`): no one uses
+            // its pages.
+            && unsafe { self.mapping.discard(offset, touched) }.is_ok()
+            && self.mapping.close(offset, touched).is_ok();
+        let mut state = self.state();
+        state.releases += 1;
+        state.hint_resets += u64::from(hinted);
+        if scrubbed {
+            state.bytes_scrubbed += touched as u64;
+            state.free[class].push(index);
+        } else {
+            state.scrub_failures += 1;
+            state.driver_held |= !clean;
+            LEAKED_MAPPINGS.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// The pool's figures, in the managed pool's shape.
+    pub(crate) fn stats(&self) -> PoolStats {
+        let state = self.state();
+        PoolStats {
+            classes: self
+                .classes
+                .iter()
+                .zip(&state.free)
+                .map(|(c, free)| ClassStats {
+                    slot_bytes: c.slot_bytes,
+                    slots: c.slots,
+                    in_use: c.slots - free.len(),
+                    free: free.len(),
+                })
+                .collect(),
+            acquisitions: state.acquisitions,
+            releases: state.releases,
+            bytes_scrubbed: state.bytes_scrubbed,
+            scrub_failures: state.scrub_failures,
+            hint_resets: state.hint_resets,
+            exhaustions: state.exhaustions,
+        }
+    }
+}
+
+impl<B: Backend> Drop for GuardedPool<B> {
+    fn drop(&mut self) {
+        let held = self
+            .state
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .driver_held;
+        if held {
+            self.mapping.keep_mapped();
+        }
+    }
+}
+
+/// A creator's pool on one device: managed slots, or guarded ones.
+pub(crate) enum CreatorPool<B: Backend> {
+    Managed(Arc<tensor_wasm_mem_core::SlotPool<Arc<B>>>),
+    Guarded(Arc<GuardedPool<B>>),
+}
+
+impl<B: Backend> CreatorPool<B> {
+    pub(crate) fn stats(&self) -> PoolStats {
+        match self {
+            Self::Managed(p) => p.stats(),
+            Self::Guarded(p) => p.stats(),
+        }
+    }
+
+    pub(crate) fn slot_size_for(&self, capacity: usize) -> Option<usize> {
+        match self {
+            Self::Managed(p) => p.slot_size_for(capacity),
+            Self::Guarded(p) => p.slot_size_for(capacity),
+        }
+    }
+}

@@ -1,0 +1,519 @@
+//! The device-visible guarded backing on the simulated driver, over its three configurations
+//! (pageable memory access on; host registration only; neither): what each picks, out-of-bounds
+//! accesses trapping by signal, growth attaching (and registering) what the guest can reach,
+//! reused slots reading as zeros with default hints, and ranges the device cannot see refused
+//! by resolution, by the device-access scope, and by the simulated device itself.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use tensor_wasm_mem_core::{
+    Advice, DeviceId, HostAccess, IsolationLevel, Location, ManagedAllocator, PoolConfig, SizeClass,
+};
+use tensor_wasm_mem_mock::{MockBackend, MockConfig};
+use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Linker, Memory, Module, Store};
+use tensor_wasm_mem_wasmtime::{
+    AccessRange, Backing, BoundsStrategy, ChargeMode, DeviceAccess, Tenant, TenantStore,
+    TensorWasmMemoryCreator, TwmError, guarded_mappings_kept, instantiate, new_store,
+};
+
+type Data = TenantStore<MockBackend>;
+
+const PAGEABLE: Backing = Backing::Guarded(HostAccess::Pageable);
+const REGISTERED: Backing = Backing::Guarded(HostAccess::Registered);
+
+/// A simulated machine with pageable memory access and host registration as given.
+fn machine(pageable: bool, registration: bool) -> Arc<MockBackend> {
+    Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
+        pageable_memory_access: pageable,
+        host_registration: registration,
+        deferred_streams: true,
+        ..MockConfig::default()
+    }))
+}
+
+/// Each backing on the machine that offers it.
+fn each_backing() -> [(Backing, Arc<MockBackend>); 3] {
+    [
+        (PAGEABLE, machine(true, false)),
+        (REGISTERED, machine(false, true)),
+        (Backing::Managed, machine(false, false)),
+    ]
+}
+
+fn make(backend: &Arc<MockBackend>, backing: Backing) -> TensorWasmMemoryCreator<MockBackend> {
+    TensorWasmMemoryCreator::builder(Arc::clone(backend))
+        .backing(backing)
+        .build()
+        .expect("creator")
+}
+
+fn pooled_creator(
+    backend: &Arc<MockBackend>,
+    backing: Backing,
+) -> TensorWasmMemoryCreator<MockBackend> {
+    TensorWasmMemoryCreator::builder(Arc::clone(backend))
+        .backing(backing)
+        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 * PAGE, 1)]))
+        .build()
+        .expect("pooled creator")
+}
+
+fn tenant_store(
+    creator: &TensorWasmMemoryCreator<MockBackend>,
+    id: u64,
+) -> (Store<Data>, Instance, Memory) {
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(
+        id,
+        format!("t{id}"),
+        16 * PAGE as u64,
+        IsolationLevel::StreamIsolated,
+    );
+    let mut store = new_store(
+        &engine,
+        TenantStore::new(creator, &tenant, ChargeMode::Touched, ()),
+    );
+    let module = access_module(&engine, 1, 4);
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    (store, instance, memory)
+}
+
+#[test]
+fn the_backing_is_picked_from_what_the_device_reports() {
+    let pick = |pageable, registration| {
+        let backend = machine(pageable, registration);
+        TensorWasmMemoryCreator::builder(backend)
+            .build()
+            .unwrap()
+            .backing()
+    };
+    assert_eq!(pick(true, true), PAGEABLE);
+    assert_eq!(pick(true, false), PAGEABLE);
+    // Registration trades a kernel's bandwidth for the guest's speed: never picked unasked.
+    assert_eq!(pick(false, true), Backing::Managed);
+    assert_eq!(pick(false, false), Backing::Managed);
+    assert_eq!(
+        fresh(&mock()).backing(),
+        Backing::Managed,
+        "the default mock"
+    );
+
+    // Forcing a backing the device cannot serve is a typed error naming the device.
+    let refused = |backend: Arc<MockBackend>, backing| {
+        TensorWasmMemoryCreator::builder(backend)
+            .backing(backing)
+            .build()
+            .unwrap_err()
+    };
+    let e = refused(machine(false, true), PAGEABLE);
+    assert!(matches!(
+        e,
+        TwmError::BackingUnavailable {
+            device: DeviceId(0),
+            access: HostAccess::Pageable,
+            ..
+        }
+    ));
+    assert_eq!(e.kind(), tensor_wasm_mem_core::ErrorKind::Unsupported);
+    assert!(matches!(
+        refused(machine(true, false), REGISTERED),
+        TwmError::BackingUnavailable {
+            access: HostAccess::Registered,
+            ..
+        }
+    ));
+    // An embedder can always force managed memory.
+    assert_eq!(
+        make(&machine(true, true), Backing::Managed).backing(),
+        Backing::Managed
+    );
+
+    // Names parse back.
+    for backing in Backing::ALL {
+        assert_eq!(backing.name().parse::<Backing>().unwrap(), backing);
+    }
+    assert!("guarded".parse::<Backing>().is_err());
+}
+
+#[test]
+fn guarded_backings_get_the_guard_page_config_and_honest_capabilities() {
+    for (backing, backend) in each_backing() {
+        let creator = make(&backend, backing);
+        let caps = creator.capabilities();
+        let guarded = backing != Backing::Managed;
+        assert_eq!(caps.guard_pages, guarded, "{backing}");
+        assert!(caps.device_accessible && caps.host_accessible, "{backing}");
+        assert_eq!(caps.managed, backing != REGISTERED, "{backing}: migrates");
+        assert_eq!(
+            matches!(
+                BoundsStrategy::for_capabilities(&caps),
+                BoundsStrategy::GuardPages { .. }
+            ),
+            guarded,
+            "{backing}"
+        );
+        assert_eq!(creator.stats().backing, backing);
+    }
+}
+
+#[test]
+fn every_out_of_bounds_form_traps_on_every_backing() {
+    for (backing, backend) in each_backing() {
+        let creator = make(&backend, backing);
+        let (mut store, instance, memory) = tenant_store(&creator, 1);
+        let load8 = func::<_, i32, i32>(&mut store, &instance, "load8");
+        let load32 = func::<_, i32, i32>(&mut store, &instance, "load32");
+        let load_off = func::<_, i32, i32>(&mut store, &instance, "load_off");
+        let store32 = func::<_, (i32, i32), ()>(&mut store, &instance, "store32");
+        let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
+        let end = PAGE as i32;
+        store32.call(&mut store, (end - 4, 5)).unwrap();
+        assert_eq!(load32.call(&mut store, end - 4).unwrap(), 5, "{backing}");
+        assert!(
+            is_oob(&load8.call(&mut store, end).unwrap_err()),
+            "{backing}"
+        );
+        assert!(
+            is_oob(&load32.call(&mut store, end - 2).unwrap_err()),
+            "{backing}"
+        );
+        assert!(
+            is_oob(&load_off.call(&mut store, 0).unwrap_err()),
+            "{backing}"
+        );
+        for addr in [2 * end, i32::MAX, -1] {
+            assert!(
+                is_oob(&store32.call(&mut store, (addr, 1)).unwrap_err()),
+                "{backing}: store at {addr}"
+            );
+        }
+        let base = memory.data_ptr(&store);
+        assert_eq!(grow.call(&mut store, 3).unwrap(), 1, "{backing}");
+        assert_eq!(
+            memory.data_ptr(&store),
+            base,
+            "{backing}: growth never moves"
+        );
+        assert_eq!(load8.call(&mut store, 4 * end - 1).unwrap(), 0, "{backing}");
+        assert!(
+            is_oob(&load8.call(&mut store, 4 * end).unwrap_err()),
+            "{backing}"
+        );
+        assert_eq!(
+            grow.call(&mut store, 1).unwrap(),
+            -1,
+            "{backing}: past the maximum"
+        );
+        assert!(
+            creator.resolve(&store, &memory, 0, 4 * PAGE as u64).is_ok(),
+            "{backing}"
+        );
+        drop(store);
+        assert_eq!(creator.stats().live_memories, 0, "{backing}");
+        let stats = backend.stats();
+        assert_eq!(stats.attached_host_ranges, 0, "{backing}: all detached");
+        assert_eq!(stats.live_allocations, 0, "{backing}");
+    }
+}
+
+#[test]
+fn growth_attaches_and_registers_exactly_what_the_guest_can_reach() {
+    // Registration: one registration per growth, each exactly the pages the growth opened.
+    let backend = machine(false, true);
+    let creator = make(&backend, REGISTERED);
+    let (mut store, instance, memory) = tenant_store(&creator, 1);
+    let base = memory.data_ptr(&store) as usize;
+    let model = backend.driver();
+    assert_eq!(model.registered_ranges(), vec![(base, PAGE)]);
+    let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
+    assert_eq!(grow.call(&mut store, 2).unwrap(), 1);
+    assert_eq!(
+        model.registered_ranges(),
+        vec![(base, PAGE), (base + PAGE, 2 * PAGE)]
+    );
+    assert_eq!(backend.stats().registered_host_bytes, 3 * PAGE as u64);
+    drop(store);
+    assert!(
+        model.registered_ranges().is_empty(),
+        "unregistered before unmap"
+    );
+    assert_eq!(model.stats().registered_ranges, 0);
+
+    // Pageable access: attached (for advice and the backend's tables), nothing registered.
+    let backend = machine(true, true);
+    let creator = make(&backend, PAGEABLE);
+    let (mut store, instance, _memory) = tenant_store(&creator, 1);
+    let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
+    assert_eq!(grow.call(&mut store, 1).unwrap(), 1);
+    let stats = backend.stats();
+    assert_eq!(stats.attached_host_ranges, 2);
+    assert_eq!(stats.attached_host_bytes, 2 * PAGE as u64);
+    assert_eq!(stats.registered_host_bytes, 0);
+    assert!(backend.driver().registered_ranges().is_empty());
+    drop(store);
+    assert_eq!(backend.stats().attached_host_ranges, 0);
+}
+
+#[test]
+fn a_failed_registration_fails_the_growth_and_loses_nothing() {
+    let backend = machine(false, true);
+    let creator = make(&backend, REGISTERED);
+    let (mut store, instance, memory) = tenant_store(&creator, 1);
+    let store32 = func::<_, (i32, i32), ()>(&mut store, &instance, "store32");
+    let load8 = func::<_, i32, i32>(&mut store, &instance, "load8");
+    let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
+    store32.call(&mut store, (8, 0x0102_0304)).unwrap();
+    // The next registration answers out-of-memory (pinning can fail so on a real machine).
+    backend
+        .driver()
+        .fail_call(tensor_wasm_mem_mock::Call::HostRegister, 1, 2);
+    assert_eq!(
+        grow.call(&mut store, 1).unwrap(),
+        -1,
+        "the growth fails, no trap"
+    );
+    assert_eq!(memory.data_size(&store), PAGE, "the size is unchanged");
+    assert!(
+        is_oob(&load8.call(&mut store, PAGE as i32).unwrap_err()),
+        "the page stayed a guard"
+    );
+    assert_eq!(load8.call(&mut store, 8).unwrap(), 4, "data kept");
+    assert_eq!(grow.call(&mut store, 1).unwrap(), 1, "a later growth works");
+    assert_eq!(backend.driver().registered_ranges().len(), 2);
+}
+
+#[test]
+fn a_reused_slot_reads_as_zeros_with_default_hints() {
+    for (backing, backend) in each_backing() {
+        let creator = pooled_creator(&backend, backing);
+        let (mut store, instance, memory) = tenant_store(&creator, 1);
+        let fill = func::<_, (i32, i32, i32), ()>(&mut store, &instance, "fill");
+        let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
+        assert_eq!(grow.call(&mut store, 1).unwrap(), 1);
+        fill.call(&mut store, (0, 0x5a, 2 * PAGE as i32)).unwrap();
+        let base = memory.data_ptr(&store);
+        let advised = creator.advise(&store, &memory, 0, PAGE as u64, Advice::SetReadMostly);
+        if backing == REGISTERED {
+            let e = advised.unwrap_err();
+            assert_eq!(
+                e.kind(),
+                tensor_wasm_mem_core::ErrorKind::Unsupported,
+                "{e}"
+            );
+        } else {
+            advised.unwrap();
+        }
+        drop(store);
+
+        let (mut store, instance, memory) = tenant_store(&creator, 2);
+        assert_eq!(memory.data_ptr(&store), base, "{backing}: the same slot");
+        assert_eq!(
+            memory.data_size(&store),
+            PAGE,
+            "{backing}: the new tenant's size"
+        );
+        let load8 = func::<_, i32, i32>(&mut store, &instance, "load8");
+        let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
+        for at in [0, PAGE as i32 - 1] {
+            assert_eq!(load8.call(&mut store, at).unwrap(), 0, "{backing}: at {at}");
+        }
+        assert!(
+            is_oob(&load8.call(&mut store, PAGE as i32).unwrap_err()),
+            "{backing}: the old tenant's second page is a guard again"
+        );
+        assert_eq!(grow.call(&mut store, 1).unwrap(), 1);
+        assert_eq!(load8.call(&mut store, PAGE as i32).unwrap(), 0, "{backing}");
+        if backing == PAGEABLE {
+            let slice = creator.resolve(&store, &memory, 0, 1).unwrap();
+            let probe = unsafe_probe(slice.device_ptr());
+            let hints = backend.driver().hints(&probe, 0).unwrap();
+            assert!(!hints.read_mostly, "hints reset before reuse");
+        }
+        let stats = creator.stats().pool.unwrap();
+        assert_eq!(stats.acquisitions, 2, "{backing}");
+        assert!(
+            stats.bytes_scrubbed >= 2 * PAGE as u64,
+            "{backing}: {stats:?}"
+        );
+        if backing == PAGEABLE {
+            assert_eq!(stats.hint_resets, 1);
+        }
+        drop(store);
+        assert_eq!(backend.stats().attached_host_ranges, 0, "{backing}");
+    }
+}
+
+/// A handle naming one byte of host memory, to read the model's system-memory hints there.
+fn unsafe_probe(ptr: u64) -> tensor_wasm_mem_core::Allocation {
+    let ptr = std::ptr::NonNull::new(ptr as usize as *mut u8).unwrap();
+    // SAFETY: the handle is only passed to the model's `hints`, which reads its address and
+    // length; it is never freed or used for access.
+    unsafe { tensor_wasm_mem_core::Allocation::from_raw_parts(ptr, 1, DeviceId(0)) }
+}
+
+#[test]
+fn a_pool_refuses_what_its_slots_cannot_hold() {
+    let backend = machine(true, false);
+    let creator = pooled_creator(&backend, PAGEABLE);
+    let engine = creator.engine().unwrap();
+    let mut store = Store::new(&engine, ());
+    // A memory larger than the slot: the pool says so, typed.
+    let module = access_module(&engine, 1, 8);
+    let e = Instance::new(&mut store, &module, &[]).unwrap_err();
+    assert!(e.to_string().contains("exceed"), "{e:?}");
+    // The one slot, then exhaustion.
+    let module = access_module(&engine, 1, 4);
+    let _one = Instance::new(&mut store, &module, &[]).unwrap();
+    let e = Instance::new(&mut store, &module, &[]).unwrap_err();
+    assert!(e.to_string().contains("exhausted"), "{e:?}");
+    assert_eq!(creator.stats().pool.unwrap().exhaustions, 1);
+}
+
+#[test]
+fn a_range_the_device_cannot_see_is_refused() {
+    for (backing, backend) in each_backing() {
+        let creator = make(&backend, backing);
+        let (mut store, _instance, memory) = tenant_store(&creator, 1);
+        let size = PAGE as u64;
+        // Resolution and the scope refuse anything past the visible size before any work.
+        assert!(matches!(
+            creator.resolve(&store, &memory, size - 1, 2),
+            Err(TwmError::GuestRange(_))
+        ));
+        let opened = DeviceAccess::open(
+            &mut store,
+            &creator,
+            &memory,
+            &[AccessRange::read_write(size, 1)],
+        );
+        assert!(matches!(opened, Err(TwmError::GuestRange(_))), "{backing}");
+        assert_eq!(
+            backend.driver().pending_work(),
+            0,
+            "{backing}: nothing queued"
+        );
+    }
+
+    // The simulated device itself faults on a guard page (pageable access) or on a page that
+    // is not registered: a kernel that strays past its slice cannot reach another byte.
+    for (backing, backend) in [
+        (PAGEABLE, machine(true, false)),
+        (REGISTERED, machine(false, true)),
+    ] {
+        let creator = make(&backend, backing);
+        let (mut store, _instance, memory) = tenant_store(&creator, 1);
+        let scope = DeviceAccess::open(
+            &mut store,
+            &creator,
+            &memory,
+            &[AccessRange::read_write(0, 8)],
+        )
+        .unwrap();
+        let slice = scope.slice(0).unwrap();
+        // SAFETY: the scope holds the Store: nothing reads the bytes until it closes.
+        unsafe {
+            backend
+                .driver()
+                .enqueue_fill(scope.stream(), slice.device_ptr() + PAGE as u64, 1, 1)
+        }
+        .unwrap();
+        assert!(scope.close().is_err(), "{backing}: the stray kernel faults");
+        assert_eq!(backend.driver().stats().kernel_faults, 1, "{backing}");
+        // The fault is sticky: the driver refuses to reset the hints (pageable) or to
+        // unregister (registered), and the region's address space stays mapped (never reused
+        // under a device mapping), counted.
+        drop(store);
+        assert!(guarded_mappings_kept() >= 1, "{backing}");
+        if backing == REGISTERED {
+            assert!(
+                backend.stats().registered_host_bytes > 0,
+                "still registered"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_kernels_writes_reach_the_guest_after_close_on_every_backing() {
+    for (backing, backend) in each_backing() {
+        let creator = make(&backend, backing);
+        let (mut store, instance, memory) = tenant_store(&creator, 1);
+        let scope = DeviceAccess::open(
+            &mut store,
+            &creator,
+            &memory,
+            &[AccessRange::read_write(0, PAGE as u64)],
+        )
+        .unwrap();
+        let slice = scope.slice(0).unwrap();
+        // SAFETY: the scope holds the Store until it closes and waits.
+        unsafe {
+            backend
+                .driver()
+                .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 0xab)
+        }
+        .unwrap();
+        // Managed and pageable memory migrate (a prefetch was queued too); registered memory
+        // is read where it is.
+        let queued = if backing == REGISTERED { 1 } else { 2 };
+        assert_eq!(backend.driver().pending_work(), queued, "{backing}");
+        scope.close().unwrap();
+        let load8 = func::<_, i32, i32>(&mut store, &instance, "load8");
+        assert_eq!(
+            load8.call(&mut store, PAGE as i32 - 1).unwrap(),
+            0xab,
+            "{backing}"
+        );
+        if backing == PAGEABLE {
+            let probe = unsafe_probe(slice_ptr(&creator, &store, &memory));
+            assert_eq!(
+                backend.driver().residency(&probe, 0).unwrap(),
+                Some(Location::Device(DeviceId(0))),
+                "the prefetch reached the system memory's pages"
+            );
+        }
+        assert!(backend.device_count() == 1);
+    }
+}
+
+fn slice_ptr(
+    creator: &TensorWasmMemoryCreator<MockBackend>,
+    store: &Store<Data>,
+    memory: &Memory,
+) -> u64 {
+    creator.resolve(store, memory, 0, 1).unwrap().device_ptr()
+}
+
+#[test]
+fn the_guest_prefetch_and_advise_host_calls_work_on_guarded_memory() {
+    let backend = machine(true, false);
+    let creator = make(&backend, PAGEABLE);
+    let (store, _instance, memory) = tenant_store(&creator, 1);
+    creator
+        .advise(
+            &store,
+            &memory,
+            0,
+            PAGE as u64,
+            Advice::SetPreferredLocation(Location::Host),
+        )
+        .unwrap();
+    let probe = unsafe_probe(slice_ptr(&creator, &store, &memory));
+    assert_eq!(
+        backend
+            .driver()
+            .hints(&probe, 0)
+            .unwrap()
+            .preferred_location,
+        Some(Location::Host)
+    );
+    let e = creator
+        .advise(&store, &memory, 0, PAGE as u64 + 1, Advice::SetReadMostly)
+        .unwrap_err();
+    assert!(matches!(e, TwmError::GuestRange(_)), "{e}");
+    let _ = Module::new(&creator.engine().unwrap(), "(module)").unwrap();
+}
