@@ -624,7 +624,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         (Setup::TwmFresh, Some((Setup::WasmtimeDefault, 1.0))),
         (Setup::TwmPooled, Some((Setup::WasmtimePooling, 0.8))),
         (Setup::TwmPooledWasi, Some((Setup::TwmPooled, 1.1))),
-        (Setup::TwmDeviceGuarded, Some((Setup::WasmtimeDefault, 1.0))),
+        (Setup::TwmDeviceGuarded, None),
         (
             Setup::TwmDeviceGuardedPooled,
             Some((Setup::WasmtimePooling, 0.8)),

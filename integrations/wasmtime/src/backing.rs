@@ -260,7 +260,12 @@ pub(crate) struct GuardedRegion<B: Backend> {
     base: usize,
     page: usize,
     len: usize,
+    /// Bytes from the base that are attached (and readable and writable): whole pages, at least
+    /// `len`; everything past them is `PROT_NONE` up to the end of the reservation and guard.
     accessible: usize,
+    /// Bytes from the base that are readable and writable: `accessible`, except while a pool
+    /// slot is being handed out with the pages its last holder left open (see `open_in`).
+    opened: usize,
     capacity: usize,
     /// The attached ranges, in address order, covering `base..base + accessible`.
     chunks: Vec<Allocation>,
@@ -305,21 +310,25 @@ impl<B: Backend> GuardedRegion<B> {
             backend,
             device,
             access,
-            Home::Own(mapping),
-            base,
+            (Home::Own(mapping), base),
             capacity,
             initial,
+            0,
         )
     }
 
+    /// A region at `base` of `home` whose first `opened` bytes are already readable and
+    /// writable (a pool slot keeps the pages its last holder opened, scrubbed, so that a memory
+    /// of the same size costs no `mprotect`): `initial` bytes are made accessible and attached,
+    /// and whatever else was open is closed again before the memory is handed out.
     fn open_in(
         backend: Arc<B>,
         device: DeviceId,
         access: HostAccess,
-        home: Home<B>,
-        base: usize,
+        (home, base): (Home<B>, usize),
         capacity: usize,
         initial: usize,
+        opened: usize,
     ) -> Result<Self, TwmError> {
         let mut region = Self {
             backend,
@@ -330,13 +339,25 @@ impl<B: Backend> GuardedRegion<B> {
             page: page_size(),
             len: 0,
             accessible: 0,
+            opened,
             capacity,
             chunks: Vec::new(),
             hinted: AtomicBool::new(false),
         };
-        // On failure `region` drops: what was opened is closed and detached again.
+        // On failure `region` drops: what was attached is detached, the slot goes back.
         region.grow_to(initial)?;
+        region.close_past_accessible()?;
         Ok(region)
+    }
+
+    /// Makes every open page past the accessible ones a guard again.
+    fn close_past_accessible(&mut self) -> Result<(), TwmError> {
+        if self.opened > self.accessible {
+            let (mapping, at) = self.mapping();
+            mapping.close(at + self.accessible, self.opened - self.accessible)?;
+            self.opened = self.accessible;
+        }
+        Ok(())
     }
 
     /// The mapping the region lies in, and the region's offset in it.
@@ -356,21 +377,26 @@ impl<B: Backend> GuardedRegion<B> {
         }
         let want = new_len.next_multiple_of(self.page);
         if want > self.accessible {
-            let (mapping, at) = self.mapping();
-            let (start, len) = (at + self.accessible, want - self.accessible);
-            mapping.open(start, len)?;
+            if want > self.opened {
+                let (mapping, at) = self.mapping();
+                mapping.open(at + self.opened, want - self.opened)?;
+                self.opened = want;
+            }
+            let len = want - self.accessible;
             let ptr = std::ptr::NonNull::new((self.base + self.accessible) as *mut u8)
                 .ok_or(TwmError::NotOurMemory)?;
-            // SAFETY: `ptr..ptr + len` lies inside our mapping, page-aligned, opened readable
-            // and writable just now, owned by this region, and stays mapped until the chunk is
-            // detached (`release` detaches every chunk before the pages are dropped or
-            // unmapped, and leaks the mapping if the backend refuses).
+            // SAFETY: `ptr..ptr + len` lies inside our mapping, page-aligned, readable and
+            // writable (opened above, or left open by the slot's last holder and scrubbed),
+            // owned by this region, and stays mapped until the chunk is detached (`release`
+            // detaches every chunk before the pages are dropped or unmapped, and keeps the
+            // mapping if the backend refuses).
             let attached = unsafe { self.backend.attach_host(self.device, self.access, ptr, len) };
             match attached {
                 Ok(chunk) => self.chunks.push(chunk),
                 Err(e) => {
-                    let (mapping, _) = self.mapping();
-                    let _ = mapping.close(start, len);
+                    // The pages past the visible size are guards again (or the region is
+                    // refused and dropped).
+                    self.close_past_accessible()?;
                     return Err(TwmError::from_core(CoreError::backend(
                         Operation::AttachHost,
                         e,
@@ -448,7 +474,7 @@ impl<B: Backend> Drop for GuardedRegion<B> {
                 }
             }
             Home::Slot { pool, class, index } => {
-                pool.release(*class, *index, self.accessible, clean, hinted);
+                pool.release(*class, *index, self.opened, clean, hinted);
             }
         }
     }
@@ -464,6 +490,11 @@ static LEAKED_MAPPINGS: AtomicU64 = AtomicU64::new(0);
 pub fn guarded_mappings_kept() -> u64 {
     LEAKED_MAPPINGS.load(Ordering::Acquire)
 }
+
+/// Bytes at the start of a guarded pool slot that are zeroed by writing rather than dropped when
+/// the slot is given back (as Wasmtime's `linear_memory_keep_resident`): a small memory's pages
+/// stay resident across tenants and cost neither a system call nor a page fault per reuse.
+const KEEP_RESIDENT_BYTES: usize = 64 << 10;
 
 /// One size class of a guarded pool.
 #[derive(Debug)]
@@ -482,8 +513,9 @@ struct GuardedPoolState {
     /// A slot was withdrawn with chunks the backend would not detach: the pool's address space
     /// stays mapped when the pool goes.
     driver_held: bool,
-    /// Per class: free slot indices, the most recently freed reused first.
-    free: Vec<Vec<u32>>,
+    /// Per class: free slots, the most recently freed reused first, with the bytes from their
+    /// start left readable and writable (scrubbed) by their last holder.
+    free: Vec<Vec<(u32, usize)>>,
     acquisitions: u64,
     releases: u64,
     bytes_scrubbed: u64,
@@ -496,8 +528,11 @@ struct GuardedPoolState {
 /// guard-page Config holds in every slot), with guard space between them. A slot is scrubbed
 /// when it is given back by dropping the pages its holder could touch (`MADV_DONTNEED` up to
 /// its high-water mark, as Wasmtime's pooling allocator does): they read as zeros and hold no
-/// memory until touched again. Its chunks are detached first (registered pages unregistered: a
-/// pinned page would survive the drop for the device), and its hints reset.
+/// memory until touched again. Its hints are reset and its chunks detached first (registered
+/// pages unregistered: a pinned page would survive the drop for the device, keeping the old
+/// tenant's bytes where the device reads). The dropped pages stay readable and writable while
+/// the slot is free, and the next holder closes what its memory does not reach before the
+/// memory is handed out.
 pub(crate) struct GuardedPool<B: Backend> {
     backend: Arc<B>,
     device: DeviceId,
@@ -571,7 +606,7 @@ impl<B: Backend> GuardedPool<B> {
         let mapping = HostMapping::reserve(total)?;
         let free = classes
             .iter()
-            .map(|c| (0..c.slots as u32).rev().collect())
+            .map(|c| (0..c.slots as u32).rev().map(|i| (i, 0)).collect())
             .collect();
         Ok(Self {
             backend,
@@ -641,7 +676,7 @@ impl<B: Backend> GuardedPool<B> {
                 }
             }
         };
-        let Some((class, index)) = taken else {
+        let Some((class, (index, opened))) = taken else {
             return Err(PoolError::Exhausted {
                 requested: capacity as u64,
             }
@@ -654,39 +689,60 @@ impl<B: Backend> GuardedPool<B> {
             Arc::clone(&self.backend),
             self.device,
             self.access,
-            Home::Slot {
-                pool: Arc::clone(self),
-                class,
-                index,
-            },
-            base,
+            (
+                Home::Slot {
+                    pool: Arc::clone(self),
+                    class,
+                    index,
+                },
+                base,
+            ),
             capacity,
             initial,
+            opened,
         )
     }
 
-    /// A slot comes back with its first `touched` bytes open: they are dropped and closed, and
-    /// the slot is free again. A slot the backend did not let go of (`clean == false`), or whose
-    /// scrub failed, is withdrawn for good rather than handed to another tenant.
-    fn release(&self, class: usize, index: u32, touched: usize, clean: bool, hinted: bool) {
+    /// A slot comes back with its first `opened` bytes readable and writable (the high-water
+    /// mark of what its holder could touch): their pages are dropped (they read as zeros and hold
+    /// no memory), and left open for the next holder, whose `open_in` closes what it does not
+    /// use (a memory of the same size then costs no `mprotect`, as in Wasmtime's pooling
+    /// allocator). A free slot is reachable by no one. A slot the backend did not let go of
+    /// (`clean == false`), or whose scrub failed, is withdrawn for good rather than handed to
+    /// another tenant.
+    fn release(&self, class: usize, index: u32, opened: usize, clean: bool, hinted: bool) {
         let c = &self.classes[class];
         let offset = c.offset + c.stride * index as usize;
-        let scrubbed = clean
-            // SAFETY: the slot's holder is gone and its chunks detached (`clean`): no one uses
-            // its pages.
-            && unsafe { self.mapping.discard(offset, touched) }.is_ok()
-            && self.mapping.close(offset, touched).is_ok();
+        // SAFETY: the slot's holder is gone and its chunks detached (`clean`): no one uses its
+        // pages, and no device holds them pinned.
+        let scrubbed = clean && unsafe { self.scrub(offset, opened) }.is_ok();
         let mut state = self.state();
         state.releases += 1;
         state.hint_resets += u64::from(hinted);
         if scrubbed {
-            state.bytes_scrubbed += touched as u64;
-            state.free[class].push(index);
+            state.bytes_scrubbed += opened as u64;
+            state.free[class].push((index, opened));
         } else {
             state.scrub_failures += 1;
             state.driver_held |= !clean;
             LEAKED_MAPPINGS.fetch_add(1, Ordering::AcqRel);
         }
+    }
+
+    /// Zeroes a free slot's first `opened` bytes: the first [`KEEP_RESIDENT_BYTES`] by writing
+    /// zeros (they stay resident, and the next holder touches them without a page fault), the
+    /// rest by dropping the pages.
+    ///
+    /// # Safety
+    ///
+    /// No one uses the slot's pages, and no device holds them pinned.
+    unsafe fn scrub(&self, offset: usize, opened: usize) -> Result<(), TwmError> {
+        let kept = opened.min(KEEP_RESIDENT_BYTES);
+        // SAFETY: the slot's first `opened` bytes are readable and writable (its holder's
+        // accessible pages) and used by no one (the caller's guarantee).
+        unsafe { ((self.mapping.base() + offset) as *mut u8).write_bytes(0, kept) };
+        // SAFETY: as above.
+        unsafe { self.mapping.discard(offset + kept, opened - kept) }
     }
 
     /// The pool's figures, in the managed pool's shape.
