@@ -28,6 +28,7 @@
 #define TWM_ERR_UNKNOWN_DEVICE (-4)    /* a location below -1, or no such device */
 #define TWM_ERR_BACKEND (-5)           /* the backend (driver) failed */
 #define TWM_ERR_NOT_DEVICE_MEMORY (-6) /* no exported `memory`, or not device-visible */
+#define TWM_ERR_UNSUPPORTED (-7)       /* the memory's backing or device cannot do this */
 
 /* Advice (cudaMemAdvise). */
 #define TWM_ADVICE_SET_READ_MOSTLY 0
@@ -75,6 +76,7 @@ static inline const char *twm_strerror(int32_t code) {
     case TWM_ERR_UNKNOWN_DEVICE: return "unknown device";
     case TWM_ERR_BACKEND: return "backend failed";
     case TWM_ERR_NOT_DEVICE_MEMORY: return "memory is not device-visible";
+    case TWM_ERR_UNSUPPORTED: return "not supported by this memory";
     default: return "unknown result";
     }
 }

@@ -95,32 +95,77 @@ impl DescribeDriver for tensor_wasm_mem_cuda_oxide::CudaOxideBackend {
     }
 }
 
-/// The simulated device count a command asks for (`--devices N`): the mock's machine, which a
-/// real driver refuses (it reports its own devices).
-pub fn simulated_devices(
+/// How the simulated machine's devices reach host memory (`--simulate-host-access`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum SimulatedHostAccess {
+    /// Neither pageable memory access nor host registration (the default).
+    #[default]
+    None,
+    /// Pageable memory access (HMM): any host memory is device-accessible.
+    Pageable,
+    /// Host registration only (`cuMemHostRegister`).
+    Registered,
+    /// Both.
+    Both,
+}
+
+/// The simulated machine a command asks for (`--devices N`, `--simulate-host-access`): the
+/// mock's, which a real driver refuses (it reports its own devices and attributes).
+#[derive(Clone, Copy, Debug)]
+pub struct SimulatedMachine {
+    /// Devices.
+    pub devices: u32,
+    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS` of each.
+    pub pageable: bool,
+    /// Host registration on each.
+    pub registration: bool,
+}
+
+/// The simulated machine of `--devices` and `--simulate-host-access`; either is refused for a
+/// backend other than the mock.
+pub fn simulated_machine(
     kind: BackendKind,
     devices: Option<u32>,
-) -> Result<u32, crate::run::Failure> {
-    match devices {
-        None => Ok(1),
-        Some(0) => Err(crate::run::Failure::Usage(
-            "--devices needs at least one device".into(),
-        )),
-        #[cfg(feature = "mock")]
-        Some(n) if kind == BackendKind::Mock => Ok(n),
-        Some(_) => Err(crate::run::Failure::Usage(format!(
-            "--devices sets the simulated machine (--backend mock); the {kind} backend reports the \
-             devices the driver has"
-        ))),
+    host: Option<SimulatedHostAccess>,
+) -> Result<SimulatedMachine, crate::run::Failure> {
+    let simulated = cfg!(feature = "mock") && kind.name() == "mock";
+    let refuse = |flag: &str, what: &str| {
+        Err(crate::run::Failure::Usage(format!(
+            "{flag} sets the simulated machine (--backend mock); the {kind} backend reports the \
+             {what} the driver has"
+        )))
+    };
+    if devices.is_some() && !simulated {
+        return refuse("--devices", "devices");
     }
+    if host.is_some() && !simulated {
+        return refuse("--simulate-host-access", "host access");
+    }
+    if devices == Some(0) {
+        return Err(crate::run::Failure::Usage(
+            "--devices needs at least one device".into(),
+        ));
+    }
+    let host = host.unwrap_or_default();
+    Ok(SimulatedMachine {
+        devices: devices.unwrap_or(1),
+        pageable: matches!(
+            host,
+            SimulatedHostAccess::Pageable | SimulatedHostAccess::Both
+        ),
+        registration: matches!(
+            host,
+            SimulatedHostAccess::Registered | SimulatedHostAccess::Both
+        ),
+    })
 }
 
 /// Calls `$body` with `$b` bound to an `Arc` of the chosen backend (the body returns
 /// `Result<_, Failure>`), or returns the failure that says why the backend did not start.
-/// `$devices` is the simulated machine's device count ([`simulated_devices`]).
+/// `$sim` is the simulated machine ([`simulated_machine`]).
 #[macro_export]
 macro_rules! with_backend {
-    ($kind:expr, $devices:expr, |$b:ident| $body:expr) => {
+    ($kind:expr, $sim:expr, |$b:ident| $body:expr) => {
         match $kind {
             #[cfg(feature = "cudarc")]
             $crate::backend::BackendKind::Cudarc => {
@@ -146,8 +191,11 @@ macro_rules! with_backend {
             },
             #[cfg(feature = "mock")]
             $crate::backend::BackendKind::Mock => {
+                let sim: $crate::backend::SimulatedMachine = $sim;
                 let config = tensor_wasm_mem_mock::MockConfig {
-                    device_count: $devices,
+                    device_count: sim.devices,
+                    pageable_memory_access: sim.pageable,
+                    host_registration: sim.registration,
                     ..tensor_wasm_mem_mock::MockConfig::default()
                 };
                 let $b = std::sync::Arc::new(tensor_wasm_mem_mock::with_config(config));

@@ -75,8 +75,8 @@ fn negative_numbers_as_values(args: impl Iterator<Item = OsString>) -> Vec<OsStr
 
 /// `twm probe`: describes the backend (which may fail to start).
 fn probe_command(args: &probe::ProbeArgs) -> Result<(), Failure> {
-    let n = backend::simulated_devices(args.backend, args.devices)?;
-    with_backend!(args.backend, n, |b| {
+    let sim = backend::simulated_machine(args.backend, args.devices, args.simulate_host_access)?;
+    with_backend!(args.backend, sim, |b| {
         probe::probe(
             args.backend,
             &*b,
@@ -96,10 +96,12 @@ fn main() -> ExitCode {
         }
     };
     let result = match &cli.command {
-        Command::Demo(args) => backend::simulated_devices(args.backend, args.devices)
-            .and_then(|n| with_backend!(args.backend, n, |b| demo::demo(b))),
-        Command::Run(args) => backend::simulated_devices(args.backend, args.devices)
-            .and_then(|n| with_backend!(args.backend, n, |b| run::run(b, args))),
+        Command::Demo(args) => backend::simulated_machine(args.backend, args.devices, None)
+            .and_then(|sim| with_backend!(args.backend, sim, |b| demo::demo(b))),
+        Command::Run(args) => {
+            backend::simulated_machine(args.backend, args.devices, args.simulate_host_access)
+                .and_then(|sim| with_backend!(args.backend, sim, |b| run::run(b, args)))
+        }
         Command::Probe(args) => probe_command(args),
         Command::Bench(args) => bench::bench(args),
     };

@@ -1,8 +1,8 @@
 //! `twm probe`: what a backend and its device offer.
 
 use serde_json::json;
-use tensor_wasm_mem_core::DeviceId;
-use tensor_wasm_mem_wasmtime::Backend;
+use tensor_wasm_mem_core::{DeviceId, HostAccess};
+use tensor_wasm_mem_wasmtime::{Backend, Backing};
 
 use crate::backend::BackendKind;
 use crate::bytes::format_bytes;
@@ -19,6 +19,9 @@ pub struct ProbeArgs {
     /// Simulate this many devices (`--backend mock` only; default 1).
     #[arg(long, value_name = "N")]
     pub devices: Option<u32>,
+    /// How the simulated devices reach host memory (`--backend mock` only; default none).
+    #[arg(long, value_enum, value_name = "ACCESS")]
+    pub simulate_host_access: Option<crate::backend::SimulatedHostAccess>,
 }
 
 /// The devices whose memory `device` can access directly.
@@ -31,6 +34,7 @@ fn peers<B: Backend>(backend: &B, device: DeviceId) -> Vec<u32> {
 /// Describes a backend that started.
 pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out: bool) {
     let caps = backend.capabilities();
+    let all: Vec<DeviceId> = (0..backend.device_count()).map(DeviceId).collect();
     let rows = [
         ("backend", "backend", json!(kind.name())),
         ("driver", "driver", json!(driver)),
@@ -59,10 +63,17 @@ pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out:
         ),
         ("comes zeroed", "comes_zeroed", json!(caps.comes_zeroed)),
         ("guard pages", "guard_pages", json!(caps.guard_pages)),
+        (
+            "default backing",
+            "default_backing",
+            json!(Backing::detect(backend, &all).name()),
+        ),
     ];
-    let reports: Vec<_> = (0..backend.device_count())
-        .filter_map(|d| backend.device_report(DeviceId(d)))
+    let reports: Vec<_> = all
+        .iter()
+        .filter_map(|&d| backend.device_report(d))
         .collect();
+    let registration = |d: DeviceId| backend.can_attach_host(d, HostAccess::Registered);
     if json_out {
         let mut object: serde_json::Map<String, serde_json::Value> = rows
             .iter()
@@ -77,6 +88,7 @@ pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out:
                     "free_bytes": r.free_bytes,
                     "concurrent_managed_access": r.concurrent_managed_access,
                     "pageable_memory_access": r.pageable_memory_access,
+                    "host_registration": registration(r.device),
                     "peers": peers(backend, r.device),
                 })
             })
@@ -91,8 +103,13 @@ pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out:
         let bytes = |b: Option<u64>| b.map_or_else(|| "unknown".to_string(), format_bytes);
         let yes = |b: bool| if b { "yes" } else { "no" };
         println!(
-            "\n{:<8} {:>10} {:>10} {:>18} {:>16}  peers",
-            "device", "memory", "free", "concurrent managed", "pageable access"
+            "\n{:<8} {:>10} {:>10} {:>18} {:>16} {:>18}  peers",
+            "device",
+            "memory",
+            "free",
+            "concurrent managed",
+            "pageable access",
+            "host registration"
         );
         for r in &reports {
             let list: Vec<String> = peers(backend, r.device)
@@ -100,12 +117,13 @@ pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out:
                 .map(u32::to_string)
                 .collect();
             println!(
-                "{:<8} {:>10} {:>10} {:>18} {:>16}  {}",
+                "{:<8} {:>10} {:>10} {:>18} {:>16} {:>18}  {}",
                 r.device.0,
                 bytes(r.total_bytes),
                 bytes(r.free_bytes),
                 yes(r.concurrent_managed_access),
                 yes(r.pageable_memory_access),
+                yes(registration(r.device)),
                 if list.is_empty() {
                     "-".to_string()
                 } else {

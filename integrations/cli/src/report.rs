@@ -54,6 +54,7 @@ pub fn creator_json(s: &CreatorStats) -> Value {
         })
         .collect();
     json!({
+        "backing": s.backing.name(),
         "live_memories": s.live_memories,
         "created": s.created,
         "dropped": s.dropped,
@@ -145,8 +146,8 @@ pub fn stats_table<B: Backend>(
     }
     let c = creator.stats();
     out += &format!(
-        "memories: {} created, {} dropped, {} refused",
-        c.created, c.dropped, c.refused
+        "memories ({}): {} created, {} dropped, {} refused",
+        c.backing, c.created, c.dropped, c.refused
     );
     if let Some(p) = &c.pool {
         out += &format!(

@@ -76,6 +76,13 @@ pub struct RunArgs {
     /// Simulate this many devices (`--backend mock` only; default 1).
     #[arg(long, value_name = "N")]
     pub devices: Option<u32>,
+    /// How the simulated devices reach host memory (`--backend mock` only; default none).
+    #[arg(long, value_enum, value_name = "ACCESS")]
+    pub simulate_host_access: Option<crate::backend::SimulatedHostAccess>,
+    /// What linear memories are made of: `managed`, `guarded_pageable` or `guarded_registered`
+    /// (default: what the device reports, see docs/SAFETY.md).
+    #[arg(long, value_name = "BACKING")]
+    pub backing: Option<tensor_wasm_mem_wasmtime::Backing>,
     /// Print one JSON object instead of plain results.
     #[arg(long)]
     pub json: bool,
@@ -312,6 +319,9 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
     let mut builder = TensorWasmMemoryCreator::builder(backend)
         .limits(limits)
         .device(DeviceId(args.device));
+    if let Some(backing) = args.backing {
+        builder = builder.backing(backing);
+    }
     if let Some(slots) = args.pool {
         if slots == 0 {
             return Err(Failure::Usage("--pool needs at least one slot".into()));

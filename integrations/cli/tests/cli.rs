@@ -442,3 +442,64 @@ fn tables_are_charged_and_bounded_under_twm_run() {
         stderr(&o)
     );
 }
+
+/// The device-visible guarded backing through `twm run` and `twm probe`: chosen from what the
+/// simulated device reports or forced, named in the output, bounds enforced by guard pages, a
+/// pooled slot scrubbed between runs, and a backing the device cannot serve refused clearly.
+#[test]
+fn guarded_backings_through_twm_run_and_probe() {
+    let o = twm(&["probe", "--json", "--simulate-host-access", "pageable"]);
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["default_backing"], "guarded_pageable");
+    assert_eq!(v["device_list"][0]["pageable_memory_access"], true);
+    assert_eq!(v["device_list"][0]["host_registration"], false);
+    let v: serde_json::Value = serde_json::from_str(&stdout(&twm(&["probe", "--json"]))).unwrap();
+    assert_eq!(v["default_backing"], "managed");
+
+    for (access, backing) in [
+        ("pageable", "guarded_pageable"),
+        ("registered", "guarded_registered"),
+        ("both", "guarded_registered"),
+    ] {
+        let host = ["--simulate-host-access", access, "--backing", backing];
+        let (code, out, err) = run(&[&["--invoke", "first", "--json"][..], &host].concat());
+        assert_eq!(code, 0, "{backing}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["creator"]["backing"], backing);
+        // Out of bounds traps (a signal caught by Wasmtime: exit 3, not a crash).
+        assert_eq!(
+            run(&[&["--invoke", "oob"][..], &host].concat()).0,
+            3,
+            "{backing}"
+        );
+        let (code, out, err) = run(&[
+            &[
+                "--invoke", "first", "--repeat", "3", "--pool", "1", "--stats",
+            ][..],
+            &host,
+        ]
+        .concat());
+        assert_eq!((code, out.as_str()), (0, "0\n0\n0\n"), "{backing}: {err}");
+        assert!(err.contains(&format!("memories ({backing})")), "{err}");
+        assert!(err.contains("pool: 0 in use, 1 free"), "{err}");
+    }
+    // Advice on registered memory is refused, typed, as the guest's error code.
+    let (code, out, err) = run(&[
+        "--invoke",
+        "advise",
+        "0",
+        "16",
+        "--simulate-host-access",
+        "registered",
+        "--backing",
+        "guarded_registered",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, "-7\n", "advice on pinned memory: TWM_ERR_UNSUPPORTED");
+
+    let (code, _, err) = run(&["--invoke", "first", "--backing", "guarded_pageable"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("not available on device:0"), "{err}");
+    let (code, _, err) = run(&["--invoke", "first", "--backing", "guarded"]);
+    assert_eq!(code, 2, "a usage error: {err}");
+}

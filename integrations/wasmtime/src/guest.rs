@@ -22,6 +22,7 @@
 //! | `-4` | [`TWM_ERR_UNKNOWN_DEVICE`] | a location below `-1`, a device that does not exist, one the tenant is not bound to ([`Tenant::devices`]), or an `accessed_by` device with no peer access to the memory's device |
 //! | `-5` | [`TWM_ERR_BACKEND`] | the backend (driver) failed |
 //! | `-6` | [`TWM_ERR_NOT_DEVICE_MEMORY`] | no exported `memory`, or one that is not device-visible |
+//! | `-7` | [`TWM_ERR_UNSUPPORTED`] | the memory's backing or device cannot do this (advice on pinned host memory, the guarded registered backing; a prefetch to a device without concurrent managed access) |
 //!
 //! A bad call never traps and never touches memory outside the guest's.
 
@@ -52,6 +53,8 @@ pub const TWM_ERR_UNKNOWN_DEVICE: i32 = -4;
 pub const TWM_ERR_BACKEND: i32 = -5;
 /// No exported `memory`, or a memory that is not device-visible.
 pub const TWM_ERR_NOT_DEVICE_MEMORY: i32 = -6;
+/// The memory's backing or device cannot do this (advice on registered host memory).
+pub const TWM_ERR_UNSUPPORTED: i32 = -7;
 
 /// The per-Store state the `twm` host functions need: the creator (to resolve guest memory), the
 /// tenant, and the instance's stream (acquired at the tenant's isolation level on first use,
@@ -265,6 +268,7 @@ fn code_for(error: &TwmError) -> i32 {
         TwmError::NotOurMemory | TwmError::NotDeviceAccessible | TwmError::NoMemoryExport(_) => {
             TWM_ERR_NOT_DEVICE_MEMORY
         }
+        e if e.kind() == ErrorKind::Unsupported => TWM_ERR_UNSUPPORTED,
         _ => TWM_ERR_BACKEND,
     }
 }

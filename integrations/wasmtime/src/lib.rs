@@ -26,8 +26,8 @@ pub use error::TwmError;
 pub use guarded::{GUARDED_CAPABILITIES, GuardedHostCreator, GuardedHostMemory};
 pub use guest::{
     GuestContext, HasGuestContext, TWM_ERR_BACKEND, TWM_ERR_NOT_DEVICE_MEMORY,
-    TWM_ERR_OUT_OF_RANGE, TWM_ERR_OVERFLOW, TWM_ERR_UNKNOWN_ADVICE, TWM_ERR_UNKNOWN_DEVICE, TWM_OK,
-    TenantStore, add_to_linker,
+    TWM_ERR_OUT_OF_RANGE, TWM_ERR_OVERFLOW, TWM_ERR_UNKNOWN_ADVICE, TWM_ERR_UNKNOWN_DEVICE,
+    TWM_ERR_UNSUPPORTED, TWM_OK, TenantStore, add_to_linker,
 };
 pub use memory::{
     CreatorBuilder, CreatorDeviceStats, CreatorStats, GuestSlice, TensorWasmLinearMemory,

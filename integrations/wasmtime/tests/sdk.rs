@@ -9,11 +9,11 @@ use tensor_wasm_mem_core::{Advice, DeviceId, Location};
 use tensor_wasm_mem_guest as guest;
 use tensor_wasm_mem_wasmtime::{
     TWM_ERR_BACKEND, TWM_ERR_NOT_DEVICE_MEMORY, TWM_ERR_OUT_OF_RANGE, TWM_ERR_OVERFLOW,
-    TWM_ERR_UNKNOWN_ADVICE, TWM_ERR_UNKNOWN_DEVICE, TWM_OK,
+    TWM_ERR_UNKNOWN_ADVICE, TWM_ERR_UNKNOWN_DEVICE, TWM_ERR_UNSUPPORTED, TWM_OK,
 };
 
 /// The host's result codes, by their C name.
-const RESULTS: [(&str, i32); 7] = [
+const RESULTS: [(&str, i32); 8] = [
     ("TWM_OK", TWM_OK),
     ("TWM_ERR_OUT_OF_RANGE", TWM_ERR_OUT_OF_RANGE),
     ("TWM_ERR_OVERFLOW", TWM_ERR_OVERFLOW),
@@ -21,6 +21,7 @@ const RESULTS: [(&str, i32); 7] = [
     ("TWM_ERR_UNKNOWN_DEVICE", TWM_ERR_UNKNOWN_DEVICE),
     ("TWM_ERR_BACKEND", TWM_ERR_BACKEND),
     ("TWM_ERR_NOT_DEVICE_MEMORY", TWM_ERR_NOT_DEVICE_MEMORY),
+    ("TWM_ERR_UNSUPPORTED", TWM_ERR_UNSUPPORTED),
 ];
 
 /// The host's advice codes, by their C name.
@@ -97,6 +98,7 @@ fn the_rust_guest_crate_has_the_hosts_codes() {
         guest::codes::ERR_UNKNOWN_DEVICE,
         guest::codes::ERR_BACKEND,
         guest::codes::ERR_NOT_DEVICE_MEMORY,
+        guest::codes::ERR_UNSUPPORTED,
     ];
     for ((name, host), ours) in RESULTS.into_iter().zip(crate_results) {
         assert_eq!(ours, host, "{name}");

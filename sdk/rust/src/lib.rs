@@ -21,6 +21,8 @@ pub mod codes {
     pub const ERR_BACKEND: i32 = -5;
     /// No exported `memory`, or one that is not device-visible.
     pub const ERR_NOT_DEVICE_MEMORY: i32 = -6;
+    /// The memory's backing or device cannot do this (advice on registered host memory).
+    pub const ERR_UNSUPPORTED: i32 = -7;
     /// The guest code of the host location.
     pub const LOCATION_HOST: i32 = -1;
 }
@@ -110,6 +112,8 @@ pub enum Error {
     Backend,
     /// The guest's memory is not device-visible (or not exported as `memory`).
     NotDeviceMemory,
+    /// The memory's backing or device cannot do this.
+    Unsupported,
     /// A code this SDK does not know (a newer host).
     Other(i32),
 }
@@ -126,6 +130,7 @@ impl Error {
             codes::ERR_UNKNOWN_DEVICE => Self::UnknownDevice,
             codes::ERR_BACKEND => Self::Backend,
             codes::ERR_NOT_DEVICE_MEMORY => Self::NotDeviceMemory,
+            codes::ERR_UNSUPPORTED => Self::Unsupported,
             other => Self::Other(other),
         })
     }
@@ -140,6 +145,7 @@ impl Error {
             Self::UnknownDevice => codes::ERR_UNKNOWN_DEVICE,
             Self::Backend => codes::ERR_BACKEND,
             Self::NotDeviceMemory => codes::ERR_NOT_DEVICE_MEMORY,
+            Self::Unsupported => codes::ERR_UNSUPPORTED,
             Self::Other(c) => c,
         }
     }
@@ -154,6 +160,7 @@ impl fmt::Display for Error {
             Self::UnknownDevice => f.write_str("unknown device"),
             Self::Backend => f.write_str("backend failed"),
             Self::NotDeviceMemory => f.write_str("memory is not device-visible"),
+            Self::Unsupported => f.write_str("not supported by this memory"),
             Self::Other(c) => write!(f, "host result {c}"),
         }
     }
