@@ -203,6 +203,8 @@ pub struct EightDeviceDeferredMockHarness;
 fn mock_harness_impl(config: MockConfig) -> Arc<MockBackend> {
     Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
         device_memory_bytes: 4 << 30,
+        // As on nearly every real GPU: device-mapped host registration.
+        host_registration: true,
         ..config
     }))
 }
@@ -345,6 +347,8 @@ pub fn fresh_driver() {
     if let Some(sim) = crate::sim::Sim::get() {
         sim.configure(&crate::sim::SimConfig {
             memory_bytes: SIM_MEMORY,
+            // As on nearly every real GPU: device-mapped host registration.
+            host_register: 1,
             ..crate::sim::SimConfig::default()
         });
         sim.reset();

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use tensor_wasm_mem_core::{
     Advice, Advisor, Allocation, BackendError, DeviceId, DevicePoolConfig, Error, ErrorKind,
-    IsolationLevel, Location, MIN_ALIGN, ManagedAllocator, Operation, PoolAllocation, PoolConfig,
-    PoolError, SizeClass, SlotPool, Stream, StreamLease, StreamProvider, TenantContext,
-    TenantDevicePool, TenantId, TenantKey, UnifiedBuffer,
+    HostAccess, HostMemory, IsolationLevel, Location, MIN_ALIGN, ManagedAllocator, Operation,
+    PoolAllocation, PoolConfig, PoolError, SizeClass, SlotPool, Stream, StreamLease,
+    StreamProvider, TenantContext, TenantDevicePool, TenantId, TenantKey, UnifiedBuffer,
 };
 
 use crate::Harness;
@@ -1418,5 +1418,109 @@ pub fn device_pool_trim_gives_memory_back<H: Harness>() {
     pool.trim(0).expect("trim");
     assert_eq!(pool.stats().expect("stats").reserved_bytes, 0);
     drop(pool);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Host memory the driver may register: 128 KiB aligned to 64 KiB (a whole number of pages of
+/// any host page size up to 64 KiB), zeroed, freed on drop.
+struct HostPages {
+    ptr: std::ptr::NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+
+impl HostPages {
+    const LEN: usize = 128 << 10;
+
+    fn new() -> Self {
+        let layout = std::alloc::Layout::from_size_align(Self::LEN, 64 << 10).expect("layout");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        Self {
+            ptr: std::ptr::NonNull::new(ptr).expect("host pages"),
+            layout,
+        }
+    }
+}
+
+impl Drop for HostPages {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout; every case detaches before dropping.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+/// Host memory attached by registration follows the driver's rules on every backend: attached
+/// exactly once, zeroed where it lies, prefetched as a no-op (pinned pages do not migrate),
+/// refused advice and `free` (typed, the range still attached), detached and gone. A host
+/// access the device lacks is refused as unsupported.
+pub fn attached_host_memory_follows_the_drivers_rules<H: Harness>() {
+    let b = H::backend();
+    let device = DeviceId(0);
+    if !b.can_attach_host(device, HostAccess::Registered) {
+        skipped(
+            "attached_host_memory_follows_the_drivers_rules",
+            "the device cannot register host memory",
+        );
+        return;
+    }
+    let pages = HostPages::new();
+    let attach = |len: usize| {
+        // SAFETY: `pages` is host memory mapped readable and writable, 64 KiB aligned, owned
+        // here, and detached below before it drops.
+        unsafe { b.attach_host(device, HostAccess::Registered, pages.ptr, len) }
+    };
+    let e = attach(0).expect_err("an empty range");
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    let chunk = attach(HostPages::LEN).expect("attach");
+    assert_eq!(chunk.as_ptr(), pages.ptr.as_ptr());
+    assert_eq!(chunk.len(), HostPages::LEN);
+    let again = attach(HostPages::LEN).expect_err("attached twice");
+    assert!(!again.kind().is_denial(), "{again}");
+
+    host_fill(&chunk, 0, 64, 0x77);
+    // SAFETY: `chunk` is live and nothing else touches its bytes meanwhile.
+    unsafe { b.zero(&chunk, 0, 32) }.expect("zero");
+    assert_eq!(
+        host_bytes(&chunk, 0, 33),
+        [&[0u8; 32][..], &[0x77]].concat()
+    );
+
+    let e = b
+        .advise(&chunk, 0, 4096, Advice::SetReadMostly)
+        .expect_err("advice on pinned memory");
+    assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+    let stream = b
+        .acquire_stream(key(1), IsolationLevel::StreamIsolated)
+        .expect("stream");
+    b.prefetch(&chunk, 0, 4096, Location::Device(device), &stream)
+        .expect("a prefetch of pinned memory has nothing to do");
+    b.prefetch(&chunk, 4096, HostPages::LEN, Location::Host, &stream)
+        .expect_err("out of range, checked all the same");
+    b.release_stream(stream).expect("release");
+    b.reset_hints(&chunk, 0, HostPages::LEN)
+        .expect("no hints to reset");
+
+    // SAFETY: `chunk` came from this backend; `free` must refuse it (it is not the driver's).
+    let refused = unsafe { b.free(chunk) };
+    assert_eq!(
+        refused.expect_err("free of attached host memory").kind(),
+        ErrorKind::InvalidArgument
+    );
+    // The record survived the refusal: a handle for the same range detaches it.
+    // SAFETY: the same range, attached above and still attached; no device work uses it.
+    let handle = unsafe { Allocation::from_raw_parts(pages.ptr, HostPages::LEN, device) };
+    // SAFETY: attached by this backend, no device work on it.
+    unsafe { b.detach_host(handle) }.expect("detach");
+    let chunk = attach(HostPages::LEN).expect("attachable again once detached");
+    // SAFETY: as above.
+    unsafe { b.detach_host(chunk) }.expect("detach");
+
+    if !b.can_attach_host(device, HostAccess::Pageable) {
+        // SAFETY: as for `attach`.
+        let e = unsafe { b.attach_host(device, HostAccess::Pageable, pages.ptr, HostPages::LEN) }
+            .expect_err("no pageable memory access");
+        assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
+    }
+    assert!(!b.can_attach_host(DeviceId(b.device_count()), HostAccess::Registered));
     assert_no_leaks::<H>(&b);
 }

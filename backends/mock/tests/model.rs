@@ -639,3 +639,157 @@ fn hints_and_residency_are_tracked_per_range() {
     // SAFETY: `b` came from `no_concurrent`.
     unsafe { no_concurrent.free(b).unwrap() };
 }
+
+/// Host memory for the host-access cases: `pages` pages of 64 KiB, `PROT_NONE` past `open`.
+struct HostRange {
+    base: *mut u8,
+    len: usize,
+}
+
+impl HostRange {
+    fn new(len: usize, open: usize) -> Self {
+        // SAFETY: a fresh anonymous mapping at an address of the kernel's choice.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(base, libc::MAP_FAILED);
+        // SAFETY: the first `open` bytes of our own mapping.
+        let opened = unsafe { libc::mprotect(base, open, libc::PROT_READ | libc::PROT_WRITE) };
+        assert_eq!(opened, 0);
+        Self {
+            base: base.cast(),
+            len,
+        }
+    }
+
+    fn at(&self, offset: usize) -> u64 {
+        self.base as u64 + offset as u64
+    }
+}
+
+impl Drop for HostRange {
+    fn drop(&mut self) {
+        // SAFETY: exactly the mapping made in `new`.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+fn driver_code(e: &ModelError) -> Option<u32> {
+    e.code()
+}
+
+/// `cuMemHostRegister`'s rules in the model: refused where the device cannot register, page
+/// alignment, no overlap (712), no guard page pinned, unregister of what is registered only
+/// (713); a kernel may touch a registered range and nothing past it.
+#[test]
+fn host_registration_keeps_the_drivers_rules() {
+    let none = with_config(MockConfig::default());
+    let host = HostRange::new(4 * PAGE, 2 * PAGE);
+    let primary = none.driver().primary_context(DeviceId(0));
+    let model = none.driver();
+    model.push_current(primary).unwrap();
+    let e = model.host_register(host.at(0), PAGE).unwrap_err();
+    assert_eq!(driver_code(&e), Some(code::NOT_SUPPORTED));
+    model.pop_current().unwrap();
+
+    let mock = with_config(MockConfig {
+        host_registration: true,
+        deferred_streams: true,
+        ..MockConfig::default()
+    });
+    let model = mock.driver();
+    let primary = model.primary_context(DeviceId(0));
+    model.push_current(primary).unwrap();
+    let invalid = Some(code::INVALID_VALUE);
+    assert_eq!(
+        driver_code(&model.host_register(host.at(1), PAGE).unwrap_err()),
+        invalid
+    );
+    assert_eq!(
+        driver_code(&model.host_register(host.at(0), 0).unwrap_err()),
+        invalid
+    );
+    assert_eq!(
+        driver_code(&model.host_register(host.at(PAGE), 2 * PAGE).unwrap_err()),
+        invalid,
+        "a PROT_NONE page cannot be pinned"
+    );
+    model.host_register(host.at(0), PAGE).unwrap();
+    assert_eq!(
+        driver_code(&model.host_register(host.at(0), 2 * PAGE).unwrap_err()),
+        Some(code::HOST_MEMORY_ALREADY_REGISTERED)
+    );
+    // SAFETY: not registered at that base: refused, nothing touched.
+    let e = unsafe { model.host_unregister(host.at(PAGE)) }.unwrap_err();
+    assert_eq!(driver_code(&e), Some(code::HOST_MEMORY_NOT_REGISTERED));
+    model.pop_current().unwrap();
+    assert_eq!(model.registered_ranges(), vec![(host.base as usize, PAGE)]);
+
+    // A kernel on the registered page runs; one page further faults (not registered, and no
+    // pageable access).
+    let stream = mock
+        .acquire_stream(key(1), IsolationLevel::StreamIsolated)
+        .unwrap();
+    // SAFETY: nothing else touches the range while the kernel can run.
+    unsafe { model.enqueue_fill(&stream, host.at(0), PAGE, 9) }.unwrap();
+    mock.synchronize(&stream).unwrap();
+    // SAFETY: our own mapping, readable, the kernel done.
+    assert_eq!(unsafe { host.base.wrapping_add(PAGE - 1).read() }, 9);
+    // SAFETY: as above.
+    unsafe { model.enqueue_fill(&stream, host.at(PAGE), 1, 9) }.unwrap();
+    assert!(mock.synchronize(&stream).is_err(), "an illegal address");
+    assert_eq!(model.stats().kernel_faults, 1);
+    let _ = mock.release_stream(stream);
+    model.push_current(primary).unwrap();
+    // The primary context is poisoned now: every call in it answers the sticky error.
+    // SAFETY: registered above; no work uses it.
+    let e = unsafe { model.host_unregister(host.at(0)) }.unwrap_err();
+    assert_eq!(driver_code(&e), Some(code::ILLEGAL_ADDRESS));
+    model.pop_current().unwrap();
+}
+
+/// Pageable memory access in the model: advice and prefetch take host ranges outside every
+/// allocation, kernels touch host memory that is mapped, and a guard page is an illegal
+/// address. Without it, advice on host memory is refused and the kernel faults.
+#[test]
+fn pageable_access_reaches_mapped_host_memory_and_faults_on_guards() {
+    let host = HostRange::new(2 * PAGE, PAGE);
+    for pageable in [true, false] {
+        let mock = with_config(MockConfig {
+            pageable_memory_access: pageable,
+            ..MockConfig::default()
+        });
+        let model = mock.driver();
+        let primary = model.primary_context(DeviceId(0));
+        model.push_current(primary).unwrap();
+        let advised = model.advise(host.at(0), PAGE, Advice::SetReadMostly);
+        model.pop_current().unwrap();
+        assert_eq!(advised.is_ok(), pageable);
+        let stream = mock
+            .acquire_stream(key(1), IsolationLevel::StreamIsolated)
+            .unwrap();
+        // The model runs work at the call here (streams not deferred): a fault answers the
+        // launch itself, or the wait after it.
+        let run = |at: u64| {
+            // SAFETY: nothing else touches the range while the kernel can run.
+            unsafe { model.enqueue_fill(&stream, at, 16, 3) }.is_ok()
+                && mock.synchronize(&stream).is_ok()
+        };
+        assert_eq!(run(host.at(0)), pageable);
+        if pageable {
+            // SAFETY: our own mapping, readable, the kernel done.
+            assert_eq!(unsafe { host.base.read() }, 3);
+            // The second page is PROT_NONE: the model must fault, not crash.
+            assert!(!run(host.at(PAGE - 8)), "the guard page faults");
+        }
+        assert_eq!(model.stats().kernel_faults, 1);
+        let _ = mock.release_stream(stream);
+    }
+}
