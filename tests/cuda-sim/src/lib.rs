@@ -952,14 +952,24 @@ entry! {
             )
         };
         let len = usize::try_from(len).map_err(|_| code::ILLEGAL_ADDRESS)?;
-        sim.range(data, len).map_err(|_| code::ILLEGAL_ADDRESS)?;
+        // Managed memory, or a registered host range (device-mapped at its own address).
+        let end = data.checked_add(len as u64).ok_or(code::ILLEGAL_ADDRESS)?;
+        let registered = sim
+            .registered
+            .range(..=data)
+            .next_back()
+            .is_some_and(|(&b, &n)| end <= b + n as u64);
+        if !registered {
+            sim.range(data, len).map_err(|_| code::ILLEGAL_ADDRESS)?;
+        }
         // Raw writes, as a device's: no Rust reference to the guest's bytes is made.
         let base = data as *mut u8;
         match kernel {
             Kernel::Increment => {
                 for i in 0..len {
-                    // SAFETY: `data..data + len` lies inside a live allocation of ours (checked
-                    // above); `i < len`.
+                    // SAFETY: `data..data + len` lies inside a live allocation of ours or a
+                    // registered host range, whose owner keeps it mapped until it unregisters
+                    // (checked above); `i < len`.
                     unsafe { base.add(i).write(base.add(i).read().wrapping_add(1)) };
                 }
             }

@@ -1,10 +1,18 @@
 //! `gpu-check`: the checks of the GPU validation kit that need a device, on the cudarc backend.
 //!
-//! 1. Zero copy: a guest fills its linear memory; a PTX kernel (embedded as text, loaded with the
-//!    driver's module API: no compiler needed) increments every byte of a range through the
+//! 1. Host access: the device attributes the device-visible guarded backing rests on (pageable
+//!    memory access 88, its use of the host page tables 100, host registration 99 with the host
+//!    pointer usable on the device 91), and the backing a creator picks from them.
+//! 2. Zero copy, on every backing the device can serve (managed; guarded pageable; guarded
+//!    registered): a guest fills its linear memory; a PTX kernel (embedded as text, loaded with
+//!    the driver's module API: no compiler needed) increments every byte of a range through the
 //!    resolved device pointer, on the instance's stream; the guest then reads the new values.
-//! 2. Timings on the device: cuMemAllocManaged + free against a pool slot (acquire + release) for
-//!    64 KiB, 1 MiB and 64 MiB; prefetch of 256 MiB host -> device and back (GB/s).
+//!    On a guarded backing the guest runs under Wasmtime's guard-page Config, so the kernel
+//!    writes host virtual memory with guard pages around it.
+//! 3. Timings on the device: cuMemAllocManaged + free against a pool slot (acquire + release) for
+//!    64 KiB, 1 MiB and 64 MiB; prefetch of 256 MiB host -> device and back (GB/s), of managed
+//!    memory and, with pageable memory access, of plain host memory (what the guarded pageable
+//!    backing prefetches).
 //!
 //! On the simulated driver the kernel is the simulator's host kernel of the same name (the PTX is
 //! loaded, not run) and the timings are labelled as simulated. Prints one short table; `--log FILE` also writes the details there.
@@ -14,15 +22,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tensor_wasm_mem_core::{
-    DeviceId, IsolationLevel, Location, ManagedAllocator, PoolConfig, SizeClass, SlotPool,
-    StreamLease, StreamProvider, TenantId, TenantKey, UnifiedBuffer,
+    Advisor, DeviceId, HostAccess, HostMemory, IsolationLevel, Location, ManagedAllocator,
+    PoolConfig, SizeClass, SlotPool, StreamLease, StreamProvider, TenantId, TenantKey,
+    UnifiedBuffer,
 };
 use tensor_wasm_mem_cudarc::{CudarcBackend, DriverSource};
 use tensor_wasm_mem_tests::kernels::launch_increment;
 use tensor_wasm_mem_tests::sim::{SIM_PATH, Sim};
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
 use tensor_wasm_mem_wasmtime::{
-    AccessRange, ChargeMode, DeviceAccess, Tenant, TenantStore, TensorWasmMemoryCreator,
+    AccessRange, Backing, ChargeMode, DeviceAccess, Tenant, TenantStore, TensorWasmMemoryCreator,
     instantiate, new_store,
 };
 
@@ -59,13 +68,40 @@ impl Report {
     }
 }
 
+/// The device attributes the guarded backings rest on, and the backing a creator picks.
+fn host_access(backend: &Arc<CudarcBackend>, report: &mut Report) -> Vec<Backing> {
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    for info in backend.driver().devices() {
+        report.row(
+            format!("host access, device {}", info.id.0),
+            format!(
+                "pageable access (88) {}, host page tables (100) {}, registration (99 + 91) {}",
+                yes(info.pageable_memory_access),
+                yes(info.pageable_uses_host_page_tables),
+                yes(info.host_registration),
+            ),
+        );
+    }
+    let device = [DeviceId(0)];
+    report.row(
+        "default backing",
+        Backing::detect(&**backend, &device).name(),
+    );
+    Backing::ALL
+        .into_iter()
+        .filter(|b| b.check(&**backend, &device).is_ok())
+        .collect()
+}
+
 fn zero_copy(
     backend: &Arc<CudarcBackend>,
+    backing: Backing,
     simulated: bool,
     report: &mut Report,
 ) -> Result<(), String> {
     const LEN: i32 = 4096;
     let creator = TensorWasmMemoryCreator::builder(Arc::clone(backend))
+        .backing(backing)
         .build()
         .map_err(|e| e.to_string())?;
     let engine = creator.engine().map_err(|e| format!("{e:#}"))?;
@@ -95,7 +131,7 @@ fn zero_copy(
         DeviceAccess::open(&mut store, &creator, &memory, &ranges).map_err(|e| e.to_string())?;
     let slice = scope.slice(0).ok_or("no range")?;
     report.row(
-        "zero-copy: scope",
+        format!("zero-copy ({backing}): scope"),
         format!(
             "device pointer {:#x}, {} bytes, stream {:#x}",
             slice.device_ptr(),
@@ -119,11 +155,10 @@ fn zero_copy(
         .call(&mut store, LEN)
         .map_err(|e| format!("{e:#}"))?;
     report.row(
-        if simulated {
-            "zero-copy: kernel (simulated)"
-        } else {
-            "zero-copy: kernel"
-        },
+        format!(
+            "zero-copy ({backing}): kernel{}",
+            if simulated { " (simulated)" } else { "" }
+        ),
         if ok == LEN {
             format!("ok: the guest reads all {LEN} bytes the kernel incremented")
         } else {
@@ -206,6 +241,54 @@ fn timings(backend: &Arc<CudarcBackend>, label: &str, report: &mut Report) -> Re
         format!("prefetch 256MiB{label}"),
         format!("host->device {to_device:.1} GB/s, device->host {to_host:.1} GB/s"),
     );
+    if backend.can_attach_host(DeviceId(0), HostAccess::Pageable) {
+        pageable_prefetch(backend, &lease, label, report)?;
+    }
+    Ok(())
+}
+
+/// Prefetch of 256 MiB of plain host memory (what the guarded pageable backing hands the
+/// driver) host -> device -> host.
+fn pageable_prefetch(
+    backend: &Arc<CudarcBackend>,
+    lease: &StreamLease<Arc<CudarcBackend>>,
+    label: &str,
+    report: &mut Report,
+) -> Result<(), String> {
+    let bytes = 256usize << 20;
+    let layout = std::alloc::Layout::from_size_align(bytes, 2 << 20).map_err(|e| e.to_string())?;
+    // SAFETY: the layout has a non-zero size.
+    let ptr =
+        std::ptr::NonNull::new(unsafe { std::alloc::alloc(layout) }).ok_or("out of host memory")?;
+    // SAFETY: a fresh allocation of `bytes` bytes, ours.
+    unsafe { ptr.as_ptr().write_bytes(1, bytes) };
+    // SAFETY: host memory, readable and writable, 2 MiB aligned, detached below before it is
+    // freed.
+    let chunk = unsafe { backend.attach_host(DeviceId(0), HostAccess::Pageable, ptr, bytes) }
+        .map_err(|e| e.to_string())?;
+    let rate = |to: Location| -> Result<f64, String> {
+        let start = Instant::now();
+        backend
+            .prefetch(&chunk, 0, bytes, to, lease.stream())
+            .map_err(|e| e.to_string())?;
+        backend
+            .synchronize(lease.stream())
+            .map_err(|e| e.to_string())?;
+        Ok(bytes as f64 / start.elapsed().as_secs_f64() / 1e9)
+    };
+    let rates = rate(Location::Device(DeviceId(0))).and_then(|d| Ok((d, rate(Location::Host)?)));
+    // SAFETY: the stream was waited for; no device work uses the range.
+    let detached = unsafe { backend.detach_host(chunk) }.map_err(|e| e.to_string());
+    if detached.is_ok() {
+        // SAFETY: allocated above with `layout`, detached.
+        unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
+    }
+    let (to_device, to_host) = rates?;
+    detached?;
+    report.row(
+        format!("prefetch 256MiB host memory{label}"),
+        format!("host->device {to_device:.1} GB/s, device->host {to_host:.1} GB/s"),
+    );
     Ok(())
 }
 
@@ -216,6 +299,14 @@ fn main() -> std::process::ExitCode {
         log: String::new(),
     };
     let simulated = Sim::get().is_some();
+    if let Some(sim) = Sim::get() {
+        // The dry run: a simulated device that registers host memory, so the guarded
+        // registered backing is exercised too (the simulator has no pageable access).
+        sim.configure(&tensor_wasm_mem_tests::sim::SimConfig {
+            host_register: 1,
+            ..tensor_wasm_mem_tests::sim::SimConfig::default()
+        });
+    }
     let outcome = (|| -> Result<(), String> {
         let backend = Arc::new(
             tensor_wasm_mem_cudarc::start(&DriverSource::SystemOr(SIM_PATH.into()))
@@ -232,7 +323,10 @@ fn main() -> std::process::ExitCode {
                 names.join(", ")
             ),
         );
-        zero_copy(&backend, simulated, &mut report)?;
+        let backings = host_access(&backend, &mut report);
+        for backing in backings {
+            zero_copy(&backend, backing, simulated, &mut report)?;
+        }
         timings(
             &backend,
             if simulated { " (simulated)" } else { "" },
