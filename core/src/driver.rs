@@ -89,6 +89,12 @@ pub enum Refusal {
     /// The driver (or its binding) cannot register host memory for devices.
     #[error("this backend cannot register host memory")]
     NoHostRegistration,
+    /// Host memory attached already at this base (detach it first).
+    #[error("host memory at {address:#x} is attached already")]
+    AlreadyAttached {
+        /// Its base address.
+        address: u64,
+    },
     /// Attached host memory handed to `free`: it goes back with `HostMemory::detach_host`.
     #[error("{address:#x} is attached host memory: detach it, do not free it")]
     AttachedHost {
@@ -120,6 +126,7 @@ impl Refusal {
             | Self::UnknownAllocation { .. }
             | Self::UnknownStream { .. }
             | Self::AttachedHost { .. }
+            | Self::AlreadyAttached { .. }
             | Self::ForeignStream { .. } => ErrorKind::InvalidArgument,
         }
     }
@@ -821,12 +828,21 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         };
         let devices = self.driver.device_count();
         let migrates = self.driver.device_facts(device).concurrent_managed_access;
+        // Accessed-by advice on pageable host memory names only devices that reach it (a
+        // device without pageable memory access refuses it there).
+        let advisable = |other: u32| {
+            host.is_none()
+                || self
+                    .driver
+                    .device_facts(DeviceId(other))
+                    .pageable_memory_access
+        };
         let scrub = self.driver.scrub_stream(device);
         self.in_primary(device, |d| {
             d.advise(start, len, Advice::UnsetReadMostly)?;
             d.advise(start, len, Advice::UnsetPreferredLocation)?;
             d.advise(start, len, Advice::UnsetAccessedBy(Location::Host))?;
-            for other in 0..devices {
+            for other in (0..devices).filter(|&o| advisable(o)) {
                 let peer = Location::Device(DeviceId(other));
                 d.advise(start, len, Advice::UnsetAccessedBy(peer))?;
             }
@@ -908,7 +924,7 @@ unsafe impl<D: DriverApi> HostMemory for DriverBackend<D> {
         {
             let mut state = self.state.lock();
             if state.allocations.contains_key(&address) {
-                return Err(Refusal::UnknownAllocation { address }.into());
+                return Err(Refusal::AlreadyAttached { address }.into());
             }
             state.allocations.insert(address, record);
         }

@@ -78,7 +78,13 @@ pub unsafe trait HostMemory: ErrorType {
     /// Makes `ptr..ptr + len` of host memory usable by `device` as `access` says (with
     /// [`HostAccess::Registered`], registers it with the driver), and returns a handle for it
     /// that the backend's advice, prefetch and zeroing accept. An access the device lacks, an
-    /// empty range or a range already attached is an error, never a panic.
+    /// empty range or a range attached already at the same base is an error, never a panic
+    /// (overlapping registrations are the driver's to refuse).
+    ///
+    /// With [`HostAccess::Pageable`] the driver is asked nothing here nor in
+    /// [`detach_host`](Self::detach_host) (the device reaches host memory through the host's
+    /// page tables, attached or not): replacing an attached range by a larger one as memory
+    /// grows (detach, then attach) is allowed while device work uses it.
     ///
     /// # Safety
     ///
@@ -99,7 +105,8 @@ pub unsafe trait HostMemory: ErrorType {
     /// # Safety
     ///
     /// `allocation` must have come from this backend's `attach_host`, and no device work may
-    /// use the range any more.
+    /// use the range any more (with [`HostAccess::Pageable`], see
+    /// [`attach_host`](Self::attach_host)).
     unsafe fn detach_host(&self, allocation: Allocation) -> Result<(), Self::Error>;
 }
 

@@ -306,13 +306,24 @@ impl State {
         (end <= base + record.len).then_some((base, record))
     }
 
-    /// Whether `start..end` lies inside one host range registered for `device` (a
-    /// registration without `CU_MEMHOSTREGISTER_PORTABLE` is for its context's device only).
+    /// Whether `start..end` is covered by host ranges registered for `device`, one or several
+    /// adjacent ones (the device maps each at its own address, so a kernel may run across the
+    /// boundary of two registrations, as on a GPU; a registration without
+    /// `CU_MEMHOSTREGISTER_PORTABLE` is for its context's device only).
     fn registered_over(&self, start: usize, end: usize, device: Option<u32>) -> bool {
-        self.registered
-            .range(..=start)
-            .next_back()
-            .is_some_and(|(&base, r)| end <= base + r.len && Some(r.device) == device)
+        let mut at = start;
+        while at < end {
+            let covering = self
+                .registered
+                .range(..=at)
+                .next_back()
+                .filter(|&(&base, r)| at < base + r.len && Some(r.device) == device);
+            match covering {
+                Some((&base, r)) => at = base + r.len,
+                None => return false,
+            }
+        }
+        true
     }
 
     /// Whether any registered host range overlaps `start..end`.

@@ -379,34 +379,83 @@ impl<B: Backend> GuardedRegion<B> {
         if want > self.accessible {
             if want > self.opened {
                 let (mapping, at) = self.mapping();
-                mapping.open(at + self.opened, want - self.opened)?;
+                let opened = mapping.open(at + self.opened, want - self.opened);
+                // A failed `mprotect` may have opened part of the range: count all of it as
+                // open, so it is closed below and scrubbed when the slot goes back.
                 self.opened = want;
-            }
-            let len = want - self.accessible;
-            let ptr = std::ptr::NonNull::new((self.base + self.accessible) as *mut u8)
-                .ok_or(TwmError::NotOurMemory)?;
-            // SAFETY: `ptr..ptr + len` lies inside our mapping, page-aligned, readable and
-            // writable (opened above, or left open by the slot's last holder and scrubbed),
-            // owned by this region, and stays mapped until the chunk is detached (`release`
-            // detaches every chunk before the pages are dropped or unmapped, and keeps the
-            // mapping if the backend refuses).
-            let attached = unsafe { self.backend.attach_host(self.device, self.access, ptr, len) };
-            match attached {
-                Ok(chunk) => self.chunks.push(chunk),
-                Err(e) => {
-                    // The pages past the visible size are guards again (or the region is
-                    // refused and dropped).
-                    self.close_past_accessible()?;
-                    return Err(TwmError::from_core(CoreError::backend(
-                        Operation::AttachHost,
-                        e,
-                    )));
+                if let Err(e) = opened {
+                    self.close_or_warn();
+                    return Err(e);
                 }
+            }
+            if let Err(e) = self.attach(want) {
+                // The pages past the visible size are guards again (or the region is refused
+                // and dropped).
+                self.close_or_warn();
+                return Err(TwmError::from_core(CoreError::backend(
+                    Operation::AttachHost,
+                    e,
+                )));
             }
             self.accessible = want;
         }
         self.len = self.len.max(new_len);
         Ok(())
+    }
+
+    /// Closes what is open past the accessible pages after a failed growth; a failure to close
+    /// is logged (the pages stay counted as open, and are scrubbed with the slot).
+    fn close_or_warn(&mut self) {
+        if let Err(e) = self.close_past_accessible() {
+            tracing::warn!(error = %e, "twm: closing pages past a guarded memory's end failed");
+        }
+    }
+
+    /// Attaches the pages up to `want` (readable and writable now) to the backend. With
+    /// registration, the new pages are a registration of their own (registered pages are
+    /// pinned one range at a time); with pageable access the region keeps one chunk for all its
+    /// pages, replaced by a larger one (the driver is asked nothing either way), so a guest's
+    /// advice or prefetch is one driver call however the memory grew.
+    fn attach(&mut self, want: usize) -> Result<(), B::Error> {
+        let start = match self.access {
+            HostAccess::Registered => self.accessible,
+            HostAccess::Pageable => 0,
+        };
+        let attach = |from: usize, to: usize| {
+            let ptr = std::ptr::NonNull::new((self.base + from) as *mut u8)
+                .expect("a mapping's base is never null");
+            // SAFETY: `ptr..ptr + (to - from)` lies inside our mapping, page-aligned, readable
+            // and writable (opened by `grow_to`, or left open by the slot's last holder and
+            // scrubbed), owned by this region, and stays mapped until the chunk is detached
+            // (`release` detaches every chunk before the pages are dropped or unmapped, and
+            // keeps the mapping if the backend refuses).
+            unsafe {
+                self.backend
+                    .attach_host(self.device, self.access, ptr, to - from)
+            }
+        };
+        if self.access == HostAccess::Pageable
+            && let Some(old) = self.chunks.pop()
+        {
+            // SAFETY: a chunk of ours with pageable access: the backend asks the driver
+            // nothing, so device work on the range is unaffected (`HostMemory::attach_host`).
+            unsafe { self.backend.detach_host(old) }?;
+        }
+        match attach(start, want) {
+            Ok(chunk) => {
+                self.chunks.push(chunk);
+                Ok(())
+            }
+            Err(e) => {
+                if self.access == HostAccess::Pageable
+                    && self.accessible > 0
+                    && let Ok(old) = attach(0, self.accessible)
+                {
+                    self.chunks.push(old);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Runs `f` on each attached chunk's part of visible `offset..offset + len` (checked), as

@@ -243,19 +243,60 @@ fn growth_attaches_and_registers_exactly_what_the_guest_can_reach() {
     );
     assert_eq!(model.stats().registered_ranges, 0);
 
-    // Pageable access: attached (for advice and the backend's tables), nothing registered.
+    // Pageable access: attached (for advice and the backend's tables) as one range however
+    // the memory grew, nothing registered; a guest's advice over all of it is one driver call.
     let backend = machine(true, true);
     let creator = make(&backend, PAGEABLE);
-    let (mut store, instance, _memory) = tenant_store(&creator, 1);
+    let (mut store, instance, memory) = tenant_store(&creator, 1);
     let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
-    assert_eq!(grow.call(&mut store, 1).unwrap(), 1);
+    for _ in 0..3 {
+        assert!(grow.call(&mut store, 1).unwrap() > 0);
+    }
     let stats = backend.stats();
-    assert_eq!(stats.attached_host_ranges, 2);
-    assert_eq!(stats.attached_host_bytes, 2 * PAGE as u64);
+    assert_eq!(stats.attached_host_ranges, 1);
+    assert_eq!(stats.attached_host_bytes, 4 * PAGE as u64);
     assert_eq!(stats.registered_host_bytes, 0);
     assert!(backend.driver().registered_ranges().is_empty());
+    let advise = tensor_wasm_mem_mock::Call::Advise;
+    let before = backend.driver().stats().entry_calls(advise);
+    creator
+        .advise(&store, &memory, 0, 4 * PAGE as u64, Advice::SetReadMostly)
+        .unwrap();
+    assert_eq!(backend.driver().stats().entry_calls(advise), before + 1);
     drop(store);
     assert_eq!(backend.stats().attached_host_ranges, 0);
+}
+
+/// A kernel may run across the boundary of two registrations (each growth registers its own
+/// pages; the device maps each at its own address), as on a GPU (checked on an H200).
+#[test]
+fn a_kernel_spans_the_registrations_of_a_grown_memory() {
+    let backend = machine(false, true);
+    let creator = make(&backend, REGISTERED);
+    let (mut store, instance, memory) = tenant_store(&creator, 1);
+    let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
+    assert_eq!(grow.call(&mut store, 1).unwrap(), 1);
+    assert_eq!(backend.driver().registered_ranges().len(), 2);
+    let scope = DeviceAccess::open(
+        &mut store,
+        &creator,
+        &memory,
+        &[AccessRange::read_write(PAGE as u64 - 8, 16)],
+    )
+    .unwrap();
+    let slice = scope.slice(0).unwrap();
+    // SAFETY: the scope holds the Store until it closes and waits.
+    unsafe {
+        backend
+            .driver()
+            .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 7)
+    }
+    .unwrap();
+    scope.close().unwrap();
+    let load8 = func::<_, i32, i32>(&mut store, &instance, "load8");
+    assert_eq!(load8.call(&mut store, PAGE as i32 - 8).unwrap(), 7);
+    assert_eq!(load8.call(&mut store, PAGE as i32 + 7).unwrap(), 7);
+    assert_eq!(backend.driver().stats().kernel_faults, 0);
 }
 
 #[test]
