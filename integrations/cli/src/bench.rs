@@ -15,7 +15,7 @@ use tensor_wasm_mem_core::{DeviceId, PlanLimits, PoolConfig, SizeClass};
 use tensor_wasm_mem_mock::MockBackend;
 use tensor_wasm_mem_wasmtime::wasi::{WasiP1Ctx, add_wasi_to_linker};
 use tensor_wasm_mem_wasmtime::wasmtime::{
-    Config, Engine, InstanceAllocationStrategy, InstancePre, Linker, Module,
+    self, Config, Engine, InstanceAllocationStrategy, InstancePre, Linker, Module,
     PoolingAllocationConfig, Store,
 };
 use tensor_wasm_mem_wasmtime::{Backing, GuardedHostCreator, TensorWasmMemoryCreator};
@@ -204,36 +204,36 @@ impl Setup {
                 config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling));
                 Engine::new(&config)
             }
-            Self::TwmFresh => TensorWasmMemoryCreator::builder(mock())
-                .build()
-                .map_err(other)?
-                .engine(),
-            Self::TwmPooled | Self::TwmPooledWasi => TensorWasmMemoryCreator::builder(mock())
-                .limits(PlanLimits::new(16 << 16).map_err(other)?)
-                .pool(PoolConfig::new(
-                    DeviceId(0),
-                    [SizeClass::new(16 << 16, slots)],
-                ))
-                .build()
-                .map_err(other)?
-                .engine(),
+            Self::TwmFresh => fresh_engine(mock()),
+            Self::TwmPooled | Self::TwmPooledWasi => pooled_engine(mock(), slots),
             Self::TwmGuarded => GuardedHostCreator::new(PlanLimits::default()).engine(),
-            Self::TwmDeviceGuarded => TensorWasmMemoryCreator::builder(pageable_mock())
-                .build()
-                .map_err(other)?
-                .engine(),
-            Self::TwmDeviceGuardedPooled => TensorWasmMemoryCreator::builder(pageable_mock())
-                .limits(PlanLimits::new(16 << 16).map_err(other)?)
-                .pool(PoolConfig::new(
-                    DeviceId(0),
-                    [SizeClass::new(16 << 16, slots)],
-                ))
-                .build()
-                .map_err(other)?
-                .engine(),
+            Self::TwmDeviceGuarded => fresh_engine(pageable_mock()),
+            Self::TwmDeviceGuardedPooled => pooled_engine(pageable_mock(), slots),
         };
         engine.map_err(other)
     }
+}
+
+/// An engine whose creator on `backend` makes a fresh memory each time (of the backing the
+/// backend's devices call for).
+fn fresh_engine(backend: Arc<MockBackend>) -> wasmtime::Result<Engine> {
+    TensorWasmMemoryCreator::builder(backend)
+        .build()
+        .map_err(wasmtime::Error::new)?
+        .engine()
+}
+
+/// An engine whose creator on `backend` takes memories from a pool of `slots` 1 MiB slots.
+fn pooled_engine(backend: Arc<MockBackend>, slots: usize) -> wasmtime::Result<Engine> {
+    TensorWasmMemoryCreator::builder(backend)
+        .limits(PlanLimits::new(16 << 16).map_err(wasmtime::Error::new)?)
+        .pool(PoolConfig::new(
+            DeviceId(0),
+            [SizeClass::new(16 << 16, slots)],
+        ))
+        .build()
+        .map_err(wasmtime::Error::new)?
+        .engine()
 }
 
 fn pre(engine: &Engine, wat: &str) -> Result<InstancePre<()>, Failure> {

@@ -159,6 +159,11 @@ fn run_metrics_are_prometheus_text_matching_the_stats() {
         value(&samples, "twm_creator_memories_created_total", &[]).1,
         report["creator"]["created"].as_u64().unwrap() as f64
     );
+    assert_eq!(
+        value(&samples, "twm_creator_backing", &[("backing", "managed")]).1,
+        1.0
+    );
+    assert_eq!(report["creator"]["backing"], "managed");
     assert!(text.contains("# HELP twm_tenant_held_bytes"), "{text}");
 }
 

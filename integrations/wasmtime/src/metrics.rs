@@ -28,6 +28,7 @@
 //! | `twm_tenant_memories_created_total` | counter | tenant, tenant_id, device, isolation | memories ever charged |
 //! | `twm_tenant_denials_total` | counter | tenant, tenant_id, device, isolation, budget | requests refused, by budget (`touched`, `held`, `memories`) |
 //! | `twm_creator_live_memories` | gauge | device | memories alive on the device |
+//! | `twm_creator_backing` | gauge | backing | 1, labelled with what the creator's memories are made of (`managed`, `guarded_pageable`, `guarded_registered`) |
 //! | `twm_creator_memories_created_total` | counter | - | memories ever made |
 //! | `twm_creator_memories_refused_total` | counter | - | memories refused (plan, cap, guard, pool, backend) |
 //! | `twm_pool_slots` | gauge | device | slots of the device's pool |
@@ -100,6 +101,10 @@ pub fn describe() {
             "Memories of the creator alive on the device.",
         ),
         ("twm_pool_slots", "Slots of the device's pool."),
+        (
+            "twm_creator_backing",
+            "1, labelled with what the creator's memories are made of.",
+        ),
         (
             "twm_pool_slots_in_use",
             "Slots of the device's pool in use.",
@@ -190,6 +195,7 @@ pub fn record_tenant(tenant: &Tenant) {
 /// reports it.
 pub fn record_creator<B: Backend>(creator: &TensorWasmMemoryCreator<B>) {
     let s = creator.stats();
+    gauge!("twm_creator_backing", "backing" => s.backing.name()).set(1.0);
     counter!("twm_creator_memories_created_total").absolute(s.created);
     counter!("twm_creator_memories_refused_total").absolute(s.refused);
     for d in &s.devices {
