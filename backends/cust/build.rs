@@ -3,8 +3,9 @@
 //! cust links `-lcuda` at link time. When `CUDA_LIBRARY_PATH` is the workspace's `.cuda-link`
 //! folder (set by `.cargo/config.toml`), this script:
 //! 1. builds the simulated libcuda (`tests/cuda-sim`, SONAME `libcuda.so.1`) into OUT_DIR;
-//! 2. writes `.cuda-link/lib64/libcuda.so`, a linker script naming it, so `-lcuda` resolves and
-//!    binaries record `libcuda.so.1` as needed (as the real driver would give them);
+//! 2. copies it to `.cuda-link/lib64/libtwm_cuda_sim.so` and writes `.cuda-link/lib64/libcuda.so`,
+//!    a linker script naming that copy, so `-lcuda` resolves and binaries record `libcuda.so.1`
+//!    as needed (as the real driver would give them); the copy outlives any target directory;
 //! 3. when no real driver loads on this machine, puts a copy named `libcuda.so.1` in
 //!    OUT_DIR/runtime and adds that folder to the native search path, which `cargo test` and
 //!    `cargo run` put on the loader path. Where a real driver exists no such copy is made (a stale
@@ -56,9 +57,16 @@ fn main() {
     // see half of it.
     let lib64 = link_dir.join("lib64");
     std::fs::create_dir_all(&lib64).expect("create .cuda-link/lib64");
+    // The script names a copy beside it, not this build's OUT_DIR: every target directory
+    // (debug, release, the sanitizer builds) shares the one script, and a target directory
+    // deleted after its build must not leave the others linking against a missing file.
+    let linked = lib64.join("libtwm_cuda_sim.so");
+    let tmp = lib64.join(format!("libtwm_cuda_sim.so.{}.tmp", std::process::id()));
+    std::fs::copy(&sim, &tmp).expect("copy the simulator beside the linker script");
+    std::fs::rename(&tmp, &linked).expect("install the simulator beside the linker script");
     let script = format!(
         "/* Written by backends/cust/build.rs: -lcuda links the simulated libcuda. */\nINPUT({})\n",
-        sim.display()
+        linked.display()
     );
     let tmp = lib64.join(format!("libcuda.so.{}.tmp", std::process::id()));
     std::fs::write(&tmp, script).expect("write the linker script");

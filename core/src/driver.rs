@@ -792,6 +792,12 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
     ) -> Result<(), D::Error> {
         let Checked { host, span, .. } = self.checked(allocation, offset, len)?;
         self.check_location(to)?;
+        if host == Some(HostAccess::Registered) {
+            // Pinned pages the device reads where they are: nothing to migrate, whatever the
+            // device's managed-memory abilities (the stream is checked all the same).
+            self.stream_use(stream)?;
+            return Ok(());
+        }
         if let Location::Device(device) = to
             && !self.driver.device_facts(device).concurrent_managed_access
         {
@@ -802,9 +808,7 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
             .into());
         }
         let using = self.stream_use(stream)?;
-        let Some((start, len)) = span.filter(|_| host != Some(HostAccess::Registered)) else {
-            // Empty, or registered host memory: pinned pages the device reads where they are,
-            // so there is nothing to migrate.
+        let Some((start, len)) = span else {
             return Ok(());
         };
         self.in_context(using.context, |d| d.prefetch(start, len, to, using.raw()))

@@ -43,7 +43,8 @@ use crate::host_mapping::{HostMapping, page_size};
 /// The memory behind a creator's linear memories. See the [module docs](self).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Backing {
-    /// Managed memory, explicit bounds checks.
+    /// Managed memory, explicit bounds checks. (The `Default`, as the one backing every device
+    /// serves; a creator's default is [`detect`](Self::detect)'s pick.)
     #[default]
     Managed,
     /// Host virtual memory with guard pages, device-visible as the [`HostAccess`] says; no
@@ -52,7 +53,8 @@ pub enum Backing {
 }
 
 impl Backing {
-    /// Every backing, in the order [`detect`](Self::detect) prefers them.
+    /// Every backing: the guarded ones first (what `detect` considers, though it never picks
+    /// registration), then managed memory.
     pub const ALL: [Self; 3] = [
         Self::Guarded(HostAccess::Pageable),
         Self::Guarded(HostAccess::Registered),
@@ -271,6 +273,10 @@ pub(crate) struct GuardedRegion<B: Backend> {
     chunks: Vec<Allocation>,
     /// Advice or a prefetch reached the backend: hints are reset before the pages go.
     hinted: AtomicBool,
+    /// A failure left the attachment or the page protection unknown (a refused detach, a
+    /// failed `mprotect` close): no growth, no device calls, and the pages are withdrawn (never
+    /// reused, never unmapped under the driver) when the region goes.
+    broken: bool,
 }
 
 impl<B: Backend> fmt::Debug for GuardedRegion<B> {
@@ -343,6 +349,7 @@ impl<B: Backend> GuardedRegion<B> {
             capacity,
             chunks: Vec::new(),
             hinted: AtomicBool::new(false),
+            broken: false,
         };
         // On failure `region` drops: what was attached is detached, the slot goes back.
         region.grow_to(initial)?;
@@ -369,6 +376,9 @@ impl<B: Backend> GuardedRegion<B> {
     }
 
     fn grow_to(&mut self, new_len: usize) -> Result<(), TwmError> {
+        if self.broken {
+            return Err(TwmError::GuardedMemoryBroken);
+        }
         if new_len > self.capacity {
             return Err(TwmError::CapacityExceeded {
                 requested: new_len,
@@ -408,6 +418,7 @@ impl<B: Backend> GuardedRegion<B> {
     fn close_or_warn(&mut self) {
         if let Err(e) = self.close_past_accessible() {
             tracing::warn!(error = %e, "twm: closing pages past a guarded memory's end failed");
+            self.broken = true;
         }
     }
 
@@ -439,7 +450,12 @@ impl<B: Backend> GuardedRegion<B> {
         {
             // SAFETY: a chunk of ours with pageable access: the backend asks the driver
             // nothing, so device work on the range is unaffected (`HostMemory::attach_host`).
-            unsafe { self.backend.detach_host(old) }?;
+            if let Err(e) = unsafe { self.backend.detach_host(old) } {
+                // The backend keeps the range attached (its contract): this region cannot
+                // attach at its base again, nor know what the backend holds.
+                self.broken = true;
+                return Err(e);
+            }
         }
         match attach(start, want) {
             Ok(chunk) => {
@@ -447,11 +463,13 @@ impl<B: Backend> GuardedRegion<B> {
                 Ok(())
             }
             Err(e) => {
-                if self.access == HostAccess::Pageable
-                    && self.accessible > 0
-                    && let Ok(old) = attach(0, self.accessible)
-                {
-                    self.chunks.push(old);
+                if self.access == HostAccess::Pageable && self.accessible > 0 {
+                    match attach(0, self.accessible) {
+                        Ok(old) => self.chunks.push(old),
+                        // The visible pages are attached no more: advice and prefetch would
+                        // reach nothing, and the hints could not be reset.
+                        Err(_) => self.broken = true,
+                    }
                 }
                 Err(e)
             }
@@ -468,6 +486,9 @@ impl<B: Backend> GuardedRegion<B> {
         f: impl Fn(&Allocation, usize, usize) -> Result<(), B::Error>,
     ) -> Result<(), TwmError> {
         let range = check_range(offset, len, self.len).map_err(TwmError::GuestRange)?;
+        if self.broken {
+            return Err(TwmError::GuardedMemoryBroken);
+        }
         self.hinted.store(true, Ordering::Release);
         let (start, end) = (self.base + range.start, self.base + range.end);
         for chunk in &self.chunks {
@@ -485,37 +506,55 @@ impl<B: Backend> GuardedRegion<B> {
     }
 
     /// Gives the pages back to the backend: hints reset (if any were given), every chunk
-    /// detached. Whether the backend let go of everything (if not, the pages must stay mapped),
-    /// and whether hints were reset.
-    fn release(&mut self) -> (bool, bool) {
-        let mut clean = true;
+    /// detached.
+    fn release(&mut self) -> Released {
         let hinted = self.hinted.load(Ordering::Acquire);
+        let mut pristine = !self.broken;
         if hinted {
             for chunk in &self.chunks {
                 if let Err(e) = self.backend.reset_hints(chunk, 0, chunk.len()) {
                     tracing::warn!(error = %e, "twm: resetting a guarded region's hints failed");
-                    clean = false;
+                    pristine = false;
                 }
             }
         }
+        let mut let_go = !self.broken;
         for chunk in self.chunks.drain(..).rev() {
             // SAFETY: a chunk this region attached; its Store's streams were waited for before
             // the memory dropped (`MemoryShared`'s drop), so no device work uses it.
             if let Err(e) = unsafe { self.backend.detach_host(chunk) } {
                 tracing::warn!(error = %e, "twm: detaching a guarded region from the device failed");
-                clean = false;
+                let_go = false;
             }
         }
-        (clean, hinted)
+        Released {
+            let_go,
+            pristine,
+            hinted,
+        }
     }
+}
+
+/// How a guarded region's pages came back from the backend.
+#[derive(Clone, Copy, Debug)]
+struct Released {
+    /// The backend holds nothing of them, and their protection is known: they may be dropped,
+    /// unmapped or reused. If not, they stay mapped (never reused under a device mapping).
+    let_go: bool,
+    /// Their hints are back to a fresh allocation's (or were never set): a slot may go to the
+    /// next tenant. If not, a slot is withdrawn (an own mapping is unmapped all the same: hints
+    /// carry no bytes).
+    pristine: bool,
+    /// Advice or a prefetch reached them.
+    hinted: bool,
 }
 
 impl<B: Backend> Drop for GuardedRegion<B> {
     fn drop(&mut self) {
-        let (clean, hinted) = self.release();
+        let released = self.release();
         match &mut self.home {
             Home::Own(mapping) => {
-                if !clean {
+                if !released.let_go {
                     // The backend still holds part of it: the address space stays reserved
                     // rather than being reused under a device mapping.
                     LEAKED_MAPPINGS.fetch_add(1, Ordering::AcqRel);
@@ -523,18 +562,20 @@ impl<B: Backend> Drop for GuardedRegion<B> {
                 }
             }
             Home::Slot { pool, class, index } => {
-                pool.release(*class, *index, self.opened, clean, hinted);
+                pool.release(*class, *index, self.opened, released);
             }
         }
     }
 }
 
 /// Guarded reservations (own or slots) kept mapped because the backend refused to let go of
-/// them, process-wide.
+/// them or their pages' protection could not be restored, process-wide.
 static LEAKED_MAPPINGS: AtomicU64 = AtomicU64::new(0);
 
-/// Guarded regions whose pages stayed mapped (or whose pool slot was withdrawn) because the
-/// backend refused to detach them, over the whole process: non-zero is a driver fault to look at.
+/// Guarded regions whose pages stayed mapped (or whose pool slot was withdrawn with its pool's
+/// address space kept) because the backend refused to detach them or an `mprotect` failed, over
+/// the whole process: non-zero is a driver or host fault to look at. (Slots withdrawn for a
+/// failed scrub or hint reset are counted in `PoolStats::scrub_failures` instead.)
 #[must_use]
 pub fn guarded_mappings_kept() -> u64 {
     LEAKED_MAPPINGS.load(Ordering::Acquire)
@@ -759,22 +800,27 @@ impl<B: Backend> GuardedPool<B> {
     /// allocator). A free slot is reachable by no one. A slot the backend did not let go of
     /// (`clean == false`), or whose scrub failed, is withdrawn for good rather than handed to
     /// another tenant.
-    fn release(&self, class: usize, index: u32, opened: usize, clean: bool, hinted: bool) {
+    fn release(&self, class: usize, index: u32, opened: usize, released: Released) {
         let c = &self.classes[class];
         let offset = c.offset + c.stride * index as usize;
-        // SAFETY: the slot's holder is gone and its chunks detached (`clean`): no one uses its
-        // pages, and no device holds them pinned.
-        let scrubbed = clean && unsafe { self.scrub(offset, opened) }.is_ok();
+        // SAFETY: the slot's holder is gone and its chunks detached (`let_go`): no one uses its
+        // pages, no device holds them pinned, and its first `opened` bytes are readable and
+        // writable (a failed `mprotect` would have left it not `let_go`).
+        let scrubbed =
+            released.let_go && released.pristine && unsafe { self.scrub(offset, opened) }.is_ok();
         let mut state = self.state();
         state.releases += 1;
-        state.hint_resets += u64::from(hinted);
+        state.hint_resets += u64::from(released.hinted && released.pristine);
         if scrubbed {
             state.bytes_scrubbed += opened as u64;
             state.free[class].push((index, opened));
         } else {
+            // Withdrawn for good: never handed to another tenant.
             state.scrub_failures += 1;
-            state.driver_held |= !clean;
-            LEAKED_MAPPINGS.fetch_add(1, Ordering::AcqRel);
+            if !released.let_go {
+                state.driver_held = true;
+                LEAKED_MAPPINGS.fetch_add(1, Ordering::AcqRel);
+            }
         }
     }
 

@@ -102,6 +102,15 @@ pub enum TwmError {
         /// The host access it lacks.
         access: tensor_wasm_mem_core::HostAccess,
     },
+    /// A guarded memory lost its attachment to the device, or the protection of its pages,
+    /// after a failure (a backend that refused to detach, an `mprotect` that failed): it takes
+    /// no growth and no device calls any more, and its slot or mapping is withdrawn when it
+    /// goes.
+    #[error(
+        "this guarded memory lost its device attachment or page protection after a failure: it \
+         takes no growth and no device calls (drop it)"
+    )]
+    GuardedMemoryBroken,
     /// The host could not map memory for the guarded backing.
     #[error("host memory mapping failed: {0}")]
     HostMapping(#[source] std::io::Error),
@@ -199,6 +208,7 @@ impl TwmError {
             Self::GuestRange(e) => e.kind(),
             Self::Backend { kind, .. } => *kind,
             Self::HostMapping(_) => ErrorKind::OutOfMemory,
+            Self::GuardedMemoryBroken => ErrorKind::Driver,
             Self::GuardNotHonoured { .. }
             | Self::ReservationNotHonoured { .. }
             | Self::SharedMemory
