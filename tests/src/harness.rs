@@ -203,8 +203,10 @@ pub struct EightDeviceDeferredMockHarness;
 fn mock_harness_impl(config: MockConfig) -> Arc<MockBackend> {
     Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
         device_memory_bytes: 4 << 30,
-        // As on nearly every real GPU: device-mapped host registration.
+        // As on nearly every real GPU: device-mapped host registration; and pageable memory
+        // access (HMM), so the suite runs the guarded backing's pageable path on every mock.
         host_registration: true,
+        pageable_memory_access: true,
         ..config
     }))
 }

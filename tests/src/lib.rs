@@ -31,6 +31,7 @@ macro_rules! conformance {
         #[::rstest::rstest]
         #[case::capabilities_are_honest($crate::suite::capabilities_are_honest::<$harness>)]
         #[case::attached_host_memory_follows_the_drivers_rules($crate::suite::attached_host_memory_follows_the_drivers_rules::<$harness>)]
+        #[case::pageable_host_memory_takes_advice_and_prefetch($crate::suite::pageable_host_memory_takes_advice_and_prefetch::<$harness>)]
         #[case::allocate_write_zero_free($crate::suite::allocate_write_zero_free::<$harness>)]
         #[case::allocate_zero_bytes_is_refused($crate::suite::allocate_zero_bytes_is_refused::<$harness>)]
         #[case::allocate_unknown_device_is_refused($crate::suite::allocate_unknown_device_is_refused::<$harness>)]

@@ -1528,3 +1528,43 @@ pub fn attached_host_memory_follows_the_drivers_rules<H: Harness>() {
     assert!(!b.can_attach_host(DeviceId(b.device_count()), HostAccess::Registered));
     assert_no_leaks::<H>(&b);
 }
+
+/// Host memory attached with pageable memory access takes advice and prefetch as managed memory
+/// does (recorded by the driver where it can be inspected), and `reset_hints` puts it back as a
+/// fresh range; where the device has no pageable access the case says it was skipped.
+pub fn pageable_host_memory_takes_advice_and_prefetch<H: Harness>() {
+    let b = H::backend();
+    if !b.can_attach_host(D0, HostAccess::Pageable) {
+        skipped(
+            "pageable_host_memory_takes_advice_and_prefetch",
+            "the device has no pageable memory access",
+        );
+        return;
+    }
+    let pages = HostPages::new();
+    // SAFETY: `pages` is host memory mapped readable and writable, 64 KiB aligned, owned here,
+    // and detached below before it drops.
+    let chunk = unsafe { b.attach_host(D0, HostAccess::Pageable, pages.ptr, HostPages::LEN) }
+        .expect("attach");
+    b.advise(&chunk, 0, PAGE, Advice::SetReadMostly)
+        .expect("advice on pageable host memory");
+    let stream = b
+        .acquire_stream(key(1), IsolationLevel::StreamIsolated)
+        .expect("stream");
+    let device = Location::Device(D0);
+    b.prefetch(&chunk, 0, PAGE, device, &stream)
+        .expect("prefetch of pageable host memory");
+    b.synchronize(&stream).expect("synchronize");
+    if let Some(h) = H::hints(&b, &chunk, 0) {
+        assert!(h.read_mostly, "{h:?}");
+        assert_eq!(h.resident, Some(device), "{h:?}");
+    }
+    b.reset_hints(&chunk, 0, HostPages::LEN).expect("reset");
+    if let Some(h) = H::hints(&b, &chunk, 0) {
+        assert!(h.is_pristine(), "{h:?}");
+    }
+    b.release_stream(stream).expect("release");
+    // SAFETY: attached by this backend; the stream was waited for.
+    unsafe { b.detach_host(chunk) }.expect("detach");
+    assert_no_leaks::<H>(&b);
+}
