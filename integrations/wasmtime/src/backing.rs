@@ -40,7 +40,7 @@ use crate::config::{GUARDED_GUARD, GUARDED_RESERVATION};
 use crate::error::TwmError;
 use crate::host_mapping::{HostMapping, page_size};
 
-/// The memory behind a creator's linear memories. See the [module docs](self).
+/// The memory behind a creator's linear memories (`docs/SAFETY.md` section 1b has the contract).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Backing {
     /// Managed memory, explicit bounds checks. (The `Default`, as the one backing every device
@@ -74,7 +74,7 @@ impl Backing {
 
     /// The backing a creator serving `devices` on `backend` uses unless told otherwise: guarded
     /// pageable memory where every device has pageable memory access, managed memory otherwise
-    /// (registration is opt-in, see the [module docs](self)).
+    /// (registration is opt-in: it trades a kernel's bandwidth for the guest's speed).
     pub fn detect<B: HostMemory + ?Sized>(backend: &B, devices: &[DeviceId]) -> Self {
         let pageable = !devices.is_empty()
             && devices

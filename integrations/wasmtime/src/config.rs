@@ -65,8 +65,8 @@ impl BoundsStrategy {
     }
 }
 
-/// Adjusts `config` so that linear memories from a backing with `caps` are memory-safe (see the
-/// [module docs](self) for each setting), and turns on memory64.
+/// Adjusts `config` so that linear memories from a backing with `caps` are memory-safe (see
+/// `docs/SAFETY.md` section 1 for each setting), and turns on memory64.
 pub fn configure<'c>(config: &'c mut Config, caps: &Capabilities) -> &'c mut Config {
     config
         .memory_may_move(false)

@@ -97,7 +97,7 @@ struct State {
     refusals: u64,
 }
 
-/// Places tenants on devices: see the [module](self) and [`PlacementPolicy`].
+/// Places tenants on devices: see [`PlacementPolicy`], and `docs/SCALING.md` for the policies, their costs and the metrics.
 ///
 /// ```
 /// use tensor_wasm_mem_wasmtime::core::{DeviceId, IsolationLevel, TenantBudgets};

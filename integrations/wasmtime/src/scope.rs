@@ -166,7 +166,7 @@ struct Entry {
 }
 
 /// An open device-access scope over one guest memory: holds the Store exclusively for `'s`.
-/// See the [module docs](self).
+/// See `docs/SAFETY.md` section 5 for the contract.
 pub struct DeviceAccess<'s, T: 'static, B: Backend> {
     _store: PhantomData<&'s mut Store<T>>,
     memory: ScopedMemory<B>,
