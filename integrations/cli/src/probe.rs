@@ -5,7 +5,7 @@ use tensor_wasm_mem_core::{DeviceId, HostAccess};
 use tensor_wasm_mem_wasmtime::{Backend, Backing};
 
 use crate::backend::BackendKind;
-use crate::bytes::format_bytes;
+use crate::bytes::approx_bytes;
 
 /// `twm probe` arguments.
 #[derive(Debug, clap::Args)]
@@ -100,7 +100,7 @@ pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out:
             let shown = v.as_str().map_or_else(|| v.to_string(), str::to_string);
             println!("{label:<27} {shown}");
         }
-        let bytes = |b: Option<u64>| b.map_or_else(|| "unknown".to_string(), format_bytes);
+        let bytes = |b: Option<u64>| b.map_or_else(|| "unknown".to_string(), approx_bytes);
         let yes = |b: bool| if b { "yes" } else { "no" };
         println!(
             "\n{:<8} {:>10} {:>10} {:>18} {:>16} {:>18}  peers",

@@ -243,7 +243,7 @@ fn probe_lists_every_simulated_device() {
     assert_eq!(rows.len(), 4, "{text}");
     for (i, row) in rows.iter().enumerate() {
         assert!(row.starts_with(&i.to_string()), "{row}");
-        assert!(row.contains("16GiB"), "{row}");
+        assert!(row.contains("16.0GiB"), "{row}");
     }
     let o = twm(&["probe", "--devices", "4", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out(&o)).unwrap();
