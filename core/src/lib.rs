@@ -47,7 +47,9 @@ pub use plan::{
     DEFAULT_MAX_BYTES, HARD_MAX_LINEAR_MEMORY_BYTES, MemoryPlan, MemoryType, PlanError, PlanLimits,
     WASM_PAGE_SIZE,
 };
-pub use pool::{ClassStats, PoolConfig, PoolError, PoolStats, SLOT_ALIGN, SizeClass, SlotPool};
+pub use pool::{
+    ClassLayout, ClassStats, PoolConfig, PoolError, PoolStats, SLOT_ALIGN, SizeClass, SlotPool,
+};
 pub use pools::{
     DevicePoolConfig, DevicePoolStats, DevicePools, PoolAllocation, PoolHandle, TenantDevicePool,
 };

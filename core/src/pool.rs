@@ -75,6 +75,71 @@ impl PoolConfig {
             classes: classes.into_iter().collect(),
         }
     }
+
+    /// Checks the classes and lays them out one after another, smallest slot first: each slot
+    /// size rounded up to [`SLOT_ALIGN`], each slot `stride(slot_bytes)` bytes after the last
+    /// (`None`: too large). Returns the classes and the bytes they span. No classes, a class of
+    /// zero bytes or zero slots, two classes rounding to one size and any overflow are typed
+    /// errors. [`SlotPool`] lays its slab out so (a slot's stride is its size); a pool of
+    /// guarded slots gives each its guard and reservation.
+    pub fn layout(
+        &self,
+        stride: impl Fn(usize) -> Option<usize>,
+    ) -> Result<(Vec<ClassLayout>, usize), PoolError> {
+        if self.classes.is_empty() {
+            return Err(PoolError::InvalidConfig {
+                reason: "no size classes",
+            });
+        }
+        let mut requested = self.classes.clone();
+        requested.sort_by_key(|c| c.slot_bytes);
+        let mut layout: Vec<ClassLayout> = Vec::with_capacity(requested.len());
+        let mut total = 0usize;
+        for class in &requested {
+            if class.slot_bytes == 0 || class.slots == 0 {
+                return Err(PoolError::InvalidConfig {
+                    reason: "a size class has zero bytes or zero slots",
+                });
+            }
+            let slots = u32::try_from(class.slots).map_err(|_| PoolError::InvalidConfig {
+                reason: "more than u32::MAX slots in a class",
+            })?;
+            let slot_bytes = class
+                .slot_bytes
+                .checked_next_multiple_of(SLOT_ALIGN)
+                .ok_or(PoolError::SizeOverflow)?;
+            if layout.iter().any(|c| c.slot_bytes == slot_bytes) {
+                return Err(PoolError::InvalidConfig {
+                    reason: "two size classes round to the same slot size",
+                });
+            }
+            let stride = stride(slot_bytes).ok_or(PoolError::SizeOverflow)?;
+            let bytes = stride
+                .checked_mul(class.slots)
+                .ok_or(PoolError::SizeOverflow)?;
+            layout.push(ClassLayout {
+                slot_bytes,
+                slots,
+                offset: total,
+                stride,
+            });
+            total = total.checked_add(bytes).ok_or(PoolError::SizeOverflow)?;
+        }
+        Ok((layout, total))
+    }
+}
+
+/// One size class as [`PoolConfig::layout`] places it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClassLayout {
+    /// Bytes a slot holds (rounded up to [`SLOT_ALIGN`]).
+    pub slot_bytes: usize,
+    /// Slots in the class.
+    pub slots: u32,
+    /// Where its first slot starts, from the start of the pool.
+    pub offset: usize,
+    /// Bytes from one slot's start to the next.
+    pub stride: usize,
 }
 
 /// The pool could not serve a request or be built.
@@ -227,53 +292,21 @@ impl<A: ManagedAllocator> fmt::Debug for SlotPool<A> {
 impl<A: ManagedAllocator> SlotPool<A> {
     /// Takes one slab from `allocator` and carves it as `config` says.
     pub fn new(allocator: A, config: PoolConfig) -> Result<Self, Error<A::Error>> {
-        if config.classes.is_empty() {
-            return Err(PoolError::InvalidConfig {
-                reason: "no size classes",
-            }
-            .into());
-        }
-        let mut classes = HashMap::with_capacity(config.classes.len());
-        let mut sizes = Vec::with_capacity(config.classes.len());
-        let mut total = 0usize;
-        let mut requested: Vec<SizeClass> = config.classes.clone();
-        requested.sort_by_key(|c| c.slot_bytes);
-        for class in &requested {
-            if class.slot_bytes == 0 || class.slots == 0 {
-                return Err(PoolError::InvalidConfig {
-                    reason: "a size class has zero bytes or zero slots",
-                }
-                .into());
-            }
-            let slots = u32::try_from(class.slots).map_err(|_| PoolError::InvalidConfig {
-                reason: "more than u32::MAX slots in a class",
-            })?;
-            let slot_bytes = class
-                .slot_bytes
-                .checked_next_multiple_of(SLOT_ALIGN)
-                .ok_or(PoolError::SizeOverflow)?;
-            if classes.contains_key(&slot_bytes) {
-                return Err(PoolError::InvalidConfig {
-                    reason: "two size classes round to the same slot size",
-                }
-                .into());
-            }
-            let bytes = slot_bytes
-                .checked_mul(class.slots)
-                .ok_or(PoolError::SizeOverflow)?;
-            classes.insert(
-                slot_bytes,
-                ClassState {
-                    offset: total,
-                    slot_bytes,
-                    free: (0..slots).rev().collect(),
+        let (layout, total) = config.layout(Some)?;
+        let sizes: Vec<usize> = layout.iter().map(|c| c.slot_bytes).collect();
+        let mut classes: HashMap<usize, ClassState> = layout
+            .iter()
+            .map(|c| {
+                let state = ClassState {
+                    offset: c.offset,
+                    slot_bytes: c.slot_bytes,
+                    free: (0..c.slots).rev().collect(),
                     dirty: Vec::new(),
                     hinted: Vec::new(),
-                },
-            );
-            sizes.push(slot_bytes);
-            total = total.checked_add(bytes).ok_or(PoolError::SizeOverflow)?;
-        }
+                };
+                (c.slot_bytes, state)
+            })
+            .collect();
         let slab = allocator
             .allocate(config.device, total)
             .map_err(|e| Error::backend(Operation::Allocate, e))?;

@@ -30,9 +30,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tensor_wasm_mem_core::{
-    Advice, Allocation, Capabilities, ClassStats, DeviceId, DeviceSlice, Error as CoreError,
-    HostAccess, HostMemory, Location, Operation, PoolConfig, PoolError, PoolStats, Stream,
-    UnifiedBuffer, check_range,
+    Advice, Allocation, Capabilities, ClassLayout, ClassStats, DeviceId, DeviceSlice,
+    Error as CoreError, HostAccess, HostMemory, Location, Operation, PoolConfig, PoolError,
+    PoolStats, Stream, UnifiedBuffer, check_range,
 };
 
 use crate::Backend;
@@ -586,18 +586,6 @@ pub fn guarded_mappings_kept() -> u64 {
 /// stay resident across tenants and cost neither a system call nor a page fault per reuse.
 const KEEP_RESIDENT_BYTES: usize = 64 << 10;
 
-/// One size class of a guarded pool.
-#[derive(Debug)]
-struct GuardedClass {
-    /// Offset of its first slot in the pool's mapping.
-    offset: usize,
-    /// Address space per slot: its reservation and guard.
-    stride: usize,
-    /// Largest capacity a slot holds.
-    slot_bytes: usize,
-    slots: usize,
-}
-
 #[derive(Debug, Default)]
 struct GuardedPoolState {
     /// A slot was withdrawn with chunks the backend would not detach: the pool's address space
@@ -628,7 +616,7 @@ pub(crate) struct GuardedPool<B: Backend> {
     device: DeviceId,
     access: HostAccess,
     mapping: HostMapping,
-    classes: Vec<GuardedClass>,
+    classes: Vec<ClassLayout>,
     state: Mutex<GuardedPoolState>,
 }
 
@@ -652,51 +640,18 @@ impl<B: Backend> GuardedPool<B> {
         config: &PoolConfig,
     ) -> Result<Self, TwmError> {
         let page = page_size();
-        let mut classes: Vec<GuardedClass> = Vec::new();
-        let mut total = 0usize;
-        let mut sorted = config.classes.clone();
-        sorted.sort_by_key(|c| c.slot_bytes);
-        for class in sorted {
-            let slot_bytes = class.slot_bytes.next_multiple_of(page);
-            if class.slots == 0 || slot_bytes == 0 {
-                return Err(PoolError::InvalidConfig {
-                    reason: "every class needs at least one slot of at least one byte",
-                }
-                .into());
-            }
-            if classes.iter().any(|c| c.slot_bytes == slot_bytes) {
-                return Err(PoolError::InvalidConfig {
-                    reason: "slot sizes must be distinct after rounding",
-                }
-                .into());
-            }
-            let stride = usize::try_from(GUARDED_RESERVATION)
-                .ok()
-                .map(|r| r.max(slot_bytes))
-                .and_then(|r| r.checked_add(usize::try_from(GUARDED_GUARD).ok()?))
-                .and_then(|s| s.checked_next_multiple_of(page))
-                .ok_or(PoolError::SizeOverflow)?;
-            let bytes = stride
-                .checked_mul(class.slots)
-                .ok_or(PoolError::SizeOverflow)?;
-            classes.push(GuardedClass {
-                offset: total,
-                stride,
-                slot_bytes,
-                slots: class.slots,
-            });
-            total = total.checked_add(bytes).ok_or(PoolError::SizeOverflow)?;
-        }
-        if classes.is_empty() {
-            return Err(PoolError::InvalidConfig {
-                reason: "a pool needs at least one size class",
-            }
-            .into());
-        }
+        // Each slot spans its reservation (at least Wasmtime's) and its guard.
+        let (classes, total) = config.layout(|slot_bytes| {
+            usize::try_from(GUARDED_RESERVATION)
+                .ok()?
+                .max(slot_bytes)
+                .checked_add(usize::try_from(GUARDED_GUARD).ok()?)?
+                .checked_next_multiple_of(page)
+        })?;
         let mapping = HostMapping::reserve(total)?;
         let free = classes
             .iter()
-            .map(|c| (0..c.slots as u32).rev().map(|i| (i, 0)).collect())
+            .map(|c| (0..c.slots).rev().map(|i| (i, 0)).collect())
             .collect();
         Ok(Self {
             backend,
@@ -850,8 +805,8 @@ impl<B: Backend> GuardedPool<B> {
                 .zip(&state.free)
                 .map(|(c, free)| ClassStats {
                     slot_bytes: c.slot_bytes,
-                    slots: c.slots,
-                    in_use: c.slots - free.len(),
+                    slots: c.slots as usize,
+                    in_use: c.slots as usize - free.len(),
                     free: free.len(),
                 })
                 .collect(),
