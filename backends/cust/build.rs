@@ -2,7 +2,8 @@
 //!
 //! cust links `-lcuda` at link time. When `CUDA_LIBRARY_PATH` is the workspace's `.cuda-link`
 //! folder (set by `.cargo/config.toml`), this script:
-//! 1. builds the simulated libcuda (`tests/cuda-sim`, SONAME `libcuda.so.1`) into OUT_DIR;
+//! 1. builds the simulated libcuda (`tests/cuda-sim`, SONAME `libcuda.so.1`, a C-ABI shell over
+//!    the driver model) into OUT_DIR with `tensor-wasm-mem-cuda-sim-build`;
 //! 2. copies it to `.cuda-link/lib64/libtwm_cuda_sim.so` and writes `.cuda-link/lib64/libcuda.so`,
 //!    a linker script naming that copy, so `-lcuda` resolves and binaries record `libcuda.so.1`
 //!    as needed (as the real driver would give them); the copy outlives any target directory;
@@ -15,8 +16,6 @@
 //! With any other `CUDA_LIBRARY_PATH` (a real CUDA install), it does nothing.
 
 use std::path::{Path, PathBuf};
-
-include!("../../tests/cuda-sim/build_sim.rs");
 
 fn real_driver_present() -> bool {
     ["libcuda.so.1", "libcuda.so"].iter().any(|name| {
@@ -46,12 +45,7 @@ fn main() {
         return;
     }
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
-    let sim = build_cuda_sim(
-        &workspace.join("tests").join("cuda-sim").join("src"),
-        &out,
-        "libtwm_cuda_sim.so",
-        None,
-    );
+    let sim = tensor_wasm_mem_cuda_sim_build::build(&out, "libtwm_cuda_sim.so", false);
 
     // The linker script: written to a temporary file and renamed, so concurrent builds never
     // see half of it.

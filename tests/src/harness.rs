@@ -342,17 +342,36 @@ mock_harness!(
 /// Simulated device memory per device for the conformance cases.
 pub const SIM_MEMORY: u64 = 4 << 30;
 
+/// The simulated machine the driver harnesses run on by default: one device with
+/// [`SIM_MEMORY`], device-mapped host registration and pageable memory access (as the mock
+/// harnesses), work that completes at the call.
+#[must_use]
+pub fn sim_machine() -> crate::sim::SimConfig {
+    crate::sim::SimConfig {
+        memory_bytes: SIM_MEMORY,
+        host_register: 1,
+        pageable: 1,
+        ..crate::sim::SimConfig::default()
+    }
+}
+
+/// [`sim_machine`] with four devices and deferred streams: stream work completes when the
+/// device gets to it, as on a GPU server.
+#[must_use]
+pub fn four_device_deferred_machine() -> crate::sim::SimConfig {
+    crate::sim::SimConfig {
+        device_count: 4,
+        deferred: 1,
+        ..sim_machine()
+    }
+}
+
 /// Prepares the process-wide driver for one case: serialises the cases that use it and, on the
-/// simulator, starts a fresh simulated machine.
-pub fn fresh_driver() {
+/// simulator, starts a fresh simulated machine shaped as `machine` says.
+pub fn fresh_driver(machine: &crate::sim::SimConfig) {
     crate::sim::exclusive();
     if let Some(sim) = crate::sim::Sim::get() {
-        sim.configure(&crate::sim::SimConfig {
-            memory_bytes: SIM_MEMORY,
-            // As on nearly every real GPU: device-mapped host registration.
-            host_register: 1,
-            ..crate::sim::SimConfig::default()
-        });
+        sim.configure(machine);
         sim.reset();
     }
 }
@@ -365,7 +384,7 @@ pub fn fresh_driver() {
 /// uses it, so other test binaries do not need `libcuda.so.1` to load.
 #[macro_export]
 macro_rules! driver_harness {
-    ($(#[$doc:meta])* $name:ident, $backend:ty, $start:expr, advise: $advise:literal, prefetch: $prefetch:literal, pools: $pools:expr) => {
+    ($(#[$doc:meta])* $name:ident, $backend:ty, $start:expr, machine: $machine:expr, advise: $advise:literal, prefetch: $prefetch:literal, pools: $pools:expr) => {
         $(#[$doc])*
         #[derive(Debug)]
         pub struct $name;
@@ -374,7 +393,7 @@ macro_rules! driver_harness {
             type Backend = $backend;
 
             fn backend() -> std::sync::Arc<Self::Backend> {
-                $crate::harness::fresh_driver();
+                $crate::harness::fresh_driver(&$machine);
                 std::sync::Arc::new($start.unwrap_or_else(|e| panic!("the backend did not start: {e}")))
             }
 
@@ -546,6 +565,21 @@ driver_harness!(
     tensor_wasm_mem_cudarc::start(&tensor_wasm_mem_cudarc::DriverSource::SystemOr(
         crate::sim::SIM_PATH.into()
     )),
+    machine: crate::harness::sim_machine(),
+    advise: "cuMemAdvise_v2",
+    prefetch: "cuMemPrefetchAsync_v2",
+    pools: |b| b.driver().has_pools()
+);
+
+driver_harness!(
+    /// The cudarc backend on four simulated devices with deferred streams (on a real driver,
+    /// the same as [`CudarcHarness`]).
+    FourDeviceDeferredCudarcHarness,
+    tensor_wasm_mem_cudarc::CudarcBackend,
+    tensor_wasm_mem_cudarc::start(&tensor_wasm_mem_cudarc::DriverSource::SystemOr(
+        crate::sim::SIM_PATH.into()
+    )),
+    machine: crate::harness::four_device_deferred_machine(),
     advise: "cuMemAdvise_v2",
     prefetch: "cuMemPrefetchAsync_v2",
     pools: |b| b.driver().has_pools()

@@ -173,17 +173,6 @@ impl Sim {
         // SAFETY: `name` is a valid C string for the call.
         unsafe { f(name.as_ptr()) }
     }
-
-    /// The recent call trace.
-    pub fn trace(&self) -> String {
-        let f: unsafe extern "C" fn(*mut u8, usize) -> usize = self.f("twm_sim_trace");
-        // SAFETY: a null buffer asks for the length only.
-        let len = unsafe { f(std::ptr::null_mut(), 0) };
-        let mut buf = vec![0u8; len];
-        // SAFETY: `buf` is valid for `len` bytes.
-        unsafe { f(buf.as_mut_ptr(), len) };
-        String::from_utf8_lossy(&buf).into_owned()
-    }
 }
 
 /// Serialises the tests that use the process-wide driver: the first call on a thread takes a

@@ -22,12 +22,19 @@ mod with_cudarc {
     tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::CudarcHarness);
 }
 
+mod with_four_device_deferred_cudarc {
+    tensor_wasm_mem_tests::conformance!(
+        tensor_wasm_mem_tests::harness::FourDeviceDeferredCudarcHarness
+    );
+}
+
 tensor_wasm_mem_tests::driver_harness!(
     /// The cust backend: on whatever `libcuda.so.1` the binary loaded (the real driver where
     /// there is one, the simulator otherwise; see `backends/cust/build.rs`).
     CustHarness,
     tensor_wasm_mem_cust::CustBackend,
     tensor_wasm_mem_cust::start(),
+    machine: tensor_wasm_mem_tests::harness::sim_machine(),
     advise: "cuMemAdvise",
     prefetch: "cuMemPrefetchAsync",
     pools: |_| false
@@ -35,4 +42,19 @@ tensor_wasm_mem_tests::driver_harness!(
 
 mod with_cust {
     tensor_wasm_mem_tests::conformance!(crate::CustHarness);
+}
+
+tensor_wasm_mem_tests::driver_harness!(
+    /// The cust backend on four simulated devices with deferred streams.
+    FourDeviceDeferredCustHarness,
+    tensor_wasm_mem_cust::CustBackend,
+    tensor_wasm_mem_cust::start(),
+    machine: tensor_wasm_mem_tests::harness::four_device_deferred_machine(),
+    advise: "cuMemAdvise",
+    prefetch: "cuMemPrefetchAsync",
+    pools: |_| false
+);
+
+mod with_four_device_deferred_cust {
+    tensor_wasm_mem_tests::conformance!(crate::FourDeviceDeferredCustHarness);
 }

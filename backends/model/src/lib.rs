@@ -21,6 +21,8 @@ pub mod code {
     pub const INVALID_VALUE: u32 = 1;
     /// `CUDA_ERROR_OUT_OF_MEMORY`.
     pub const OUT_OF_MEMORY: u32 = 2;
+    /// `CUDA_ERROR_NOT_INITIALIZED`.
+    pub const NOT_INITIALIZED: u32 = 3;
     /// `CUDA_ERROR_NO_DEVICE`.
     pub const NO_DEVICE: u32 = 100;
     /// `CUDA_ERROR_INVALID_DEVICE`.
@@ -37,10 +39,48 @@ pub mod code {
     pub const HOST_MEMORY_NOT_REGISTERED: u32 = 713;
     /// `CUDA_ERROR_ILLEGAL_ADDRESS`: sticky for the context, as on a GPU.
     pub const ILLEGAL_ADDRESS: u32 = 700;
+    /// `CUDA_ERROR_NOT_READY`.
+    pub const NOT_READY: u32 = 600;
     /// `CUDA_ERROR_NOT_SUPPORTED`.
     pub const NOT_SUPPORTED: u32 = 801;
     /// `CUDA_ERROR_UNKNOWN`.
     pub const UNKNOWN: u32 = 999;
+
+    /// The name and description of a code the model answers (what `cuGetErrorName` and
+    /// `cuGetErrorString` give); `None` for any other.
+    #[must_use]
+    pub fn describe(code: u32) -> Option<(&'static core::ffi::CStr, &'static core::ffi::CStr)> {
+        Some(match code {
+            SUCCESS => (c"CUDA_SUCCESS", c"no error"),
+            INVALID_VALUE => (c"CUDA_ERROR_INVALID_VALUE", c"invalid argument"),
+            OUT_OF_MEMORY => (c"CUDA_ERROR_OUT_OF_MEMORY", c"out of memory"),
+            NOT_INITIALIZED => (c"CUDA_ERROR_NOT_INITIALIZED", c"initialization error"),
+            NO_DEVICE => (
+                c"CUDA_ERROR_NO_DEVICE",
+                c"no CUDA-capable device is detected",
+            ),
+            INVALID_DEVICE => (c"CUDA_ERROR_INVALID_DEVICE", c"invalid device ordinal"),
+            INVALID_CONTEXT => (c"CUDA_ERROR_INVALID_CONTEXT", c"invalid device context"),
+            INVALID_HANDLE => (c"CUDA_ERROR_INVALID_HANDLE", c"invalid resource handle"),
+            NOT_FOUND => (c"CUDA_ERROR_NOT_FOUND", c"named symbol not found"),
+            NOT_READY => (c"CUDA_ERROR_NOT_READY", c"device not ready"),
+            ILLEGAL_ADDRESS => (
+                c"CUDA_ERROR_ILLEGAL_ADDRESS",
+                c"an illegal memory access was encountered",
+            ),
+            HOST_MEMORY_ALREADY_REGISTERED => (
+                c"CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+                c"part or all of the requested memory range is already mapped",
+            ),
+            HOST_MEMORY_NOT_REGISTERED => (
+                c"CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+                c"pointer does not correspond to a registered memory region",
+            ),
+            NOT_SUPPORTED => (c"CUDA_ERROR_NOT_SUPPORTED", c"operation not supported"),
+            UNKNOWN => (c"CUDA_ERROR_UNKNOWN", c"unknown error"),
+            _ => return None,
+        })
+    }
 }
 
 /// Allocations (managed memory and pool blocks) still mapped when their [`ModelDriver`]
@@ -296,6 +336,17 @@ impl Call {
         )
     }
 
+    /// The entry point named `name` (the CUDA 11 forms `cuMemAdvise` and `cuMemPrefetchAsync`
+    /// are the same calls as their `_v2` forms).
+    #[must_use]
+    pub fn by_name(name: &str) -> Option<Self> {
+        match name {
+            "cuMemAdvise" => Some(Self::Advise),
+            "cuMemPrefetchAsync" => Some(Self::Prefetch),
+            _ => Self::ALL.into_iter().find(|c| c.name() == name),
+        }
+    }
+
     const fn index(self) -> usize {
         self as usize
     }
@@ -353,6 +404,27 @@ impl Kernel {
         })
     }
 }
+
+/// The C ABI value of a handle, and a handle from one (the model checks it at every use).
+macro_rules! raw_handle {
+    ($($t:ty),*) => {$(
+        impl $t {
+            /// The handle as the C ABI passes it.
+            #[must_use]
+            pub const fn raw(self) -> u64 {
+                self.0
+            }
+
+            /// A handle from its C ABI value (the model checks it at every use).
+            #[must_use]
+            pub const fn from_raw(raw: u64) -> Self {
+                Self(raw)
+            }
+        }
+    )*};
+}
+
+raw_handle!(Module, Function, Event);
 
 /// A loaded module (`CUmodule`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

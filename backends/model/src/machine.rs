@@ -11,6 +11,8 @@ use tensor_wasm_mem_core::{
     Operation, Stream,
 };
 
+mod entry;
+
 use crate::ranges::RangeMap;
 use crate::{
     Call, Event, Function, Hints, Kernel, LEAKED_AT_DROP, ModelConfig, ModelError, ModelStats,
@@ -24,6 +26,23 @@ static MACHINES: AtomicU64 = AtomicU64::new(0);
 thread_local! {
     /// This thread's context stack per machine (CUDA keeps one per thread); the top is current.
     static STACKS: RefCell<Vec<(u64, Vec<u64>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A stream as a call names it: the raw handle and the context it belongs to (its own for a
+/// stream handle; for the default stream, the context the caller means).
+#[derive(Clone, Copy, Debug)]
+struct On {
+    context: u64,
+    raw: u64,
+}
+
+impl From<&Stream> for On {
+    fn from(stream: &Stream) -> Self {
+        Self {
+            context: stream.context(),
+            raw: stream.raw(),
+        }
+    }
 }
 
 /// A work queue: a stream, or the legacy default stream of a context.
@@ -801,11 +820,11 @@ impl ModelDriver {
     }
 
     /// The queue of a `Stream` handed out by `DriverBackend` over this machine, checked live.
-    fn queue_of(state: &State, call: Call, stream: &Stream) -> Result<Queue, ModelError> {
-        if !state.contexts.contains_key(&stream.context()) {
+    fn queue_of(state: &State, call: Call, stream: On) -> Result<Queue, ModelError> {
+        if !state.contexts.contains_key(&stream.context) {
             return Err(error(call, code::INVALID_CONTEXT));
         }
-        Self::queue_in(state, call, stream.context(), stream.raw())
+        Self::queue_in(state, call, stream.context, stream.raw)
     }
 
     fn check_poison(state: &State, call: Call, context: u64) -> Result<(), ModelError> {
@@ -941,7 +960,7 @@ impl ModelDriver {
     /// (deterministic stepping for tests); `false` if nothing was queued.
     pub fn step(&self, stream: &Stream) -> Result<bool, ModelError> {
         let mut state = self.state();
-        let queue = Self::queue_of(&state, Call::StreamSynchronize, stream)?;
+        let queue = Self::queue_of(&state, Call::StreamSynchronize, stream.into())?;
         Ok(state.run_one(queue))
     }
 
@@ -988,7 +1007,7 @@ impl ModelDriver {
     ) -> Result<(), ModelError> {
         let kernel = self.state().functions.get(&function.0).map(|&(_, k)| k);
         // SAFETY: the caller's contract is this call's.
-        unsafe { self.launch_kernel(stream, kernel, args) }
+        unsafe { self.launch_kernel(stream.into(), kernel, args) }
     }
 
     /// [`launch`](Self::launch) of `kernel` (`None`: an unknown function handle).
@@ -998,14 +1017,14 @@ impl ModelDriver {
     /// As for [`launch`](Self::launch).
     unsafe fn launch_kernel(
         &self,
-        stream: &Stream,
+        stream: On,
         kernel: Option<Kernel>,
         args: &[u64],
     ) -> Result<(), ModelError> {
         let mut state = self.state();
         self.enter(&mut state, Call::Launch, false)?;
         let queue = Self::queue_of(&state, Call::Launch, stream)?;
-        Self::check_poison(&state, Call::Launch, stream.context())?;
+        Self::check_poison(&state, Call::Launch, stream.context)?;
         let kernel = kernel.ok_or(error(Call::Launch, code::INVALID_HANDLE))?;
         if args.len() != kernel.arity() {
             return Err(error(Call::Launch, code::INVALID_VALUE));
@@ -1020,7 +1039,7 @@ impl ModelDriver {
         }
         state.enqueue(queue, Work::Kernel { kernel, args: all });
         self.settle(&mut state, queue);
-        Self::check_poison(&state, Call::Launch, stream.context())
+        Self::check_poison(&state, Call::Launch, stream.context)
     }
 
     /// The simulated `fill` kernel over `device_ptr..device_ptr + len` with `byte`, launched on
@@ -1038,7 +1057,7 @@ impl ModelDriver {
     ) -> Result<(), ModelError> {
         let args = [device_ptr, len as u64, u64::from(byte)];
         // SAFETY: the caller's contract is `launch`'s.
-        unsafe { self.launch_kernel(stream, Some(Kernel::Fill), &args) }
+        unsafe { self.launch_kernel(stream.into(), Some(Kernel::Fill), &args) }
     }
 
     /// `cuEventCreate`.
@@ -1060,14 +1079,18 @@ impl ModelDriver {
 
     /// `cuEventRecord`: the event completes when `stream` gets to this point.
     pub fn event_record(&self, event: Event, stream: &Stream) -> Result<(), ModelError> {
+        self.record_on(event, stream.into())
+    }
+
+    fn record_on(&self, event: Event, stream: On) -> Result<(), ModelError> {
         let mut state = self.state();
         self.enter(&mut state, Call::EventRecord, false)?;
         let queue = Self::queue_of(&state, Call::EventRecord, stream)?;
-        Self::check_poison(&state, Call::EventRecord, stream.context())?;
+        Self::check_poison(&state, Call::EventRecord, stream.context)?;
         let e = Self::event(&mut state, Call::EventRecord, event)?;
         e.recorded += 1;
         e.queue = Some(queue);
-        e.context = stream.context();
+        e.context = stream.context;
         let generation = e.recorded;
         state.enqueue(
             queue,
@@ -1083,10 +1106,14 @@ impl ModelDriver {
     /// `cuStreamWaitEvent`: work queued on `stream` after this waits for the event's latest
     /// record (an event never recorded: nothing to wait for).
     pub fn stream_wait_event(&self, stream: &Stream, event: Event) -> Result<(), ModelError> {
+        self.wait_on(stream.into(), event)
+    }
+
+    fn wait_on(&self, stream: On, event: Event) -> Result<(), ModelError> {
         let mut state = self.state();
         self.enter(&mut state, Call::StreamWaitEvent, false)?;
         let queue = Self::queue_of(&state, Call::StreamWaitEvent, stream)?;
-        Self::check_poison(&state, Call::StreamWaitEvent, stream.context())?;
+        Self::check_poison(&state, Call::StreamWaitEvent, stream.context)?;
         let e = Self::event(&mut state, Call::StreamWaitEvent, event)?;
         let (generation, source) = (e.recorded, e.queue.filter(|_| e.completed < e.recorded));
         state.enqueue(
@@ -1146,6 +1173,77 @@ impl ModelDriver {
             .ok_or(error(Call::EventDestroy, code::INVALID_HANDLE))?;
         state.stats.live_events -= 1;
         Ok(())
+    }
+
+    /// `cuMemAllocFromPoolAsync`, zero-filled in stream order when `zero` (the `DriverApi`
+    /// contract), else holding what the block held (the driver's own behaviour).
+    fn pool_alloc_inner(
+        &self,
+        pool: u64,
+        bytes: usize,
+        stream: u64,
+        zero: bool,
+    ) -> Result<u64, ModelError> {
+        let call = Call::PoolAlloc;
+        let mut state = self.state();
+        let device = self.enter(&mut state, call, true)?;
+        let context = self.current();
+        let queue = Self::queue_in(&state, call, context, stream)?;
+        let mapped = bytes
+            .checked_next_multiple_of(self.page)
+            .filter(|_| bytes > 0)
+            .ok_or(error(call, code::INVALID_VALUE))?;
+        let reuse = match state.pools.get(&pool) {
+            // Only a block whose free has run is reused (a free still queued on another stream
+            // is not ordered before this stream's work; an event between them would be), and
+            // only one no queued work targets any more.
+            Some(p) if !p.destroyed && p.device == device => p
+                .cached
+                .iter()
+                .position(|&(a, m)| m == mapped && !state.pending_over(a, a + m, None)),
+            Some(p) if !p.destroyed => return Err(error(call, code::INVALID_CONTEXT)),
+            _ => return Err(error(call, code::INVALID_HANDLE)),
+        };
+        let p = state
+            .pools
+            .get_mut(&pool)
+            .ok_or(error(call, code::INVALID_HANDLE))?;
+        let reused = reuse.map(|i| p.cached.swap_remove(i));
+        let address = match reused {
+            Some((address, _)) => address,
+            None => {
+                if p.max_bytes != 0 && p.reserved.saturating_add(mapped as u64) > p.max_bytes {
+                    return Err(error(call, code::OUT_OF_MEMORY));
+                }
+                let ptr = self.map_device(&mut state, call, device, mapped)?;
+                let p = state
+                    .pools
+                    .get_mut(&pool)
+                    .ok_or(error(call, code::INVALID_HANDLE))?;
+                p.reserved += mapped as u64;
+                state.stats.pool_reserved_bytes += mapped as u64;
+                ptr.as_ptr() as usize
+            }
+        };
+        if let Some(p) = state.pools.get_mut(&pool) {
+            p.live += 1;
+        }
+        state
+            .allocations
+            .insert(address, Self::new_record(bytes, mapped, device, Some(pool)));
+        state.stats.live_pool_allocations += 1;
+        if zero {
+            state.enqueue(
+                queue,
+                Work::Memset {
+                    start: address,
+                    end: address + bytes,
+                    value: 0,
+                },
+            );
+            self.settle(&mut state, queue);
+        }
+        Ok(address as u64)
     }
 
     fn new_record(len: usize, mapped: usize, device: u32, pool: Option<u64>) -> Record {
@@ -1604,65 +1702,8 @@ unsafe impl DriverApi for ModelDriver {
     }
 
     fn pool_alloc(&self, pool: u64, bytes: usize, stream: u64) -> Result<u64, ModelError> {
-        let call = Call::PoolAlloc;
-        let mut state = self.state();
-        let device = self.enter(&mut state, call, true)?;
-        let context = self.current();
-        let queue = Self::queue_in(&state, call, context, stream)?;
-        let mapped = bytes
-            .checked_next_multiple_of(self.page)
-            .filter(|_| bytes > 0)
-            .ok_or(error(call, code::INVALID_VALUE))?;
-        let reuse = match state.pools.get(&pool) {
-            // Only a block whose free has run is reused (a free still queued on another stream
-            // is not ordered before this stream's work; an event between them would be), and
-            // only one no queued work targets any more.
-            Some(p) if !p.destroyed && p.device == device => p
-                .cached
-                .iter()
-                .position(|&(a, m)| m == mapped && !state.pending_over(a, a + m, None)),
-            Some(p) if !p.destroyed => return Err(error(call, code::INVALID_CONTEXT)),
-            _ => return Err(error(call, code::INVALID_HANDLE)),
-        };
-        let p = state
-            .pools
-            .get_mut(&pool)
-            .ok_or(error(call, code::INVALID_HANDLE))?;
-        let reused = reuse.map(|i| p.cached.swap_remove(i));
-        let address = match reused {
-            Some((address, _)) => address,
-            None => {
-                if p.max_bytes != 0 && p.reserved.saturating_add(mapped as u64) > p.max_bytes {
-                    return Err(error(call, code::OUT_OF_MEMORY));
-                }
-                let ptr = self.map_device(&mut state, call, device, mapped)?;
-                let p = state
-                    .pools
-                    .get_mut(&pool)
-                    .ok_or(error(call, code::INVALID_HANDLE))?;
-                p.reserved += mapped as u64;
-                state.stats.pool_reserved_bytes += mapped as u64;
-                ptr.as_ptr() as usize
-            }
-        };
-        if let Some(p) = state.pools.get_mut(&pool) {
-            p.live += 1;
-        }
-        state
-            .allocations
-            .insert(address, Self::new_record(bytes, mapped, device, Some(pool)));
-        state.stats.live_pool_allocations += 1;
         // The contract: zero-filled in stream order.
-        state.enqueue(
-            queue,
-            Work::Memset {
-                start: address,
-                end: address + bytes,
-                value: 0,
-            },
-        );
-        self.settle(&mut state, queue);
-        Ok(address as u64)
+        self.pool_alloc_inner(pool, bytes, stream, true)
     }
 
     fn pool_free(&self, ptr: u64, stream: u64) -> Result<(), ModelError> {

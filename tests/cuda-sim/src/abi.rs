@@ -1,62 +1,8 @@
 //! The simulator's C ABI types and codes, shared (by `#[path]`) with the tests that drive it.
 #![allow(dead_code)]
 
-/// `CUresult` values used here.
-pub mod code {
-    /// Success.
-    pub const SUCCESS: u32 = 0;
-    /// `CUDA_ERROR_INVALID_VALUE`.
-    pub const INVALID_VALUE: u32 = 1;
-    /// `CUDA_ERROR_OUT_OF_MEMORY`.
-    pub const OUT_OF_MEMORY: u32 = 2;
-    /// `CUDA_ERROR_NOT_INITIALIZED`.
-    pub const NOT_INITIALIZED: u32 = 3;
-    /// `CUDA_ERROR_NO_DEVICE`.
-    pub const NO_DEVICE: u32 = 100;
-    /// `CUDA_ERROR_INVALID_DEVICE`.
-    pub const INVALID_DEVICE: u32 = 101;
-    /// `CUDA_ERROR_INVALID_CONTEXT`.
-    pub const INVALID_CONTEXT: u32 = 201;
-    /// `CUDA_ERROR_INVALID_HANDLE`.
-    pub const INVALID_HANDLE: u32 = 400;
-    /// `CUDA_ERROR_NOT_FOUND`.
-    pub const NOT_FOUND: u32 = 500;
-    /// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
-    pub const HOST_MEMORY_ALREADY_REGISTERED: u32 = 712;
-    /// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`.
-    pub const HOST_MEMORY_NOT_REGISTERED: u32 = 713;
-    /// `CUDA_ERROR_ILLEGAL_ADDRESS`.
-    pub const ILLEGAL_ADDRESS: u32 = 700;
-    /// `CUDA_ERROR_NOT_SUPPORTED`.
-    pub const NOT_SUPPORTED: u32 = 801;
-    /// `CUDA_ERROR_UNKNOWN`.
-    pub const UNKNOWN: u32 = 999;
-
-    /// Name and description of a code.
-    pub fn describe(code: u32) -> Option<(&'static std::ffi::CStr, &'static std::ffi::CStr)> {
-        Some(match code {
-            SUCCESS => (c"CUDA_SUCCESS", c"no error"),
-            INVALID_VALUE => (c"CUDA_ERROR_INVALID_VALUE", c"invalid argument"),
-            OUT_OF_MEMORY => (c"CUDA_ERROR_OUT_OF_MEMORY", c"out of memory"),
-            NOT_INITIALIZED => (c"CUDA_ERROR_NOT_INITIALIZED", c"initialization error"),
-            NO_DEVICE => (
-                c"CUDA_ERROR_NO_DEVICE",
-                c"no CUDA-capable device is detected",
-            ),
-            INVALID_DEVICE => (c"CUDA_ERROR_INVALID_DEVICE", c"invalid device ordinal"),
-            INVALID_CONTEXT => (c"CUDA_ERROR_INVALID_CONTEXT", c"invalid device context"),
-            INVALID_HANDLE => (c"CUDA_ERROR_INVALID_HANDLE", c"invalid resource handle"),
-            NOT_FOUND => (c"CUDA_ERROR_NOT_FOUND", c"named symbol not found"),
-            ILLEGAL_ADDRESS => (
-                c"CUDA_ERROR_ILLEGAL_ADDRESS",
-                c"an illegal memory access was encountered",
-            ),
-            NOT_SUPPORTED => (c"CUDA_ERROR_NOT_SUPPORTED", c"operation not supported"),
-            UNKNOWN => (c"CUDA_ERROR_UNKNOWN", c"unknown error"),
-            _ => return None,
-        })
-    }
-}
+/// `CUresult` values: the model's (one table, shared by the model, this shell and the tests).
+pub use tensor_wasm_mem_model::code;
 
 /// How the simulated machine looks (`twm_sim_configure`).
 #[repr(C)]
@@ -70,7 +16,8 @@ pub struct SimConfig {
     pub managed: u32,
     /// `CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS` (0 or 1).
     pub concurrent: u32,
-    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS` (0 or 1).
+    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS` (0 or 1): the model's pageable memory access
+    /// (advice, prefetch and kernels on host memory).
     pub pageable: u32,
     /// Fill fresh managed allocations with `0xA5` (the driver does not zero them).
     pub poison: u32,
@@ -78,19 +25,32 @@ pub struct SimConfig {
     /// `CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM` (0 or 1): whether
     /// `cuMemHostRegister_v2` registers host ranges.
     pub host_register: u32,
+    /// Stream work completes only when the device gets to it (the model's deferred streams):
+    /// a synchronise, an event, a stream's destruction (0 or 1).
+    pub deferred: u32,
+    /// Every pair of distinct devices can access each other (`cuDeviceCanAccessPeer`; 0 or 1).
+    pub peer: u32,
+}
+
+impl SimConfig {
+    /// One device with 4 GiB, managed memory and concurrent managed access, no pageable access
+    /// or registration, work that completes at the call.
+    pub const DEFAULT: Self = Self {
+        device_count: 1,
+        memory_bytes: 4 << 30,
+        managed: 1,
+        concurrent: 1,
+        pageable: 0,
+        poison: 0,
+        host_register: 0,
+        deferred: 0,
+        peer: 1,
+    };
 }
 
 impl Default for SimConfig {
     fn default() -> Self {
-        Self {
-            device_count: 1,
-            memory_bytes: 4 << 30,
-            managed: 1,
-            concurrent: 1,
-            pageable: 0,
-            poison: 0,
-            host_register: 0,
-        }
+        Self::DEFAULT
     }
 }
 

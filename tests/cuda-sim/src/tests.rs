@@ -1,0 +1,146 @@
+//! The shell's C contract, called directly (one test: the state is process-wide). The driver's
+//! rules themselves are the model's, tested there.
+
+#![allow(clippy::multiple_unsafe_ops_per_block)]
+
+use std::ptr::null_mut;
+
+use super::*;
+
+fn ok(code: u32) {
+    assert_eq!(code, code::SUCCESS);
+}
+
+#[test]
+fn the_c_abi_over_the_model() {
+    // SAFETY: every pointer passed below is valid for what the entry point writes; the kernel
+    // runs over memory nothing else touches.
+    unsafe {
+        twm_sim_reset();
+        assert_eq!(cuDeviceGetCount(&mut 0), code::NOT_INITIALIZED);
+        ok(twm_sim_configure(&SimConfig {
+            device_count: 2,
+            deferred: 1,
+            ..SimConfig::DEFAULT
+        }));
+        assert_eq!(cuInit(1), code::INVALID_VALUE);
+        ok(cuInit(0));
+        let mut n = 0;
+        ok(cuDeviceGetCount(&mut n));
+        assert_eq!(n, 2);
+        let mut v = 0;
+        ok(cuDeviceGetAttribute(&mut v, attr::MANAGED_MEMORY, 1));
+        assert_eq!(v, 1);
+        assert_eq!(
+            cuDeviceGetAttribute(&mut v, attr::MANAGED_MEMORY, 2),
+            code::INVALID_DEVICE
+        );
+
+        // Memory needs a current context.
+        let mut ptr = 0u64;
+        assert_eq!(cuMemAllocManaged(&mut ptr, 4096, 1), code::INVALID_CONTEXT);
+        let mut ctx = null_mut();
+        ok(cuDevicePrimaryCtxRetain(&mut ctx, 1));
+        ok(cuCtxPushCurrent_v2(ctx));
+        ok(cuMemAllocManaged(&mut ptr, 4096, 1));
+        assert_eq!(twm_sim_context_depth(), 1);
+
+        // Stream work lands when the stream is synchronised, not at the call.
+        let mut stream = null_mut();
+        ok(cuStreamCreate(&mut stream, 1));
+        ok(cuMemsetD8Async(ptr, 7, 4096, stream));
+        assert_eq!((ptr as *const u8).read_volatile(), 0);
+        let mut event = null_mut();
+        ok(cuEventCreate(&mut event, 0));
+        ok(cuEventRecord(event, stream));
+        assert_eq!(cuEventQuery(event), code::NOT_READY);
+        ok(cuStreamSynchronize(stream));
+        ok(cuEventQuery(event));
+        assert_eq!((ptr as *const u8).add(4095).read_volatile(), 7);
+
+        // A kernel: `fill(u64 data, u64 len, u32 value)`.
+        let mut module = null_mut();
+        ok(cuModuleLoadData(&mut module, c"image".as_ptr().cast()));
+        let mut fill = null_mut();
+        ok(cuModuleGetFunction(&mut fill, module, c"fill".as_ptr()));
+        let (mut data, mut len, mut value) = (ptr, 16u64, 9u32);
+        let mut params: [*mut c_void; 3] = [
+            (&raw mut data).cast(),
+            (&raw mut len).cast(),
+            (&raw mut value).cast(),
+        ];
+        ok(cuLaunchKernel(
+            fill,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            0,
+            stream,
+            params.as_mut_ptr(),
+            null_mut(),
+        ));
+        ok(cuStreamSynchronize(stream));
+        assert_eq!((ptr as *const u8).add(15).read_volatile(), 9);
+        assert_eq!((ptr as *const u8).add(16).read_volatile(), 7);
+
+        // Any code can be injected, including one no CUDA enum knows; the shell passes it on.
+        let name = c"cuMemAdvise_v2";
+        ok(twm_sim_fail_nth(name.as_ptr(), 1, 4242));
+        let device = MemLocation {
+            kind: LOCATION_DEVICE,
+            id: 1,
+        };
+        assert_eq!(cuMemAdvise_v2(ptr, 4096, 3, device), 4242);
+        ok(cuMemAdvise_v2(ptr, 4096, 3, device));
+        assert_eq!(twm_sim_calls(name.as_ptr()), 2);
+        let mut hints = SimHints {
+            read_mostly: 0,
+            preferred: 0,
+            accessed_by: 0,
+            resident: 0,
+        };
+        ok(twm_sim_hints(ptr, &mut hints));
+        assert_eq!(hints.preferred, 1);
+        let mut text = std::ptr::null();
+        assert_eq!(cuGetErrorName(4242, &mut text), code::INVALID_VALUE);
+        ok(cuGetErrorName(code::ILLEGAL_ADDRESS, &mut text));
+        assert_eq!(CStr::from_ptr(text), c"CUDA_ERROR_ILLEGAL_ADDRESS");
+
+        // A kernel outside every allocation: an illegal address, sticky for the context.
+        let mut wild = 0x10u64;
+        params[0] = (&raw mut wild).cast();
+        ok(cuLaunchKernel(
+            fill,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            0,
+            stream,
+            params.as_mut_ptr(),
+            null_mut(),
+        ));
+        assert_eq!(cuStreamSynchronize(stream), code::ILLEGAL_ADDRESS);
+        assert_eq!(cuMemAllocManaged(&mut 0, 4096, 1), code::ILLEGAL_ADDRESS);
+
+        let mut stats = SimStats::default();
+        ok(twm_sim_stats(&mut stats));
+        assert_eq!(
+            (
+                stats.live_allocations,
+                stats.live_streams,
+                stats.primary_refs
+            ),
+            (1, 1, 1)
+        );
+        assert!(stats.failed_calls >= 4 && stats.injected == 1);
+        twm_sim_reset();
+        assert_eq!(twm_sim_context_depth(), 0);
+        ok(twm_sim_configure(&SimConfig::DEFAULT));
+    }
+}
