@@ -54,6 +54,12 @@ pub trait Harness: 'static {
         false
     }
 
+    /// Makes the `n`-th driver call for `op` from now answer `code`, any integer (a code no
+    /// CUDA enum knows included); `false` if the backend cannot inject it.
+    fn fail_nth_with(_backend: &Self::Backend, _op: Operation, _n: u64, _code: u32) -> bool {
+        false
+    }
+
     /// Removes pending injected failures.
     fn clear_faults(_backend: &Self::Backend) {}
 
@@ -262,6 +268,15 @@ macro_rules! mock_harness {
             fn fail_nth(b: &MockBackend, op: Operation, n: u64) -> bool {
                 b.driver().fail_nth(op, n)
             }
+            fn fail_nth_with(b: &MockBackend, op: Operation, n: u64, code: u32) -> bool {
+                match tensor_wasm_mem_mock::Call::for_operation(op) {
+                    Some(call) => {
+                        b.driver().fail_call(call, n, code);
+                        true
+                    }
+                    None => false,
+                }
+            }
             fn clear_faults(b: &MockBackend) {
                 b.driver().clear_faults();
             }
@@ -442,7 +457,16 @@ macro_rules! driver_harness {
                 $crate::sim::Sim::get().is_some()
             }
 
-            fn fail_nth(_: &Self::Backend, op: $crate::core::Operation, n: u64) -> bool {
+            fn fail_nth(b: &Self::Backend, op: $crate::core::Operation, n: u64) -> bool {
+                let code = if op == $crate::core::Operation::Allocate {
+                    $crate::sim::code::OUT_OF_MEMORY
+                } else {
+                    $crate::sim::code::UNKNOWN
+                };
+                Self::fail_nth_with(b, op, n, code)
+            }
+
+            fn fail_nth_with(_: &Self::Backend, op: $crate::core::Operation, n: u64, code: u32) -> bool {
                 use $crate::core::Operation;
                 let entry = match op {
                     Operation::Allocate => "cuMemAllocManaged",
@@ -463,12 +487,7 @@ macro_rules! driver_harness {
                 let Some(sim) = $crate::sim::Sim::get() else {
                     return false;
                 };
-                let error = if op == Operation::Allocate {
-                    $crate::sim::code::OUT_OF_MEMORY
-                } else {
-                    $crate::sim::code::UNKNOWN
-                };
-                sim.fail_nth(entry, n, error);
+                sim.fail_nth(entry, n, code);
                 true
             }
 

@@ -86,6 +86,7 @@ macro_rules! conformance {
         #[case::context_stack_is_left_as_it_was($crate::races::context_stack_is_left_as_it_was::<$harness>)]
         #[case::device_pool_refuses_another_tenants_stream($crate::races::device_pool_refuses_another_tenants_stream::<$harness>)]
         #[case::streams_are_made_on_the_device_named($crate::suite::streams_are_made_on_the_device_named::<$harness>)]
+        #[case::unknown_driver_code_is_a_typed_error($crate::suite::unknown_driver_code_is_a_typed_error::<$harness>)]
         fn conformance(#[case] case: fn()) {
             case();
         }

@@ -1006,6 +1006,40 @@ pub fn injected_advise_failure_rolls_back<H: Harness>() {
     assert_no_leaks::<H>(&b);
 }
 
+/// A driver result no CUDA enum knows (a newer CUDA's code, here 4242: the highest any CUDA
+/// names is 999) is a typed error carrying the integer, never undefined behaviour; the backend
+/// goes on.
+pub fn unknown_driver_code_is_a_typed_error<H: Harness>() {
+    const UNKNOWN_TO_EVERY_ENUM: u32 = 4242;
+    let b = H::backend();
+    let buf = UnifiedBuffer::new(Arc::clone(&b), D0, PAGE, PAGE).expect("buffer");
+    if !H::fail_nth_with(&b, Operation::Advise, 1, UNKNOWN_TO_EVERY_ENUM) {
+        return skipped("unknown_driver_code_is_a_typed_error", "no fault injection");
+    }
+    let err = buf
+        .advise(0, PAGE, Advice::SetReadMostly)
+        .expect_err("injected");
+    assert!(
+        matches!(
+            err,
+            Error::Backend {
+                op: Operation::Advise,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(err.kind(), ErrorKind::Driver, "{err}");
+    assert!(
+        err.to_string().contains("4242"),
+        "the code is reported: {err}"
+    );
+    buf.advise(0, PAGE, Advice::SetReadMostly)
+        .expect("works again");
+    drop(buf);
+    assert_no_leaks::<H>(&b);
+}
+
 /// An injected prefetch failure is reported; the stream and memory go back as usual.
 pub fn injected_prefetch_failure_rolls_back<H: Harness>() {
     let b = H::backend();

@@ -37,7 +37,7 @@ tensor_wasm_mem_tests::driver_harness!(
     machine: tensor_wasm_mem_tests::harness::sim_machine(),
     advise: "cuMemAdvise",
     prefetch: "cuMemPrefetchAsync",
-    pools: |_| false
+    pools: |b| b.driver().has_pools()
 );
 
 mod with_cust {
@@ -52,7 +52,7 @@ tensor_wasm_mem_tests::driver_harness!(
     machine: tensor_wasm_mem_tests::harness::four_device_deferred_machine(),
     advise: "cuMemAdvise",
     prefetch: "cuMemPrefetchAsync",
-    pools: |_| false
+    pools: |b| b.driver().has_pools()
 );
 
 mod with_four_device_deferred_cust {

@@ -2,7 +2,7 @@
 
 use tensor_wasm_mem_core::{BackendError, CudaCallError, DeviceId, ErrorKind, Refusal};
 
-use crate::cuda::StartError;
+use tensor_wasm_mem_cuda::StartError;
 
 /// Everything the cudarc backend can fail or refuse with.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -1,22 +1,19 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
-#[path = "../../cuda-common/cuda_driver.rs"]
-mod cuda;
-mod driver;
 mod error;
 
-use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys;
-use tensor_wasm_mem_core::{Advice, DeviceId, DriverApi, DriverBackend, Location, Refusal};
+use tensor_wasm_mem_core::DriverBackend;
+use tensor_wasm_mem_cuda::{Api, CudaDriver, LoadError};
 
-pub use cuda::DeviceInfo;
 pub use error::CudarcError;
 /// A driver call that failed.
 pub use tensor_wasm_mem_core::CudaCallError as DriverError;
+pub use tensor_wasm_mem_cuda::DeviceInfo;
 
 /// Where the driver library comes from.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -34,7 +31,7 @@ pub enum DriverSource {
 static PRELOADED: OnceLock<Result<(), String>> = OnceLock::new();
 
 fn locate(source: &DriverSource) -> Result<(), CudarcError> {
-    if driver::library_present() {
+    if library_present() {
         return Ok(());
     }
     let DriverSource::SystemOr(path) = source else {
@@ -46,7 +43,7 @@ fn locate(source: &DriverSource) -> Result<(), CudarcError> {
     };
     let preloaded = PRELOADED.get_or_init(|| preload(path));
     preloaded.clone().map_err(CudarcError::DriverNotFound)?;
-    if driver::library_present() {
+    if library_present() {
         Ok(())
     } else {
         Err(CudarcError::DriverNotFound(format!(
@@ -72,137 +69,44 @@ fn preload(path: &Path) -> Result<(), String> {
     }
 }
 
-/// The CUDA driver through cudarc: the raw calls [`DriverBackend`] builds the backend on.
-pub struct CudarcDriver {
-    devices: cuda::Devices,
-    /// The driver has stream-ordered memory pools.
-    pools: bool,
+/// `true` when a library named like libcuda loads (cudarc's search).
+fn library_present() -> bool {
+    // SAFETY: loading the driver library runs its initialisers, which is what using it means;
+    // the probe only opens and closes it.
+    unsafe { sys::is_culib_present() }
 }
+
+/// The CUDA driver as the cudarc backend drives it: found by cudarc's search at run time, called
+/// through `tensor-wasm-mem-cuda`'s table of entry points with raw-integer results (cudarc's
+/// bindings model `CUresult` as an enum: a code it does not know, a newer CUDA's, would be
+/// undefined behaviour through them), with the `_v2` forms of advice and prefetch (CUDA 12.2+).
+pub type CudarcDriver = CudaDriver<CudarcError>;
 
 /// The cudarc backend: [`DriverBackend`] on [`CudarcDriver`].
 pub type CudarcBackend = DriverBackend<CudarcDriver>;
-
-impl fmt::Debug for CudarcDriver {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudarcDriver")
-            .field("driver_version", &self.devices.version())
-            .field("devices", &self.devices.infos().collect::<Vec<_>>())
-            .field("pools", &self.pools)
-            .finish()
-    }
-}
 
 /// Starts the cudarc backend on the driver `source` names.
 ///
 /// Never panics: a missing driver, a driver lacking an entry point, no device, or a device
 /// without managed memory is a typed [`CudarcError`].
 pub fn start(source: &DriverSource) -> Result<CudarcBackend, CudarcError> {
-    CudarcDriver::start(source).map(DriverBackend::new)
+    start_driver(source).map(DriverBackend::new)
 }
 
-impl CudarcDriver {
-    /// Finds, probes and initialises the driver, and retains every device's primary context.
-    pub fn start(source: &DriverSource) -> Result<Self, CudarcError> {
-        locate(source)?;
-        if let Some(symbol) = driver::missing_symbol(driver::SYMBOLS) {
-            return Err(CudarcError::MissingSymbol { symbol });
-        }
-        let pools = driver::missing_symbol(driver::POOL_SYMBOLS).is_none();
-        Ok(Self {
-            devices: cuda::Devices::start()?,
-            pools,
-        })
-    }
-
-    /// The driver version (`cuDriverGetVersion`, e.g. 12080).
-    #[must_use]
-    pub fn driver_version(&self) -> i32 {
-        self.devices.version()
-    }
-
-    /// The devices driven.
-    pub fn devices(&self) -> impl Iterator<Item = &DeviceInfo> {
-        self.devices.infos()
-    }
-
-    /// `true` when the driver has stream-ordered memory pools (device pools work).
-    #[must_use]
-    pub fn has_pools(&self) -> bool {
-        self.pools
-    }
-
-    fn pools(&self) -> Result<(), CudarcError> {
-        if self.pools {
-            Ok(())
-        } else {
-            Err(Refusal::NoDevicePools.into())
+/// Finds, probes and initialises the driver, and retains every device's primary context.
+pub fn start_driver(source: &DriverSource) -> Result<CudarcDriver, CudarcError> {
+    locate(source)?;
+    let mut last = None;
+    for name in ["libcuda.so.1", "libcuda.so"] {
+        // SAFETY: cudarc's search found a CUDA driver by these names (`locate`); loading it
+        // again returns the same library.
+        match unsafe { Api::load(name) } {
+            Ok(api) => return Ok(CudaDriver::start(api)?),
+            Err(LoadError::MissingSymbol(symbol)) => {
+                return Err(CudarcError::MissingSymbol { symbol });
+            }
+            Err(LoadError::NotFound(e)) => last = Some(e),
         }
     }
-}
-
-/// The `CUmemLocation` device of a location (`None`: the host).
-fn ordinal(location: Location) -> Option<i32> {
-    match location {
-        Location::Host => None,
-        Location::Device(d) => Some(d.0 as i32),
-    }
-}
-
-// SAFETY: `alloc_managed` returns what cuMemAllocManaged returned (attached globally) for exactly
-// `bytes` bytes: managed memory, host- and device-accessible at that address, aligned far beyond
-// MIN_ALIGN, disjoint from other live allocations; `zero` is cuMemsetD8Async of exactly the range
-// followed by a synchronise; device facts are read from the device attributes.
-unsafe impl DriverApi for CudarcDriver {
-    type Error = CudarcError;
-
-    cuda::common_driver_api!(CudarcError);
-
-    fn advise(&self, ptr: u64, len: usize, advice: Advice) -> Result<(), CudarcError> {
-        let target = advice.location().and_then(ordinal);
-        Ok(driver::advise(ptr, len, cuda::advice(advice), target)?)
-    }
-
-    fn prefetch(&self, ptr: u64, len: usize, to: Location, stream: u64) -> Result<(), CudarcError> {
-        Ok(driver::prefetch(ptr, len, ordinal(to), stream as usize)?)
-    }
-
-    fn pool_create(
-        &self,
-        device: DeviceId,
-        max_bytes: u64,
-        release_threshold: u64,
-    ) -> Result<u64, CudarcError> {
-        self.pools()?;
-        // CUmemPoolProps.maxSize exists from CUDA 12.2: a second line behind the tenant ledger.
-        let with_max_size = self.devices.version() >= 12020;
-        Ok(
-            driver::pool_create(device.0 as i32, max_bytes, with_max_size, release_threshold)?
-                as u64,
-        )
-    }
-
-    fn pool_destroy(&self, pool: u64) -> Result<(), CudarcError> {
-        self.pools()?;
-        Ok(driver::pool_destroy(pool as usize)?)
-    }
-
-    fn pool_alloc(&self, pool: u64, bytes: usize, stream: u64) -> Result<u64, CudarcError> {
-        self.pools()?;
-        Ok(driver::pool_alloc(pool as usize, bytes, stream as usize)?)
-    }
-
-    fn pool_free(&self, ptr: u64, stream: u64) -> Result<(), CudarcError> {
-        self.pools()?;
-        Ok(driver::pool_free(ptr, stream as usize)?)
-    }
-
-    fn pool_trim(&self, pool: u64, keep_bytes: u64) -> Result<(), CudarcError> {
-        self.pools()?;
-        Ok(driver::pool_trim(pool as usize, keep_bytes)?)
-    }
-
-    fn pool_reserved(&self, pool: u64) -> Result<u64, CudarcError> {
-        self.pools()?;
-        Ok(driver::pool_reserved(pool as usize)?)
-    }
+    Err(CudarcError::DriverNotFound(last.unwrap_or_default()))
 }

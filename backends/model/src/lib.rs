@@ -13,75 +13,9 @@ use tensor_wasm_mem_core::{Location, Operation};
 pub use error::ModelError;
 pub use machine::ModelDriver;
 
-/// `CUresult` codes the model answers (the driver's values).
-pub mod code {
-    /// `CUDA_SUCCESS`.
-    pub const SUCCESS: u32 = 0;
-    /// `CUDA_ERROR_INVALID_VALUE`.
-    pub const INVALID_VALUE: u32 = 1;
-    /// `CUDA_ERROR_OUT_OF_MEMORY`.
-    pub const OUT_OF_MEMORY: u32 = 2;
-    /// `CUDA_ERROR_NOT_INITIALIZED`.
-    pub const NOT_INITIALIZED: u32 = 3;
-    /// `CUDA_ERROR_NO_DEVICE`.
-    pub const NO_DEVICE: u32 = 100;
-    /// `CUDA_ERROR_INVALID_DEVICE`.
-    pub const INVALID_DEVICE: u32 = 101;
-    /// `CUDA_ERROR_INVALID_CONTEXT`.
-    pub const INVALID_CONTEXT: u32 = 201;
-    /// `CUDA_ERROR_INVALID_HANDLE`.
-    pub const INVALID_HANDLE: u32 = 400;
-    /// `CUDA_ERROR_NOT_FOUND`.
-    pub const NOT_FOUND: u32 = 500;
-    /// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`.
-    pub const HOST_MEMORY_ALREADY_REGISTERED: u32 = 712;
-    /// `CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED`.
-    pub const HOST_MEMORY_NOT_REGISTERED: u32 = 713;
-    /// `CUDA_ERROR_ILLEGAL_ADDRESS`: sticky for the context, as on a GPU.
-    pub const ILLEGAL_ADDRESS: u32 = 700;
-    /// `CUDA_ERROR_NOT_READY`.
-    pub const NOT_READY: u32 = 600;
-    /// `CUDA_ERROR_NOT_SUPPORTED`.
-    pub const NOT_SUPPORTED: u32 = 801;
-    /// `CUDA_ERROR_UNKNOWN`.
-    pub const UNKNOWN: u32 = 999;
-
-    /// The name and description of a code the model answers (what `cuGetErrorName` and
-    /// `cuGetErrorString` give); `None` for any other.
-    #[must_use]
-    pub fn describe(code: u32) -> Option<(&'static core::ffi::CStr, &'static core::ffi::CStr)> {
-        Some(match code {
-            SUCCESS => (c"CUDA_SUCCESS", c"no error"),
-            INVALID_VALUE => (c"CUDA_ERROR_INVALID_VALUE", c"invalid argument"),
-            OUT_OF_MEMORY => (c"CUDA_ERROR_OUT_OF_MEMORY", c"out of memory"),
-            NOT_INITIALIZED => (c"CUDA_ERROR_NOT_INITIALIZED", c"initialization error"),
-            NO_DEVICE => (
-                c"CUDA_ERROR_NO_DEVICE",
-                c"no CUDA-capable device is detected",
-            ),
-            INVALID_DEVICE => (c"CUDA_ERROR_INVALID_DEVICE", c"invalid device ordinal"),
-            INVALID_CONTEXT => (c"CUDA_ERROR_INVALID_CONTEXT", c"invalid device context"),
-            INVALID_HANDLE => (c"CUDA_ERROR_INVALID_HANDLE", c"invalid resource handle"),
-            NOT_FOUND => (c"CUDA_ERROR_NOT_FOUND", c"named symbol not found"),
-            NOT_READY => (c"CUDA_ERROR_NOT_READY", c"device not ready"),
-            ILLEGAL_ADDRESS => (
-                c"CUDA_ERROR_ILLEGAL_ADDRESS",
-                c"an illegal memory access was encountered",
-            ),
-            HOST_MEMORY_ALREADY_REGISTERED => (
-                c"CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
-                c"part or all of the requested memory range is already mapped",
-            ),
-            HOST_MEMORY_NOT_REGISTERED => (
-                c"CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
-                c"pointer does not correspond to a registered memory region",
-            ),
-            NOT_SUPPORTED => (c"CUDA_ERROR_NOT_SUPPORTED", c"operation not supported"),
-            UNKNOWN => (c"CUDA_ERROR_UNKNOWN", c"unknown error"),
-            _ => return None,
-        })
-    }
-}
+/// `CUresult` codes (the one table: `tensor-wasm-mem-cuda`'s, shared with the CUDA backends and
+/// the simulated libcuda).
+pub use tensor_wasm_mem_cuda::code;
 
 /// Allocations (managed memory and pool blocks) still mapped when their [`ModelDriver`]
 /// dropped, over the whole process: the model unmaps them (nothing is lost for real) and counts
