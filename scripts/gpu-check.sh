@@ -45,7 +45,7 @@ run() {
         # The cust-linked binaries need a libcuda.so.1: the simulator that cargo would put on the
         # loader path (only built on machines without a driver; never part of the kit).
         local sim
-        sim=$(ls -d target/release/build/tensor-wasm-mem-cust-*/out/runtime 2>/dev/null | head -n 1 || true)
+        sim=$(ls -td target/release/build/tensor-wasm-mem-cust-*/out/runtime 2>/dev/null | head -n 1 || true)
         [ -n "$sim" ] || { echo "gpu-check: no simulated libcuda built (is there a real driver here?)" >&2; exit 1; }
         export LD_LIBRARY_PATH="$sim${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
         echo "gpu-check: DRY RUN on the simulated libcuda" | tee -a "$log"
