@@ -132,65 +132,6 @@ impl Refusal {
     }
 }
 
-/// The [`ErrorKind`] of a `CUresult` code, for backends that wrap the CUDA driver API.
-#[must_use]
-pub const fn cuda_result_kind(code: u32) -> ErrorKind {
-    match code {
-        // CUDA_ERROR_OUT_OF_MEMORY
-        2 => ErrorKind::OutOfMemory,
-        // INVALID_VALUE, INVALID_DEVICE, INVALID_CONTEXT, INVALID_HANDLE
-        1 | 101 | 201 | 400 => ErrorKind::InvalidArgument,
-        // CUDA_ERROR_NO_DEVICE
-        100 => ErrorKind::NoDevice,
-        // CUDA_ERROR_NOT_SUPPORTED
-        801 => ErrorKind::Unsupported,
-        _ => ErrorKind::Driver,
-    }
-}
-
-/// The `CUDA_ERROR_*` name of a `CUresult` code (the common ones), for messages.
-#[must_use]
-pub const fn cuda_result_name(code: u32) -> &'static str {
-    match code {
-        0 => "CUDA_SUCCESS",
-        1 => "CUDA_ERROR_INVALID_VALUE",
-        2 => "CUDA_ERROR_OUT_OF_MEMORY",
-        3 => "CUDA_ERROR_NOT_INITIALIZED",
-        4 => "CUDA_ERROR_DEINITIALIZED",
-        100 => "CUDA_ERROR_NO_DEVICE",
-        101 => "CUDA_ERROR_INVALID_DEVICE",
-        200 => "CUDA_ERROR_INVALID_IMAGE",
-        201 => "CUDA_ERROR_INVALID_CONTEXT",
-        218 => "CUDA_ERROR_INVALID_PTX",
-        400 => "CUDA_ERROR_INVALID_HANDLE",
-        500 => "CUDA_ERROR_NOT_FOUND",
-        700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
-        701 => "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
-        709 => "CUDA_ERROR_CONTEXT_IS_DESTROYED",
-        801 => "CUDA_ERROR_NOT_SUPPORTED",
-        999 => "CUDA_ERROR_UNKNOWN",
-        _ => "CUDA_ERROR_(other)",
-    }
-}
-
-/// A CUDA driver call that failed: the entry point and the `CUresult` it returned.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{call} failed: {} ({code})", cuda_result_name(*.code))]
-pub struct CudaCallError {
-    /// The entry point.
-    pub call: &'static str,
-    /// The `CUresult` it returned.
-    pub code: u32,
-}
-
-impl CudaCallError {
-    /// The kind of this error.
-    #[must_use]
-    pub const fn kind(&self) -> ErrorKind {
-        cuda_result_kind(self.code)
-    }
-}
-
 /// Per-device facts a [`DriverApi`] reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceFacts {
@@ -1045,16 +986,6 @@ impl<D: DriverApi> Drop for DriverBackend<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cuda_results_map_to_kinds() {
-        assert_eq!(cuda_result_kind(2), ErrorKind::OutOfMemory);
-        assert_eq!(cuda_result_kind(1), ErrorKind::InvalidArgument);
-        assert_eq!(cuda_result_kind(400), ErrorKind::InvalidArgument);
-        assert_eq!(cuda_result_kind(100), ErrorKind::NoDevice);
-        assert_eq!(cuda_result_kind(801), ErrorKind::Unsupported);
-        assert_eq!(cuda_result_kind(999), ErrorKind::Driver);
-    }
 
     #[test]
     fn refusals_are_typed() {

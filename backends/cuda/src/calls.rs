@@ -1,12 +1,12 @@
 //! The driver calls, made through an [`Api`] table: each checks the raw `CUresult` and turns
-//! anything but success into a [`CudaCallError`] with the integer.
+//! anything but success into a [`CudaError`] with the integer.
 
 use std::ffi::{CStr, c_char, c_int};
 
-use tensor_wasm_mem_core::{Advice, CudaCallError};
+use tensor_wasm_mem_core::Advice;
 
 use crate::api::{Api, Handle, HintEntries, MemLocation, MemPoolProps, PoolEntries};
-use crate::code;
+use crate::{CudaError, code};
 
 /// `CU_MEM_ATTACH_GLOBAL`.
 const ATTACH_GLOBAL: u32 = 1;
@@ -32,11 +32,11 @@ pub(crate) mod attr {
 }
 
 /// Turns a raw `CUresult` into a `Result`.
-pub(crate) fn check(call: &'static str, result: u32) -> Result<(), CudaCallError> {
+pub(crate) fn check(call: &'static str, result: u32) -> Result<(), CudaError> {
     if result == code::SUCCESS {
         Ok(())
     } else {
-        Err(CudaCallError { call, code: result })
+        Err(CudaError { call, code: result })
     }
 }
 
@@ -53,12 +53,12 @@ fn advice_value(advice: Advice) -> u32 {
 }
 
 impl Api {
-    pub(crate) fn init(&self) -> Result<(), CudaCallError> {
+    pub(crate) fn init(&self) -> Result<(), CudaError> {
         // SAFETY: cuInit takes no pointers.
         check("cuInit", unsafe { (self.entries.cuInit)(0) })
     }
 
-    pub(crate) fn driver_version(&self) -> Result<i32, CudaCallError> {
+    pub(crate) fn driver_version(&self) -> Result<i32, CudaError> {
         let mut v: c_int = 0;
         // SAFETY: `v` is a valid out-pointer.
         check("cuDriverGetVersion", unsafe {
@@ -67,7 +67,7 @@ impl Api {
         Ok(v)
     }
 
-    pub(crate) fn device_count(&self) -> Result<i32, CudaCallError> {
+    pub(crate) fn device_count(&self) -> Result<i32, CudaError> {
         let mut n: c_int = 0;
         // SAFETY: `n` is a valid out-pointer.
         check("cuDeviceGetCount", unsafe {
@@ -76,7 +76,7 @@ impl Api {
         Ok(n)
     }
 
-    pub(crate) fn device(&self, ordinal: i32) -> Result<c_int, CudaCallError> {
+    pub(crate) fn device(&self, ordinal: i32) -> Result<c_int, CudaError> {
         let mut d: c_int = 0;
         // SAFETY: `d` is a valid out-pointer.
         check("cuDeviceGet", unsafe {
@@ -85,7 +85,7 @@ impl Api {
         Ok(d)
     }
 
-    pub(crate) fn attribute(&self, device: c_int, attribute: u32) -> Result<bool, CudaCallError> {
+    pub(crate) fn attribute(&self, device: c_int, attribute: u32) -> Result<bool, CudaError> {
         let mut v: c_int = 0;
         // SAFETY: `v` is a valid out-pointer; `device` came from cuDeviceGet.
         check("cuDeviceGetAttribute", unsafe {
@@ -101,7 +101,7 @@ impl Api {
         result == code::SUCCESS && v != 0
     }
 
-    pub(crate) fn device_name(&self, device: c_int) -> Result<String, CudaCallError> {
+    pub(crate) fn device_name(&self, device: c_int) -> Result<String, CudaError> {
         let mut buf = [0 as c_char; 256];
         // SAFETY: `buf` is valid for its length, which is passed.
         check("cuDeviceGetName", unsafe {
@@ -113,7 +113,7 @@ impl Api {
         Ok(name.to_string_lossy().into_owned())
     }
 
-    pub(crate) fn primary_context_retain(&self, device: c_int) -> Result<Handle, CudaCallError> {
+    pub(crate) fn primary_context_retain(&self, device: c_int) -> Result<Handle, CudaError> {
         let mut ctx: Handle = std::ptr::null_mut();
         // SAFETY: `ctx` is a valid out-pointer.
         check("cuDevicePrimaryCtxRetain", unsafe {
@@ -122,7 +122,7 @@ impl Api {
         Ok(ctx)
     }
 
-    pub(crate) fn primary_context_release(&self, device: c_int) -> Result<(), CudaCallError> {
+    pub(crate) fn primary_context_release(&self, device: c_int) -> Result<(), CudaError> {
         // SAFETY: releases one reference this backend retained.
         check("cuDevicePrimaryCtxRelease_v2", unsafe {
             (self.entries.cuDevicePrimaryCtxRelease_v2)(device)
@@ -130,7 +130,7 @@ impl Api {
     }
 
     /// `cuMemGetInfo_v2`: `(free, total)` bytes of the current context's device.
-    pub(crate) fn mem_get_info(&self) -> Result<(u64, u64), CudaCallError> {
+    pub(crate) fn mem_get_info(&self) -> Result<(u64, u64), CudaError> {
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: both are valid out-pointers; without a current context the driver answers an
         // error, not undefined behaviour.
@@ -140,14 +140,14 @@ impl Api {
         Ok((free as u64, total as u64))
     }
 
-    pub(crate) fn push_current(&self, ctx: u64) -> Result<(), CudaCallError> {
+    pub(crate) fn push_current(&self, ctx: u64) -> Result<(), CudaError> {
         // SAFETY: `ctx` is a live context of this backend (the driver checks it).
         check("cuCtxPushCurrent_v2", unsafe {
             (self.entries.cuCtxPushCurrent_v2)(ctx as usize as Handle)
         })
     }
 
-    pub(crate) fn pop_current(&self) -> Result<(), CudaCallError> {
+    pub(crate) fn pop_current(&self) -> Result<(), CudaError> {
         let mut ctx: Handle = std::ptr::null_mut();
         // SAFETY: `ctx` is a valid out-pointer.
         check("cuCtxPopCurrent_v2", unsafe {
@@ -159,8 +159,8 @@ impl Api {
     pub(crate) fn in_context<T>(
         &self,
         ctx: u64,
-        f: impl FnOnce() -> Result<T, CudaCallError>,
-    ) -> Result<T, CudaCallError> {
+        f: impl FnOnce() -> Result<T, CudaError>,
+    ) -> Result<T, CudaError> {
         self.push_current(ctx)?;
         let result = f();
         let popped = self.pop_current();
@@ -171,7 +171,7 @@ impl Api {
 
     /// Creates a context on `device`; `cuCtxCreate` pushes it, and it is popped again, so the
     /// calling thread's context stack is left as it was.
-    pub(crate) fn context_create(&self, device: c_int) -> Result<u64, CudaCallError> {
+    pub(crate) fn context_create(&self, device: c_int) -> Result<u64, CudaError> {
         let mut ctx: Handle = std::ptr::null_mut();
         // SAFETY: `ctx` is a valid out-pointer.
         check("cuCtxCreate_v2", unsafe {
@@ -185,14 +185,14 @@ impl Api {
         Ok(ctx as u64)
     }
 
-    pub(crate) fn context_destroy(&self, ctx: u64) -> Result<(), CudaCallError> {
+    pub(crate) fn context_destroy(&self, ctx: u64) -> Result<(), CudaError> {
         // SAFETY: `ctx` was created by `context_create` and has no users left.
         check("cuCtxDestroy_v2", unsafe {
             (self.entries.cuCtxDestroy_v2)(ctx as usize as Handle)
         })
     }
 
-    pub(crate) fn alloc_managed(&self, bytes: usize) -> Result<u64, CudaCallError> {
+    pub(crate) fn alloc_managed(&self, bytes: usize) -> Result<u64, CudaError> {
         let mut ptr = 0u64;
         // SAFETY: `ptr` is a valid out-pointer.
         check("cuMemAllocManaged", unsafe {
@@ -204,7 +204,7 @@ impl Api {
     /// # Safety
     ///
     /// `ptr` must be the base of a live managed allocation no one uses any more.
-    pub(crate) unsafe fn free(&self, ptr: u64) -> Result<(), CudaCallError> {
+    pub(crate) unsafe fn free(&self, ptr: u64) -> Result<(), CudaError> {
         // SAFETY: guaranteed by the caller.
         check("cuMemFree_v2", unsafe { (self.entries.cuMemFree_v2)(ptr) })
     }
@@ -214,12 +214,7 @@ impl Api {
     /// # Safety
     ///
     /// The range must lie inside a live allocation that nothing else accesses meanwhile.
-    pub(crate) unsafe fn zero(
-        &self,
-        ptr: u64,
-        len: usize,
-        stream: u64,
-    ) -> Result<(), CudaCallError> {
+    pub(crate) unsafe fn zero(&self, ptr: u64, len: usize, stream: u64) -> Result<(), CudaError> {
         // SAFETY: guaranteed by the caller; `stream` is a live stream of the current context.
         check("cuMemsetD8Async", unsafe {
             (self.entries.cuMemsetD8Async)(ptr, 0, len, stream as usize as Handle)
@@ -228,7 +223,7 @@ impl Api {
     }
 
     /// Registers `ptr..ptr + len` of host memory, device-mapped (`cuMemHostRegister_v2`).
-    pub(crate) fn host_register(&self, ptr: u64, len: usize) -> Result<(), CudaCallError> {
+    pub(crate) fn host_register(&self, ptr: u64, len: usize) -> Result<(), CudaError> {
         // SAFETY: the driver reads the range's page tables and pins its pages; a range that is
         // not mapped is an error it answers, not undefined behaviour.
         check("cuMemHostRegister_v2", unsafe {
@@ -243,14 +238,14 @@ impl Api {
     /// # Safety
     ///
     /// `ptr` is the base of a registered range that no device work uses any more.
-    pub(crate) unsafe fn host_unregister(&self, ptr: u64) -> Result<(), CudaCallError> {
+    pub(crate) unsafe fn host_unregister(&self, ptr: u64) -> Result<(), CudaError> {
         // SAFETY: guaranteed by the caller.
         check("cuMemHostUnregister", unsafe {
             (self.entries.cuMemHostUnregister)(ptr as usize as *mut _)
         })
     }
 
-    pub(crate) fn stream_create(&self) -> Result<u64, CudaCallError> {
+    pub(crate) fn stream_create(&self) -> Result<u64, CudaError> {
         let mut s: Handle = std::ptr::null_mut();
         // SAFETY: `s` is a valid out-pointer.
         check("cuStreamCreate", unsafe {
@@ -259,14 +254,14 @@ impl Api {
         Ok(s as u64)
     }
 
-    pub(crate) fn stream_destroy(&self, stream: u64) -> Result<(), CudaCallError> {
+    pub(crate) fn stream_destroy(&self, stream: u64) -> Result<(), CudaError> {
         // SAFETY: `stream` was created by `stream_create` and is released once.
         check("cuStreamDestroy_v2", unsafe {
             (self.entries.cuStreamDestroy_v2)(stream as usize as Handle)
         })
     }
 
-    pub(crate) fn synchronize(&self, stream: u64) -> Result<(), CudaCallError> {
+    pub(crate) fn synchronize(&self, stream: u64) -> Result<(), CudaError> {
         // SAFETY: `stream` is 0 (the legacy default stream) or a live stream of this backend.
         check("cuStreamSynchronize", unsafe {
             (self.entries.cuStreamSynchronize)(stream as usize as Handle)
@@ -281,7 +276,7 @@ impl Api {
         len: usize,
         advice: Advice,
         device: Option<i32>,
-    ) -> Result<(), CudaCallError> {
+    ) -> Result<(), CudaError> {
         let value = advice_value(advice);
         match self.hints {
             // SAFETY: hints change no memory contents; the caller checked the range.
@@ -302,7 +297,7 @@ impl Api {
         len: usize,
         device: Option<i32>,
         stream: u64,
-    ) -> Result<(), CudaCallError> {
+    ) -> Result<(), CudaError> {
         let stream = stream as usize as Handle;
         match self.hints {
             // SAFETY: migration changes no memory contents; the caller checked range and stream.
@@ -326,7 +321,7 @@ impl PoolEntries {
         max_size: u64,
         with_max_size: bool,
         release_threshold: u64,
-    ) -> Result<u64, CudaCallError> {
+    ) -> Result<u64, CudaError> {
         let props = MemPoolProps {
             alloc_type: 1,
             handle_types: 0,
@@ -354,7 +349,7 @@ impl PoolEntries {
         Ok(pool as u64)
     }
 
-    pub(crate) fn destroy(&self, pool: u64) -> Result<(), CudaCallError> {
+    pub(crate) fn destroy(&self, pool: u64) -> Result<(), CudaError> {
         // SAFETY: `pool` came from `create` and is destroyed once.
         check("cuMemPoolDestroy", unsafe {
             (self.cuMemPoolDestroy)(pool as usize as Handle)
@@ -368,7 +363,7 @@ impl PoolEntries {
         pool: u64,
         bytes: usize,
         stream: u64,
-    ) -> Result<u64, CudaCallError> {
+    ) -> Result<u64, CudaError> {
         let stream = stream as usize as Handle;
         let mut ptr = 0u64;
         // SAFETY: `ptr` is a valid out-pointer; `pool` and `stream` are live handles of ours.
@@ -388,21 +383,21 @@ impl PoolEntries {
         Ok(ptr)
     }
 
-    pub(crate) fn free(&self, ptr: u64, stream: u64) -> Result<(), CudaCallError> {
+    pub(crate) fn free(&self, ptr: u64, stream: u64) -> Result<(), CudaError> {
         // SAFETY: `ptr` is a live pool allocation of ours, freed once, ordered on `stream`.
         check("cuMemFreeAsync", unsafe {
             (self.cuMemFreeAsync)(ptr, stream as usize as Handle)
         })
     }
 
-    pub(crate) fn trim(&self, pool: u64, keep: u64) -> Result<(), CudaCallError> {
+    pub(crate) fn trim(&self, pool: u64, keep: u64) -> Result<(), CudaError> {
         // SAFETY: `pool` is a live pool of ours.
         check("cuMemPoolTrimTo", unsafe {
             (self.cuMemPoolTrimTo)(pool as usize as Handle, keep as usize)
         })
     }
 
-    pub(crate) fn reserved(&self, pool: u64) -> Result<u64, CudaCallError> {
+    pub(crate) fn reserved(&self, pool: u64) -> Result<u64, CudaError> {
         let mut v: u64 = 0;
         // SAFETY: the reserved-memory attribute writes a `cuuint64_t` into `v`.
         check("cuMemPoolGetAttribute", unsafe {

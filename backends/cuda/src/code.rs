@@ -10,6 +10,16 @@ pub const INVALID_VALUE: u32 = 1;
 pub const OUT_OF_MEMORY: u32 = 2;
 /// `CUDA_ERROR_NOT_INITIALIZED`.
 pub const NOT_INITIALIZED: u32 = 3;
+/// `CUDA_ERROR_DEINITIALIZED`.
+pub const DEINITIALIZED: u32 = 4;
+/// `CUDA_ERROR_INVALID_IMAGE`.
+pub const INVALID_IMAGE: u32 = 200;
+/// `CUDA_ERROR_INVALID_PTX`.
+pub const INVALID_PTX: u32 = 218;
+/// `CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES`.
+pub const LAUNCH_OUT_OF_RESOURCES: u32 = 701;
+/// `CUDA_ERROR_CONTEXT_IS_DESTROYED`.
+pub const CONTEXT_IS_DESTROYED: u32 = 709;
 /// `CUDA_ERROR_NO_DEVICE`.
 pub const NO_DEVICE: u32 = 100;
 /// `CUDA_ERROR_INVALID_DEVICE`.
@@ -42,6 +52,17 @@ pub fn describe(code: u32) -> Option<(&'static core::ffi::CStr, &'static core::f
         INVALID_VALUE => (c"CUDA_ERROR_INVALID_VALUE", c"invalid argument"),
         OUT_OF_MEMORY => (c"CUDA_ERROR_OUT_OF_MEMORY", c"out of memory"),
         NOT_INITIALIZED => (c"CUDA_ERROR_NOT_INITIALIZED", c"initialization error"),
+        DEINITIALIZED => (c"CUDA_ERROR_DEINITIALIZED", c"driver shutting down"),
+        INVALID_IMAGE => (
+            c"CUDA_ERROR_INVALID_IMAGE",
+            c"device kernel image is invalid",
+        ),
+        INVALID_PTX => (c"CUDA_ERROR_INVALID_PTX", c"a PTX JIT compilation failed"),
+        LAUNCH_OUT_OF_RESOURCES => (
+            c"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+            c"too many resources requested for launch",
+        ),
+        CONTEXT_IS_DESTROYED => (c"CUDA_ERROR_CONTEXT_IS_DESTROYED", c"context is destroyed"),
         NO_DEVICE => (
             c"CUDA_ERROR_NO_DEVICE",
             c"no CUDA-capable device is detected",
@@ -73,4 +94,41 @@ pub fn describe(code: u32) -> Option<(&'static core::ffi::CStr, &'static core::f
 #[must_use]
 pub fn name(code: u32) -> Option<&'static str> {
     describe(code).and_then(|(name, _)| name.to_str().ok())
+}
+
+/// The [`ErrorKind`](tensor_wasm_mem_core::ErrorKind) of a code: out of memory, an invalid
+/// argument (value, device, context, handle), no device, unsupported; any other code (one this
+/// table does not name included) is a driver failure.
+#[must_use]
+pub const fn kind(code: u32) -> tensor_wasm_mem_core::ErrorKind {
+    use tensor_wasm_mem_core::ErrorKind;
+    match code {
+        OUT_OF_MEMORY => ErrorKind::OutOfMemory,
+        INVALID_VALUE | INVALID_DEVICE | INVALID_CONTEXT | INVALID_HANDLE => {
+            ErrorKind::InvalidArgument
+        }
+        NO_DEVICE => ErrorKind::NoDevice,
+        NOT_SUPPORTED => ErrorKind::Unsupported,
+        _ => ErrorKind::Driver,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tensor_wasm_mem_core::ErrorKind;
+
+    use super::*;
+
+    #[test]
+    fn codes_map_to_kinds_and_names() {
+        assert_eq!(kind(OUT_OF_MEMORY), ErrorKind::OutOfMemory);
+        assert_eq!(kind(INVALID_VALUE), ErrorKind::InvalidArgument);
+        assert_eq!(kind(INVALID_HANDLE), ErrorKind::InvalidArgument);
+        assert_eq!(kind(NO_DEVICE), ErrorKind::NoDevice);
+        assert_eq!(kind(NOT_SUPPORTED), ErrorKind::Unsupported);
+        assert_eq!(kind(UNKNOWN), ErrorKind::Driver);
+        assert_eq!(kind(4242), ErrorKind::Driver);
+        assert_eq!(name(ILLEGAL_ADDRESS), Some("CUDA_ERROR_ILLEGAL_ADDRESS"));
+        assert_eq!(name(4242), None);
+    }
 }

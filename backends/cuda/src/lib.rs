@@ -4,19 +4,21 @@
 mod api;
 mod calls;
 pub mod code;
+mod error;
 
 use std::ffi::c_int;
 use std::fmt;
 use std::marker::PhantomData;
 
 use tensor_wasm_mem_core::{
-    Advice, BackendError, CudaCallError, DeviceFacts, DeviceId, DriverApi, Location, Refusal,
+    Advice, BackendError, DeviceFacts, DeviceId, DriverApi, Location, Refusal,
 };
 
 pub use api::{
     Api, Entries, Handle, HintEntries, LoadError, MemLocation, MemPoolProps, PoolEntries,
 };
 use calls::attr;
+pub use error::CudaError;
 
 /// Facts about one device, read at start-up.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,11 +57,11 @@ pub enum StartError {
     /// A device cannot allocate managed memory.
     NoManagedMemory(DeviceId),
     /// A driver call failed.
-    Call(CudaCallError),
+    Call(CudaError),
 }
 
-impl From<CudaCallError> for StartError {
-    fn from(e: CudaCallError) -> Self {
+impl From<CudaError> for StartError {
+    fn from(e: CudaError) -> Self {
         Self::Call(e)
     }
 }
@@ -209,7 +211,7 @@ fn ordinal(location: Location) -> Option<i32> {
 // attributes.
 unsafe impl<E> DriverApi for CudaDriver<E>
 where
-    E: BackendError + From<Refusal> + From<CudaCallError> + Send + Sync + 'static,
+    E: BackendError + From<Refusal> + From<CudaError> + Send + Sync + 'static,
 {
     type Error = E;
 

@@ -12,7 +12,7 @@ use tensor_wasm_mem_cuda::{Api, CudaDriver, LoadError};
 
 pub use error::CudarcError;
 /// A driver call that failed.
-pub use tensor_wasm_mem_core::CudaCallError as DriverError;
+pub use tensor_wasm_mem_cuda::CudaError as DriverError;
 pub use tensor_wasm_mem_cuda::DeviceInfo;
 
 /// Where the driver library comes from.

@@ -1,6 +1,7 @@
 //! The cust backend's error.
 
-use tensor_wasm_mem_core::{BackendError, CudaCallError, DeviceId, ErrorKind, Refusal};
+use tensor_wasm_mem_core::{BackendError, DeviceId, ErrorKind, Refusal};
+use tensor_wasm_mem_cuda::CudaError;
 
 use tensor_wasm_mem_cuda::StartError;
 
@@ -19,7 +20,7 @@ pub enum CustError {
     },
     /// A driver call failed.
     #[error(transparent)]
-    Driver(#[from] CudaCallError),
+    Driver(#[from] CudaError),
     /// Refused before the driver was asked (a bad range, device or handle).
     #[error(transparent)]
     Refused(#[from] Refusal),

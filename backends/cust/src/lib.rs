@@ -11,7 +11,7 @@ use cust as _;
 
 pub use error::CustError;
 /// A driver call that failed.
-pub use tensor_wasm_mem_core::CudaCallError as DriverError;
+pub use tensor_wasm_mem_cuda::CudaError as DriverError;
 pub use tensor_wasm_mem_cuda::DeviceInfo;
 
 /// The CUDA driver as the cust backend drives it: libcuda linked at link time (as cust links

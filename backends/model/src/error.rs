@@ -1,7 +1,8 @@
 //! The model's error: what the simulated driver answers, and what `DriverBackend` refuses before
 //! asking it.
 
-use tensor_wasm_mem_core::{BackendError, CudaCallError, ErrorKind, Refusal, cuda_result_kind};
+use tensor_wasm_mem_core::{BackendError, ErrorKind, Refusal};
+use tensor_wasm_mem_cuda::CudaError;
 
 /// An error of the simulated driver (or of `DriverBackend` over it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -14,7 +15,7 @@ pub enum ModelError {
     /// A driver entry point answered a `CUresult` other than success: the code as an integer,
     /// so a code no enum knows (a newer CUDA's) is reported, never undefined behaviour.
     #[error(transparent)]
-    Driver(#[from] CudaCallError),
+    Driver(#[from] CudaError),
     /// The host refused the mapping that backs simulated memory (errno).
     #[error("host mapping of {requested} bytes failed (errno {errno})")]
     HostMapFailed {
@@ -40,7 +41,7 @@ impl BackendError for ModelError {
     fn kind(&self) -> ErrorKind {
         match self {
             Self::Refused(r) => r.kind(),
-            Self::Driver(e) => cuda_result_kind(e.code),
+            Self::Driver(e) => e.kind(),
             Self::HostMapFailed { .. } => ErrorKind::OutOfMemory,
         }
     }

@@ -7,9 +7,10 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tensor_wasm_mem_core::{
-    Advice, Allocation, CudaCallError, DEFAULT_STREAM, DeviceFacts, DeviceId, DriverApi, Location,
-    Operation, Stream,
+    Advice, Allocation, DEFAULT_STREAM, DeviceFacts, DeviceId, DriverApi, Location, Operation,
+    Stream,
 };
+use tensor_wasm_mem_cuda::CudaError;
 
 mod entry;
 
@@ -295,7 +296,7 @@ impl Default for ModelDriver {
 }
 
 fn error(call: Call, code: u32) -> ModelError {
-    ModelError::Driver(CudaCallError {
+    ModelError::Driver(CudaError {
         call: call.name(),
         code,
     })
