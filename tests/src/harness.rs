@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use tensor_wasm_mem_core::{Allocation, Location, Operation};
+use tensor_wasm_mem_core::{Allocation, Location, Operation, Stream};
 use tensor_wasm_mem_mock::{MockBackend, MockConfig};
 
 /// What the suite needs from a backend.
@@ -62,6 +62,41 @@ pub trait Harness: 'static {
 
     /// Removes pending injected failures.
     fn clear_faults(_backend: &Self::Backend) {}
+
+    /// `true` when stream work completes later than the call that queued it (the model with
+    /// deferred streams): the cases that see a host read the old bytes before a synchronise
+    /// check that only then.
+    fn deferred(_backend: &Self::Backend) -> bool {
+        false
+    }
+
+    /// Queues the simulated `fill` kernel (`len` bytes of `byte` at `ptr`) on `stream`; `false`
+    /// where the harness cannot launch one (a real GPU here: no PTX for it).
+    ///
+    /// # Safety
+    ///
+    /// When the kernel runs, nothing else may access `ptr..ptr + len`.
+    unsafe fn fill(
+        _backend: &Self::Backend,
+        _stream: &Stream,
+        _ptr: u64,
+        _len: usize,
+        _byte: u8,
+    ) -> bool {
+        false
+    }
+
+    /// Orders `to`'s later work after `from`'s work so far, with an event (`cuEventRecord` on
+    /// `from`, `cuStreamWaitEvent` on `to`); `false` where the harness cannot.
+    fn event_between(_backend: &Self::Backend, _from: &Stream, _to: &Stream) -> bool {
+        false
+    }
+
+    /// The driver's hazard counters, where it has them: memsets queued over another stream's
+    /// pending work, frees of memory queued work still targets, kernel faults.
+    fn hazards(_backend: &Self::Backend) -> Option<[u64; 3]> {
+        None
+    }
 
     /// Makes the `n`-th driver release of `what` from now fail; `false` if the backend cannot
     /// inject it.
@@ -280,6 +315,40 @@ macro_rules! mock_harness {
             fn clear_faults(b: &MockBackend) {
                 b.driver().clear_faults();
             }
+            fn deferred(b: &MockBackend) -> bool {
+                b.driver().config().deferred_streams
+            }
+            unsafe fn fill(
+                b: &MockBackend,
+                stream: &tensor_wasm_mem_core::Stream,
+                ptr: u64,
+                len: usize,
+                byte: u8,
+            ) -> bool {
+                // SAFETY: the caller's contract is the launch's.
+                unsafe { b.driver().enqueue_fill(stream, ptr, len, byte) }.expect("fill");
+                true
+            }
+            fn event_between(
+                b: &MockBackend,
+                from: &tensor_wasm_mem_core::Stream,
+                to: &tensor_wasm_mem_core::Stream,
+            ) -> bool {
+                let model = b.driver();
+                let event = model.event_create().expect("event");
+                model.event_record(event, from).expect("record");
+                model.stream_wait_event(to, event).expect("wait");
+                model.event_destroy(event).expect("destroy");
+                true
+            }
+            fn hazards(b: &MockBackend) -> Option<[u64; 3]> {
+                let s = b.driver().stats();
+                Some([
+                    s.scrubs_over_pending_work,
+                    s.frees_over_pending_work,
+                    s.kernel_faults,
+                ])
+            }
             fn fail_release(b: &MockBackend, what: $crate::harness::Release, n: u64) -> bool {
                 use tensor_wasm_mem_mock::{Call, code};
                 use $crate::harness::Release;
@@ -495,6 +564,42 @@ macro_rules! driver_harness {
                 if let Some(sim) = $crate::sim::Sim::get() {
                     sim.clear_faults();
                 }
+            }
+
+            fn deferred(_: &Self::Backend) -> bool {
+                $crate::sim::Sim::get().is_some() && ($machine).deferred != 0
+            }
+
+            unsafe fn fill(
+                _: &Self::Backend,
+                stream: &$crate::core::Stream,
+                ptr: u64,
+                len: usize,
+                byte: u8,
+            ) -> bool {
+                let Some(sim) = $crate::sim::Sim::get() else {
+                    return false;
+                };
+                // SAFETY: the caller's contract is the launch's.
+                let code = unsafe { sim.launch_fill(stream.context(), stream.raw(), ptr, len as u64, byte) };
+                assert_eq!(code, 0, "cuLaunchKernel");
+                true
+            }
+
+            fn event_between(_: &Self::Backend, from: &$crate::core::Stream, to: &$crate::core::Stream) -> bool {
+                let Some(sim) = $crate::sim::Sim::get() else {
+                    return false;
+                };
+                let code = sim.event_between(from.context(), from.raw(), to.context(), to.raw());
+                assert_eq!(code, 0, "cuEventRecord / cuStreamWaitEvent");
+                true
+            }
+
+            fn hazards(_: &Self::Backend) -> Option<[u64; 3]> {
+                $crate::sim::Sim::get().map(|sim| {
+                    let s = sim.stats();
+                    [s.scrubs_over_pending_work, s.frees_over_pending_work, s.kernel_faults]
+                })
             }
 
             fn fail_release(_: &Self::Backend, what: $crate::harness::Release, n: u64) -> bool {

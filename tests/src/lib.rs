@@ -87,6 +87,10 @@ macro_rules! conformance {
         #[case::device_pool_refuses_another_tenants_stream($crate::races::device_pool_refuses_another_tenants_stream::<$harness>)]
         #[case::streams_are_made_on_the_device_named($crate::suite::streams_are_made_on_the_device_named::<$harness>)]
         #[case::unknown_driver_code_is_a_typed_error($crate::suite::unknown_driver_code_is_a_typed_error::<$harness>)]
+        #[case::kernel_writes_land_when_the_stream_is_synchronised($crate::suite::kernel_writes_land_when_the_stream_is_synchronised::<$harness>)]
+        #[case::scrub_is_ordered_after_the_tenants_pending_work($crate::suite::scrub_is_ordered_after_the_tenants_pending_work::<$harness>)]
+        #[case::free_while_a_prefetch_is_queued_is_seen($crate::suite::free_while_a_prefetch_is_queued_is_seen::<$harness>)]
+        #[case::pool_block_is_reused_on_another_stream_only_after_an_event($crate::suite::pool_block_is_reused_on_another_stream_only_after_an_event::<$harness>)]
         fn conformance(#[case] case: fn()) {
             case();
         }

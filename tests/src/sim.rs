@@ -166,6 +166,119 @@ impl Sim {
         f();
     }
 
+    /// Runs `body` with `context` pushed on the calling thread's context stack.
+    fn in_context(&self, context: u64, body: impl FnOnce() -> u32) -> u32 {
+        let push: unsafe extern "C" fn(usize) -> u32 = self.f("cuCtxPushCurrent_v2");
+        let pop: unsafe extern "C" fn(*mut usize) -> u32 = self.f("cuCtxPopCurrent_v2");
+        // SAFETY: the simulator checks the handle.
+        let pushed = unsafe { push(context as usize) };
+        if pushed != 0 {
+            return pushed;
+        }
+        let result = body();
+        let mut popped = 0usize;
+        // SAFETY: `popped` is a valid out-pointer.
+        let after = unsafe { pop(&mut popped) };
+        if result != 0 { result } else { after }
+    }
+
+    /// Launches the simulated `fill(data, len, value)` kernel on `stream` of `context` (loaded
+    /// through `cuModuleLoadData` / `cuModuleGetFunction` / `cuLaunchKernel`, as a guest's
+    /// embedder would): queued, it lands when the stream gets to it. The `CUresult`.
+    ///
+    /// # Safety
+    ///
+    /// When the kernel runs, nothing else may access `ptr..ptr + len`.
+    pub unsafe fn launch_fill(
+        &self,
+        context: u64,
+        stream: u64,
+        ptr: u64,
+        len: u64,
+        byte: u8,
+    ) -> u32 {
+        let load: unsafe extern "C" fn(*mut usize, *const u8) -> u32 = self.f("cuModuleLoadData");
+        let get: unsafe extern "C" fn(*mut usize, usize, *const c_char) -> u32 =
+            self.f("cuModuleGetFunction");
+        type Launch = unsafe extern "C" fn(
+            usize,
+            u32,
+            u32,
+            u32,
+            u32,
+            u32,
+            u32,
+            u32,
+            usize,
+            *mut *mut u8,
+            *mut *mut u8,
+        ) -> u32;
+        let launch: Launch = self.f("cuLaunchKernel");
+        let unload: unsafe extern "C" fn(usize) -> u32 = self.f("cuModuleUnload");
+        self.in_context(context, || {
+            let (mut module, mut function) = (0usize, 0usize);
+            // SAFETY: valid out-pointer and a non-null image (any image loads here).
+            let loaded = unsafe { load(&mut module, c"simulated".as_ptr().cast()) };
+            if loaded != 0 {
+                return loaded;
+            }
+            // SAFETY: valid out-pointer, a live module, a C string.
+            let mut result = unsafe { get(&mut function, module, c"fill".as_ptr()) };
+            if result == 0 {
+                let (mut data, mut count, mut value) = (ptr, len, u32::from(byte));
+                let mut params = [
+                    (&raw mut data).cast::<u8>(),
+                    (&raw mut count).cast::<u8>(),
+                    (&raw mut value).cast::<u8>(),
+                ];
+                // SAFETY: `params` points to the three parameters `fill` declares; the range's
+                // exclusivity is the caller's contract.
+                result = unsafe {
+                    launch(
+                        function,
+                        1,
+                        1,
+                        1,
+                        1,
+                        1,
+                        1,
+                        0,
+                        stream as usize,
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                };
+            }
+            // SAFETY: the module was loaded above; a queued launch keeps its kernel.
+            let unloaded = unsafe { unload(module) };
+            if result != 0 { result } else { unloaded }
+        })
+    }
+
+    /// Records an event on `from` (of `from_context`) and makes `to` (of `to_context`) wait for
+    /// it: `to`'s later work runs after `from`'s work so far. The `CUresult`.
+    pub fn event_between(&self, from_context: u64, from: u64, to_context: u64, to: u64) -> u32 {
+        let create: unsafe extern "C" fn(*mut usize, u32) -> u32 = self.f("cuEventCreate");
+        let record: unsafe extern "C" fn(usize, usize) -> u32 = self.f("cuEventRecord");
+        let wait: unsafe extern "C" fn(usize, usize, u32) -> u32 = self.f("cuStreamWaitEvent");
+        let destroy: unsafe extern "C" fn(usize) -> u32 = self.f("cuEventDestroy_v2");
+        let mut event = 0usize;
+        // SAFETY: a valid out-pointer.
+        let created = unsafe { create(&mut event, 0) };
+        if created != 0 {
+            return created;
+        }
+        // SAFETY: live handles (the simulator checks them).
+        let mut result = self.in_context(from_context, || unsafe { record(event, from as usize) });
+        if result == 0 {
+            // SAFETY: as above.
+            result = self.in_context(to_context, || unsafe { wait(to as usize, event, 0) });
+        }
+        // SAFETY: a queued wait still completes after its event is destroyed.
+        let destroyed = unsafe { destroy(event) };
+        if result != 0 { result } else { destroyed }
+    }
+
     /// Calls of `entry_point` so far.
     pub fn calls(&self, entry_point: &str) -> u64 {
         let f: unsafe extern "C" fn(*const c_char) -> u64 = self.f("twm_sim_calls");

@@ -6,9 +6,9 @@
 use std::sync::Arc;
 
 use tensor_wasm_mem_core::{
-    Advice, Advisor, Allocation, BackendError, DeviceId, DevicePoolConfig, Error, ErrorKind,
-    HostAccess, HostMemory, IsolationLevel, Location, MIN_ALIGN, ManagedAllocator, Operation,
-    PoolAllocation, PoolConfig, PoolError, SizeClass, SlotPool, Stream, StreamLease,
+    Advice, Advisor, Allocation, BackendError, DeviceId, DevicePoolConfig, DevicePools, Error,
+    ErrorKind, HostAccess, HostMemory, IsolationLevel, Location, MIN_ALIGN, ManagedAllocator,
+    Operation, PoolAllocation, PoolConfig, PoolError, SizeClass, SlotPool, Stream, StreamLease,
     StreamProvider, TenantContext, TenantDevicePool, TenantId, TenantKey, UnifiedBuffer,
 };
 
@@ -1600,5 +1600,176 @@ pub fn pageable_host_memory_takes_advice_and_prefetch<H: Harness>() {
     b.release_stream(stream).expect("release");
     // SAFETY: attached by this backend; the stream was waited for.
     unsafe { b.detach_host(chunk) }.expect("detach");
+    assert_no_leaks::<H>(&b);
+}
+
+// ---- Asynchrony: work completes later than the call that queued it --------------------------
+
+/// A kernel's writes reach the host only once its stream is synchronised (on a deferred driver
+/// the host reads the old bytes until then); releasing a stream waits for its work too.
+pub fn kernel_writes_land_when_the_stream_is_synchronised<H: Harness>() {
+    let b = H::backend();
+    let a = b.allocate(D0, 2 * PAGE).expect("allocate");
+    // SAFETY: live, and nothing else uses it (fresh memory need not come zeroed).
+    unsafe { b.zero(&a, 0, 2 * PAGE) }.expect("zero");
+    let s = b
+        .acquire_stream(key(1), IsolationLevel::StreamIsolated)
+        .expect("stream");
+    // SAFETY: nothing touches the bytes while the kernel can run (reads below come after a
+    // synchronise, or only on a deferred driver, where nothing runs outside its own calls).
+    if !unsafe { H::fill(&b, &s, a.device_ptr(), PAGE, 0xaa) } {
+        b.release_stream(s).expect("release");
+        free(&*b, a);
+        return skipped(
+            "kernel_writes_land_when_the_stream_is_synchronised",
+            "no simulated kernel",
+        );
+    }
+    if H::deferred(&b) {
+        assert_eq!(
+            host_bytes(&a, 0, 1),
+            [0],
+            "landed before the stream got to it"
+        );
+    }
+    b.synchronize(&s).expect("synchronize");
+    assert_eq!(host_bytes(&a, PAGE - 1, 2), [0xaa, 0], "exactly the range");
+    // SAFETY: as above.
+    assert!(unsafe { H::fill(&b, &s, a.device_ptr(), 1, 0xbb) });
+    b.release_stream(s)
+        .expect("release waits for the stream's work");
+    assert_eq!(host_bytes(&a, 0, 1), [0xbb]);
+    assert_eq!(
+        H::hazards(&b).map(|h| h[2]),
+        H::hazards(&b).map(|_| 0),
+        "no fault"
+    );
+    free(&*b, a);
+    assert_no_leaks::<H>(&b);
+}
+
+/// A scrub after the tenant's stream is released is ordered after the tenant's pending work:
+/// the zeros stay, and the driver saw no memset over pending work. (On a GPU the tenant's late
+/// write over a "clean" slot is a cross-tenant leak.)
+pub fn scrub_is_ordered_after_the_tenants_pending_work<H: Harness>() {
+    let b = H::backend();
+    let a = b.allocate(D0, PAGE).expect("allocate");
+    let s = b
+        .acquire_stream(key(1), IsolationLevel::StreamIsolated)
+        .expect("stream");
+    // SAFETY: nothing touches the bytes while the kernel can run.
+    if !unsafe { H::fill(&b, &s, a.device_ptr(), 64, 0x11) } {
+        b.release_stream(s).expect("release");
+        free(&*b, a);
+        return skipped(
+            "scrub_is_ordered_after_the_tenants_pending_work",
+            "no simulated kernel",
+        );
+    }
+    let before = H::hazards(&b);
+    b.release_stream(s).expect("release"); // waits: the tenant's write lands first
+    // SAFETY: live, and nothing else uses it.
+    unsafe { b.zero(&a, 0, PAGE) }.expect("scrub");
+    assert_eq!(
+        host_bytes(&a, 0, 64),
+        vec![0; 64],
+        "the scrub is the last write"
+    );
+    assert_eq!(
+        H::hazards(&b).map(|h| h[0]),
+        before.map(|h| h[0]),
+        "no memset over pending work"
+    );
+    free(&*b, a);
+    assert_no_leaks::<H>(&b);
+}
+
+/// A free while a prefetch is still queued on a stream is seen by the driver (the prefetch finds
+/// no memory when it runs); after a synchronise the same free is clean.
+pub fn free_while_a_prefetch_is_queued_is_seen<H: Harness>() {
+    let b = H::backend();
+    let Some(start) = H::hazards(&b) else {
+        return skipped(
+            "free_while_a_prefetch_is_queued_is_seen",
+            "no driver counters",
+        );
+    };
+    let s = b
+        .acquire_stream(key(1), IsolationLevel::StreamIsolated)
+        .expect("stream");
+    let d0 = Location::Device(D0);
+    let a = b.allocate(D0, PAGE).expect("allocate");
+    b.prefetch(&a, 0, PAGE, d0, &s).expect("prefetch");
+    b.synchronize(&s).expect("synchronize");
+    free(&*b, a);
+    assert_eq!(
+        H::hazards(&b).map(|h| h[1]),
+        Some(start[1]),
+        "ordered: clean"
+    );
+    let c = b.allocate(D0, PAGE).expect("allocate");
+    b.prefetch(&c, 0, PAGE, d0, &s).expect("prefetch");
+    free(&*b, c); // the hazard under test: its prefetch may still be queued
+    let seen = H::hazards(&b).map_or(0, |h| h[1]) - start[1];
+    if H::deferred(&b) {
+        assert_eq!(seen, 1, "a free over queued work is seen");
+    } else {
+        assert_eq!(seen, 0, "work completes at the call here");
+    }
+    b.release_stream(s).expect("release"); // the orphaned prefetch runs harmlessly
+    assert_eq!(H::hazards(&b).map(|h| h[2]), Some(start[2]), "no fault");
+    assert_no_leaks::<H>(&b);
+}
+
+/// A pool block freed on one stream is reused by an allocation on another only once the free is
+/// ordered before that stream's work (an event); before, the other stream gets fresh memory.
+pub fn pool_block_is_reused_on_another_stream_only_after_an_event<H: Harness>() {
+    let b = H::backend();
+    if !H::has_device_pools(&b) {
+        return skipped(
+            "pool_block_is_reused_on_another_stream_only_after_an_event",
+            "no device pools",
+        );
+    }
+    let tenant = key(1);
+    let sa = b
+        .acquire_stream(tenant, IsolationLevel::StreamIsolated)
+        .expect("stream a");
+    let sb = b
+        .acquire_stream(tenant, IsolationLevel::StreamIsolated)
+        .expect("stream b");
+    let config = DevicePoolConfig {
+        max_bytes: 0,
+        release_threshold: u64::MAX,
+    };
+    let pool = b.create_pool(tenant, D0, &config).expect("pool");
+    let first = b.pool_allocate(&pool, PAGE, &sa).expect("first");
+    let address = first.device_ptr();
+    b.synchronize(&sa).expect("synchronize a");
+    b.pool_free(&pool, first, &sa).expect("free on a");
+    let second = b.pool_allocate(&pool, PAGE, &sb).expect("second");
+    if H::deferred(&b) {
+        assert_ne!(
+            second.device_ptr(),
+            address,
+            "the free is not ordered before b's work: no reuse"
+        );
+    }
+    let ordered = H::event_between(&b, &sa, &sb);
+    b.synchronize(&sb)
+        .expect("synchronize b (runs the wait, so a's free)");
+    let third = b.pool_allocate(&pool, PAGE, &sb).expect("third");
+    if ordered && H::deferred(&b) {
+        assert_eq!(
+            third.device_ptr(),
+            address,
+            "reused once ordered by the event"
+        );
+    }
+    b.pool_free(&pool, second, &sb).expect("free");
+    b.pool_free(&pool, third, &sb).expect("free");
+    b.destroy_pool(pool).expect("destroy");
+    b.release_stream(sa).expect("release");
+    b.release_stream(sb).expect("release");
     assert_no_leaks::<H>(&b);
 }

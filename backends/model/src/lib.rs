@@ -422,9 +422,9 @@ pub struct ModelStats {
     pub pool_reserved_bytes: u64,
     /// Stream work items completed.
     pub work_completed: u64,
-    /// Scrubs (work on a device's zeroing stream: a memset, a prefetch back to the host) of a
-    /// range that work queued on another stream still targets: the tenant's work may land
-    /// after the scrub (a cross-tenant leak on a GPU).
+    /// Scrubs (a memset on any stream, a prefetch on the model's zeroing stream) of a range
+    /// that work queued on another stream still targets: the tenant's work may land after the
+    /// scrub (a cross-tenant leak on a GPU).
     pub scrubs_over_pending_work: u64,
     /// Frees of an allocation that queued work still targets.
     pub frees_over_pending_work: u64,

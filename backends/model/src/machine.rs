@@ -367,9 +367,11 @@ impl State {
         matches!(queue, Queue::Stream(s) if self.scrub_streams.contains(&s))
     }
 
-    /// Queues `work` on `queue`, and counts a scrub over another queue's pending work.
+    /// Queues `work` on `queue`, and counts a scrub over another queue's pending work: a memset
+    /// on any stream (the backends' own zeroing streams are streams like any other), or a
+    /// prefetch on the model's zeroing stream.
     fn enqueue(&mut self, queue: Queue, work: Work) {
-        if self.is_scrub_queue(queue) {
+        if matches!(work, Work::Memset { .. }) || self.is_scrub_queue(queue) {
             let [(start, end), _] = work.spans();
             if start < end && self.pending_over(start, end, Some(queue)) {
                 self.stats.scrubs_over_pending_work += 1;

@@ -84,6 +84,13 @@ pub struct SimStats {
     pub pool_reserved_bytes: u64,
     /// Pool allocations alive.
     pub live_pool_allocations: u64,
+    /// Memsets queued over a range that work on another stream still targets (the model's
+    /// `scrubs_over_pending_work`).
+    pub scrubs_over_pending_work: u64,
+    /// Frees of memory that queued work still targets.
+    pub frees_over_pending_work: u64,
+    /// Kernels that touched memory outside every live allocation.
+    pub kernel_faults: u64,
 }
 
 /// The advice and residency in force at one address (`twm_sim_hints`). Locations are device

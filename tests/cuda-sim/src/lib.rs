@@ -950,6 +950,9 @@ pub unsafe extern "C" fn twm_sim_stats(out: *mut SimStats) -> c_uint {
             live_pools: s.live_pools,
             pool_reserved_bytes: s.pool_reserved_bytes,
             live_pool_allocations: s.live_pool_allocations,
+            scrubs_over_pending_work: s.scrubs_over_pending_work,
+            frees_over_pending_work: s.frees_over_pending_work,
+            kernel_faults: s.kernel_faults,
             ..stats
         };
     }
