@@ -34,7 +34,7 @@ use crate::error::{BackendError, ErrorKind, ErrorType, RangeError};
 use crate::host::{HostAccess, HostMemory};
 use crate::ledger::TenantKey;
 
-use crate::stream::{DEFAULT_STREAM, Stream};
+use crate::stream::Stream;
 
 mod device_pools;
 mod streams;
@@ -132,6 +132,49 @@ impl Refusal {
     }
 }
 
+macro_rules! driver_handle {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        #[repr(transparent)]
+        pub struct $name(u64);
+
+        impl $name {
+            /// The handle from the driver's value (`CUcontext`, `CUstream`, `CUmemoryPool` as
+            /// an integer).
+            #[must_use]
+            pub const fn from_raw(raw: u64) -> Self {
+                Self(raw)
+            }
+
+            /// The driver's value.
+            #[must_use]
+            pub const fn raw(self) -> u64 {
+                self.0
+            }
+        }
+    };
+}
+
+driver_handle!(
+    /// A driver context (`CUcontext`); never 0.
+    DriverContext
+);
+driver_handle!(
+    /// A driver stream (`CUstream`); [`DriverStream::DEFAULT`] is the legacy default stream of
+    /// the current context.
+    DriverStream
+);
+driver_handle!(
+    /// A stream-ordered memory pool (`CUmemoryPool`).
+    DriverPool
+);
+
+impl DriverStream {
+    /// The legacy default stream (0).
+    pub const DEFAULT: Self = Self(crate::stream::DEFAULT_STREAM);
+}
+
 /// Per-device facts a [`DriverApi`] reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceFacts {
@@ -193,12 +236,12 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
     }
 
     /// The primary context of `device`, retained for the life of the driver value.
-    fn primary_context(&self, device: DeviceId) -> u64;
+    fn primary_context(&self, device: DeviceId) -> DriverContext;
 
     /// Pushes `context` on the calling thread's context stack (`cuCtxPushCurrent`): it is
     /// current until the matching [`pop_current`](Self::pop_current). [`DriverBackend`] pairs
     /// every push with a pop, so the caller's current context is what it was before each call.
-    fn push_current(&self, context: u64) -> Result<(), Self::Error>;
+    fn push_current(&self, context: DriverContext) -> Result<(), Self::Error>;
 
     /// Pops the calling thread's context stack (`cuCtxPopCurrent`).
     fn pop_current(&self) -> Result<(), Self::Error>;
@@ -227,29 +270,35 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
 
     /// Prefetches `ptr..ptr + len` (non-empty, inside one allocation, the location checked) to
     /// `to` on `stream`, with the stream's context current.
-    fn prefetch(&self, ptr: u64, len: usize, to: Location, stream: u64) -> Result<(), Self::Error>;
+    fn prefetch(
+        &self,
+        ptr: u64,
+        len: usize,
+        to: Location,
+        stream: DriverStream,
+    ) -> Result<(), Self::Error>;
 
     /// The stream [`zero`](Self::zero) runs on for `device`: a non-blocking stream of its
     /// primary context that no tenant's work is queued on. `Advisor::reset_hints` prefetches a
     /// slot back to the host there and waits, so the reset never waits for tenants' work (as
     /// the legacy default stream would make it wait for every shared tenant's).
-    fn scrub_stream(&self, device: DeviceId) -> u64;
+    fn scrub_stream(&self, device: DeviceId) -> DriverStream;
 
     /// Creates a non-blocking stream in the current context.
-    fn stream_create(&self) -> Result<u64, Self::Error>;
+    fn stream_create(&self) -> Result<DriverStream, Self::Error>;
 
     /// Destroys a stream made by `stream_create`, with its context current.
-    fn stream_destroy(&self, stream: u64) -> Result<(), Self::Error>;
+    fn stream_destroy(&self, stream: DriverStream) -> Result<(), Self::Error>;
 
     /// Waits for `stream` (0: the default stream), with its context current.
-    fn synchronize(&self, stream: u64) -> Result<(), Self::Error>;
+    fn synchronize(&self, stream: DriverStream) -> Result<(), Self::Error>;
 
     /// Creates a context on `device` and leaves the calling thread's context stack as it was
     /// (`cuCtxCreate` pushes the new context: the implementation pops it).
-    fn context_create(&self, device: DeviceId) -> Result<u64, Self::Error>;
+    fn context_create(&self, device: DeviceId) -> Result<DriverContext, Self::Error>;
 
     /// Destroys a context made by `context_create` (current on no thread of ours).
-    fn context_destroy(&self, context: u64) -> Result<(), Self::Error>;
+    fn context_destroy(&self, context: DriverContext) -> Result<(), Self::Error>;
 
     /// Registers host memory `ptr..ptr + len` (non-empty, page-aligned) for device access,
     /// device-mapped (`cuMemHostRegister_v2` with `CU_MEMHOSTREGISTER_DEVICEMAP`), with a
@@ -278,38 +327,43 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
         device: DeviceId,
         max_bytes: u64,
         release_threshold: u64,
-    ) -> Result<u64, Self::Error> {
+    ) -> Result<DriverPool, Self::Error> {
         let _ = (device, max_bytes, release_threshold);
         Err(Refusal::NoDevicePools.into())
     }
 
     /// Destroys a pool with nothing allocated from it.
-    fn pool_destroy(&self, pool: u64) -> Result<(), Self::Error> {
+    fn pool_destroy(&self, pool: DriverPool) -> Result<(), Self::Error> {
         let _ = pool;
         Err(Refusal::NoDevicePools.into())
     }
 
     /// Allocates `bytes` from `pool` on `stream` (with the stream's context current) and
     /// zero-fills them in stream order.
-    fn pool_alloc(&self, pool: u64, bytes: usize, stream: u64) -> Result<u64, Self::Error> {
+    fn pool_alloc(
+        &self,
+        pool: DriverPool,
+        bytes: usize,
+        stream: DriverStream,
+    ) -> Result<u64, Self::Error> {
         let _ = (pool, bytes, stream);
         Err(Refusal::NoDevicePools.into())
     }
 
     /// Frees a pool allocation on `stream` (with the stream's context current).
-    fn pool_free(&self, ptr: u64, stream: u64) -> Result<(), Self::Error> {
+    fn pool_free(&self, ptr: u64, stream: DriverStream) -> Result<(), Self::Error> {
         let _ = (ptr, stream);
         Err(Refusal::NoDevicePools.into())
     }
 
     /// Gives the pool's freed memory back until it holds at most `keep_bytes`.
-    fn pool_trim(&self, pool: u64, keep_bytes: u64) -> Result<(), Self::Error> {
+    fn pool_trim(&self, pool: DriverPool, keep_bytes: u64) -> Result<(), Self::Error> {
         let _ = (pool, keep_bytes);
         Err(Refusal::NoDevicePools.into())
     }
 
     /// Bytes the driver holds for the pool.
-    fn pool_reserved(&self, pool: u64) -> Result<u64, Self::Error> {
+    fn pool_reserved(&self, pool: DriverPool) -> Result<u64, Self::Error> {
         let _ = pool;
         Err(Refusal::NoDevicePools.into())
     }
@@ -395,11 +449,11 @@ struct AllocationRecord {
 #[derive(Debug, Default)]
 struct State {
     allocations: HashMap<u64, AllocationRecord>,
-    streams: HashMap<u64, streams::StreamRecord>,
+    streams: HashMap<DriverStream, streams::StreamRecord>,
     contexts: HashMap<TenantKey, streams::TenantContextEntry>,
     /// Contexts whose destroy the driver refused: counted live, retried at drop.
-    retired_contexts: Vec<u64>,
-    pools: HashMap<u64, device_pools::PoolRecord>,
+    retired_contexts: Vec<DriverContext>,
+    pools: HashMap<DriverPool, device_pools::PoolRecord>,
     stats: DriverStats,
 }
 
@@ -418,7 +472,7 @@ impl State {
 /// Returns `f`'s answer and whether the pop succeeded.
 fn with_context<D: DriverApi, T>(
     driver: &D,
-    context: u64,
+    context: DriverContext,
     f: impl FnOnce(&D) -> Result<T, D::Error>,
 ) -> (Result<T, D::Error>, bool) {
     if let Err(e) = driver.push_current(context) {
@@ -498,7 +552,7 @@ impl<D: DriverApi> DriverBackend<D> {
     /// current context after (a push and a pop: the caller's context stack is left as it was).
     fn in_context<T>(
         &self,
-        context: u64,
+        context: DriverContext,
         f: impl FnOnce(&D) -> Result<T, D::Error>,
     ) -> Result<T, D::Error> {
         let (result, popped) = with_context(&self.driver, context, f);
@@ -943,7 +997,7 @@ impl<D: DriverApi> Drop for DriverBackend<D> {
                     {
                         (s.context, block.stream)
                     }
-                    _ => (primary, DEFAULT_STREAM),
+                    _ => (primary, DriverStream::DEFAULT),
                 };
                 let (freed, _) = with_context(driver, context, |d| d.pool_free(ptr, stream));
                 tally(freed.is_ok());

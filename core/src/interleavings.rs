@@ -27,7 +27,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use crate::device::{Advice, DeviceId, Location};
-use crate::driver::{DeviceFacts, DriverApi, DriverBackend, Refusal};
+use crate::driver::{
+    DeviceFacts, DriverApi, DriverBackend, DriverContext, DriverPool, DriverStream, Refusal,
+};
 use crate::error::{BackendError, ErrorKind};
 use crate::isolation::IsolationLevel;
 use crate::ledger::{TenantContext, TenantId, TenantKey};
@@ -304,10 +306,11 @@ unsafe impl DriverApi for Fake {
             host_registration: false,
         }
     }
-    fn primary_context(&self, _: DeviceId) -> u64 {
-        PRIMARY
+    fn primary_context(&self, _: DeviceId) -> DriverContext {
+        DriverContext::from_raw(PRIMARY)
     }
-    fn push_current(&self, context: u64) -> Result<(), FakeError> {
+    fn push_current(&self, context: DriverContext) -> Result<(), FakeError> {
+        let context = context.raw();
         if self.lock().switch_at_push {
             switch();
         }
@@ -361,13 +364,13 @@ unsafe impl DriverApi for Fake {
     fn advise(&self, _: u64, _: usize, _: Advice) -> Result<(), FakeError> {
         Err(FakeError::Code(1))
     }
-    fn prefetch(&self, _: u64, _: usize, _: Location, _: u64) -> Result<(), FakeError> {
+    fn prefetch(&self, _: u64, _: usize, _: Location, _: DriverStream) -> Result<(), FakeError> {
         Err(FakeError::Code(1))
     }
-    fn scrub_stream(&self, _: DeviceId) -> u64 {
-        DEFAULT_STREAM
+    fn scrub_stream(&self, _: DeviceId) -> DriverStream {
+        DriverStream::DEFAULT
     }
-    fn stream_create(&self) -> Result<u64, FakeError> {
+    fn stream_create(&self) -> Result<DriverStream, FakeError> {
         switch();
         let mut s = self.lock();
         let ctx = self.current(&s)?;
@@ -385,9 +388,10 @@ unsafe impl DriverApi for Fake {
         };
         s.streams.insert(stream, ctx);
         s.synced.remove(&stream);
-        Ok(stream)
+        Ok(DriverStream::from_raw(stream))
     }
-    fn stream_destroy(&self, stream: u64) -> Result<(), FakeError> {
+    fn stream_destroy(&self, stream: DriverStream) -> Result<(), FakeError> {
+        let stream = stream.raw();
         switch();
         let mut s = self.lock();
         self.stream(&s, stream)?;
@@ -403,7 +407,8 @@ unsafe impl DriverApi for Fake {
         }
         Ok(())
     }
-    fn synchronize(&self, stream: u64) -> Result<(), FakeError> {
+    fn synchronize(&self, stream: DriverStream) -> Result<(), FakeError> {
+        let stream = stream.raw();
         switch();
         let mut s = self.lock();
         self.stream(&s, stream)?;
@@ -415,15 +420,16 @@ unsafe impl DriverApi for Fake {
         s.synced.insert(stream);
         Ok(())
     }
-    fn context_create(&self, _: DeviceId) -> Result<u64, FakeError> {
+    fn context_create(&self, _: DeviceId) -> Result<DriverContext, FakeError> {
         switch();
         let mut s = self.lock();
         s.next += 1;
         let ctx = 100 + s.next;
         s.contexts.insert(ctx);
-        Ok(ctx)
+        Ok(DriverContext::from_raw(ctx))
     }
-    fn context_destroy(&self, context: u64) -> Result<(), FakeError> {
+    fn context_destroy(&self, context: DriverContext) -> Result<(), FakeError> {
+        let context = context.raw();
         switch();
         let mut s = self.lock();
         if !s.contexts.remove(&context) {
@@ -437,14 +443,15 @@ unsafe impl DriverApi for Fake {
         s.streams.retain(|_, c| *c != context);
         Ok(())
     }
-    fn pool_create(&self, _: DeviceId, _: u64, _: u64) -> Result<u64, FakeError> {
+    fn pool_create(&self, _: DeviceId, _: u64, _: u64) -> Result<DriverPool, FakeError> {
         let mut s = self.lock();
         let pool = 77 + s.pools_made;
         s.pools_made += 1;
         s.live_pools.insert(pool);
-        Ok(pool)
+        Ok(DriverPool::from_raw(pool))
     }
-    fn pool_destroy(&self, pool: u64) -> Result<(), FakeError> {
+    fn pool_destroy(&self, pool: DriverPool) -> Result<(), FakeError> {
+        let pool = pool.raw();
         let mut s = self.lock();
         if s.fail_pool_destroy {
             return Err(FakeError::Code(999));
@@ -452,7 +459,13 @@ unsafe impl DriverApi for Fake {
         s.live_pools.remove(&pool);
         Ok(())
     }
-    fn pool_alloc(&self, pool: u64, _: usize, stream: u64) -> Result<u64, FakeError> {
+    fn pool_alloc(
+        &self,
+        pool: DriverPool,
+        _: usize,
+        stream: DriverStream,
+    ) -> Result<u64, FakeError> {
+        let (pool, stream) = (pool.raw(), stream.raw());
         switch();
         let mut s = self.lock();
         self.stream(&s, stream)?;
@@ -471,7 +484,8 @@ unsafe impl DriverApi for Fake {
         s.synced.remove(&stream);
         Ok(ptr)
     }
-    fn pool_free(&self, ptr: u64, stream: u64) -> Result<(), FakeError> {
+    fn pool_free(&self, ptr: u64, stream: DriverStream) -> Result<(), FakeError> {
+        let stream = stream.raw();
         switch();
         let mut s = self.lock();
         self.stream(&s, stream)?;

@@ -33,8 +33,8 @@ pub use allocator::{Allocation, MIN_ALIGN, ManagedAllocator};
 pub use buffer::{DeviceSlice, UnifiedBuffer};
 pub use device::{Advice, Capabilities, DeviceId, DeviceReport, Location, ParseNameError};
 pub use driver::{
-    DeviceFacts, DriverApi, DriverBackend, DriverStats, Refusal, reclaimed_at_drop,
-    unreleased_at_drop,
+    DeviceFacts, DriverApi, DriverBackend, DriverContext, DriverPool, DriverStats, DriverStream,
+    Refusal, reclaimed_at_drop, unreleased_at_drop,
 };
 pub use error::{BackendError, Error, ErrorKind, ErrorType, Operation, RangeError, check_range};
 pub use host::{HostAccess, HostMemory};

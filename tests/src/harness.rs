@@ -370,7 +370,9 @@ macro_rules! mock_harness {
             }
             fn push_context(b: &MockBackend, context: u64) -> bool {
                 use tensor_wasm_mem_core::DriverApi;
-                b.driver().push_current(context).is_ok()
+                b.driver()
+                    .push_current(tensor_wasm_mem_core::DriverContext::from_raw(context))
+                    .is_ok()
             }
             fn pop_context(b: &MockBackend) {
                 use tensor_wasm_mem_core::DriverApi;

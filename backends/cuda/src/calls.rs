@@ -3,7 +3,7 @@
 
 use std::ffi::{CStr, c_char, c_int};
 
-use tensor_wasm_mem_core::Advice;
+use tensor_wasm_mem_core::{Advice, DriverContext, DriverPool, DriverStream};
 
 use crate::api::{Api, Handle, HintEntries, MemLocation, MemPoolProps, PoolEntries};
 use crate::{CudaError, code};
@@ -29,6 +29,11 @@ pub(crate) mod attr {
     pub const CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: u32 = 91;
     pub const HOST_REGISTER_SUPPORTED: u32 = 99;
     pub const PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES: u32 = 100;
+}
+
+/// A driver handle's pointer from its integer value.
+fn handle(raw: u64) -> Handle {
+    raw as usize as Handle
 }
 
 /// Turns a raw `CUresult` into a `Result`.
@@ -113,13 +118,13 @@ impl Api {
         Ok(name.to_string_lossy().into_owned())
     }
 
-    pub(crate) fn primary_context_retain(&self, device: c_int) -> Result<Handle, CudaError> {
+    pub(crate) fn primary_context_retain(&self, device: c_int) -> Result<DriverContext, CudaError> {
         let mut ctx: Handle = std::ptr::null_mut();
         // SAFETY: `ctx` is a valid out-pointer.
         check("cuDevicePrimaryCtxRetain", unsafe {
             (self.entries.cuDevicePrimaryCtxRetain)(&mut ctx, device)
         })?;
-        Ok(ctx)
+        Ok(DriverContext::from_raw(ctx as u64))
     }
 
     pub(crate) fn primary_context_release(&self, device: c_int) -> Result<(), CudaError> {
@@ -140,10 +145,10 @@ impl Api {
         Ok((free as u64, total as u64))
     }
 
-    pub(crate) fn push_current(&self, ctx: u64) -> Result<(), CudaError> {
+    pub(crate) fn push_current(&self, ctx: DriverContext) -> Result<(), CudaError> {
         // SAFETY: `ctx` is a live context of this backend (the driver checks it).
         check("cuCtxPushCurrent_v2", unsafe {
-            (self.entries.cuCtxPushCurrent_v2)(ctx as usize as Handle)
+            (self.entries.cuCtxPushCurrent_v2)(handle(ctx.raw()))
         })
     }
 
@@ -158,7 +163,7 @@ impl Api {
     /// Runs `f` with `ctx` pushed on the calling thread's context stack, then pops it.
     pub(crate) fn in_context<T>(
         &self,
-        ctx: u64,
+        ctx: DriverContext,
         f: impl FnOnce() -> Result<T, CudaError>,
     ) -> Result<T, CudaError> {
         self.push_current(ctx)?;
@@ -171,7 +176,7 @@ impl Api {
 
     /// Creates a context on `device`; `cuCtxCreate` pushes it, and it is popped again, so the
     /// calling thread's context stack is left as it was.
-    pub(crate) fn context_create(&self, device: c_int) -> Result<u64, CudaError> {
+    pub(crate) fn context_create(&self, device: c_int) -> Result<DriverContext, CudaError> {
         let mut ctx: Handle = std::ptr::null_mut();
         // SAFETY: `ctx` is a valid out-pointer.
         check("cuCtxCreate_v2", unsafe {
@@ -182,13 +187,13 @@ impl Api {
             let _ = unsafe { (self.entries.cuCtxDestroy_v2)(ctx) };
             return Err(e);
         }
-        Ok(ctx as u64)
+        Ok(DriverContext::from_raw(ctx as u64))
     }
 
-    pub(crate) fn context_destroy(&self, ctx: u64) -> Result<(), CudaError> {
+    pub(crate) fn context_destroy(&self, ctx: DriverContext) -> Result<(), CudaError> {
         // SAFETY: `ctx` was created by `context_create` and has no users left.
         check("cuCtxDestroy_v2", unsafe {
-            (self.entries.cuCtxDestroy_v2)(ctx as usize as Handle)
+            (self.entries.cuCtxDestroy_v2)(handle(ctx.raw()))
         })
     }
 
@@ -214,10 +219,15 @@ impl Api {
     /// # Safety
     ///
     /// The range must lie inside a live allocation that nothing else accesses meanwhile.
-    pub(crate) unsafe fn zero(&self, ptr: u64, len: usize, stream: u64) -> Result<(), CudaError> {
+    pub(crate) unsafe fn zero(
+        &self,
+        ptr: u64,
+        len: usize,
+        stream: DriverStream,
+    ) -> Result<(), CudaError> {
         // SAFETY: guaranteed by the caller; `stream` is a live stream of the current context.
         check("cuMemsetD8Async", unsafe {
-            (self.entries.cuMemsetD8Async)(ptr, 0, len, stream as usize as Handle)
+            (self.entries.cuMemsetD8Async)(ptr, 0, len, handle(stream.raw()))
         })?;
         self.synchronize(stream)
     }
@@ -245,26 +255,26 @@ impl Api {
         })
     }
 
-    pub(crate) fn stream_create(&self) -> Result<u64, CudaError> {
+    pub(crate) fn stream_create(&self) -> Result<DriverStream, CudaError> {
         let mut s: Handle = std::ptr::null_mut();
         // SAFETY: `s` is a valid out-pointer.
         check("cuStreamCreate", unsafe {
             (self.entries.cuStreamCreate)(&mut s, STREAM_NON_BLOCKING)
         })?;
-        Ok(s as u64)
+        Ok(DriverStream::from_raw(s as u64))
     }
 
-    pub(crate) fn stream_destroy(&self, stream: u64) -> Result<(), CudaError> {
+    pub(crate) fn stream_destroy(&self, stream: DriverStream) -> Result<(), CudaError> {
         // SAFETY: `stream` was created by `stream_create` and is released once.
         check("cuStreamDestroy_v2", unsafe {
-            (self.entries.cuStreamDestroy_v2)(stream as usize as Handle)
+            (self.entries.cuStreamDestroy_v2)(handle(stream.raw()))
         })
     }
 
-    pub(crate) fn synchronize(&self, stream: u64) -> Result<(), CudaError> {
+    pub(crate) fn synchronize(&self, stream: DriverStream) -> Result<(), CudaError> {
         // SAFETY: `stream` is 0 (the legacy default stream) or a live stream of this backend.
         check("cuStreamSynchronize", unsafe {
-            (self.entries.cuStreamSynchronize)(stream as usize as Handle)
+            (self.entries.cuStreamSynchronize)(handle(stream.raw()))
         })
     }
 
@@ -296,9 +306,9 @@ impl Api {
         ptr: u64,
         len: usize,
         device: Option<i32>,
-        stream: u64,
+        stream: DriverStream,
     ) -> Result<(), CudaError> {
-        let stream = stream as usize as Handle;
+        let stream = handle(stream.raw());
         match self.hints {
             // SAFETY: migration changes no memory contents; the caller checked range and stream.
             HintEntries::V2 { prefetch, .. } => check("cuMemPrefetchAsync_v2", unsafe {
@@ -321,7 +331,7 @@ impl PoolEntries {
         max_size: u64,
         with_max_size: bool,
         release_threshold: u64,
-    ) -> Result<u64, CudaError> {
+    ) -> Result<DriverPool, CudaError> {
         let props = MemPoolProps {
             alloc_type: 1,
             handle_types: 0,
@@ -346,13 +356,13 @@ impl PoolEntries {
             let _ = unsafe { (self.cuMemPoolDestroy)(pool) };
             return Err(e);
         }
-        Ok(pool as u64)
+        Ok(DriverPool::from_raw(pool as u64))
     }
 
-    pub(crate) fn destroy(&self, pool: u64) -> Result<(), CudaError> {
+    pub(crate) fn destroy(&self, pool: DriverPool) -> Result<(), CudaError> {
         // SAFETY: `pool` came from `create` and is destroyed once.
         check("cuMemPoolDestroy", unsafe {
-            (self.cuMemPoolDestroy)(pool as usize as Handle)
+            (self.cuMemPoolDestroy)(handle(pool.raw()))
         })
     }
 
@@ -360,15 +370,15 @@ impl PoolEntries {
     pub(crate) fn alloc(
         &self,
         api: &Api,
-        pool: u64,
+        pool: DriverPool,
         bytes: usize,
-        stream: u64,
+        stream: DriverStream,
     ) -> Result<u64, CudaError> {
-        let stream = stream as usize as Handle;
+        let stream = handle(stream.raw());
         let mut ptr = 0u64;
         // SAFETY: `ptr` is a valid out-pointer; `pool` and `stream` are live handles of ours.
         check("cuMemAllocFromPoolAsync", unsafe {
-            (self.cuMemAllocFromPoolAsync)(&mut ptr, bytes, pool as usize as Handle, stream)
+            (self.cuMemAllocFromPoolAsync)(&mut ptr, bytes, handle(pool.raw()), stream)
         })?;
         // SAFETY: `ptr..ptr + bytes` was just allocated on `stream`; the memset is ordered
         // after it.
@@ -383,26 +393,26 @@ impl PoolEntries {
         Ok(ptr)
     }
 
-    pub(crate) fn free(&self, ptr: u64, stream: u64) -> Result<(), CudaError> {
+    pub(crate) fn free(&self, ptr: u64, stream: DriverStream) -> Result<(), CudaError> {
         // SAFETY: `ptr` is a live pool allocation of ours, freed once, ordered on `stream`.
         check("cuMemFreeAsync", unsafe {
-            (self.cuMemFreeAsync)(ptr, stream as usize as Handle)
+            (self.cuMemFreeAsync)(ptr, handle(stream.raw()))
         })
     }
 
-    pub(crate) fn trim(&self, pool: u64, keep: u64) -> Result<(), CudaError> {
+    pub(crate) fn trim(&self, pool: DriverPool, keep: u64) -> Result<(), CudaError> {
         // SAFETY: `pool` is a live pool of ours.
         check("cuMemPoolTrimTo", unsafe {
-            (self.cuMemPoolTrimTo)(pool as usize as Handle, keep as usize)
+            (self.cuMemPoolTrimTo)(handle(pool.raw()), keep as usize)
         })
     }
 
-    pub(crate) fn reserved(&self, pool: u64) -> Result<u64, CudaError> {
+    pub(crate) fn reserved(&self, pool: DriverPool) -> Result<u64, CudaError> {
         let mut v: u64 = 0;
         // SAFETY: the reserved-memory attribute writes a `cuuint64_t` into `v`.
         check("cuMemPoolGetAttribute", unsafe {
             (self.cuMemPoolGetAttribute)(
-                pool as usize as Handle,
+                handle(pool.raw()),
                 ATTR_RESERVED_MEM_CURRENT,
                 (&raw mut v).cast(),
             )

@@ -11,7 +11,8 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use tensor_wasm_mem_core::{
-    Advice, BackendError, DeviceFacts, DeviceId, DriverApi, Location, Refusal,
+    Advice, BackendError, DeviceFacts, DeviceId, DriverApi, DriverContext, DriverPool,
+    DriverStream, Location, Refusal,
 };
 
 pub use api::{
@@ -44,9 +45,9 @@ struct Device {
     /// Per device ordinal: whether this device can access memory on that one directly.
     peers: Vec<bool>,
     cu: c_int,
-    primary: u64,
+    primary: DriverContext,
     /// The stream zeroing runs on.
-    scrub_stream: u64,
+    scrub_stream: DriverStream,
 }
 
 /// Why start-up stopped before a device table existed.
@@ -126,7 +127,7 @@ impl<E> CudaDriver<E> {
                 host_registration: optional(attr::HOST_REGISTER_SUPPORTED)
                     && optional(attr::CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM),
             };
-            let primary = api.primary_context_retain(cu)? as u64;
+            let primary = api.primary_context_retain(cu)?;
             let scrub_stream = match api.in_context(primary, || api.stream_create()) {
                 Ok(s) => s,
                 Err(e) => {
@@ -211,7 +212,7 @@ fn ordinal(location: Location) -> Option<i32> {
 // attributes.
 unsafe impl<E> DriverApi for CudaDriver<E>
 where
-    E: BackendError + From<Refusal> + From<CudaError> + Send + Sync + 'static,
+    E: BackendError + From<Refusal> + From<CudaError>,
 {
     type Error = E;
 
@@ -241,11 +242,11 @@ where
         Ok(Some(self.api.mem_get_info()?))
     }
 
-    fn primary_context(&self, device: DeviceId) -> u64 {
+    fn primary_context(&self, device: DeviceId) -> DriverContext {
         self.get(device).primary
     }
 
-    fn push_current(&self, context: u64) -> Result<(), E> {
+    fn push_current(&self, context: DriverContext) -> Result<(), E> {
         Ok(self.api.push_current(context)?)
     }
 
@@ -274,31 +275,31 @@ where
         Ok(self.api.advise(ptr, len, advice, target)?)
     }
 
-    fn prefetch(&self, ptr: u64, len: usize, to: Location, stream: u64) -> Result<(), E> {
+    fn prefetch(&self, ptr: u64, len: usize, to: Location, stream: DriverStream) -> Result<(), E> {
         Ok(self.api.prefetch(ptr, len, ordinal(to), stream)?)
     }
 
-    fn scrub_stream(&self, device: DeviceId) -> u64 {
+    fn scrub_stream(&self, device: DeviceId) -> DriverStream {
         self.get(device).scrub_stream
     }
 
-    fn stream_create(&self) -> Result<u64, E> {
+    fn stream_create(&self) -> Result<DriverStream, E> {
         Ok(self.api.stream_create()?)
     }
 
-    fn stream_destroy(&self, stream: u64) -> Result<(), E> {
+    fn stream_destroy(&self, stream: DriverStream) -> Result<(), E> {
         Ok(self.api.stream_destroy(stream)?)
     }
 
-    fn synchronize(&self, stream: u64) -> Result<(), E> {
+    fn synchronize(&self, stream: DriverStream) -> Result<(), E> {
         Ok(self.api.synchronize(stream)?)
     }
 
-    fn context_create(&self, device: DeviceId) -> Result<u64, E> {
+    fn context_create(&self, device: DeviceId) -> Result<DriverContext, E> {
         Ok(self.api.context_create(self.get(device).cu)?)
     }
 
-    fn context_destroy(&self, context: u64) -> Result<(), E> {
+    fn context_destroy(&self, context: DriverContext) -> Result<(), E> {
         Ok(self.api.context_destroy(context)?)
     }
 
@@ -316,30 +317,30 @@ where
         device: DeviceId,
         max_bytes: u64,
         release_threshold: u64,
-    ) -> Result<u64, E> {
+    ) -> Result<DriverPool, E> {
         // CUmemPoolProps.maxSize exists from CUDA 12.2: a second line behind the tenant ledger.
         let with_max_size = self.version >= 12020;
         let pools = self.pools()?;
         Ok(pools.create(device.0 as i32, max_bytes, with_max_size, release_threshold)?)
     }
 
-    fn pool_destroy(&self, pool: u64) -> Result<(), E> {
+    fn pool_destroy(&self, pool: DriverPool) -> Result<(), E> {
         Ok(self.pools()?.destroy(pool)?)
     }
 
-    fn pool_alloc(&self, pool: u64, bytes: usize, stream: u64) -> Result<u64, E> {
+    fn pool_alloc(&self, pool: DriverPool, bytes: usize, stream: DriverStream) -> Result<u64, E> {
         Ok(self.pools()?.alloc(self.api, pool, bytes, stream)?)
     }
 
-    fn pool_free(&self, ptr: u64, stream: u64) -> Result<(), E> {
+    fn pool_free(&self, ptr: u64, stream: DriverStream) -> Result<(), E> {
         Ok(self.pools()?.free(ptr, stream)?)
     }
 
-    fn pool_trim(&self, pool: u64, keep_bytes: u64) -> Result<(), E> {
+    fn pool_trim(&self, pool: DriverPool, keep_bytes: u64) -> Result<(), E> {
         Ok(self.pools()?.trim(pool, keep_bytes)?)
     }
 
-    fn pool_reserved(&self, pool: u64) -> Result<u64, E> {
+    fn pool_reserved(&self, pool: DriverPool) -> Result<u64, E> {
         Ok(self.pools()?.reserved(pool)?)
     }
 }

@@ -335,8 +335,12 @@ fn a_destroyed_context_finishes_its_work_before_a_waiter_elsewhere_goes_on() {
     driver.push_current(context).unwrap();
     let raw = driver.stream_create().unwrap();
     driver.pop_current().unwrap();
-    let theirs =
-        tensor_wasm_mem_core::Stream::new(raw, context, IsolationLevel::ContextIsolated, key(2));
+    let theirs = tensor_wasm_mem_core::Stream::new(
+        raw.raw(),
+        context.raw(),
+        IsolationLevel::ContextIsolated,
+        key(2),
+    );
     // SAFETY: no reference to the bytes while the kernels can run.
     unsafe { driver.enqueue_fill(&theirs, mem.device_ptr(), 4, 1) }.unwrap();
     let event = driver.event_create().unwrap();
@@ -426,7 +430,9 @@ fn simulated_kernels_run_on_the_stream() {
         unsafe { f32_at(&y, i).write_unaligned(1.0) };
     }
     let model = mock.driver();
-    model.push_current(s.context()).unwrap();
+    model
+        .push_current(tensor_wasm_mem_core::DriverContext::from_raw(s.context()))
+        .unwrap();
     let module = model.load_module().unwrap();
     let axpy = model.get_function(module, "axpy").unwrap();
     let copy = model.get_function(module, "copy").unwrap();
@@ -535,7 +541,7 @@ fn streams_contexts_and_pools_on_any_of_eight_devices() {
         let isolated = mock
             .acquire_stream_on(tenant, IsolationLevel::ContextIsolated, device)
             .unwrap();
-        let primary = mock.driver().primary_context(device);
+        let primary = mock.driver().primary_context(device).raw();
         assert_ne!(isolated.context(), primary, "a context of its own");
         let shared = mock
             .acquire_stream_on(tenant, IsolationLevel::Shared, device)

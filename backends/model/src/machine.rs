@@ -7,8 +7,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tensor_wasm_mem_core::{
-    Advice, Allocation, DEFAULT_STREAM, DeviceFacts, DeviceId, DriverApi, Location, Operation,
-    Stream,
+    Advice, Allocation, DEFAULT_STREAM, DeviceFacts, DeviceId, DriverApi, DriverContext,
+    DriverPool, DriverStream, Location, Operation, Stream,
 };
 use tensor_wasm_mem_cuda::CudaError;
 
@@ -1318,12 +1318,13 @@ unsafe impl DriverApi for ModelDriver {
         Ok(Some((total.saturating_sub(used), total)))
     }
 
-    fn primary_context(&self, device: DeviceId) -> u64 {
+    fn primary_context(&self, device: DeviceId) -> DriverContext {
         let state = self.state();
-        state.primaries.get(device.0 as usize).copied().unwrap_or(0)
+        DriverContext::from_raw(state.primaries.get(device.0 as usize).copied().unwrap_or(0))
     }
 
-    fn push_current(&self, context: u64) -> Result<(), ModelError> {
+    fn push_current(&self, context: DriverContext) -> Result<(), ModelError> {
+        let context = context.raw();
         let mut state = self.state();
         self.enter(&mut state, Call::CtxPush, false)?;
         if !state.contexts.contains_key(&context) {
@@ -1458,7 +1459,14 @@ unsafe impl DriverApi for ModelDriver {
         Ok(())
     }
 
-    fn prefetch(&self, ptr: u64, len: usize, to: Location, stream: u64) -> Result<(), ModelError> {
+    fn prefetch(
+        &self,
+        ptr: u64,
+        len: usize,
+        to: Location,
+        stream: DriverStream,
+    ) -> Result<(), ModelError> {
+        let stream = stream.raw();
         let call = Call::Prefetch;
         let mut state = self.state();
         self.enter(&mut state, call, true)?;
@@ -1482,16 +1490,18 @@ unsafe impl DriverApi for ModelDriver {
         Ok(())
     }
 
-    fn scrub_stream(&self, device: DeviceId) -> u64 {
+    fn scrub_stream(&self, device: DeviceId) -> DriverStream {
         let state = self.state();
-        state
-            .scrub_streams
-            .get(device.0 as usize)
-            .copied()
-            .unwrap_or(0)
+        DriverStream::from_raw(
+            state
+                .scrub_streams
+                .get(device.0 as usize)
+                .copied()
+                .unwrap_or(0),
+        )
     }
 
-    fn stream_create(&self) -> Result<u64, ModelError> {
+    fn stream_create(&self) -> Result<DriverStream, ModelError> {
         let mut state = self.state();
         self.enter(&mut state, Call::StreamCreate, true)?;
         let context = self.current();
@@ -1505,12 +1515,13 @@ unsafe impl DriverApi for ModelDriver {
         );
         state.stats.live_streams += 1;
         state.stats.streams_created += 1;
-        Ok(handle)
+        Ok(DriverStream::from_raw(handle))
     }
 
     /// Work still queued completes (the driver finishes it after the call returns; the model
     /// runs it here), then the stream goes.
-    fn stream_destroy(&self, stream: u64) -> Result<(), ModelError> {
+    fn stream_destroy(&self, stream: DriverStream) -> Result<(), ModelError> {
+        let stream = stream.raw();
         let call = Call::StreamDestroy;
         let mut state = self.state();
         self.enter(&mut state, call, false)?;
@@ -1525,7 +1536,8 @@ unsafe impl DriverApi for ModelDriver {
         Ok(())
     }
 
-    fn synchronize(&self, stream: u64) -> Result<(), ModelError> {
+    fn synchronize(&self, stream: DriverStream) -> Result<(), ModelError> {
+        let stream = stream.raw();
         let call = Call::StreamSynchronize;
         let mut state = self.state();
         self.enter(&mut state, call, true)?;
@@ -1535,7 +1547,7 @@ unsafe impl DriverApi for ModelDriver {
         Self::check_poison(&state, call, context)
     }
 
-    fn context_create(&self, device: DeviceId) -> Result<u64, ModelError> {
+    fn context_create(&self, device: DeviceId) -> Result<DriverContext, ModelError> {
         let call = Call::CtxCreate;
         let mut state = self.state();
         self.enter(&mut state, call, false)?;
@@ -1556,13 +1568,14 @@ unsafe impl DriverApi for ModelDriver {
         state.stats.contexts_created += 1;
         // `cuCtxCreate` pushes the new context; the contract is to leave the stack as it was,
         // so the push and its pop cancel out.
-        Ok(handle)
+        Ok(DriverContext::from_raw(handle))
     }
 
     /// Destroys a non-primary context with its streams. The device first finishes the work the
     /// context queued (a wait on another stream for one of its events is then satisfied); a
     /// poisoned context's abandoned work only gives back its pool blocks and reaches its records.
-    fn context_destroy(&self, context: u64) -> Result<(), ModelError> {
+    fn context_destroy(&self, context: DriverContext) -> Result<(), ModelError> {
+        let context = context.raw();
         let call = Call::CtxDestroy;
         let mut state = self.state();
         self.enter(&mut state, call, false)?;
@@ -1661,7 +1674,7 @@ unsafe impl DriverApi for ModelDriver {
         device: DeviceId,
         max_bytes: u64,
         release_threshold: u64,
-    ) -> Result<u64, ModelError> {
+    ) -> Result<DriverPool, ModelError> {
         let call = Call::PoolCreate;
         let mut state = self.state();
         self.enter(&mut state, call, true)?;
@@ -1683,12 +1696,13 @@ unsafe impl DriverApi for ModelDriver {
             },
         );
         state.stats.live_pools += 1;
-        Ok(handle)
+        Ok(DriverPool::from_raw(handle))
     }
 
     /// Kept blocks are given back; blocks still allocated (or with frees queued) keep the pool
     /// until their frees run, as the driver documents.
-    fn pool_destroy(&self, pool: u64) -> Result<(), ModelError> {
+    fn pool_destroy(&self, pool: DriverPool) -> Result<(), ModelError> {
+        let pool = pool.raw();
         let call = Call::PoolDestroy;
         let mut state = self.state();
         self.enter(&mut state, call, false)?;
@@ -1704,12 +1718,18 @@ unsafe impl DriverApi for ModelDriver {
         Ok(())
     }
 
-    fn pool_alloc(&self, pool: u64, bytes: usize, stream: u64) -> Result<u64, ModelError> {
+    fn pool_alloc(
+        &self,
+        pool: DriverPool,
+        bytes: usize,
+        stream: DriverStream,
+    ) -> Result<u64, ModelError> {
         // The contract: zero-filled in stream order.
-        self.pool_alloc_inner(pool, bytes, stream, true)
+        self.pool_alloc_inner(pool.raw(), bytes, stream.raw(), true)
     }
 
-    fn pool_free(&self, ptr: u64, stream: u64) -> Result<(), ModelError> {
+    fn pool_free(&self, ptr: u64, stream: DriverStream) -> Result<(), ModelError> {
+        let stream = stream.raw();
         let call = Call::PoolFree;
         let mut state = self.state();
         self.enter(&mut state, call, true)?;
@@ -1736,7 +1756,8 @@ unsafe impl DriverApi for ModelDriver {
         Ok(())
     }
 
-    fn pool_trim(&self, pool: u64, keep_bytes: u64) -> Result<(), ModelError> {
+    fn pool_trim(&self, pool: DriverPool, keep_bytes: u64) -> Result<(), ModelError> {
+        let pool = pool.raw();
         let call = Call::PoolTrim;
         let mut state = self.state();
         self.enter(&mut state, call, true)?;
@@ -1747,7 +1768,8 @@ unsafe impl DriverApi for ModelDriver {
         Ok(())
     }
 
-    fn pool_reserved(&self, pool: u64) -> Result<u64, ModelError> {
+    fn pool_reserved(&self, pool: DriverPool) -> Result<u64, ModelError> {
+        let pool = pool.raw();
         let call = Call::PoolReserved;
         let mut state = self.state();
         self.enter(&mut state, call, true)?;

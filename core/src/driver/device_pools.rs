@@ -9,10 +9,12 @@ use alloc::vec::Vec;
 use hashbrown::HashMap;
 
 use crate::device::DeviceId;
-use crate::driver::{DriverApi, DriverBackend, Life, Refusal};
+use crate::driver::{
+    DriverApi, DriverBackend, DriverContext, DriverPool, DriverStream, Life, Refusal,
+};
 use crate::ledger::TenantKey;
 use crate::pools::{DevicePoolConfig, DevicePoolStats, DevicePools, PoolAllocation, PoolHandle};
-use crate::stream::{DEFAULT_STREAM, Stream};
+use crate::stream::Stream;
 
 /// A device memory pool of ours.
 #[derive(Debug)]
@@ -34,15 +36,15 @@ pub(super) struct PoolRecord {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct PoolBlock {
     len: usize,
-    pub(super) stream: u64,
+    pub(super) stream: DriverStream,
     pub(super) tenant: Option<TenantKey>,
-    pub(super) context: u64,
+    pub(super) context: DriverContext,
 }
 
 /// One driver call's use of a pool: the pool cannot be torn down until it is dropped.
 struct PoolUse<'b, D: DriverApi> {
     backend: &'b DriverBackend<D>,
-    raw: u64,
+    raw: DriverPool,
 }
 
 impl<D: DriverApi> Drop for PoolUse<'_, D> {
@@ -69,7 +71,7 @@ impl<D: DriverApi> DriverBackend<D> {
     /// Starts a use of a pool handle of ours (live; device and tenant must match).
     fn pool_use(&self, pool: &PoolHandle) -> Result<PoolUse<'_, D>, Refusal> {
         let mut state = self.state.lock();
-        match state.pools.get_mut(&pool.raw()) {
+        match state.pools.get_mut(&DriverPool::from_raw(pool.raw())) {
             Some(r)
                 if r.life == Life::Live
                     && r.device == pool.device()
@@ -78,7 +80,7 @@ impl<D: DriverApi> DriverBackend<D> {
                 r.busy += 1;
                 Ok(PoolUse {
                     backend: self,
-                    raw: pool.raw(),
+                    raw: DriverPool::from_raw(pool.raw()),
                 })
             }
             _ => Err(Refusal::UnknownPool { raw: pool.raw() }),
@@ -107,7 +109,7 @@ impl<D: DriverApi> DriverBackend<D> {
     /// Frees the live blocks of a pool no one uses any more (its record already out of the
     /// table), each ordered on its own stream while that stream lives, then destroys the pool.
     /// What the driver refuses goes back into the table, retired, counted and retried at drop.
-    fn release_pool(&self, raw: u64, mut record: PoolRecord) -> Result<(), D::Error> {
+    fn release_pool(&self, raw: DriverPool, mut record: PoolRecord) -> Result<(), D::Error> {
         let blocks: Vec<(u64, PoolBlock)> = record.live.iter().map(|(&p, &b)| (p, b)).collect();
         for (ptr, block) in blocks {
             if let Err(e) = self.free_block_at_teardown(record.device, ptr, block) {
@@ -138,7 +140,7 @@ impl<D: DriverApi> DriverBackend<D> {
             .and_then(|t| self.stream_use_if(block.stream, t, block.context));
         let (context, stream) = match &using {
             Some(u) => (u.context, u.raw()),
-            None => (self.driver.primary_context(device), DEFAULT_STREAM),
+            None => (self.driver.primary_context(device), DriverStream::DEFAULT),
         };
         self.in_context(context, |d| d.pool_free(ptr, stream))
     }
@@ -149,7 +151,7 @@ impl<D: DriverApi> DriverBackend<D> {
         let mut state = self.state.lock();
         let r = state
             .pools
-            .get_mut(&pool.raw())
+            .get_mut(&DriverPool::from_raw(pool.raw()))
             .ok_or(Refusal::UnknownPool { raw: pool.raw() })?;
         match r.live.get(&ptr) {
             Some(&b) if b.len == len => {
@@ -177,7 +179,7 @@ impl<D: DriverApi> DriverBackend<D> {
             }
             Err(e) => {
                 // Still the pool's (whose record the caller's use keeps): freed at teardown.
-                if let Some(r) = state.pools.get_mut(&pool.raw()) {
+                if let Some(r) = state.pools.get_mut(&DriverPool::from_raw(pool.raw())) {
                     r.live.insert(ptr, block);
                     r.live_bytes += block.len as u64;
                 }
@@ -188,7 +190,7 @@ impl<D: DriverApi> DriverBackend<D> {
     }
 
     /// Puts a pool whose teardown the driver refused back into the table, retired.
-    fn keep_pool(&self, raw: u64, record: PoolRecord, error: D::Error) -> D::Error {
+    fn keep_pool(&self, raw: DriverPool, record: PoolRecord, error: D::Error) -> D::Error {
         let mut state = self.state.lock();
         state.pools.insert(
             raw,
@@ -228,7 +230,7 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
             },
         );
         state.stats.live_pools += 1;
-        Ok(PoolHandle::new(raw, device, tenant))
+        Ok(PoolHandle::new(raw.raw(), device, tenant))
     }
 
     fn pool_allocate(
@@ -244,7 +246,7 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         let using = self.stream_use(stream)?;
         Self::check_pool_stream(pool, stream, using.device, using.tenant)?;
         let ptr = self.in_context(using.context, |d| {
-            d.pool_alloc(pool.raw(), bytes, using.raw())
+            d.pool_alloc(DriverPool::from_raw(pool.raw()), bytes, using.raw())
         })?;
         let block = PoolBlock {
             len: bytes,
@@ -255,7 +257,7 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         let mut state = self.state.lock();
         // The pool's record stays while this call holds its use.
         let mut retired = false;
-        if let Some(r) = state.pools.get_mut(&pool.raw()) {
+        if let Some(r) = state.pools.get_mut(&DriverPool::from_raw(pool.raw())) {
             r.live.insert(ptr, block);
             r.live_bytes += bytes as u64;
             r.peak_bytes = r.peak_bytes.max(r.live_bytes);
@@ -299,16 +301,20 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
 
     fn trim_pool(&self, pool: &PoolHandle, keep_bytes: u64) -> Result<(), D::Error> {
         let _pool_use = self.pool_use(pool)?;
-        self.in_primary(pool.device(), |d| d.pool_trim(pool.raw(), keep_bytes))
+        self.in_primary(pool.device(), |d| {
+            d.pool_trim(DriverPool::from_raw(pool.raw()), keep_bytes)
+        })
     }
 
     fn pool_stats(&self, pool: &PoolHandle) -> Result<DevicePoolStats, D::Error> {
         let _pool_use = self.pool_use(pool)?;
-        let reserved = self.in_primary(pool.device(), |d| d.pool_reserved(pool.raw()))?;
+        let reserved = self.in_primary(pool.device(), |d| {
+            d.pool_reserved(DriverPool::from_raw(pool.raw()))
+        })?;
         let state = self.state.lock();
         let r = state
             .pools
-            .get(&pool.raw())
+            .get(&DriverPool::from_raw(pool.raw()))
             .ok_or(Refusal::UnknownPool { raw: pool.raw() })?;
         Ok(DevicePoolStats {
             live_bytes: r.live_bytes,
@@ -323,19 +329,25 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         // by its last user; an idle one leaves the table now.
         let record = {
             let mut state = self.state.lock();
-            let Some(r) = state.pools.get_mut(&pool.raw()).filter(|r| {
-                r.life == Life::Live && r.device == pool.device() && r.tenant == pool.tenant_key()
-            }) else {
+            let Some(r) = state
+                .pools
+                .get_mut(&DriverPool::from_raw(pool.raw()))
+                .filter(|r| {
+                    r.life == Life::Live
+                        && r.device == pool.device()
+                        && r.tenant == pool.tenant_key()
+                })
+            else {
                 return Err(Refusal::UnknownPool { raw: pool.raw() }.into());
             };
             if r.busy > 0 {
                 r.life = Life::Releasing;
                 return Ok(());
             }
-            state.pools.remove(&pool.raw())
+            state.pools.remove(&DriverPool::from_raw(pool.raw()))
         };
         match record {
-            Some(record) => self.release_pool(pool.raw(), record),
+            Some(record) => self.release_pool(DriverPool::from_raw(pool.raw()), record),
             None => Ok(()),
         }
     }

@@ -9,7 +9,7 @@
 //! after its last stream is, so no call ever runs in a destroyed stream or context.
 
 use crate::device::DeviceId;
-use crate::driver::{DriverApi, DriverBackend, Life, Refusal};
+use crate::driver::{DriverApi, DriverBackend, DriverContext, DriverStream, Life, Refusal};
 use crate::isolation::IsolationLevel;
 use crate::ledger::TenantKey;
 use crate::stream::{DEFAULT_STREAM, Stream, StreamProvider};
@@ -18,7 +18,7 @@ use crate::stream::{DEFAULT_STREAM, Stream, StreamProvider};
 #[derive(Debug)]
 pub(super) struct StreamRecord {
     pub(super) tenant: TenantKey,
-    pub(super) context: u64,
+    pub(super) context: DriverContext,
     pub(super) device: DeviceId,
     /// Recorded here, never taken from a caller's handle: it decides whether a release leaves
     /// the tenant's context.
@@ -36,7 +36,7 @@ pub(super) struct StreamRecord {
 /// (or their failure), and the entry leaves the table in the same step that takes `users` to 0.
 #[derive(Debug, Default)]
 pub(super) struct TenantContextEntry {
-    pub(super) context: Option<u64>,
+    pub(super) context: Option<DriverContext>,
     pub(super) users: u64,
 }
 
@@ -44,16 +44,16 @@ pub(super) struct TenantContextEntry {
 pub(super) struct StreamUse<'b, D: DriverApi> {
     backend: &'b DriverBackend<D>,
     /// `None`: the shared default stream (no record; never destroyed).
-    raw: Option<u64>,
-    pub(super) context: u64,
+    raw: Option<DriverStream>,
+    pub(super) context: DriverContext,
     pub(super) tenant: Option<TenantKey>,
     pub(super) device: DeviceId,
 }
 
 impl<D: DriverApi> StreamUse<'_, D> {
     /// The raw stream to enqueue on.
-    pub(super) fn raw(&self) -> u64 {
-        self.raw.unwrap_or(DEFAULT_STREAM)
+    pub(super) fn raw(&self) -> DriverStream {
+        self.raw.unwrap_or(DriverStream::DEFAULT)
     }
 }
 
@@ -70,8 +70,8 @@ impl<D: DriverApi> DriverBackend<D> {
     /// Starts a use of a stream handle of ours: checked against its live record (tenant,
     /// context and level must match), or the shared default stream.
     pub(super) fn stream_use(&self, stream: &Stream) -> Result<StreamUse<'_, D>, Refusal> {
-        let raw = stream.raw();
-        if raw == DEFAULT_STREAM {
+        let raw = DriverStream::from_raw(stream.raw());
+        if raw == DriverStream::DEFAULT {
             let device = stream.device();
             if stream.is_shared() && device.0 < self.driver.device_count() {
                 return Ok(StreamUse {
@@ -82,14 +82,14 @@ impl<D: DriverApi> DriverBackend<D> {
                     device,
                 });
             }
-            return Err(Refusal::UnknownStream { raw });
+            return Err(Refusal::UnknownStream { raw: raw.raw() });
         }
         let mut state = self.state.lock();
         match state.streams.get_mut(&raw) {
             Some(r)
                 if r.life == Life::Live
                     && r.tenant == stream.tenant_key()
-                    && r.context == stream.context()
+                    && r.context.raw() == stream.context()
                     && r.device == stream.device()
                     && r.level == stream.level() =>
             {
@@ -103,7 +103,7 @@ impl<D: DriverApi> DriverBackend<D> {
                     device: r.device,
                 })
             }
-            _ => Err(Refusal::UnknownStream { raw }),
+            _ => Err(Refusal::UnknownStream { raw: raw.raw() }),
         }
     }
 
@@ -111,9 +111,9 @@ impl<D: DriverApi> DriverBackend<D> {
     /// `context` (a pool block's stream at teardown); `None` if it is gone or is another's.
     pub(super) fn stream_use_if(
         &self,
-        raw: u64,
+        raw: DriverStream,
         tenant: TenantKey,
-        context: u64,
+        context: DriverContext,
     ) -> Option<StreamUse<'_, D>> {
         let mut state = self.state.lock();
         let r = state.streams.get_mut(&raw)?;
@@ -137,7 +137,11 @@ impl<D: DriverApi> DriverBackend<D> {
     /// stream rather than beside it), then takes the record out and destroys it, unless another
     /// use started meanwhile (then it waits again, or that use is the last). `synced`: the
     /// caller already waited, at that `started` mark.
-    pub(super) fn end_use(&self, raw: u64, mut synced: Option<u64>) -> Result<(), D::Error> {
+    pub(super) fn end_use(
+        &self,
+        raw: DriverStream,
+        mut synced: Option<u64>,
+    ) -> Result<(), D::Error> {
         loop {
             let (context, mark) = {
                 let mut state = self.state.lock();
@@ -167,7 +171,7 @@ impl<D: DriverApi> DriverBackend<D> {
     /// Destroys a stream that was waited for and that no one uses any more (its record already
     /// out of the table), and leaves its tenant's context if it was context-isolated. If the
     /// driver refuses the destroy, the record goes back, retired, counted and retried at drop.
-    fn destroy_stream(&self, raw: u64, record: StreamRecord) -> Result<(), D::Error> {
+    fn destroy_stream(&self, raw: DriverStream, record: StreamRecord) -> Result<(), D::Error> {
         if let Err(e) = self.in_context(record.context, |d| d.stream_destroy(raw)) {
             let mut state = self.state.lock();
             state.streams.insert(
@@ -194,7 +198,11 @@ impl<D: DriverApi> DriverBackend<D> {
     /// The context is made outside the lock (it is slow on a GPU). Two first users of one tenant
     /// may both make one; the first to install it wins and the other destroys its own, so the
     /// tenant is only ever handed one (the driver holds both for that moment).
-    fn join_tenant_context(&self, tenant: TenantKey, device: DeviceId) -> Result<u64, D::Error> {
+    fn join_tenant_context(
+        &self,
+        tenant: TenantKey,
+        device: DeviceId,
+    ) -> Result<DriverContext, D::Error> {
         let installed = {
             let mut state = self.state.lock();
             let entry = state.contexts.entry(tenant).or_default();
@@ -254,7 +262,7 @@ impl<D: DriverApi> DriverBackend<D> {
     }
 
     /// Destroys a context no one uses; if the driver refuses, it stays counted and retired.
-    fn destroy_context(&self, context: u64) -> Result<(), D::Error> {
+    fn destroy_context(&self, context: DriverContext) -> Result<(), D::Error> {
         self.driver.context_destroy(context).inspect_err(|_| {
             let mut state = self.state.lock();
             state.retired_contexts.push(context);
@@ -275,7 +283,9 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
         let context = match level {
             IsolationLevel::Shared => {
                 let primary = self.driver.primary_context(device);
-                return Ok(Stream::new(DEFAULT_STREAM, primary, level, tenant).on_device(device));
+                return Ok(
+                    Stream::new(DEFAULT_STREAM, primary.raw(), level, tenant).on_device(device)
+                );
             }
             IsolationLevel::StreamIsolated => self.driver.primary_context(device),
             IsolationLevel::ContextIsolated => self.join_tenant_context(tenant, device)?,
@@ -296,7 +306,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
                 // ours is under `raw`: releases take their record out before destroying.
                 state.streams.insert(raw, record);
                 state.stats.live_streams += 1;
-                Ok(Stream::new(raw, context, level, tenant).on_device(device))
+                Ok(Stream::new(raw.raw(), context.raw(), level, tenant).on_device(device))
             }
             Err(e) => {
                 if level == IsolationLevel::ContextIsolated {
@@ -310,14 +320,14 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
     }
 
     fn release_stream(&self, stream: Stream) -> Result<(), D::Error> {
-        let raw = stream.raw();
-        if raw == DEFAULT_STREAM {
+        let raw = DriverStream::from_raw(stream.raw());
+        if raw == DriverStream::DEFAULT {
             // Nothing to destroy, but the tenant's work on the shared stream must be done
             // before its memory is scrubbed or freed (on the device's non-blocking zeroing
             // stream, which the legacy default stream does not order): wait for the default
             // stream, and with it for what other shared tenants queued.
             let using = self.stream_use(&stream)?;
-            return self.in_context(using.context, |d| d.synchronize(DEFAULT_STREAM));
+            return self.in_context(using.context, |d| d.synchronize(DriverStream::DEFAULT));
         }
         // Retired under the lock (no new use but a teardown's starts), then waited for with a
         // use of its own held; the last use takes the record out and destroys the stream.
@@ -326,11 +336,11 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
             let Some(r) = state.streams.get_mut(&raw).filter(|r| {
                 r.life == Life::Live
                     && r.tenant == stream.tenant_key()
-                    && r.context == stream.context()
+                    && r.context.raw() == stream.context()
                     && r.device == stream.device()
                     && r.level == stream.level()
             }) else {
-                return Err(Refusal::UnknownStream { raw }.into());
+                return Err(Refusal::UnknownStream { raw: raw.raw() }.into());
             };
             r.life = Life::Releasing;
             r.busy += 1;

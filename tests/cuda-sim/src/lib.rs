@@ -24,7 +24,9 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use tensor_wasm_mem_core::{Advice, DeviceId, DriverApi, Location};
+use tensor_wasm_mem_core::{
+    Advice, DeviceId, DriverApi, DriverContext, DriverPool, DriverStream, Location,
+};
 use tensor_wasm_mem_model::{
     Call, Event, Function, Kernel, ModelConfig, ModelDriver, ModelError, Module,
 };
@@ -405,7 +407,7 @@ entry! {
         }
         let primary = m.driver.primary_context(d);
         m.primary_refs.lock().unwrap_or_else(PoisonError::into_inner)[d.0 as usize] += 1;
-        put(context, primary as *mut c_void)
+        put(context, primary.raw() as *mut c_void)
     }
 }
 
@@ -437,7 +439,7 @@ entry! {
 entry! {
     /// `cuCtxPushCurrent_v2`.
     fn cuCtxPushCurrent_v2(context: *mut c_void) |m| {
-        m.driver.push_current(context as u64).map_err(code_of)
+        m.driver.push_current(DriverContext::from_raw(context as u64)).map_err(code_of)
     }
 }
 
@@ -545,7 +547,7 @@ entry! {
             return Err(code::INVALID_VALUE);
         }
         let to = m.location(location)?;
-        m.driver.prefetch(ptr, count, to, stream as u64).map_err(code_of)
+        m.driver.prefetch(ptr, count, to, DriverStream::from_raw(stream as u64)).map_err(code_of)
     }
 }
 
@@ -553,7 +555,7 @@ entry! {
     /// `cuMemPrefetchAsync` (the CUDA 11 form: a device ordinal, `-1` for the CPU).
     fn cuMemPrefetchAsync(ptr: u64, count: usize, device: c_int, stream: *mut c_void) |m| {
         let to = m.ordinal(device)?;
-        m.driver.prefetch(ptr, count, to, stream as u64).map_err(code_of)
+        m.driver.prefetch(ptr, count, to, DriverStream::from_raw(stream as u64)).map_err(code_of)
     }
 }
 
@@ -648,21 +650,21 @@ entry! {
             return Err(code::INVALID_VALUE);
         }
         let s = m.driver.stream_create().map_err(code_of)?;
-        put(stream, s as *mut c_void)
+        put(stream, s.raw() as *mut c_void)
     }
 }
 
 entry! {
     /// `cuStreamDestroy_v2`: its queued work still completes.
     fn cuStreamDestroy_v2(stream: *mut c_void) |m| {
-        m.driver.stream_destroy(stream as u64).map_err(code_of)
+        m.driver.stream_destroy(DriverStream::from_raw(stream as u64)).map_err(code_of)
     }
 }
 
 entry! {
     /// `cuStreamSynchronize`: runs the stream's queue; a sticky fault is its answer.
     fn cuStreamSynchronize(stream: *mut c_void) |m| {
-        m.driver.synchronize(stream as u64).map_err(code_of)
+        m.driver.synchronize(DriverStream::from_raw(stream as u64)).map_err(code_of)
     }
 }
 
@@ -731,14 +733,14 @@ entry! {
         }
         let device = m.device(props.location.id)?;
         let p = m.driver.pool_create(device, props.max_size as u64, 0).map_err(code_of)?;
-        put(pool, p as *mut c_void)
+        put(pool, p.raw() as *mut c_void)
     }
 }
 
 entry! {
     /// `cuMemPoolDestroy`: blocks still allocated keep the pool until they are freed.
     fn cuMemPoolDestroy(pool: *mut c_void) |m| {
-        m.driver.pool_destroy(pool as u64).map_err(code_of)
+        m.driver.pool_destroy(DriverPool::from_raw(pool as u64)).map_err(code_of)
     }
 }
 
@@ -756,14 +758,14 @@ entry! {
 entry! {
     /// `cuMemFreeAsync`: back to the pool when the stream gets to it.
     fn cuMemFreeAsync(ptr: u64, stream: *mut c_void) |m| {
-        m.driver.pool_free(ptr, stream as u64).map_err(code_of)
+        m.driver.pool_free(ptr, DriverStream::from_raw(stream as u64)).map_err(code_of)
     }
 }
 
 entry! {
     /// `cuMemPoolTrimTo`.
     fn cuMemPoolTrimTo(pool: *mut c_void, keep: usize) |m| {
-        m.driver.pool_trim(pool as u64, keep as u64).map_err(code_of)
+        m.driver.pool_trim(DriverPool::from_raw(pool as u64), keep as u64).map_err(code_of)
     }
 }
 
@@ -790,7 +792,7 @@ entry! {
     fn cuMemPoolGetAttribute(pool: *mut c_void, attribute: c_uint, value: *mut c_void) |m| {
         let v = match attribute {
             4 => m.driver.pool_release_threshold(pool as u64).map_err(code_of)?,
-            5 => m.driver.pool_reserved(pool as u64).map_err(code_of)?,
+            5 => m.driver.pool_reserved(DriverPool::from_raw(pool as u64)).map_err(code_of)?,
             _ => return Err(code::INVALID_VALUE),
         };
         put(value.cast::<u64>(), v)

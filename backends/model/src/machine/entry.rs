@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use tensor_wasm_mem_core::{DeviceId, DriverApi, Location};
+use tensor_wasm_mem_core::{DeviceId, DriverApi, DriverContext, Location};
 
 use super::{On, Work, error};
 use crate::{Call, Event, Function, Hints, Kernel, ModelDriver, ModelError, Module, code};
@@ -39,7 +39,7 @@ impl ModelDriver {
 
     /// `cuCtxCreate`: a new context on `device`, pushed on the calling thread's stack.
     pub fn context_create_pushed(&self, device: DeviceId) -> Result<u64, ModelError> {
-        let context = self.context_create(device)?;
+        let context = self.context_create(device)?.raw();
         self.with_stack(|s| s.push(context));
         Ok(context)
     }
@@ -48,7 +48,7 @@ impl ModelDriver {
     /// stack if it is current there (anywhere else in a stack it stays, dangling, and later
     /// calls there fail with `CUDA_ERROR_INVALID_CONTEXT`), as the driver documents.
     pub fn context_destroy_popping(&self, context: u64) -> Result<(), ModelError> {
-        self.context_destroy(context)?;
+        self.context_destroy(DriverContext::from_raw(context))?;
         self.with_stack(|s| {
             if s.last() == Some(&context) {
                 s.pop();
