@@ -565,6 +565,17 @@ fn streams_contexts_and_pools_on_any_of_eight_devices() {
     }
     let s = mock.stats();
     assert_eq!((s.live_streams, s.live_contexts, s.live_pools), (0, 0, 0));
+    let m = mock.driver().stats();
+    assert_eq!(
+        (m.streams_created, m.streams_destroyed),
+        (6, 6),
+        "two streams of their own per device, each destroyed"
+    );
+    assert_eq!(
+        (m.contexts_created, m.contexts_destroyed, m.live_contexts),
+        (3, 3, 0),
+        "a tenant context per device, destroyed with its last stream"
+    );
 }
 
 /// Fault injection by backend operation reaches the entry point the backend calls; a failed
@@ -737,6 +748,11 @@ fn host_registration_keeps_the_drivers_rules() {
     assert_eq!(driver_code(&e), Some(code::HOST_MEMORY_NOT_REGISTERED));
     model.pop_current().unwrap();
     assert_eq!(model.registered_ranges(), vec![(host.base as usize, PAGE)]);
+    let st = model.stats();
+    assert_eq!(
+        (st.registered_ranges, st.registered_bytes),
+        (1, PAGE as u64)
+    );
 
     // A kernel on the registered page runs; one page further faults (not registered, and no
     // pageable access).
@@ -798,4 +814,42 @@ fn pageable_access_reaches_mapped_host_memory_and_faults_on_guards() {
         assert_eq!(model.stats().kernel_faults, 1);
         let _ = mock.release_stream(stream);
     }
+}
+
+/// Unregistering host memory that queued work still targets is counted, and the work faults
+/// when it runs (the pages are no longer the device's); after a synchronise it is clean.
+#[test]
+fn an_unregister_over_queued_work_is_counted() {
+    let mock = with_config(MockConfig {
+        host_registration: true,
+        deferred_streams: true,
+        ..MockConfig::default()
+    });
+    let host = HostRange::new(2 * PAGE, 2 * PAGE);
+    let model = mock.driver();
+    let primary = model.primary_context(DeviceId(0));
+    let stream = mock
+        .acquire_stream(key(1), IsolationLevel::StreamIsolated)
+        .unwrap();
+    for (sync_first, counted) in [(true, 0), (false, 1)] {
+        model.push_current(primary).unwrap();
+        model.host_register(host.at(0), PAGE).unwrap();
+        model.pop_current().unwrap();
+        // SAFETY: nothing else touches the range while the kernel can run.
+        unsafe { model.enqueue_fill(&stream, host.at(0), PAGE, 3) }.unwrap();
+        if sync_first {
+            mock.synchronize(&stream).unwrap();
+        }
+        model.push_current(primary).unwrap();
+        // SAFETY: registered above; the case under test is whether work still uses it.
+        unsafe { model.host_unregister(host.at(0)) }.unwrap();
+        model.pop_current().unwrap();
+        let s = model.stats();
+        assert_eq!(s.unregisters_over_pending_work, counted);
+        assert_eq!((s.registered_ranges, s.registered_bytes), (0, 0));
+        // The late kernel finds the pages unpinned: an illegal address, as on a GPU.
+        assert_eq!(mock.synchronize(&stream).is_err(), counted == 1);
+    }
+    assert_eq!(model.stats().kernel_faults, 1);
+    let _ = mock.release_stream(stream);
 }

@@ -1,7 +1,7 @@
 //! The backends this build of `twm` can use, chosen with `--backend`.
 //!
-//! Without `--backend`, the first compiled in of `cudarc`, `cust`, `mock`, `cuda-oxide` (see
-//! the table in docs/BACKENDS.md).
+//! Without `--backend`, the first of the integration's `backends::ENABLED` that this build has
+//! (see the table in docs/BACKENDS.md).
 
 use std::fmt;
 
@@ -26,14 +26,15 @@ pub enum BackendKind {
 impl BackendKind {
     /// The default backend of this build: the first of
     /// [`backends::ENABLED`](tensor_wasm_mem_wasmtime::backends::ENABLED), the one place the
-    /// order of precedence is written (cudarc, cust, mock, cuda-oxide).
+    /// order of precedence is written.
+    ///
+    /// `ENABLED` lists the integration's features as cargo unified them (a test build may turn
+    /// on more there than this `twm` has): the first that is a backend of this build wins.
     pub fn preferred() -> Self {
-        let first = tensor_wasm_mem_wasmtime::backends::ENABLED.first();
-        let all = <Self as clap::ValueEnum>::value_variants();
-        all.iter()
-            .copied()
-            .find(|k| Some(&k.name()) == first)
-            .unwrap_or(all[0])
+        tensor_wasm_mem_wasmtime::backends::ENABLED
+            .iter()
+            .find_map(|name| <Self as clap::ValueEnum>::from_str(name, false).ok())
+            .expect("every backend feature of twm turns on the integration's feature of that name")
     }
 
     /// The stable name.
@@ -71,7 +72,7 @@ impl DescribeDriver for tensor_wasm_mem_mock::MockBackend {
 }
 
 #[cfg(feature = "cudarc")]
-impl DescribeDriver for tensor_wasm_mem_cudarc::CudarcBackend {
+impl DescribeDriver for tensor_wasm_mem_wasmtime::backends::cudarc::CudarcBackend {
     fn driver(&self) -> String {
         let d = self.driver();
         let names: Vec<_> = d.devices().map(|i| i.name.clone()).collect();
@@ -80,7 +81,7 @@ impl DescribeDriver for tensor_wasm_mem_cudarc::CudarcBackend {
 }
 
 #[cfg(feature = "cust")]
-impl DescribeDriver for tensor_wasm_mem_cust::CustBackend {
+impl DescribeDriver for tensor_wasm_mem_wasmtime::backends::cust::CustBackend {
     fn driver(&self) -> String {
         let d = self.driver();
         let names: Vec<_> = d.devices().map(|i| i.name.clone()).collect();
@@ -89,7 +90,7 @@ impl DescribeDriver for tensor_wasm_mem_cust::CustBackend {
 }
 
 #[cfg(feature = "cuda-oxide")]
-impl DescribeDriver for tensor_wasm_mem_cuda_oxide::CudaOxideBackend {
+impl DescribeDriver for tensor_wasm_mem_wasmtime::backends::cuda_oxide::CudaOxideBackend {
     fn driver(&self) -> String {
         "reserved slot: not wired to any driver".into()
     }
@@ -128,7 +129,7 @@ pub fn simulated_machine(
     devices: Option<u32>,
     host: Option<SimulatedHostAccess>,
 ) -> Result<SimulatedMachine, crate::run::Failure> {
-    let simulated = cfg!(feature = "mock") && kind.name() == "mock";
+    let simulated = kind.name() == "mock";
     let refuse = |flag: &str, what: &str| {
         Err(crate::run::Failure::Usage(format!(
             "{flag} sets the simulated machine (--backend mock); the {kind} backend reports the \
@@ -169,26 +170,24 @@ macro_rules! with_backend {
         match $kind {
             #[cfg(feature = "cudarc")]
             $crate::backend::BackendKind::Cudarc => {
-                match tensor_wasm_mem_cudarc::start(&tensor_wasm_mem_cudarc::DriverSource::System) {
+                match tensor_wasm_mem_wasmtime::backends::start_cudarc() {
                     Ok(backend) => {
                         let $b = std::sync::Arc::new(backend);
                         $body
                     }
-                    Err(e) => Err($crate::run::Failure::Other(format!(
-                        "the cudarc backend did not start: {e}"
-                    ))),
+                    Err(e) => Err($crate::run::Failure::Other(e.to_string())),
                 }
             }
             #[cfg(feature = "cust")]
-            $crate::backend::BackendKind::Cust => match tensor_wasm_mem_cust::start() {
-                Ok(backend) => {
-                    let $b = std::sync::Arc::new(backend);
-                    $body
+            $crate::backend::BackendKind::Cust => {
+                match tensor_wasm_mem_wasmtime::backends::start_cust() {
+                    Ok(backend) => {
+                        let $b = std::sync::Arc::new(backend);
+                        $body
+                    }
+                    Err(e) => Err($crate::run::Failure::Other(e.to_string())),
                 }
-                Err(e) => Err($crate::run::Failure::Other(format!(
-                    "the cust backend did not start: {e}"
-                ))),
-            },
+            }
             #[cfg(feature = "mock")]
             $crate::backend::BackendKind::Mock => {
                 let sim: $crate::backend::SimulatedMachine = $sim;
@@ -203,7 +202,9 @@ macro_rules! with_backend {
             }
             #[cfg(feature = "cuda-oxide")]
             $crate::backend::BackendKind::CudaOxide => {
-                let $b = std::sync::Arc::new(tensor_wasm_mem_cuda_oxide::CudaOxideBackend::new());
+                let $b = std::sync::Arc::new(
+                    tensor_wasm_mem_wasmtime::backends::cuda_oxide::CudaOxideBackend::new(),
+                );
                 $body
             }
         }

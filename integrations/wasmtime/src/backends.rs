@@ -12,8 +12,8 @@
 //! | several | none: [`DefaultBackend`] is [`NoDefaultBackend`] (not a backend) and [`default_backend`] answers [`DefaultBackendError::Ambiguous`]; name the backend's type instead, e.g. `TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))` |
 //! | none | a compile error saying which features exist |
 //!
-//! The `twm` CLI picks with `--backend`; without it, the first compiled in of `cudarc`, `cust`,
-//! `mock`, `cuda-oxide`.
+//! The `twm` CLI picks with `--backend`; without it, the first of [`ENABLED`] (the one place
+//! the order is written), and starts the real backends with [`start_cudarc`] / [`start_cust`].
 
 use std::sync::Arc;
 
@@ -73,6 +73,27 @@ pub enum DefaultBackendError {
     },
 }
 
+/// Starts the cudarc backend on the system's driver: how this crate's default and the `twm` CLI
+/// start it.
+#[cfg(feature = "cudarc")]
+pub fn start_cudarc() -> Result<tensor_wasm_mem_cudarc::CudarcBackend, DefaultBackendError> {
+    tensor_wasm_mem_cudarc::start(&tensor_wasm_mem_cudarc::DriverSource::System).map_err(|e| {
+        DefaultBackendError::Start {
+            backend: "cudarc",
+            source: Box::new(e),
+        }
+    })
+}
+
+/// Starts the cust backend: how this crate's default and the `twm` CLI start it.
+#[cfg(feature = "cust")]
+pub fn start_cust() -> Result<tensor_wasm_mem_cust::CustBackend, DefaultBackendError> {
+    tensor_wasm_mem_cust::start().map_err(|e| DefaultBackendError::Start {
+        backend: "cust",
+        source: Box::new(e),
+    })
+}
+
 /// What [`DefaultBackend`] is when several backend features are on: not a backend, so code that
 /// relies on a default fails to compile; name the backend's type instead.
 #[derive(Debug)]
@@ -100,12 +121,7 @@ mod chosen {
     /// The default backend of this build.
     pub type DefaultBackend = tensor_wasm_mem_cudarc::CudarcBackend;
     pub(super) fn start() -> Result<DefaultBackend, super::DefaultBackendError> {
-        tensor_wasm_mem_cudarc::start(&tensor_wasm_mem_cudarc::DriverSource::System).map_err(|e| {
-            super::DefaultBackendError::Start {
-                backend: "cudarc",
-                source: Box::new(e),
-            }
-        })
+        super::start_cudarc()
     }
 }
 
@@ -117,10 +133,7 @@ mod chosen {
     /// The default backend of this build.
     pub type DefaultBackend = tensor_wasm_mem_cust::CustBackend;
     pub(super) fn start() -> Result<DefaultBackend, super::DefaultBackendError> {
-        tensor_wasm_mem_cust::start().map_err(|e| super::DefaultBackendError::Start {
-            backend: "cust",
-            source: Box::new(e),
-        })
+        super::start_cust()
     }
 }
 
