@@ -405,10 +405,15 @@ fn a_kernel_fault_poisons_its_context_only() {
     mock.synchronize(&good).unwrap();
     assert_eq!(read(&a, 0), 5);
     assert_eq!(mock.driver().stats().kernel_faults, 1);
-    // Releasing the poisoned stream reports the fault; the context still goes.
-    let _ = mock.release_stream(bad);
+    // Releasing the poisoned stream reports the fault (its destroy is refused, sticky); the
+    // tenant's context still goes, and takes the stream with it: nothing is left held.
+    let err = mock.release_stream(bad).unwrap_err();
+    assert_eq!(err.code(), Some(code::ILLEGAL_ADDRESS));
     mock.release_stream(good).unwrap();
-    assert_eq!(mock.stats().live_contexts, 0);
+    let s = mock.stats();
+    assert_eq!((s.live_contexts, s.live_streams, s.pending_releases), (0, 0, 0));
+    let m = mock.driver().stats();
+    assert_eq!((m.live_contexts, m.live_streams), (0, 0));
     // SAFETY: `a` came from `mock`.
     unsafe { mock.free(a).unwrap() };
 }

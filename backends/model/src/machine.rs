@@ -1519,16 +1519,20 @@ unsafe impl DriverApi for ModelDriver {
     }
 
     /// Work still queued completes (the driver finishes it after the call returns; the model
-    /// runs it here), then the stream goes.
+    /// runs it here), then the stream goes. In a context a kernel fault poisoned, it answers the
+    /// sticky `CUDA_ERROR_ILLEGAL_ADDRESS` and the stream stays, until the context is destroyed.
     fn stream_destroy(&self, stream: DriverStream) -> Result<(), ModelError> {
         let stream = stream.raw();
         let call = Call::StreamDestroy;
         let mut state = self.state();
         self.enter(&mut state, call, false)?;
-        match state.streams.get(&stream) {
-            Some(s) if !s.internal => {}
+        let context = match state.streams.get(&stream) {
+            Some(s) if !s.internal => s.context,
             _ => return Err(error(call, code::INVALID_HANDLE)),
-        }
+        };
+        // After a kernel fault every call in the context answers the sticky error, destroys
+        // included; only destroying the context itself (which takes its streams) recovers.
+        Self::check_poison(&state, call, context)?;
         state.drain(Queue::Stream(stream));
         state.streams.remove(&stream);
         state.stats.live_streams -= 1;

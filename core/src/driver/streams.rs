@@ -173,16 +173,25 @@ impl<D: DriverApi> DriverBackend<D> {
     /// driver refuses the destroy, the record goes back, retired, counted and retried at drop.
     fn destroy_stream(&self, raw: DriverStream, record: StreamRecord) -> Result<(), D::Error> {
         if let Err(e) = self.in_context(record.context, |d| d.stream_destroy(raw)) {
-            let mut state = self.state.lock();
-            state.streams.insert(
-                raw,
-                StreamRecord {
-                    life: Life::Failed,
-                    busy: 0,
-                    ..record
-                },
-            );
-            state.release_failed(true);
+            let (tenant, level) = (record.tenant, record.level);
+            {
+                let mut state = self.state.lock();
+                state.streams.insert(
+                    raw,
+                    StreamRecord {
+                        life: Life::Failed,
+                        busy: 0,
+                        ..record
+                    },
+                );
+                state.release_failed(true);
+            }
+            if level == IsolationLevel::ContextIsolated {
+                // The tenant's own context goes all the same once its last user leaves, and
+                // takes the refused stream with it (a context poisoned by a kernel fault refuses
+                // every call but its own destroy: this is how it recovers).
+                let _ = self.leave_tenant_context(tenant);
+            }
             return Err(e);
         }
         self.state.lock().stats.live_streams -= 1;
@@ -262,13 +271,28 @@ impl<D: DriverApi> DriverBackend<D> {
     }
 
     /// Destroys a context no one uses; if the driver refuses, it stays counted and retired.
+    /// Destroyed, it takes with it the streams in it whose destroy the driver refused before.
     fn destroy_context(&self, context: DriverContext) -> Result<(), D::Error> {
-        self.driver.context_destroy(context).inspect_err(|_| {
-            let mut state = self.state.lock();
-            state.retired_contexts.push(context);
-            state.stats.live_contexts += 1;
-            state.release_failed(true);
-        })
+        match self.driver.context_destroy(context) {
+            Ok(()) => {
+                let mut state = self.state.lock();
+                let before = state.streams.len();
+                state
+                    .streams
+                    .retain(|_, r| !(r.context == context && r.life == Life::Failed));
+                let gone = (before - state.streams.len()) as u64;
+                state.stats.live_streams -= gone;
+                state.stats.pending_releases = state.stats.pending_releases.saturating_sub(gone);
+                Ok(())
+            }
+            Err(e) => {
+                let mut state = self.state.lock();
+                state.retired_contexts.push(context);
+                state.stats.live_contexts += 1;
+                state.release_failed(true);
+                Err(e)
+            }
+        }
     }
 }
 
