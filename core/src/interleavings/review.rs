@@ -845,7 +845,7 @@ fn h2_a_refused_deferred_destroy_is_kept_counted_and_reclaimed() {
                 );
                 drop(backend);
                 if level == IsolationLevel::StreamIsolated {
-                    assert!(crate::driver::reclaimed_at_drop() >= before + 1);
+                    assert!(crate::driver::reclaimed_at_drop() > before);
                 }
             });
             (vec![syncing, releasing], check as Box<dyn FnOnce()>)
