@@ -70,6 +70,13 @@ pub trait Harness: 'static {
         false
     }
 
+    /// `true` when a background "device" completes stream work at times the test does not
+    /// choose (the model's worker): a case may then see work done, or not yet, at any point
+    /// before it waits.
+    fn worker(_backend: &Self::Backend) -> bool {
+        false
+    }
+
     /// Queues the simulated `fill` kernel (`len` bytes of `byte` at `ptr`) on `stream`; `false`
     /// where the harness cannot launch one (a real GPU here: no PTX for it).
     ///
@@ -316,7 +323,12 @@ macro_rules! mock_harness {
                 b.driver().clear_faults();
             }
             fn deferred(b: &MockBackend) -> bool {
-                b.driver().config().deferred_streams
+                let c = b.driver().config();
+                c.deferred_streams && c.worker_interval.is_none()
+            }
+            fn worker(b: &MockBackend) -> bool {
+                let c = b.driver().config();
+                c.deferred_streams && c.worker_interval.is_some()
             }
             unsafe fn fill(
                 b: &MockBackend,
@@ -417,6 +429,22 @@ mock_harness!(
     }
 );
 
+/// The mock backend with two devices, deferred streams and a background "device" that
+/// completes work every 50 µs on its own: every case with work landing at times it does not
+/// choose.
+#[derive(Debug)]
+pub struct WorkerMockHarness;
+
+mock_harness!(
+    WorkerMockHarness,
+    MockConfig {
+        device_count: 2,
+        deferred_streams: true,
+        worker_interval: Some(std::time::Duration::from_micros(50)),
+        ..MockConfig::default()
+    }
+);
+
 mock_harness!(
     DeferredMockHarness,
     MockConfig {
@@ -449,6 +477,16 @@ pub fn four_device_deferred_machine() -> crate::sim::SimConfig {
         device_count: 4,
         deferred: 1,
         ..sim_machine()
+    }
+}
+
+/// [`four_device_deferred_machine`] with a background "device" that completes work every
+/// 50 µs on its own.
+#[must_use]
+pub fn four_device_worker_machine() -> crate::sim::SimConfig {
+    crate::sim::SimConfig {
+        worker_micros: 50,
+        ..four_device_deferred_machine()
     }
 }
 
@@ -569,7 +607,13 @@ macro_rules! driver_harness {
             }
 
             fn deferred(_: &Self::Backend) -> bool {
-                $crate::sim::Sim::get().is_some() && ($machine).deferred != 0
+                let m = $machine;
+                $crate::sim::Sim::get().is_some() && m.deferred != 0 && m.worker_micros == 0
+            }
+
+            fn worker(_: &Self::Backend) -> bool {
+                let m = $machine;
+                $crate::sim::Sim::get().is_some() && m.deferred != 0 && m.worker_micros > 0
             }
 
             unsafe fn fill(

@@ -12,6 +12,10 @@ mod with_deferred_mock {
     tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::DeferredMockHarness);
 }
 
+mod with_worker_mock {
+    tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::WorkerMockHarness);
+}
+
 mod with_eight_device_deferred_mock {
     tensor_wasm_mem_tests::conformance!(
         tensor_wasm_mem_tests::harness::EightDeviceDeferredMockHarness
@@ -45,16 +49,17 @@ mod with_cust {
 }
 
 tensor_wasm_mem_tests::driver_harness!(
-    /// The cust backend on four simulated devices with deferred streams.
-    FourDeviceDeferredCustHarness,
+    /// The cust backend on four simulated devices with deferred streams that a background
+    /// "device" completes on its own.
+    FourDeviceWorkerCustHarness,
     tensor_wasm_mem_cust::CustBackend,
     tensor_wasm_mem_cust::start(),
-    machine: tensor_wasm_mem_tests::harness::four_device_deferred_machine(),
+    machine: tensor_wasm_mem_tests::harness::four_device_worker_machine(),
     advise: "cuMemAdvise",
     prefetch: "cuMemPrefetchAsync",
     pools: |b| b.driver().has_pools()
 );
 
-mod with_four_device_deferred_cust {
-    tensor_wasm_mem_tests::conformance!(crate::FourDeviceDeferredCustHarness);
+mod with_four_device_worker_cust {
+    tensor_wasm_mem_tests::conformance!(crate::FourDeviceWorkerCustHarness);
 }

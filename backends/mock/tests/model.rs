@@ -411,7 +411,10 @@ fn a_kernel_fault_poisons_its_context_only() {
     assert_eq!(err.code(), Some(code::ILLEGAL_ADDRESS));
     mock.release_stream(good).unwrap();
     let s = mock.stats();
-    assert_eq!((s.live_contexts, s.live_streams, s.pending_releases), (0, 0, 0));
+    assert_eq!(
+        (s.live_contexts, s.live_streams, s.pending_releases),
+        (0, 0, 0)
+    );
     let m = mock.driver().stats();
     assert_eq!((m.live_contexts, m.live_streams), (0, 0));
     // SAFETY: `a` came from `mock`.
@@ -857,4 +860,33 @@ fn an_unregister_over_queued_work_is_counted() {
     }
     assert_eq!(model.stats().kernel_faults, 1);
     let _ = mock.release_stream(stream);
+}
+
+/// With a worker (`worker_interval`), queued work completes with no one waiting for it: the
+/// "device" gets to it on its own, in order.
+#[test]
+fn a_worker_completes_work_no_one_waits_for() {
+    let mock = with_config(MockConfig {
+        deferred_streams: true,
+        worker_interval: Some(std::time::Duration::from_micros(100)),
+        ..MockConfig::default()
+    });
+    let a = mock.allocate(DeviceId(0), PAGE).unwrap();
+    let s = mock
+        .acquire_stream(key(1), IsolationLevel::StreamIsolated)
+        .unwrap();
+    // SAFETY: the test reads the bytes only once the model says the work ran (under its lock,
+    // which the worker holds while it writes).
+    unsafe { mock.driver().enqueue_fill(&s, a.device_ptr(), PAGE, 7) }.unwrap();
+    // SAFETY: as above.
+    unsafe { mock.driver().enqueue_fill(&s, a.device_ptr(), 1, 8) }.unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while mock.driver().pending_work() > 0 {
+        assert!(std::time::Instant::now() < deadline, "the worker never ran");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!((read(&a, 0), read(&a, PAGE - 1)), (8, 7), "in order");
+    mock.release_stream(s).unwrap();
+    // SAFETY: `a` came from `mock`.
+    unsafe { mock.free(a).unwrap() };
 }

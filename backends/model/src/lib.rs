@@ -7,6 +7,7 @@ mod machine;
 mod ranges;
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use tensor_wasm_mem_core::{Location, Operation};
 
@@ -62,6 +63,11 @@ pub struct ModelConfig {
     /// it, as on a GPU. A host read before then sees the old bytes. Off: every call completes
     /// before it returns.
     pub deferred_streams: bool,
+    /// With [`deferred_streams`](Self::deferred_streams), a background thread (the "device")
+    /// that runs the oldest work item of every queue once per interval, so work also completes
+    /// with no one waiting for it, at times the test does not choose; `None` (the default):
+    /// deferred work runs only when waited for or stepped.
+    pub worker_interval: Option<Duration>,
 }
 
 impl Default for ModelConfig {
@@ -77,6 +83,7 @@ impl Default for ModelConfig {
             peer_access: true,
             poison_fresh_allocations: false,
             deferred_streams: false,
+            worker_interval: None,
         }
     }
 }

@@ -2,8 +2,8 @@
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tensor_wasm_mem_core::{
@@ -286,7 +286,50 @@ pub struct ModelDriver {
     id: u64,
     config: ModelConfig,
     page: usize,
-    state: Mutex<State>,
+    state: Arc<Mutex<State>>,
+    /// The background worker ([`ModelConfig::worker_interval`]), stopped and joined at drop.
+    worker: Option<Worker>,
+}
+
+/// A thread that runs one work item of every queue per interval, as a device gets to work on
+/// its own.
+#[derive(Debug)]
+struct Worker {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Worker {
+    fn start(state: &Arc<Mutex<State>>, interval: Duration) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (state, stopped) = (Arc::downgrade(state), Arc::clone(&stop));
+        let thread = std::thread::Builder::new()
+            .name("twm-model-device".into())
+            .spawn(move || {
+                while !stopped.load(Ordering::Acquire) {
+                    std::thread::sleep(interval);
+                    let Some(state) = state.upgrade() else {
+                        return;
+                    };
+                    let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
+                    let queues: Vec<Queue> = state.queues.keys().copied().collect();
+                    for queue in queues {
+                        state.run_one(queue);
+                    }
+                }
+            })
+            .ok();
+        Self { stop, thread }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 impl Default for ModelDriver {
@@ -640,11 +683,17 @@ impl ModelDriver {
             );
             state.scrub_streams.push(scrub);
         }
+        let state = Arc::new(Mutex::new(state));
+        let worker = config
+            .worker_interval
+            .filter(|_| config.deferred_streams)
+            .map(|interval| Worker::start(&state, interval));
         Self {
             id: MACHINES.fetch_add(1, Ordering::Relaxed),
             config,
             page: host::page_size(),
-            state: Mutex::new(state),
+            worker,
+            state,
         }
     }
 
@@ -1787,7 +1836,9 @@ unsafe impl DriverApi for ModelDriver {
 impl Drop for ModelDriver {
     /// Unmaps whatever is still mapped (counted in [`leaked_at_drop`](crate::leaked_at_drop)).
     fn drop(&mut self) {
-        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        // The worker first: nothing runs behind the unmapping below.
+        drop(self.worker.take());
+        let mut state = self.state();
         // A pool block whose free is still queued was given back by its caller: run the frees
         // (nothing else) so it is not counted as leaked.
         let frees: Vec<usize> = state

@@ -30,6 +30,9 @@ pub struct SimConfig {
     pub deferred: u32,
     /// Every pair of distinct devices can access each other (`cuDeviceCanAccessPeer`; 0 or 1).
     pub peer: u32,
+    /// With `deferred`: a background "device" thread runs every queue's oldest item each this
+    /// many microseconds (0: none; deferred work runs only when waited for).
+    pub worker_micros: u64,
 }
 
 impl SimConfig {
@@ -45,6 +48,7 @@ impl SimConfig {
         host_register: 0,
         deferred: 0,
         peer: 1,
+        worker_micros: 0,
     };
 }
 

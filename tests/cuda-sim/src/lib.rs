@@ -167,6 +167,8 @@ impl Shell {
                     peer_access: config.peer != 0,
                     poison_fresh_allocations: config.poison != 0,
                     deferred_streams: config.deferred != 0,
+                    worker_interval: (config.worker_micros > 0)
+                        .then(|| Duration::from_micros(config.worker_micros)),
                 }),
                 config,
                 primary_refs: Mutex::new(vec![0; config.device_count as usize]),
