@@ -141,6 +141,26 @@ impl HintMaps {
     }
 }
 
+/// A mapping of simulated device memory: its address and the bytes mapped there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Mapping {
+    address: usize,
+    mapped: usize,
+}
+
+impl Mapping {
+    const fn end(self) -> usize {
+        self.address + self.mapped
+    }
+}
+
+/// A function got from a module (`cuModuleGetFunction`): its module and simulated kernel.
+#[derive(Clone, Copy, Debug)]
+struct FunctionRecord {
+    module: u64,
+    kernel: Kernel,
+}
+
 /// A host range registered with `cuMemHostRegister`.
 #[derive(Debug)]
 struct Registration {
@@ -157,7 +177,7 @@ struct Pool {
     /// Blocks allocated (their frees not yet run).
     live: u64,
     /// Freed blocks kept: (address, mapped bytes).
-    cached: Vec<(usize, usize)>,
+    cached: Vec<Mapping>,
     /// Destroyed with blocks outstanding: released when the last is freed.
     destroyed: bool,
 }
@@ -253,14 +273,14 @@ struct State {
     queues: HashMap<Queue, VecDeque<Work>>,
     events: HashMap<u64, EventRecord>,
     modules: HashSet<u64>,
-    functions: HashMap<u64, (u64, Kernel)>,
+    functions: HashMap<u64, FunctionRecord>,
     next_handle: u64,
     faults: Vec<Fault>,
     delays: Vec<(Call, Duration)>,
     /// Mappings freed while queued work still targeted them: never unmapped before the machine
     /// goes, so the address cannot be handed to a new allocation that the stale work would then
     /// write (it finds no allocation and faults, as on a GPU).
-    quarantine: Vec<(usize, usize)>,
+    quarantine: Vec<Mapping>,
     /// Per device: the code every call that is not teardown answers there, once the device is
     /// failed with [`ModelDriver::fail_device`].
     failed_devices: Vec<Option<u32>>,
@@ -562,7 +582,10 @@ impl State {
             return;
         };
         pool.live -= 1;
-        pool.cached.push((ptr, record.mapped));
+        pool.cached.push(Mapping {
+            address: ptr,
+            mapped: record.mapped,
+        });
         let keep = if pool.destroyed {
             0
         } else {
@@ -587,11 +610,15 @@ impl State {
             let free = pool
                 .cached
                 .iter()
-                .rposition(|&(a, m)| !self.pending_over(a, a + m, None));
+                .rposition(|b| !self.pending_over(b.address, b.end(), None));
             let Some(pool) = self.pools.get_mut(&pool_raw) else {
                 break;
             };
-            let Some((ptr, mapped)) = free.map(|i| pool.cached.swap_remove(i)) else {
+            let Some(Mapping {
+                address: ptr,
+                mapped,
+            }) = free.map(|i| pool.cached.swap_remove(i))
+            else {
                 break;
             };
             pool.reserved -= mapped as u64;
@@ -1036,7 +1063,13 @@ impl ModelDriver {
         let kernel =
             Kernel::by_name(name).ok_or(error(Call::ModuleGetFunction, code::NOT_FOUND))?;
         let handle = state.handle();
-        state.functions.insert(handle, (module.0, kernel));
+        state.functions.insert(
+            handle,
+            FunctionRecord {
+                module: module.0,
+                kernel,
+            },
+        );
         Ok(Function(handle))
     }
 
@@ -1057,7 +1090,7 @@ impl ModelDriver {
         function: Function,
         args: &[u64],
     ) -> Result<(), ModelError> {
-        let kernel = self.state().functions.get(&function.0).map(|&(_, k)| k);
+        let kernel = self.state().functions.get(&function.0).map(|f| f.kernel);
         // SAFETY: the caller's contract is this call's.
         unsafe { self.launch_kernel(stream.into(), kernel, args) }
     }
@@ -1252,7 +1285,7 @@ impl ModelDriver {
             Some(p) if !p.destroyed && p.device == device => p
                 .cached
                 .iter()
-                .position(|&(a, m)| m == mapped && !state.pending_over(a, a + m, None)),
+                .position(|b| b.mapped == mapped && !state.pending_over(b.address, b.end(), None)),
             Some(p) if !p.destroyed => return Err(error(call, code::INVALID_CONTEXT)),
             _ => return Err(error(call, code::INVALID_HANDLE)),
         };
@@ -1262,7 +1295,7 @@ impl ModelDriver {
             .ok_or(error(call, code::INVALID_HANDLE))?;
         let reused = reuse.map(|i| p.cached.swap_remove(i));
         let address = match reused {
-            Some((address, _)) => address,
+            Some(block) => block.address,
             None => {
                 if p.max_bytes != 0 && p.reserved.saturating_add(mapped as u64) > p.max_bytes {
                     return Err(error(call, code::OUT_OF_MEMORY));
@@ -1447,7 +1480,10 @@ unsafe impl DriverApi for ModelDriver {
         state.stats.live_allocations -= 1;
         state.stats.live_bytes -= record.len as u64;
         if pending {
-            state.quarantine.push((address, record.mapped));
+            state.quarantine.push(Mapping {
+                address,
+                mapped: record.mapped,
+            });
         } else if let Some(p) = core::ptr::NonNull::new(address as *mut u8) {
             // SAFETY: the mapping made for this allocation (taken out of the table just now);
             // the caller guarantees it is not used afterwards, and no queued work targets it.
@@ -1854,7 +1890,7 @@ impl Drop for ModelDriver {
         for ptr in frees {
             state.release_pool_block(ptr);
         }
-        for (address, mapped) in std::mem::take(&mut state.quarantine) {
+        for Mapping { address, mapped } in std::mem::take(&mut state.quarantine) {
             if let Some(p) = core::ptr::NonNull::new(address as *mut u8) {
                 // SAFETY: a freed mapping of ours kept back from reuse; nothing uses it now.
                 unsafe { host::unmap(p, mapped) };
@@ -1869,7 +1905,7 @@ impl Drop for ModelDriver {
             }
         }
         for (_, pool) in std::mem::take(&mut state.pools) {
-            for (address, mapped) in pool.cached {
+            for Mapping { address, mapped } in pool.cached {
                 if let Some(p) = core::ptr::NonNull::new(address as *mut u8) {
                     // SAFETY: a kept pool block of ours, held by no one.
                     unsafe { host::unmap(p, mapped) };

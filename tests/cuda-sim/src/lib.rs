@@ -99,13 +99,22 @@ struct Shell {
     machine: Option<Arc<Machine>>,
     /// Calls of entry points the model has no call for, by name.
     calls: BTreeMap<String, u64>,
-    /// Injected failures of those: (name, absolute call number, code).
-    faults: Vec<(String, u64, u32)>,
+    /// Injected failures of those.
+    faults: Vec<Fault>,
     /// Every entry-point call, and those that returned an error.
     total_calls: u64,
     failed_calls: u64,
     /// Failures the shell injected (the model counts its own).
     injected: u64,
+}
+
+/// An injected failure of an entry point the model has no call for.
+#[derive(Debug)]
+struct Fault {
+    name: String,
+    /// The call (counted from the machine's start) that fails.
+    nth: u64,
+    code: u32,
 }
 
 static SHELL: Mutex<Shell> = Mutex::new(Shell {
@@ -136,9 +145,9 @@ impl Shell {
         if let Some(i) = self
             .faults
             .iter()
-            .position(|(n, at, _)| n == name && *at == nth)
+            .position(|f| f.name == name && f.nth == nth)
         {
-            let (_, _, code) = self.faults.swap_remove(i);
+            let code = self.faults.swap_remove(i).code;
             self.injected += 1;
             self.failed_calls += 1;
             return Err(code);
@@ -1009,7 +1018,11 @@ pub unsafe extern "C" fn twm_sim_fail_nth(name: *const c_char, nth: u64, error: 
         },
         None => {
             let done = shell.calls.get(&name).copied().unwrap_or(0);
-            shell.faults.push((name, done + nth, error));
+            shell.faults.push(Fault {
+                name,
+                nth: done + nth,
+                code: error,
+            });
         }
     }
     code::SUCCESS

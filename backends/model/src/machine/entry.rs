@@ -139,9 +139,7 @@ impl ModelDriver {
         if !state.modules.remove(&module.raw()) {
             return Err(error(Call::ModuleLoad, code::INVALID_HANDLE));
         }
-        state
-            .functions
-            .retain(|_, (owner, _)| *owner != module.raw());
+        state.functions.retain(|_, f| f.module != module.raw());
         Ok(())
     }
 
@@ -158,7 +156,11 @@ impl ModelDriver {
         args: &[u64],
     ) -> Result<(), ModelError> {
         let on = self.on_raw(Call::Launch, stream)?;
-        let kernel = self.state().functions.get(&function.raw()).map(|&(_, k)| k);
+        let kernel = self
+            .state()
+            .functions
+            .get(&function.raw())
+            .map(|f| f.kernel);
         // SAFETY: the caller's contract is this call's.
         unsafe { self.launch_kernel(on, kernel, args) }
     }
@@ -166,7 +168,10 @@ impl ModelDriver {
     /// The simulated kernel a live function handle names.
     #[must_use]
     pub fn function_kernel(&self, function: Function) -> Option<Kernel> {
-        self.state().functions.get(&function.raw()).map(|&(_, k)| k)
+        self.state()
+            .functions
+            .get(&function.raw())
+            .map(|f| f.kernel)
     }
 
     /// [`event_record`](Self::event_record) on a raw stream handle.
