@@ -2,9 +2,10 @@
 //! `scope_kernel` example. On a GPU the PTX runs; on the simulated libcuda the module loads and
 //! the simulator's host kernel of the same name runs.
 
-use std::ffi::{CString, c_void};
+use std::ffi::{CString, c_char, c_void};
+use std::sync::OnceLock;
 
-use cudarc::driver::sys;
+use tensor_wasm_mem_cuda::code;
 
 /// Adds one to each byte of `data[0..len]`, one thread per byte.
 pub const INCREMENT_PTX: &str = r#"
@@ -41,11 +42,67 @@ DONE:
 }
 "#;
 
-fn check(call: &str, result: sys::CUresult) -> Result<(), String> {
-    if result == sys::CUresult::CUDA_SUCCESS {
+type Handle = *mut c_void;
+
+/// The entry points the launcher calls, with raw-integer results (cudarc's enum-typed
+/// signatures would make a `CUresult` its enum does not know undefined behaviour).
+struct Raw {
+    push: unsafe extern "C" fn(Handle) -> u32,
+    pop: unsafe extern "C" fn(*mut Handle) -> u32,
+    load: unsafe extern "C" fn(*mut Handle, *const c_void) -> u32,
+    get: unsafe extern "C" fn(*mut Handle, Handle, *const c_char) -> u32,
+    #[allow(clippy::type_complexity)]
+    launch: unsafe extern "C" fn(
+        Handle,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        u32,
+        Handle,
+        *mut *mut c_void,
+        *mut *mut c_void,
+    ) -> u32,
+    sync: unsafe extern "C" fn(Handle) -> u32,
+    unload: unsafe extern "C" fn(Handle) -> u32,
+}
+
+/// The driver the process loaded (`libcuda.so.1`: the backend loaded it first), kept for good.
+fn raw() -> Result<&'static Raw, String> {
+    static RAW: OnceLock<Result<Raw, String>> = OnceLock::new();
+    RAW.get_or_init(|| {
+        // SAFETY: the CUDA driver the backend already loaded; loading it again runs nothing.
+        let lib = unsafe { libloading::Library::new("libcuda.so.1") }.map_err(|e| e.to_string())?;
+        let lib: &'static libloading::Library = Box::leak(Box::new(lib));
+        macro_rules! sym {
+            ($name:literal) => {
+                // SAFETY: the driver's entry point of that name, with its C signature.
+                *unsafe { lib.get(concat!($name, "\0").as_bytes()) }
+                    .map_err(|e| format!("{}: {e}", $name))?
+            };
+        }
+        Ok(Raw {
+            push: sym!("cuCtxPushCurrent_v2"),
+            pop: sym!("cuCtxPopCurrent_v2"),
+            load: sym!("cuModuleLoadData"),
+            get: sym!("cuModuleGetFunction"),
+            launch: sym!("cuLaunchKernel"),
+            sync: sym!("cuStreamSynchronize"),
+            unload: sym!("cuModuleUnload"),
+        })
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+fn check(call: &str, result: u32) -> Result<(), String> {
+    if result == code::SUCCESS {
         Ok(())
     } else {
-        Err(format!("{call} failed: {result:?}"))
+        let name = code::name(result).unwrap_or("a code this build does not name");
+        Err(format!("{call} failed: {name} ({result})"))
     }
 }
 
@@ -55,37 +112,38 @@ fn check(call: &str, result: sys::CUresult) -> Result<(), String> {
 /// device-access scope's own wait at close is then already satisfied; the mock's deferred
 /// streams test that wait.
 pub fn launch_increment(data: u64, len: u64, stream: u64, context: u64) -> Result<(), String> {
+    let raw = raw()?;
     let ptx = CString::new(INCREMENT_PTX).map_err(|e| e.to_string())?;
     let name = CString::new("increment").map_err(|e| e.to_string())?;
     // SAFETY: a live context of the backend (the stream's).
     check("cuCtxPushCurrent", unsafe {
-        sys::cuCtxPushCurrent_v2(context as sys::CUcontext)
+        (raw.push)(context as usize as Handle)
     })?;
-    let launched = load_and_launch(&ptx, &name, data, len, stream);
-    let mut popped: sys::CUcontext = std::ptr::null_mut();
+    let launched = load_and_launch(raw, &ptx, &name, data, len, stream);
+    let mut popped: Handle = std::ptr::null_mut();
     // SAFETY: pops what was pushed above; `popped` is a valid out-pointer.
-    let popped = check("cuCtxPopCurrent", unsafe {
-        sys::cuCtxPopCurrent_v2(&mut popped)
-    });
+    let popped = check("cuCtxPopCurrent", unsafe { (raw.pop)(&mut popped) });
     launched.and(popped)
 }
 
 fn load_and_launch(
+    raw: &Raw,
     ptx: &CString,
     name: &CString,
     data: u64,
     len: u64,
     stream: u64,
 ) -> Result<(), String> {
-    let mut module: sys::CUmodule = std::ptr::null_mut();
+    let stream = stream as usize as Handle;
+    let mut module: Handle = std::ptr::null_mut();
     // SAFETY: `module` is a valid out-pointer; `ptx` is a NUL-terminated PTX image.
     check("cuModuleLoadData", unsafe {
-        sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast())
+        (raw.load)(&mut module, ptx.as_ptr().cast())
     })?;
-    let mut function: sys::CUfunction = std::ptr::null_mut();
+    let mut function: Handle = std::ptr::null_mut();
     // SAFETY: `module` was just loaded; `name` is a NUL-terminated string.
     let got = check("cuModuleGetFunction", unsafe {
-        sys::cuModuleGetFunction(&mut function, module, name.as_ptr())
+        (raw.get)(&mut function, module, name.as_ptr())
     });
     let launched = got.and_then(|()| {
         let (mut data, mut len) = (data, len);
@@ -97,7 +155,7 @@ fn load_and_launch(
         // SAFETY: the kernel takes two u64 parameters, passed by address; the range lies inside
         // the guest's live memory (resolved and checked by the creator); the stream is live.
         check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
+            (raw.launch)(
                 function,
                 blocks,
                 1,
@@ -106,17 +164,15 @@ fn load_and_launch(
                 1,
                 1,
                 0,
-                stream as sys::CUstream,
+                stream,
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
         })?;
         // SAFETY: a live stream of the backend.
-        check("cuStreamSynchronize", unsafe {
-            sys::cuStreamSynchronize(stream as sys::CUstream)
-        })
+        check("cuStreamSynchronize", unsafe { (raw.sync)(stream) })
     });
     // SAFETY: the module is not used after this.
-    let _ = unsafe { sys::cuModuleUnload(module) };
+    let _ = unsafe { (raw.unload)(module) };
     launched
 }

@@ -169,8 +169,9 @@ pub enum LoadError {
 
 impl Api {
     /// Loads the table from the driver library that loads by the name `name` (kept loaded for
-    /// the rest of the process), with the `_v2` forms of advice and prefetch. A driver without
-    /// stream-ordered pools loads with `pools = None`.
+    /// the rest of the process), with the `_v2` forms of advice and prefetch (the CUDA 11 forms
+    /// on a driver before 12.2). A driver without stream-ordered pools loads with
+    /// `pools = None`.
     ///
     /// # Safety
     ///
@@ -186,28 +187,42 @@ impl Api {
         let entries = unsafe { Entries::load(lib) }.map_err(LoadError::MissingSymbol)?;
         // SAFETY: as above; a driver without pools has none of them.
         let pools = unsafe { PoolEntries::load(lib) }.ok();
-        // SAFETY: the `_v2` forms' C signatures are the ones declared.
-        let advise = unsafe {
-            lib.get::<unsafe extern "C" fn(u64, usize, u32, MemLocation) -> u32>(
-                b"cuMemAdvise_v2\0",
-            )
-        }
-        .map_err(|_| LoadError::MissingSymbol("cuMemAdvise_v2"))?;
-        // SAFETY: as above.
-        let prefetch = unsafe {
-            lib.get::<unsafe extern "C" fn(u64, usize, MemLocation, u32, Handle) -> u32>(
-                b"cuMemPrefetchAsync_v2\0",
-            )
-        }
-        .map_err(|_| LoadError::MissingSymbol("cuMemPrefetchAsync_v2"))?;
+        let hints = Self::load_hints(lib)?;
         Ok(Box::leak(Box::new(Self {
             entries,
-            hints: HintEntries::V2 {
-                advise: *advise,
-                prefetch: *prefetch,
-            },
+            hints,
             pools,
         })))
+    }
+
+    /// The `_v2` forms of advice and prefetch where the driver has both (CUDA 12.2+), else the
+    /// CUDA 11 forms; neither pair complete: the first missing `_v2` entry point is the error.
+    fn load_hints(lib: &libloading::Library) -> Result<HintEntries, LoadError> {
+        type AdviseV2 = unsafe extern "C" fn(u64, usize, u32, MemLocation) -> u32;
+        type PrefetchV2 = unsafe extern "C" fn(u64, usize, MemLocation, u32, Handle) -> u32;
+        type AdviseV1 = unsafe extern "C" fn(u64, usize, u32, c_int) -> u32;
+        type PrefetchV1 = unsafe extern "C" fn(u64, usize, c_int, Handle) -> u32;
+        // Each lookup: the driver's entry point of that name has the C signature declared; the
+        // symbol is only looked up here.
+        // SAFETY: as just said.
+        let advise_v2 = unsafe { lib.get::<AdviseV2>(b"cuMemAdvise_v2\0") }.map(|s| *s);
+        // SAFETY: as above.
+        let prefetch_v2 = unsafe { lib.get::<PrefetchV2>(b"cuMemPrefetchAsync_v2\0") }.map(|s| *s);
+        if let (Ok(advise), Ok(prefetch)) = (&advise_v2, &prefetch_v2) {
+            return Ok(HintEntries::V2 {
+                advise: *advise,
+                prefetch: *prefetch,
+            });
+        }
+        // SAFETY: as above.
+        let advise_v1 = unsafe { lib.get::<AdviseV1>(b"cuMemAdvise\0") }.map(|s| *s);
+        // SAFETY: as above.
+        let prefetch_v1 = unsafe { lib.get::<PrefetchV1>(b"cuMemPrefetchAsync\0") }.map(|s| *s);
+        match (advise_v1, prefetch_v1) {
+            (Ok(advise), Ok(prefetch)) => Ok(HintEntries::V1 { advise, prefetch }),
+            _ if advise_v2.is_err() => Err(LoadError::MissingSymbol("cuMemAdvise_v2")),
+            _ => Err(LoadError::MissingSymbol("cuMemPrefetchAsync_v2")),
+        }
     }
 }
 

@@ -177,9 +177,15 @@ impl<E> CudaDriver<E> {
         self.api
     }
 
-    fn get(&self, id: DeviceId) -> &Device {
-        // `DriverBackend` checks every device id against `device_count` before asking.
-        &self.devices[id.0 as usize]
+    /// The device `id`; `DriverBackend` checks every device id against `device_count` before
+    /// asking, and a caller of the bare driver who does not gets a refusal, never a panic.
+    fn get(&self, id: DeviceId) -> Result<&Device, Refusal> {
+        self.devices
+            .get(id.0 as usize)
+            .ok_or(Refusal::InvalidDevice {
+                device: id,
+                count: self.devices.len() as u32,
+            })
     }
 
     fn pools(&self) -> Result<&PoolEntries, Refusal> {
@@ -221,12 +227,20 @@ where
     }
 
     fn device_facts(&self, device: DeviceId) -> DeviceFacts {
-        let info = &self.get(device).info;
-        DeviceFacts {
-            concurrent_managed_access: info.concurrent_managed_access,
-            pageable_memory_access: info.pageable_memory_access,
-            pageable_uses_host_page_tables: info.pageable_uses_host_page_tables,
-            host_registration: info.host_registration,
+        match self.get(device) {
+            Ok(d) => DeviceFacts {
+                concurrent_managed_access: d.info.concurrent_managed_access,
+                pageable_memory_access: d.info.pageable_memory_access,
+                pageable_uses_host_page_tables: d.info.pageable_uses_host_page_tables,
+                host_registration: d.info.host_registration,
+            },
+            // No such device: it can do nothing.
+            Err(_) => DeviceFacts {
+                concurrent_managed_access: false,
+                pageable_memory_access: false,
+                pageable_uses_host_page_tables: false,
+                host_registration: false,
+            },
         }
     }
 
@@ -243,7 +257,9 @@ where
     }
 
     fn primary_context(&self, device: DeviceId) -> DriverContext {
-        self.get(device).primary
+        // No such device: no context (0 is never one; the driver refuses it).
+        self.get(device)
+            .map_or(DriverContext::from_raw(0), |d| d.primary)
     }
 
     fn push_current(&self, context: DriverContext) -> Result<(), E> {
@@ -264,7 +280,7 @@ where
     }
 
     unsafe fn zero(&self, device: DeviceId, ptr: u64, len: usize) -> Result<(), E> {
-        let stream = self.get(device).scrub_stream;
+        let stream = self.get(device)?.scrub_stream;
         // SAFETY: guaranteed by the caller (the `DriverApi::zero` contract: the range is inside
         // a live allocation, the device's primary context is current, whose stream this is).
         Ok(unsafe { self.api.zero(ptr, len, stream) }?)
@@ -280,7 +296,8 @@ where
     }
 
     fn scrub_stream(&self, device: DeviceId) -> DriverStream {
-        self.get(device).scrub_stream
+        self.get(device)
+            .map_or(DriverStream::DEFAULT, |d| d.scrub_stream)
     }
 
     fn stream_create(&self) -> Result<DriverStream, E> {
@@ -296,7 +313,7 @@ where
     }
 
     fn context_create(&self, device: DeviceId) -> Result<DriverContext, E> {
-        Ok(self.api.context_create(self.get(device).cu)?)
+        Ok(self.api.context_create(self.get(device)?.cu)?)
     }
 
     fn context_destroy(&self, context: DriverContext) -> Result<(), E> {

@@ -890,3 +890,26 @@ fn a_worker_completes_work_no_one_waits_for() {
     // SAFETY: `a` came from `mock`.
     unsafe { mock.free(a).unwrap() };
 }
+
+/// Advice and prefetch over a range that starts below an allocation and ends inside it are
+/// refused (`CUDA_ERROR_INVALID_VALUE`), not applied to part of it.
+#[test]
+fn a_range_starting_below_an_allocation_is_refused() {
+    let model = tensor_wasm_mem_mock::ModelDriver::default();
+    let primary = model.primary_context(DeviceId(0));
+    model.push_current(primary).unwrap();
+    let p = model.alloc_managed(DeviceId(0), 2 * PAGE).unwrap();
+    let below = p - 4096;
+    let e = model
+        .advise(below, 8192, Advice::SetReadMostly)
+        .unwrap_err();
+    assert_eq!(driver_code(&e), Some(code::INVALID_VALUE));
+    let stream = tensor_wasm_mem_core::DriverStream::DEFAULT;
+    let e = model
+        .prefetch(below, 8192, Location::Host, stream)
+        .unwrap_err();
+    assert_eq!(driver_code(&e), Some(code::INVALID_VALUE));
+    // SAFETY: allocated above, unused.
+    unsafe { model.free(p) }.unwrap();
+    model.pop_current().unwrap();
+}

@@ -327,7 +327,11 @@ impl Worker {
             .name("twm-model-device".into())
             .spawn(move || {
                 while !stopped.load(Ordering::Acquire) {
-                    std::thread::sleep(interval);
+                    // Woken early by the drop (`unpark`), so a long interval never delays it.
+                    std::thread::park_timeout(interval);
+                    if stopped.load(Ordering::Acquire) {
+                        return;
+                    }
                     let Some(state) = state.upgrade() else {
                         return;
                     };
@@ -347,6 +351,7 @@ impl Drop for Worker {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         if let Some(thread) = self.thread.take() {
+            thread.thread().unpark();
             let _ = thread.join();
         }
     }
@@ -857,8 +862,13 @@ impl ModelDriver {
         }
     }
 
+    /// Runs `f` on the calling thread's context stack of this machine. A thread whose
+    /// thread-locals are being torn down (a driver call from a TLS destructor) has an empty stack
+    /// that keeps nothing, rather than a panic.
     fn with_stack<T>(&self, f: impl FnOnce(&mut Vec<u64>) -> T) -> T {
-        STACKS.with(|stacks| {
+        let mut f = Some(f);
+        let result = STACKS.try_with(|stacks| {
+            let f = f.take().expect("called once");
             let mut stacks = stacks.borrow_mut();
             let i = match stacks.iter().position(|(id, _)| *id == self.id) {
                 Some(i) => i,
@@ -872,7 +882,12 @@ impl ModelDriver {
                 stacks.swap_remove(i);
             }
             result
-        })
+        });
+        match (result, f) {
+            (Ok(result), _) => result,
+            (Err(_), Some(f)) => f(&mut Vec::new()),
+            (Err(_), None) => unreachable!("the stack's closure runs only if the stack exists"),
+        }
     }
 
     /// The calling thread's current context of this machine (0: none).
@@ -947,7 +962,9 @@ impl ModelDriver {
             return Err(invalid);
         }
         match state.allocations.range(..end).next_back() {
-            Some((&base, r)) if end <= base + r.len && r.pool.is_none() => Ok(Some(base)),
+            Some((&base, r)) if start >= base && end <= base + r.len && r.pool.is_none() => {
+                Ok(Some(base))
+            }
             // Overlapping an allocation without lying inside it, or a pool block.
             Some((&base, r)) if start < base + r.len => Err(invalid),
             _ if self.config.pageable_memory_access => Ok(None),

@@ -30,8 +30,17 @@ fn target_dir(out_dir: &Path) -> PathBuf {
 #[must_use]
 pub fn build(out_dir: &Path, file_name: &str, without_prefetch: bool) -> PathBuf {
     let workspace = workspace();
-    for dir in ["tests/cuda-sim", "backends/model/src", "core/src"] {
-        println!("cargo:rerun-if-changed={}", workspace.join(dir).display());
+    // Everything the simulator is built from: its crates, the workspace's manifest (its
+    // `cuda-sim` profile) and lock file.
+    for path in [
+        "tests/cuda-sim",
+        "backends/model",
+        "backends/cuda",
+        "core",
+        "Cargo.toml",
+        "Cargo.lock",
+    ] {
+        println!("cargo:rerun-if-changed={}", workspace.join(path).display());
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let target = target_dir(out_dir).join(if without_prefetch {
@@ -49,19 +58,28 @@ pub fn build(out_dir: &Path, file_name: &str, without_prefetch: bool) -> PathBuf
     if without_prefetch {
         cmd.args(["--features", "without-prefetch"]);
     }
-    // The caller's flags and target are its own build's, not this one's.
+    cmd.arg("--locked");
+    if std::env::var_os("CARGO_NET_OFFLINE").is_some() {
+        cmd.arg("--offline");
+    }
+    // The caller's flags, target and profile settings are its own build's, not this one's.
     for var in [
         "RUSTFLAGS",
         "CARGO_ENCODED_RUSTFLAGS",
         "CARGO_BUILD_RUSTFLAGS",
         "RUSTDOCFLAGS",
-        "CARGO_TARGET_DIR",
         "CARGO_BUILD_TARGET",
         "CARGO_BUILD_TARGET_DIR",
         "RUSTC_WRAPPER",
         "RUSTC_WORKSPACE_WRAPPER",
     ] {
         cmd.env_remove(var);
+    }
+    for (var, _) in std::env::vars_os() {
+        let name = var.to_string_lossy();
+        if name.starts_with("CARGO_TARGET_") || name.starts_with("CARGO_PROFILE_") {
+            cmd.env_remove(&var);
+        }
     }
     let output = cmd
         .output()

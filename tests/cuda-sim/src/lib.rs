@@ -322,10 +322,24 @@ pub unsafe extern "C" fn cuInit(flags: c_uint) -> c_uint {
     }
 }
 
-entry! {
-    /// `cuDriverGetVersion`: 12080.
-    fn cuDriverGetVersion(version: *mut c_int) |_m| {
-        put(version, 12080)
+/// `cuDriverGetVersion`: 12080; it answers before `cuInit` too, as the driver does.
+///
+/// # Safety
+///
+/// `version` must be null or valid for a write of an `int`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDriverGetVersion(version: *mut c_int) -> c_uint {
+    let mut shell = lock();
+    let answer = shell.count("cuDriverGetVersion").and_then(|()| {
+        // SAFETY: guaranteed by the caller.
+        unsafe { put(version, 12080) }
+    });
+    match answer {
+        Ok(()) => code::SUCCESS,
+        Err(code) => {
+            shell.failed_calls += 1;
+            code
+        }
     }
 }
 
@@ -562,6 +576,7 @@ entry! {
     }
 }
 
+#[cfg(not(feature = "without-prefetch"))]
 entry! {
     /// `cuMemPrefetchAsync` (the CUDA 11 form: a device ordinal, `-1` for the CPU).
     fn cuMemPrefetchAsync(ptr: u64, count: usize, device: c_int, stream: *mut c_void) |m| {
@@ -823,7 +838,9 @@ pub unsafe extern "C" fn cuGetErrorString(error: c_uint, text: *mut *const c_cha
             Ok(()) => code::SUCCESS,
             Err(e) => e,
         },
-        None => code::INVALID_VALUE,
+        // As the driver documents: `*pStr` is set to NULL.
+        // SAFETY: guaranteed by the caller.
+        None => unsafe { put(text, std::ptr::null()) }.map_or_else(|e| e, |()| code::INVALID_VALUE),
     }
 }
 
@@ -840,7 +857,9 @@ pub unsafe extern "C" fn cuGetErrorName(error: c_uint, text: *mut *const c_char)
             Ok(()) => code::SUCCESS,
             Err(e) => e,
         },
-        None => code::INVALID_VALUE,
+        // As the driver documents: `*pStr` is set to NULL.
+        // SAFETY: guaranteed by the caller.
+        None => unsafe { put(text, std::ptr::null()) }.map_or_else(|e| e, |()| code::INVALID_VALUE),
     }
 }
 

@@ -18,6 +18,9 @@ fn the_c_abi_over_the_model() {
     unsafe {
         twm_sim_reset();
         assert_eq!(cuDeviceGetCount(&mut 0), code::NOT_INITIALIZED);
+        let mut version = 0;
+        ok(cuDriverGetVersion(&mut version));
+        assert_eq!(version, 12080, "answered before cuInit, as the driver does");
         ok(twm_sim_configure(&SimConfig {
             device_count: 2,
             deferred: 1,
@@ -105,7 +108,9 @@ fn the_c_abi_over_the_model() {
         ok(twm_sim_hints(ptr, &mut hints));
         assert_eq!(hints.preferred, 1);
         let mut text = std::ptr::null();
+        text = c"stale".as_ptr();
         assert_eq!(cuGetErrorName(4242, &mut text), code::INVALID_VALUE);
+        assert!(text.is_null(), "an unknown code's name is NULL");
         ok(cuGetErrorName(code::ILLEGAL_ADDRESS, &mut text));
         assert_eq!(CStr::from_ptr(text), c"CUDA_ERROR_ILLEGAL_ADDRESS");
 
