@@ -627,8 +627,10 @@ macro_rules! driver_harness {
                     return false;
                 };
                 // SAFETY: the caller's contract is the launch's.
-                let code = unsafe { sim.launch_fill(stream.context(), stream.raw(), ptr, len as u64, byte) };
-                assert_eq!(code, 0, "cuLaunchKernel");
+                let launched = unsafe {
+                    sim.launch_fill(stream.context(), stream.raw(), ptr, len as u64, byte)
+                };
+                launched.unwrap_or_else(|e| panic!("fill: {e}"));
                 true
             }
 

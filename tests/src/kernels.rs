@@ -2,7 +2,7 @@
 //! `scope_kernel` example. On a GPU the PTX runs; on the simulated libcuda the module loads and
 //! the simulator's host kernel of the same name runs.
 
-use std::ffi::{CString, c_char, c_void};
+use std::ffi::{CStr, CString, c_char, c_void};
 use std::sync::OnceLock;
 
 use tensor_wasm_mem_cuda::code;
@@ -112,67 +112,108 @@ fn check(call: &str, result: u32) -> Result<(), String> {
 /// device-access scope's own wait at close is then already satisfied; the mock's deferred
 /// streams test that wait.
 pub fn launch_increment(data: u64, len: u64, stream: u64, context: u64) -> Result<(), String> {
-    let raw = raw()?;
     let ptx = CString::new(INCREMENT_PTX).map_err(|e| e.to_string())?;
-    let name = CString::new("increment").map_err(|e| e.to_string())?;
-    // SAFETY: a live context of the backend (the stream's).
-    check("cuCtxPushCurrent", unsafe {
-        (raw.push)(context as usize as Handle)
-    })?;
-    let launched = load_and_launch(raw, &ptx, &name, data, len, stream);
-    let mut popped: Handle = std::ptr::null_mut();
-    // SAFETY: pops what was pushed above; `popped` is a valid out-pointer.
-    let popped = check("cuCtxPopCurrent", unsafe { (raw.pop)(&mut popped) });
-    launched.and(popped)
+    let (mut data, mut count) = (data, len);
+    let mut params = [
+        (&raw mut data).cast::<c_void>(),
+        (&raw mut count).cast::<c_void>(),
+    ];
+    let launch = Launch {
+        image: &ptx,
+        name: c"increment",
+        blocks: len.div_ceil(256) as u32,
+        threads: 256,
+        stream,
+        context,
+        wait: true,
+    };
+    // SAFETY: the kernel takes two u64 parameters, passed by address; the range lies inside the
+    // guest's live memory (resolved and checked by the creator); the stream is live.
+    unsafe { launch.run(&mut params) }
 }
 
-fn load_and_launch(
-    raw: &Raw,
-    ptx: &CString,
-    name: &CString,
-    data: u64,
-    len: u64,
-    stream: u64,
-) -> Result<(), String> {
-    let stream = stream as usize as Handle;
-    let mut module: Handle = std::ptr::null_mut();
-    // SAFETY: `module` is a valid out-pointer; `ptx` is a NUL-terminated PTX image.
-    check("cuModuleLoadData", unsafe {
-        (raw.load)(&mut module, ptx.as_ptr().cast())
-    })?;
-    let mut function: Handle = std::ptr::null_mut();
-    // SAFETY: `module` was just loaded; `name` is a NUL-terminated string.
-    let got = check("cuModuleGetFunction", unsafe {
-        (raw.get)(&mut function, module, name.as_ptr())
-    });
-    let launched = got.and_then(|()| {
-        let (mut data, mut len) = (data, len);
-        let mut params = [
-            (&raw mut data).cast::<c_void>(),
-            (&raw mut len).cast::<c_void>(),
-        ];
-        let blocks = len.div_ceil(256) as u32;
-        // SAFETY: the kernel takes two u64 parameters, passed by address; the range lies inside
-        // the guest's live memory (resolved and checked by the creator); the stream is live.
-        check("cuLaunchKernel", unsafe {
-            (raw.launch)(
-                function,
-                blocks,
-                1,
-                1,
-                256,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
+/// One kernel launch through the driver the process loaded: load `image`, get `name`, launch
+/// it on `stream` of `context` (pushed for the call, popped after), wait if asked, unload.
+#[derive(Debug)]
+pub struct Launch<'a> {
+    /// The module image (PTX; the simulator accepts any).
+    pub image: &'a CStr,
+    /// The kernel's name.
+    pub name: &'a CStr,
+    /// Blocks in the grid.
+    pub blocks: u32,
+    /// Threads per block.
+    pub threads: u32,
+    /// The stream (0: the context's default stream).
+    pub stream: u64,
+    /// The stream's context.
+    pub context: u64,
+    /// Wait for the stream after the launch.
+    pub wait: bool,
+}
+
+impl Launch<'_> {
+    /// Runs the launch with `params` (one pointer per kernel parameter, to its value).
+    ///
+    /// # Safety
+    ///
+    /// `params` must match the kernel's parameters; when the kernel runs, nothing else may
+    /// access the memory it touches.
+    pub unsafe fn run(&self, params: &mut [*mut c_void]) -> Result<(), String> {
+        let raw = raw()?;
+        // SAFETY: a live context (the driver checks it).
+        check("cuCtxPushCurrent", unsafe {
+            (raw.push)(self.context as usize as Handle)
         })?;
-        // SAFETY: a live stream of the backend.
-        check("cuStreamSynchronize", unsafe { (raw.sync)(stream) })
-    });
-    // SAFETY: the module is not used after this.
-    let _ = unsafe { (raw.unload)(module) };
-    launched
+        // SAFETY: the caller's contract.
+        let launched = unsafe { self.load_and_launch(raw, params) };
+        let mut popped: Handle = std::ptr::null_mut();
+        // SAFETY: pops what was pushed above; `popped` is a valid out-pointer.
+        let popped = check("cuCtxPopCurrent", unsafe { (raw.pop)(&mut popped) });
+        launched.and(popped)
+    }
+
+    /// # Safety
+    ///
+    /// As [`run`](Self::run).
+    unsafe fn load_and_launch(&self, raw: &Raw, params: &mut [*mut c_void]) -> Result<(), String> {
+        let stream = self.stream as usize as Handle;
+        let mut module: Handle = std::ptr::null_mut();
+        // SAFETY: `module` is a valid out-pointer; `image` is NUL-terminated.
+        check("cuModuleLoadData", unsafe {
+            (raw.load)(&mut module, self.image.as_ptr().cast())
+        })?;
+        let mut function: Handle = std::ptr::null_mut();
+        // SAFETY: `module` was just loaded; `name` is a NUL-terminated string.
+        let got = check("cuModuleGetFunction", unsafe {
+            (raw.get)(&mut function, module, self.name.as_ptr())
+        });
+        let launched = got.and_then(|()| {
+            // SAFETY: the caller's contract (parameters, memory); the stream is live.
+            check("cuLaunchKernel", unsafe {
+                (raw.launch)(
+                    function,
+                    self.blocks,
+                    1,
+                    1,
+                    self.threads,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            })?;
+            if self.wait {
+                // SAFETY: a live stream.
+                check("cuStreamSynchronize", unsafe { (raw.sync)(stream) })
+            } else {
+                Ok(())
+            }
+        });
+        // SAFETY: the module is not used after this (a queued launch keeps its kernel).
+        let _ = unsafe { (raw.unload)(module) };
+        launched
+    }
 }

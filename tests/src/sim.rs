@@ -184,7 +184,7 @@ impl Sim {
 
     /// Launches the simulated `fill(data, len, value)` kernel on `stream` of `context` (loaded
     /// through `cuModuleLoadData` / `cuModuleGetFunction` / `cuLaunchKernel`, as a guest's
-    /// embedder would): queued, it lands when the stream gets to it. The `CUresult`.
+    /// embedder would): queued, it lands when the stream gets to it.
     ///
     /// # Safety
     ///
@@ -196,63 +196,25 @@ impl Sim {
         ptr: u64,
         len: u64,
         byte: u8,
-    ) -> u32 {
-        let load: unsafe extern "C" fn(*mut usize, *const u8) -> u32 = self.f("cuModuleLoadData");
-        let get: unsafe extern "C" fn(*mut usize, usize, *const c_char) -> u32 =
-            self.f("cuModuleGetFunction");
-        type Launch = unsafe extern "C" fn(
-            usize,
-            u32,
-            u32,
-            u32,
-            u32,
-            u32,
-            u32,
-            u32,
-            usize,
-            *mut *mut u8,
-            *mut *mut u8,
-        ) -> u32;
-        let launch: Launch = self.f("cuLaunchKernel");
-        let unload: unsafe extern "C" fn(usize) -> u32 = self.f("cuModuleUnload");
-        self.in_context(context, || {
-            let (mut module, mut function) = (0usize, 0usize);
-            // SAFETY: valid out-pointer and a non-null image (any image loads here).
-            let loaded = unsafe { load(&mut module, c"simulated".as_ptr().cast()) };
-            if loaded != 0 {
-                return loaded;
-            }
-            // SAFETY: valid out-pointer, a live module, a C string.
-            let mut result = unsafe { get(&mut function, module, c"fill".as_ptr()) };
-            if result == 0 {
-                let (mut data, mut count, mut value) = (ptr, len, u32::from(byte));
-                let mut params = [
-                    (&raw mut data).cast::<u8>(),
-                    (&raw mut count).cast::<u8>(),
-                    (&raw mut value).cast::<u8>(),
-                ];
-                // SAFETY: `params` points to the three parameters `fill` declares; the range's
-                // exclusivity is the caller's contract.
-                result = unsafe {
-                    launch(
-                        function,
-                        1,
-                        1,
-                        1,
-                        1,
-                        1,
-                        1,
-                        0,
-                        stream as usize,
-                        params.as_mut_ptr(),
-                        std::ptr::null_mut(),
-                    )
-                };
-            }
-            // SAFETY: the module was loaded above; a queued launch keeps its kernel.
-            let unloaded = unsafe { unload(module) };
-            if result != 0 { result } else { unloaded }
-        })
+    ) -> Result<(), String> {
+        let (mut data, mut count, mut value) = (ptr, len, u32::from(byte));
+        let mut params = [
+            (&raw mut data).cast::<std::ffi::c_void>(),
+            (&raw mut count).cast(),
+            (&raw mut value).cast(),
+        ];
+        let launch = crate::kernels::Launch {
+            image: c"simulated",
+            name: c"fill",
+            blocks: 1,
+            threads: 1,
+            stream,
+            context,
+            wait: false,
+        };
+        // SAFETY: `fill` takes (u64, u64, u32), passed by address; the range's exclusivity is
+        // the caller's contract.
+        unsafe { launch.run(&mut params) }
     }
 
     /// Records an event on `from` (of `from_context`) and makes `to` (of `to_context`) wait for
