@@ -107,8 +107,7 @@ fn the_c_abi_over_the_model() {
         };
         ok(twm_sim_hints(ptr, &mut hints));
         assert_eq!(hints.preferred, 1);
-        let mut text = std::ptr::null();
-        text = c"stale".as_ptr();
+        let mut text: *const c_char = c"stale".as_ptr();
         assert_eq!(cuGetErrorName(4242, &mut text), code::INVALID_VALUE);
         assert!(text.is_null(), "an unknown code's name is NULL");
         ok(cuGetErrorName(code::ILLEGAL_ADDRESS, &mut text));
