@@ -225,13 +225,19 @@ impl Sim {
         let wait: unsafe extern "C" fn(usize, usize, u32) -> u32 = self.f("cuStreamWaitEvent");
         let destroy: unsafe extern "C" fn(usize) -> u32 = self.f("cuEventDestroy_v2");
         let mut event = 0usize;
-        // SAFETY: a valid out-pointer.
-        let created = unsafe { create(&mut event, 0) };
-        if created != 0 {
-            return created;
+        // The event belongs to the recording stream's context: made and recorded there.
+        let mut result = self.in_context(from_context, || {
+            // SAFETY: a valid out-pointer.
+            let created = unsafe { create(&mut event, 0) };
+            if created != 0 {
+                return created;
+            }
+            // SAFETY: live handles (the simulator checks them).
+            unsafe { record(event, from as usize) }
+        });
+        if event == 0 {
+            return result;
         }
-        // SAFETY: live handles (the simulator checks them).
-        let mut result = self.in_context(from_context, || unsafe { record(event, from as usize) });
         if result == 0 {
             // SAFETY: as above.
             result = self.in_context(to_context, || unsafe { wait(to as usize, event, 0) });

@@ -178,6 +178,27 @@ impl Api {
     /// The library of that name must be a CUDA driver (its symbols are taken to have the
     /// driver's signatures); loading it runs its initialisers.
     pub unsafe fn load(name: &str) -> Result<&'static Self, LoadError> {
+        // One table per library name for the process: a backend started again reuses it.
+        static LOADED: std::sync::Mutex<Vec<(String, &'static Api)>> =
+            std::sync::Mutex::new(Vec::new());
+        let mut loaded = LOADED
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(&(_, api)) = loaded.iter().find(|(n, _)| n == name) {
+            return Ok(api);
+        }
+        // SAFETY: guaranteed by the caller.
+        let api = unsafe { Self::load_uncached(name) }?;
+        loaded.push((name.to_owned(), api));
+        Ok(api)
+    }
+
+    /// [`load`](Self::load) without the cache.
+    ///
+    /// # Safety
+    ///
+    /// As [`load`](Self::load).
+    unsafe fn load_uncached(name: &str) -> Result<&'static Self, LoadError> {
         // SAFETY: guaranteed by the caller.
         let lib = unsafe { libloading::Library::new(name) }
             .map_err(|e| LoadError::NotFound(format!("{name}: {e}")))?;

@@ -252,6 +252,9 @@ struct EventRecord {
     queue: Option<Queue>,
     /// The context of the latest record's stream (its sticky fault is the event's).
     context: u64,
+    /// The context current at `cuEventCreate`, which the event belongs to: it is recorded only
+    /// on that context's streams (0: made with no context current, through the Rust API: any).
+    owner: u64,
 }
 
 #[derive(Debug)]
@@ -1163,11 +1166,23 @@ impl ModelDriver {
     }
 
     /// `cuEventCreate`.
+    ///
+    /// The event belongs to the calling thread's current context, if one is: it is recorded
+    /// only on that context's streams (`CUDA_ERROR_INVALID_HANDLE` elsewhere), while a stream of
+    /// any context may wait on it. With no context current (the Rust API's convenience) it
+    /// belongs to none and any stream may record it.
     pub fn event_create(&self) -> Result<Event, ModelError> {
         let mut state = self.state();
         self.enter(&mut state, Call::EventCreate, false)?;
+        let owner = self.current();
         let handle = state.handle();
-        state.events.insert(handle, EventRecord::default());
+        state.events.insert(
+            handle,
+            EventRecord {
+                owner,
+                ..EventRecord::default()
+            },
+        );
         state.stats.live_events += 1;
         Ok(Event(handle))
     }
@@ -1190,6 +1205,9 @@ impl ModelDriver {
         let queue = Self::queue_of(&state, Call::EventRecord, stream)?;
         Self::check_poison(&state, Call::EventRecord, stream.context)?;
         let e = Self::event(&mut state, Call::EventRecord, event)?;
+        if e.owner != 0 && e.owner != stream.context {
+            return Err(error(Call::EventRecord, code::INVALID_HANDLE));
+        }
         e.recorded += 1;
         e.queue = Some(queue);
         e.context = stream.context;

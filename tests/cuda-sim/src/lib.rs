@@ -640,7 +640,14 @@ entry! {
         shared_bytes: c_uint, stream: *mut c_void,
         params: *mut *mut c_void, extra: *mut *mut c_void,
     ) |m| {
-        let _ = (grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes);
+        // The launch configuration the driver checks: no empty grid or block, at most 1024
+        // threads per block (the simulated kernels then cover their whole range, whatever the
+        // grid: how many threads a real kernel needs is its own business).
+        let _ = shared_bytes;
+        let threads = u64::from(block_x) * u64::from(block_y) * u64::from(block_z);
+        if [grid_x, grid_y, grid_z, block_x, block_y, block_z].contains(&0) || threads > 1024 {
+            return Err(code::INVALID_VALUE);
+        }
         let function = Function::from_raw(function as u64);
         let kernel = m.driver.function_kernel(function).ok_or(code::INVALID_HANDLE)?;
         if params.is_null() || !extra.is_null() {
@@ -700,6 +707,8 @@ entry! {
         if event.is_null() || flags > 0xf {
             return Err(code::INVALID_VALUE);
         }
+        // An event belongs to the current context.
+        m.current_device()?;
         let e = m.driver.event_create().map_err(code_of)?;
         put(event, e.raw() as *mut c_void)
     }
@@ -865,6 +874,58 @@ pub unsafe extern "C" fn cuGetErrorName(error: c_uint, text: *mut *const c_char)
 
 // ---- Knobs -------------------------------------------------------------------------------------
 
+/// Every entry point this library exports (what `twm_sim_fail_nth` may name).
+const ENTRY_POINTS: &[&str] = &[
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetAttribute",
+    "cuDeviceGetName",
+    "cuDeviceCanAccessPeer",
+    "cuDeviceTotalMem_v2",
+    "cuMemGetInfo_v2",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxSetCurrent",
+    "cuCtxGetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuCtxCreate_v2",
+    "cuCtxDestroy_v2",
+    "cuMemAllocManaged",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuMemFree_v2",
+    "cuMemsetD8Async",
+    "cuMemAdvise_v2",
+    "cuMemAdvise",
+    #[cfg(not(feature = "without-prefetch"))]
+    "cuMemPrefetchAsync_v2",
+    #[cfg(not(feature = "without-prefetch"))]
+    "cuMemPrefetchAsync",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuModuleUnload",
+    "cuLaunchKernel",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuStreamWaitEvent",
+    "cuEventSynchronize",
+    "cuEventQuery",
+    "cuEventDestroy_v2",
+    "cuMemPoolCreate",
+    "cuMemPoolDestroy",
+    "cuMemAllocFromPoolAsync",
+    "cuMemFreeAsync",
+    "cuMemPoolTrimTo",
+    "cuMemPoolSetAttribute",
+    "cuMemPoolGetAttribute",
+];
+
 /// Sets the simulated machine; takes effect at the next `cuInit` after [`twm_sim_reset`].
 ///
 /// # Safety
@@ -1013,7 +1074,8 @@ unsafe fn text(name: *const c_char) -> Option<String> {
 }
 
 /// Makes the `nth` call from now of the entry point `name` return `error`: any non-zero code,
-/// including codes no CUDA enum knows (the backends must report them, not misread them).
+/// including codes no CUDA enum knows (the backends must report them, not misread them). A name
+/// this library does not export is refused (`CUDA_ERROR_NOT_FOUND`).
 /// Entry points of the model are failed in the model (`CUDA_ERROR_NOT_INITIALIZED` before
 /// `cuInit`); the others here.
 ///
@@ -1028,6 +1090,10 @@ pub unsafe extern "C" fn twm_sim_fail_nth(name: *const c_char, nth: u64, error: 
     };
     if nth == 0 || error == code::SUCCESS {
         return code::INVALID_VALUE;
+    }
+    if !ENTRY_POINTS.contains(&name.as_str()) {
+        // A typo would never fire: refused.
+        return code::NOT_FOUND;
     }
     let mut shell = lock();
     match Call::by_name(&name) {

@@ -72,24 +72,42 @@ fn the_c_abi_over_the_model() {
             (&raw mut len).cast(),
             (&raw mut value).cast(),
         ];
-        ok(cuLaunchKernel(
-            fill,
-            1,
-            1,
-            1,
-            1,
-            1,
-            1,
-            0,
-            stream,
-            params.as_mut_ptr(),
-            null_mut(),
-        ));
+        let launch = |params: &mut [*mut c_void; 3], grid: u32, block: u32| {
+            cuLaunchKernel(
+                fill,
+                grid,
+                1,
+                1,
+                block,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                null_mut(),
+            )
+        };
+        assert_eq!(
+            launch(&mut params, 0, 1),
+            code::INVALID_VALUE,
+            "an empty grid"
+        );
+        assert_eq!(
+            launch(&mut params, 1, 1025),
+            code::INVALID_VALUE,
+            "too many threads"
+        );
+        ok(launch(&mut params, 1, 1));
         ok(cuStreamSynchronize(stream));
         assert_eq!((ptr as *const u8).add(15).read_volatile(), 9);
         assert_eq!((ptr as *const u8).add(16).read_volatile(), 7);
 
         // Any code can be injected, including one no CUDA enum knows; the shell passes it on.
+        assert_eq!(
+            twm_sim_fail_nth(c"cuMemAdvice_v2".as_ptr(), 1, 1),
+            code::NOT_FOUND,
+            "a typo"
+        );
         let name = c"cuMemAdvise_v2";
         ok(twm_sim_fail_nth(name.as_ptr(), 1, 4242));
         let device = MemLocation {
@@ -112,6 +130,21 @@ fn the_c_abi_over_the_model() {
         assert!(text.is_null(), "an unknown code's name is NULL");
         ok(cuGetErrorName(code::ILLEGAL_ADDRESS, &mut text));
         assert_eq!(CStr::from_ptr(text), c"CUDA_ERROR_ILLEGAL_ADDRESS");
+
+        // An event belongs to the context it was made in: recorded on another's stream it is
+        // refused; a stream of any context may wait on it.
+        let mut other = null_mut();
+        ok(cuCtxCreate_v2(&mut other, 0, 1));
+        let mut theirs = null_mut();
+        ok(cuStreamCreate(&mut theirs, 1));
+        assert_eq!(cuEventRecord(event, theirs), code::INVALID_HANDLE);
+        ok(cuStreamWaitEvent(theirs, event, 0));
+        ok(cuCtxDestroy_v2(other));
+        assert_eq!(
+            cuEventCreate(&mut null_mut(), 0),
+            code::SUCCESS,
+            "still in the primary"
+        );
 
         // A kernel outside every allocation: an illegal address, sticky for the context.
         let mut wild = 0x10u64;
