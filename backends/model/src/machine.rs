@@ -59,6 +59,10 @@ struct Context {
     primary: bool,
     /// A kernel in it hit an illegal address: every later call in it fails (sticky).
     poisoned: bool,
+    /// A primary context no one retains (the C shell's `cuDevicePrimaryCtxRelease` of the last
+    /// reference): it cannot be made current, and calls in it answer
+    /// `CUDA_ERROR_INVALID_CONTEXT`. Always false through the Rust API.
+    inactive: bool,
 }
 
 #[derive(Debug)]
@@ -705,6 +709,7 @@ impl ModelDriver {
                     device,
                     primary: true,
                     poisoned: false,
+                    inactive: false,
                 },
             );
             state.primaries.push(primary);
@@ -847,6 +852,7 @@ impl ModelDriver {
         }
         let current = self.current();
         match state.contexts.get(&current) {
+            Some(c) if c.inactive => Err(error(call, code::INVALID_CONTEXT)),
             Some(c) if c.poisoned => Err(error(call, code::ILLEGAL_ADDRESS)),
             Some(c) => Self::device_down(state, call, c.device).map(|()| c.device),
             None => Err(error(call, code::INVALID_CONTEXT)),
@@ -1444,7 +1450,7 @@ unsafe impl DriverApi for ModelDriver {
         let context = context.raw();
         let mut state = self.state();
         self.enter(&mut state, Call::CtxPush, false)?;
-        if !state.contexts.contains_key(&context) {
+        if state.contexts.get(&context).is_none_or(|c| c.inactive) {
             return Err(error(Call::CtxPush, code::INVALID_CONTEXT));
         }
         drop(state);
@@ -1686,6 +1692,7 @@ unsafe impl DriverApi for ModelDriver {
                 device: device.0,
                 primary: false,
                 poisoned: false,
+                inactive: false,
             },
         );
         state.stats.live_contexts += 1;

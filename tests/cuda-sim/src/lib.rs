@@ -182,6 +182,12 @@ impl Shell {
                 config,
                 primary_refs: Mutex::new(vec![0; config.device_count as usize]),
             }));
+            // No primary context is active before someone retains it.
+            if let Some(m) = &self.machine {
+                for d in 0..m.driver.device_count() {
+                    m.driver.set_primary_active(DeviceId(d), false);
+                }
+            }
         }
         Ok(())
     }
@@ -431,7 +437,9 @@ entry! {
             return Err(code::INVALID_VALUE);
         }
         let primary = m.driver.primary_context(d);
-        m.primary_refs.lock().unwrap_or_else(PoisonError::into_inner)[d.0 as usize] += 1;
+        let mut refs = m.primary_refs.lock().unwrap_or_else(PoisonError::into_inner);
+        refs[d.0 as usize] += 1;
+        m.driver.set_primary_active(d, true);
         put(context, primary.raw() as *mut c_void)
     }
 }
@@ -443,6 +451,12 @@ entry! {
         let mut refs = m.primary_refs.lock().unwrap_or_else(PoisonError::into_inner);
         let r = &mut refs[d.0 as usize];
         *r = r.checked_sub(1).ok_or(code::INVALID_CONTEXT)?;
+        if *r == 0 {
+            // The last reference: the primary context goes inactive (the driver resets it;
+            // what it still held is not torn down here: the backends give everything back
+            // first, and a test of the order sees later calls in it refused).
+            m.driver.set_primary_active(d, false);
+        }
         Ok(())
     }
 }

@@ -43,6 +43,15 @@ fn the_c_abi_over_the_model() {
         let mut ptr = 0u64;
         assert_eq!(cuMemAllocManaged(&mut ptr, 4096, 1), code::INVALID_CONTEXT);
         let mut ctx = null_mut();
+        // A primary context is active only while retained.
+        ok(cuDevicePrimaryCtxRetain(&mut ctx, 1));
+        ok(cuDevicePrimaryCtxRelease_v2(1));
+        assert_eq!(cuCtxPushCurrent_v2(ctx), code::INVALID_CONTEXT, "released");
+        assert_eq!(
+            cuDevicePrimaryCtxRelease_v2(1),
+            code::INVALID_CONTEXT,
+            "no reference"
+        );
         ok(cuDevicePrimaryCtxRetain(&mut ctx, 1));
         ok(cuCtxPushCurrent_v2(ctx));
         ok(cuMemAllocManaged(&mut ptr, 4096, 1));

@@ -20,10 +20,32 @@ impl ModelDriver {
             .map(|c| DeviceId(c.device))
     }
 
+    /// Marks `device`'s primary context active or not (the C shell: retained by someone, or
+    /// released by its last holder). Inactive, it cannot be made current and calls in it answer
+    /// `CUDA_ERROR_INVALID_CONTEXT`. `false` for a device the machine does not have.
+    pub fn set_primary_active(&self, device: DeviceId, active: bool) -> bool {
+        let mut state = self.state();
+        let Some(&primary) = state.primaries.get(device.0 as usize) else {
+            return false;
+        };
+        match state.contexts.get_mut(&primary) {
+            Some(c) => {
+                c.inactive = !active;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// `cuCtxSetCurrent`: `context` replaces the top of the calling thread's context stack (or
     /// is pushed on an empty one); 0 pops the top.
     pub fn set_current(&self, context: u64) -> Result<(), ModelError> {
-        if context != 0 && self.context_device(context).is_none() {
+        let usable = self
+            .state()
+            .contexts
+            .get(&context)
+            .is_some_and(|c| !c.inactive);
+        if context != 0 && !usable {
             return Err(error(Call::CtxPush, code::INVALID_CONTEXT));
         }
         self.with_stack(|s| match (s.last_mut(), context) {
