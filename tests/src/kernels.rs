@@ -44,9 +44,10 @@ DONE:
 
 type Handle = *mut c_void;
 
-/// The entry points the launcher calls, with raw-integer results (cudarc's enum-typed
+/// The entry points the launcher and the event helper call, with raw-integer results (cudarc's enum-typed
 /// signatures would make a `CUresult` its enum does not know undefined behaviour).
-struct Raw {
+#[derive(Debug)]
+pub struct Raw {
     push: unsafe extern "C" fn(Handle) -> u32,
     pop: unsafe extern "C" fn(*mut Handle) -> u32,
     load: unsafe extern "C" fn(*mut Handle, *const c_void) -> u32,
@@ -67,6 +68,10 @@ struct Raw {
     ) -> u32,
     sync: unsafe extern "C" fn(Handle) -> u32,
     unload: unsafe extern "C" fn(Handle) -> u32,
+    event_create: unsafe extern "C" fn(*mut Handle, u32) -> u32,
+    event_record: unsafe extern "C" fn(Handle, Handle) -> u32,
+    wait_event: unsafe extern "C" fn(Handle, Handle, u32) -> u32,
+    event_destroy: unsafe extern "C" fn(Handle) -> u32,
 }
 
 /// The driver the process loaded (`libcuda.so.1`: the backend loaded it first), kept for good.
@@ -91,10 +96,61 @@ fn raw() -> Result<&'static Raw, String> {
             launch: sym!("cuLaunchKernel"),
             sync: sym!("cuStreamSynchronize"),
             unload: sym!("cuModuleUnload"),
+            event_create: sym!("cuEventCreate"),
+            event_record: sym!("cuEventRecord"),
+            wait_event: sym!("cuStreamWaitEvent"),
+            event_destroy: sym!("cuEventDestroy_v2"),
         })
     })
     .as_ref()
     .map_err(Clone::clone)
+}
+
+/// Runs `f` with `context` pushed on the calling thread's context stack, and pops it after
+/// (the stack is left as it was): `f`'s error first, else the pop's.
+pub fn in_context<T>(context: u64, f: impl FnOnce(&Raw) -> Result<T, String>) -> Result<T, String> {
+    let raw = raw()?;
+    // SAFETY: a live context (the driver checks it).
+    check("cuCtxPushCurrent", unsafe {
+        (raw.push)(context as usize as Handle)
+    })?;
+    let result = f(raw);
+    let mut popped: Handle = std::ptr::null_mut();
+    // SAFETY: pops what was pushed above; `popped` is a valid out-pointer.
+    let popped = check("cuCtxPopCurrent", unsafe { (raw.pop)(&mut popped) });
+    let value = result?;
+    popped.map(|()| value)
+}
+
+/// Records an event on `from` (of `from_context`) and makes `to` (of `to_context`) wait for it:
+/// `to`'s later work runs after `from`'s work so far. The event belongs to the recording
+/// stream's context (made and recorded there) and is destroyed after (a queued wait still
+/// completes).
+pub fn event_between(from_context: u64, from: u64, to_context: u64, to: u64) -> Result<(), String> {
+    let (from, to) = (from as usize as Handle, to as usize as Handle);
+    let event = in_context(from_context, |raw| {
+        let mut event: Handle = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        check("cuEventCreate", unsafe {
+            (raw.event_create)(&mut event, 0)
+        })?;
+        // SAFETY: live handles (the driver checks them).
+        let recorded = check("cuEventRecord", unsafe { (raw.event_record)(event, from) });
+        Ok((event, recorded))
+    })?;
+    let (event, recorded) = event;
+    let waited = recorded.and_then(|()| {
+        in_context(to_context, |raw| {
+            // SAFETY: live handles (the driver checks them).
+            check("cuStreamWaitEvent", unsafe {
+                (raw.wait_event)(to, event, 0)
+            })
+        })
+    });
+    let raw = raw()?;
+    // SAFETY: made above, destroyed once.
+    let destroyed = check("cuEventDestroy", unsafe { (raw.event_destroy)(event) });
+    waited.and(destroyed)
 }
 
 fn check(call: &str, result: u32) -> Result<(), String> {
@@ -160,17 +216,10 @@ impl Launch<'_> {
     /// `params` must match the kernel's parameters; when the kernel runs, nothing else may
     /// access the memory it touches.
     pub unsafe fn run(&self, params: &mut [*mut c_void]) -> Result<(), String> {
-        let raw = raw()?;
-        // SAFETY: a live context (the driver checks it).
-        check("cuCtxPushCurrent", unsafe {
-            (raw.push)(self.context as usize as Handle)
-        })?;
         // SAFETY: the caller's contract.
-        let launched = unsafe { self.load_and_launch(raw, params) };
-        let mut popped: Handle = std::ptr::null_mut();
-        // SAFETY: pops what was pushed above; `popped` is a valid out-pointer.
-        let popped = check("cuCtxPopCurrent", unsafe { (raw.pop)(&mut popped) });
-        launched.and(popped)
+        in_context(self.context, |raw| unsafe {
+            self.load_and_launch(raw, params)
+        })
     }
 
     /// # Safety

@@ -166,22 +166,6 @@ impl Sim {
         f();
     }
 
-    /// Runs `body` with `context` pushed on the calling thread's context stack.
-    fn in_context(&self, context: u64, body: impl FnOnce() -> u32) -> u32 {
-        let push: unsafe extern "C" fn(usize) -> u32 = self.f("cuCtxPushCurrent_v2");
-        let pop: unsafe extern "C" fn(*mut usize) -> u32 = self.f("cuCtxPopCurrent_v2");
-        // SAFETY: the simulator checks the handle.
-        let pushed = unsafe { push(context as usize) };
-        if pushed != 0 {
-            return pushed;
-        }
-        let result = body();
-        let mut popped = 0usize;
-        // SAFETY: `popped` is a valid out-pointer.
-        let after = unsafe { pop(&mut popped) };
-        if result != 0 { result } else { after }
-    }
-
     /// Launches the simulated `fill(data, len, value)` kernel on `stream` of `context` (loaded
     /// through `cuModuleLoadData` / `cuModuleGetFunction` / `cuLaunchKernel`, as a guest's
     /// embedder would): queued, it lands when the stream gets to it.
@@ -215,36 +199,6 @@ impl Sim {
         // SAFETY: `fill` takes (u64, u64, u32), passed by address; the range's exclusivity is
         // the caller's contract.
         unsafe { launch.run(&mut params) }
-    }
-
-    /// Records an event on `from` (of `from_context`) and makes `to` (of `to_context`) wait for
-    /// it: `to`'s later work runs after `from`'s work so far. The `CUresult`.
-    pub fn event_between(&self, from_context: u64, from: u64, to_context: u64, to: u64) -> u32 {
-        let create: unsafe extern "C" fn(*mut usize, u32) -> u32 = self.f("cuEventCreate");
-        let record: unsafe extern "C" fn(usize, usize) -> u32 = self.f("cuEventRecord");
-        let wait: unsafe extern "C" fn(usize, usize, u32) -> u32 = self.f("cuStreamWaitEvent");
-        let destroy: unsafe extern "C" fn(usize) -> u32 = self.f("cuEventDestroy_v2");
-        let mut event = 0usize;
-        // The event belongs to the recording stream's context: made and recorded there.
-        let mut result = self.in_context(from_context, || {
-            // SAFETY: a valid out-pointer.
-            let created = unsafe { create(&mut event, 0) };
-            if created != 0 {
-                return created;
-            }
-            // SAFETY: live handles (the simulator checks them).
-            unsafe { record(event, from as usize) }
-        });
-        if event == 0 {
-            return result;
-        }
-        if result == 0 {
-            // SAFETY: as above.
-            result = self.in_context(to_context, || unsafe { wait(to as usize, event, 0) });
-        }
-        // SAFETY: a queued wait still completes after its event is destroyed.
-        let destroyed = unsafe { destroy(event) };
-        if result != 0 { result } else { destroyed }
     }
 
     /// Calls of `entry_point` so far.

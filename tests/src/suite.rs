@@ -70,6 +70,15 @@ fn assert_no_leaks<H: Harness>(backend: &H::Backend) {
     }
 }
 
+/// `err` is the backend's failure of `op` (the driver's answer, not a refusal of ours, and not
+/// another operation's).
+fn assert_failed_in<E: std::fmt::Display>(err: &Error<E>, op: Operation) {
+    assert!(
+        matches!(err, Error::Backend { op: o, .. } if *o == op),
+        "{err}"
+    );
+}
+
 fn free<B: ManagedAllocator + ?Sized>(backend: &B, allocation: Allocation) {
     // SAFETY: every allocation passed here came from `backend` and is not used afterwards.
     unsafe { backend.free(allocation) }.expect("free");
@@ -917,16 +926,7 @@ pub fn injected_allocate_failure_rolls_back<H: Harness>() {
         .map_err(Error::from)
         .and_then(|r| UnifiedBuffer::new(Arc::clone(&b), D0, 4 * PAGE, PAGE).map(|buf| (r, buf)));
     let err = result.expect_err("injected");
-    assert!(
-        matches!(
-            err,
-            Error::Backend {
-                op: Operation::Allocate,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert_failed_in(&err, Operation::Allocate);
     assert_eq!(t.stats().live_bytes, 0, "no tenant charge left");
     assert_no_leaks::<H>(&b);
     // The next allocation works.
@@ -949,16 +949,7 @@ pub fn injected_zero_failure_rolls_back<H: Harness>() {
         .map_err(Error::from)
         .and_then(|r| p.acquire(PAGE, PAGE).map(|m| (r, m)));
     let err = result.expect_err("injected");
-    assert!(
-        matches!(
-            err,
-            Error::Backend {
-                op: Operation::Zero,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert_failed_in(&err, Operation::Zero);
     assert_eq!(t.stats().live_bytes, 0);
     let s = p.stats();
     assert_eq!((s.in_use(), s.free(), s.scrub_failures), (0, 1, 1));
@@ -984,16 +975,7 @@ pub fn injected_advise_failure_rolls_back<H: Harness>() {
     let err = buf
         .advise(0, PAGE, Advice::SetReadMostly)
         .expect_err("injected");
-    assert!(
-        matches!(
-            err,
-            Error::Backend {
-                op: Operation::Advise,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert_failed_in(&err, Operation::Advise);
     assert!(!err.kind().is_denial(), "a failure, not a denial");
     buf.advise(0, PAGE, Advice::SetReadMostly)
         .expect("works again");
@@ -1019,16 +1001,7 @@ pub fn unknown_driver_code_is_a_typed_error<H: Harness>() {
     let err = buf
         .advise(0, PAGE, Advice::SetReadMostly)
         .expect_err("injected");
-    assert!(
-        matches!(
-            err,
-            Error::Backend {
-                op: Operation::Advise,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert_failed_in(&err, Operation::Advise);
     assert_eq!(err.kind(), ErrorKind::Driver, "{err}");
     assert!(
         err.to_string().contains("4242"),
@@ -1052,16 +1025,7 @@ pub fn injected_prefetch_failure_rolls_back<H: Harness>() {
     let err = buf
         .prefetch(0, PAGE, Location::Host, lease.stream())
         .expect_err("injected");
-    assert!(
-        matches!(
-            err,
-            Error::Backend {
-                op: Operation::Prefetch,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert_failed_in(&err, Operation::Prefetch);
     buf.prefetch(0, PAGE, Location::Host, lease.stream())
         .expect("works again");
     drop((lease, buf));
@@ -1313,16 +1277,7 @@ pub fn device_pool_failed_allocation_leaves_no_charge<H: Harness>() {
     }
     let s = shared(&t);
     let err = pool.allocate(PAGE, &s).expect_err("injected");
-    assert!(
-        matches!(
-            err,
-            Error::Backend {
-                op: Operation::PoolAllocate,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert_failed_in(&err, Operation::PoolAllocate);
     assert!(!err.kind().is_denial());
     assert_eq!(t.stats().live_bytes, 0, "no ledger charge left");
     let a = pool.allocate(PAGE, &s).expect("usable again");

@@ -829,8 +829,14 @@ impl ModelDriver {
         let Some(call) = Call::for_operation(op) else {
             return false;
         };
-        self.state().delays.push((call, delay));
+        self.delay_call(call, delay);
         true
+    }
+
+    /// Makes the next call of the entry point `call` return to its caller `delay` after it took
+    /// effect, with the machine unlocked meanwhile (as [`delay_next`](Self::delay_next)).
+    pub fn delay_call(&self, call: Call, delay: Duration) {
+        self.state().delays.push((call, delay));
     }
 
     /// Counts a call, answers an injected failure if one is due, and checks that the calling

@@ -17,6 +17,16 @@ fn assert_no_bad_schedule(case: &str, runs: usize, bad: &AtomicUsize, worst: &Mu
     assert_eq!(n, 0, "{case}: {n} of {runs} schedules bad; e.g. {example}");
 }
 
+/// A body that synchronises a copy of `s` (a caller holding the same handle as the one that
+/// releases it), its answer ignored.
+fn synchronizing_a_copy(backend: &Arc<DriverBackend<Fake>>, s: &Stream) -> Body<'static> {
+    let copy = Stream::new(s.raw(), s.context(), s.level(), s.tenant_key());
+    let backend = Arc::clone(backend);
+    Box::new(move || {
+        let _ = backend.synchronize(&copy);
+    })
+}
+
 fn fake_with(f: impl FnOnce(&mut FakeState)) -> Fake {
     let fake = Fake::default();
     f(&mut fake.lock());
@@ -349,13 +359,7 @@ fn r8_synchronize_racing_release_pushes_a_dead_context() {
             .acquire_stream(t, IsolationLevel::ContextIsolated)
             .unwrap();
         backend.driver().lock().switch_at_push = true;
-        let copy = Stream::new(s.raw(), s.context(), s.level(), t);
-        let syncing: Body<'_> = {
-            let backend = Arc::clone(&backend);
-            Box::new(move || {
-                let _ = backend.synchronize(&copy);
-            })
-        };
+        let syncing = synchronizing_a_copy(&backend, &s);
         let releasing: Body<'_> = {
             let backend = Arc::clone(&backend);
             Box::new(move || {
@@ -745,13 +749,7 @@ fn h1_use_release_and_teardown_of_one_stream_under_every_schedule() {
             .expect("stream");
         let _ = pool.allocate(BLOCK, &s).expect("block");
         backend.driver().lock().switch_at_push = true;
-        let copy = Stream::new(s.raw(), s.context(), s.level(), tenant.key());
-        let syncing: Body<'_> = {
-            let backend = Arc::clone(&backend);
-            Box::new(move || {
-                let _ = backend.synchronize(&copy);
-            })
-        };
+        let syncing = synchronizing_a_copy(&backend, &s);
         let releasing: Body<'_> = {
             let backend = Arc::clone(&backend);
             Box::new(move || backend.release_stream(s).expect("release"))
@@ -808,14 +806,8 @@ fn h2_a_refused_deferred_destroy_is_kept_counted_and_reclaimed() {
                 .lock()
                 .fail_stream_destroy_once
                 .insert(s.raw());
-            let copy = Stream::new(s.raw(), s.context(), s.level(), t);
             let copy2 = Stream::new(s.raw(), s.context(), s.level(), t);
-            let syncing: Body<'_> = {
-                let backend = Arc::clone(&backend);
-                Box::new(move || {
-                    let _ = backend.synchronize(&copy);
-                })
-            };
+            let syncing = synchronizing_a_copy(&backend, &s);
             let releasing: Body<'_> = {
                 let backend = Arc::clone(&backend);
                 Box::new(move || {

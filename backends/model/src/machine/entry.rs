@@ -3,8 +3,6 @@
 //! caller's current context for the default stream, `cuCtxCreate` pushing its context, pool
 //! memory that is not zeroed), and inspection by address.
 
-use std::time::Duration;
-
 use tensor_wasm_mem_core::{DeviceId, DriverApi, DriverContext, Location};
 
 use super::{On, Work, error};
@@ -219,11 +217,5 @@ impl ModelDriver {
             )),
             _ => Err(invalid),
         }
-    }
-
-    /// Makes the next call of `call` return to its caller `delay` after it took effect (see
-    /// [`delay_next`](Self::delay_next)).
-    pub fn delay_call(&self, call: Call, delay: Duration) {
-        self.state().delays.push((call, delay));
     }
 }
