@@ -2,7 +2,7 @@
 //! window inside a fixed capacity.
 //!
 //! Growth only moves the end of the window: the base address never changes, which is what lets
-//! a Wasm linear memory run with `memory_may_move(false)` and lets a device keep a pointer into it.
+//! a Wasm linear memory keep its base for its whole life and lets a device keep a pointer into it.
 
 use core::fmt;
 

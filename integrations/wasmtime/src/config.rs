@@ -13,13 +13,14 @@
 //! | `guard_before_linear_memory` | `false` | nor before it |
 //! | `memory_reservation` | `0` | no address-space reservation to elide checks against; capacity is ours |
 //! | `memory_reservation_for_growth` | `0` | growth never moves the base: no extra room to reserve |
-//! | `memory_may_move` | `false` | device pointers into guest memory must stay valid |
+//! | `memory_may_move` | `true` | our memories never move (growth is a size bump, so device pointers stay valid), and compiled code checks every access against the current length whatever this says; `false` would let Wasmtime 48.0.10 cap a memory that fits in the (zero) reservation at that reservation, so a memory declared with 0 pages could never grow |
 //! | `memory_init_cow` | `false` | copy-on-write init with a custom creator panics on data segments (wasmtime #10740) |
 //! | `wasm_custom_page_sizes` | `false` | only 64 KiB pages are served (the creators refuse others): with 1-byte pages Wasmtime reports some failed growths to the limiter unannounced |
 //!
 //! A backing that *does* reserve real `PROT_NONE` guard pages ([`GuardedHostCreator`]) can take the
 //! guard-page settings instead (`signals_based_traps(true)`, a 4 GiB reservation and a 32 MiB
-//! guard), and then the guest runs without explicit bounds checks. [`configure`] picks the recipe
+//! guard, `memory_may_move(false)`: the reservation covers every capacity), and then the guest runs
+//! without explicit bounds checks. [`configure`] picks the recipe
 //! from the backing's [`Capabilities::guard_pages`]; the creators refuse any guard or reservation
 //! they cannot honour (the second line of defence).
 //!
@@ -69,7 +70,6 @@ impl BoundsStrategy {
 /// `docs/SAFETY.md` section 1 for each setting), and turns on memory64.
 pub fn configure<'c>(config: &'c mut Config, caps: &Capabilities) -> &'c mut Config {
     config
-        .memory_may_move(false)
         .memory_init_cow(false)
         .memory_reservation_for_growth(0)
         .guard_before_linear_memory(false)
@@ -77,10 +77,12 @@ pub fn configure<'c>(config: &'c mut Config, caps: &Capabilities) -> &'c mut Con
         .wasm_memory64(true);
     match BoundsStrategy::for_capabilities(caps) {
         BoundsStrategy::ExplicitChecks => config
+            .memory_may_move(true)
             .signals_based_traps(false)
             .memory_reservation(0)
             .memory_guard_size(0),
         BoundsStrategy::GuardPages { reservation, guard } => config
+            .memory_may_move(false)
             .signals_based_traps(true)
             .memory_reservation(reservation)
             .memory_guard_size(guard),
