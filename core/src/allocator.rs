@@ -6,7 +6,7 @@
 //! use core::ptr::NonNull;
 //! use tensor_wasm_mem_core::{
 //!     Allocation, BackendError, Capabilities, DeviceId, ErrorKind, ErrorType, ManagedAllocator,
-//!     check_range,
+//!     Refused, check_range,
 //! };
 //!
 //! /// Host memory from the global allocator: not device-accessible, and honest about it.
@@ -42,7 +42,7 @@
 //!         // SAFETY: `ptr` is valid for `bytes` bytes and owned by nobody else.
 //!         Ok(unsafe { Allocation::from_raw_parts(ptr, bytes, device) })
 //!     }
-//!     unsafe fn free(&self, allocation: Allocation) -> Result<(), HeapError> {
+//!     unsafe fn free(&self, allocation: Allocation) -> Result<(), Refused<Allocation, HeapError>> {
 //!         let (ptr, len, _) = allocation.into_raw_parts();
 //!         let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
 //!         // SAFETY: the caller guarantees `allocation` came from `allocate` with this layout.
@@ -66,13 +66,70 @@
 //! unsafe { heap.free(a).unwrap() };
 //! ```
 
+use core::fmt;
 use core::ptr::NonNull;
 
 use crate::device::{Capabilities, DeviceId};
-use crate::error::{ErrorType, RangeError, check_range};
+use crate::error::{BackendError, ErrorKind, ErrorType, RangeError, check_range};
 
 /// The least alignment every [`ManagedAllocator`] guarantees for an allocation's base.
 pub const MIN_ALIGN: usize = 256;
+
+/// A release the backend refused: the resource comes back to its owner with the backend's error.
+///
+/// What the backend would not take back is still held by it (memory still allocated, host
+/// pages still registered), so whoever pays for the resource keeps paying: the owner keeps the
+/// returned resource (and its charge) and releases it again later. Dropping the resource
+/// instead leaves it to the backend (a driver backend retries at its own drop).
+#[derive(Debug)]
+pub struct Refused<R, E> {
+    /// What was to be released: still live, still the caller's.
+    pub resource: R,
+    /// Why the backend refused.
+    pub error: E,
+}
+
+impl<R, E: BackendError> Refused<R, E> {
+    /// The kind of the backend's error.
+    pub fn kind(&self) -> ErrorKind {
+        self.error.kind()
+    }
+
+    /// The backend's error, the resource given up (left to the backend).
+    pub fn into_error(self) -> E {
+        self.error
+    }
+}
+
+impl<R, E> Refused<R, E> {
+    /// The same refusal with the error converted by `f` (for wrappers of a backend).
+    pub fn map_error<F>(self, f: impl FnOnce(E) -> F) -> Refused<R, F> {
+        Refused {
+            resource: self.resource,
+            error: f(self.error),
+        }
+    }
+
+    /// The same refusal with the resource wrapped by `f` (for owners of a resource).
+    pub fn map_resource<S>(self, f: impl FnOnce(R) -> S) -> Refused<S, E> {
+        Refused {
+            resource: f(self.resource),
+            error: self.error,
+        }
+    }
+}
+
+impl<R, E: fmt::Display> fmt::Display for Refused<R, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "release refused: {}", self.error)
+    }
+}
+
+impl<R: fmt::Debug, E: core::error::Error + 'static> core::error::Error for Refused<R, E> {
+    fn source(&self) -> Option<&(dyn core::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
 
 /// One live allocation of managed memory: base address, length and device.
 ///
@@ -189,13 +246,17 @@ pub unsafe trait ManagedAllocator: ErrorType {
     /// Allocates `bytes` bytes of managed memory attached globally, on `device`.
     fn allocate(&self, device: DeviceId, bytes: usize) -> Result<crate::Allocation, Self::Error>;
 
-    /// Frees an allocation.
+    /// Frees an allocation. A free the backend refuses hands the allocation back ([`Refused`]):
+    /// it is still allocated, and the caller may free it again later.
     ///
     /// # Safety
     ///
     /// `allocation` must have come from this allocator's `allocate`, and no pointer derived from
     /// it may be used afterwards (by the host or by device work still in flight).
-    unsafe fn free(&self, allocation: crate::Allocation) -> Result<(), Self::Error>;
+    unsafe fn free(
+        &self,
+        allocation: crate::Allocation,
+    ) -> Result<(), Refused<crate::Allocation, Self::Error>>;
 
     /// Writes zeros to `offset..offset + len` of `allocation`, and returns once the zeros are
     /// visible to the host and to later device work.
@@ -231,7 +292,10 @@ macro_rules! forward_allocator {
             fn allocate(&self, device: DeviceId, bytes: usize) -> Result<Allocation, Self::Error> {
                 T::allocate(self, device, bytes)
             }
-            unsafe fn free(&self, allocation: Allocation) -> Result<(), Self::Error> {
+            unsafe fn free(
+                &self,
+                allocation: Allocation,
+            ) -> Result<(), Refused<Allocation, Self::Error>> {
                 // SAFETY: the caller upholds `free`'s contract, which is `T::free`'s.
                 unsafe { T::free(self, allocation) }
             }

@@ -7,7 +7,7 @@
 use core::fmt;
 
 use crate::advisor::Advisor;
-use crate::allocator::{Allocation, ManagedAllocator};
+use crate::allocator::{Allocation, ManagedAllocator, Refused};
 use crate::device::{Advice, Capabilities, DeviceId, Location};
 use crate::error::{Error, Operation, RangeError, check_range};
 use crate::pool::PoolSlot;
@@ -297,7 +297,43 @@ impl<A: ManagedAllocator + Advisor> UnifiedBuffer<A> {
     }
 }
 
+impl<A: ManagedAllocator> UnifiedBuffer<A> {
+    /// Frees the allocation now (a pool slot goes back to its pool, which always takes it). A
+    /// free the backend refuses hands the buffer back, still owning its allocation
+    /// ([`Refused`]): whoever pays for the memory keeps it (and its charge) and releases it
+    /// again later, since the backend still holds the memory. Like dropping the buffer, this
+    /// ends every use of the memory: its owner orders device work that uses it before.
+    pub fn release(mut self) -> Result<(), Refused<Self, A::Error>> {
+        let Backing::Owned {
+            allocator,
+            allocation,
+        } = &mut self.backing
+        else {
+            return Ok(());
+        };
+        let Some(taken) = allocation.take() else {
+            return Ok(());
+        };
+        // SAFETY: the allocation came from `allocator` and this buffer owns it; nothing derived
+        // from it outlives the buffer, which is given up (as in `drop`).
+        match unsafe { allocator.free(taken) } {
+            Ok(()) => Ok(()),
+            Err(Refused { resource, error }) => {
+                *allocation = Some(resource);
+                Err(Refused {
+                    resource: self,
+                    error,
+                })
+            }
+        }
+    }
+}
+
 impl<A: ManagedAllocator> Drop for UnifiedBuffer<A> {
+    /// Frees the allocation (a slot goes back to its pool when its `PoolSlot` drops). A free
+    /// the backend refuses here leaves the allocation to the backend (a driver backend keeps
+    /// its record and retries when it drops): owners that pay for the memory release it with
+    /// [`release`](UnifiedBuffer::release) instead, which hands a refused buffer back.
     fn drop(&mut self) {
         if let Backing::Owned {
             allocator,
@@ -307,9 +343,8 @@ impl<A: ManagedAllocator> Drop for UnifiedBuffer<A> {
         {
             // SAFETY: the allocation came from `allocator` and this buffer owned it; nothing
             // derived from it outlives the buffer.
-            let _ = unsafe { allocator.free(allocation) };
+            drop(unsafe { allocator.free(allocation) });
         }
-        // A slot goes back to its pool when `PoolSlot` drops.
     }
 }
 
@@ -330,7 +365,7 @@ mod tests {
             .returning(|d, b| HEAP.allocate(d, b).map_err(|e| MockError(e.kind)));
         mock.expect_free().times(1).returning(|a| {
             // SAFETY: every allocation of this mock came from `HEAP`.
-            unsafe { HEAP.free(a) }.map_err(|e| MockError(e.kind))
+            unsafe { HEAP.free(a) }.map_err(|r| r.map_error(|e| MockError(e.kind)))
         });
     }
 

@@ -9,7 +9,7 @@ use core::alloc::Layout;
 
 use crate::{
     Advice, Advisor, Allocation, BackendError, Capabilities, DeviceId, ErrorKind, ErrorType,
-    Location, ManagedAllocator, Stream,
+    Location, ManagedAllocator, Refused, Stream,
 };
 
 /// Alignment of every [`HeapAllocator`] allocation.
@@ -85,9 +85,14 @@ unsafe impl ManagedAllocator for HeapAllocator {
         Ok(unsafe { Allocation::from_raw_parts(ptr, bytes, device) })
     }
 
-    unsafe fn free(&self, allocation: Allocation) -> Result<(), HeapError> {
-        let (ptr, len, _) = allocation.into_raw_parts();
-        let layout = Layout::from_size_align(len, ALIGN).map_err(|_| err(ErrorKind::Other))?;
+    unsafe fn free(&self, allocation: Allocation) -> Result<(), Refused<Allocation, HeapError>> {
+        let Ok(layout) = Layout::from_size_align(allocation.len(), ALIGN) else {
+            return Err(Refused {
+                resource: allocation,
+                error: err(ErrorKind::Other),
+            });
+        };
+        let (ptr, _, _) = allocation.into_raw_parts();
         // SAFETY: the caller guarantees the allocation came from `allocate`, which used `layout`.
         unsafe { dealloc(ptr.as_ptr(), layout) };
         self.live.fetch_sub(1, Ordering::AcqRel);

@@ -28,7 +28,7 @@ use core::sync::atomic::{AtomicU64, Ordering};
 use hashbrown::HashMap;
 
 use crate::advisor::Advisor;
-use crate::allocator::{Allocation, ManagedAllocator};
+use crate::allocator::{Allocation, ManagedAllocator, Refused};
 use crate::device::{Advice, Capabilities, DeviceId, Location};
 use crate::error::{BackendError, ErrorKind, ErrorType, RangeError};
 use crate::host::{HostAccess, HostMemory};
@@ -688,25 +688,14 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         Ok(unsafe { Allocation::from_raw_parts(ptr, bytes, device) })
     }
 
-    unsafe fn free(&self, allocation: Allocation) -> Result<(), D::Error> {
+    unsafe fn free(&self, allocation: Allocation) -> Result<(), Refused<Allocation, D::Error>> {
         let address = allocation.device_ptr();
         // The record leaves the table before the driver frees: once freed, the driver may hand
         // the same address to another thread's `allocate` at once, whose record this call must
         // not touch. It goes back if the driver refuses.
-        let record = {
-            let mut state = self.state.lock();
-            match state.allocations.remove(&address) {
-                Some(r) if r.len == allocation.len() && r.host.is_none() => r,
-                Some(r) if r.host.is_some() => {
-                    state.allocations.insert(address, r);
-                    return Err(Refusal::AttachedHost { address }.into());
-                }
-                Some(r) => {
-                    state.allocations.insert(address, r);
-                    return Err(Refusal::UnknownAllocation { address }.into());
-                }
-                None => return Err(Refusal::UnknownAllocation { address }.into()),
-            }
+        let record = match self.take_record(address, allocation.len(), false) {
+            Ok(record) => record,
+            Err(refusal) => return Err(refused(allocation, refusal.into())),
         };
         let device = record.device;
         // SAFETY: `address` is the base of a live allocation of ours (its record was in the
@@ -722,7 +711,7 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
                 let mut state = self.state.lock();
                 state.allocations.insert(address, record);
                 state.release_failed(false);
-                Err(e)
+                Err(refused(allocation, e))
             }
         }
     }
@@ -854,7 +843,40 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
     }
 }
 
+/// A release handed back to its owner with the driver's (or our own) error.
+fn refused<E>(allocation: Allocation, error: E) -> Refused<Allocation, E> {
+    Refused {
+        resource: allocation,
+        error,
+    }
+}
+
 impl<D: DriverApi> DriverBackend<D> {
+    /// Takes the record of the allocation at `address` out of the table, if it is ours, `len`
+    /// bytes long, and attached host memory exactly when `host` says so; else the table is left
+    /// as it was and the refusal says why.
+    fn take_record(
+        &self,
+        address: u64,
+        len: usize,
+        host: bool,
+    ) -> Result<AllocationRecord, Refusal> {
+        let mut state = self.state.lock();
+        match state.allocations.remove(&address) {
+            Some(r) if r.len == len && r.host.is_some() == host => Ok(r),
+            Some(r) => {
+                let attached = r.host.is_some() && !host;
+                state.allocations.insert(address, r);
+                if attached {
+                    Err(Refusal::AttachedHost { address })
+                } else {
+                    Err(Refusal::UnknownAllocation { address })
+                }
+            }
+            None => Err(Refusal::UnknownAllocation { address }),
+        }
+    }
+
     /// Counts an attached range in or out of the figures.
     fn count_host(stats: &mut DriverStats, access: HostAccess, len: usize, attached: bool) {
         let registered = if access == HostAccess::Registered {
@@ -939,18 +961,14 @@ unsafe impl<D: DriverApi> HostMemory for DriverBackend<D> {
         Ok(unsafe { Allocation::from_raw_parts(ptr, len, device) })
     }
 
-    unsafe fn detach_host(&self, allocation: Allocation) -> Result<(), D::Error> {
+    unsafe fn detach_host(
+        &self,
+        allocation: Allocation,
+    ) -> Result<(), Refused<Allocation, D::Error>> {
         let address = allocation.device_ptr();
-        let record = {
-            let mut state = self.state.lock();
-            match state.allocations.remove(&address) {
-                Some(r) if r.len == allocation.len() && r.host.is_some() => r,
-                Some(r) => {
-                    state.allocations.insert(address, r);
-                    return Err(Refusal::UnknownAllocation { address }.into());
-                }
-                None => return Err(Refusal::UnknownAllocation { address }.into()),
-            }
+        let record = match self.take_record(address, allocation.len(), true) {
+            Ok(record) => record,
+            Err(refusal) => return Err(refused(allocation, refusal.into())),
         };
         let access = record.host.unwrap_or(HostAccess::Pageable);
         if access == HostAccess::Registered {
@@ -962,7 +980,7 @@ unsafe impl<D: DriverApi> HostMemory for DriverBackend<D> {
                 let mut state = self.state.lock();
                 state.allocations.insert(address, record);
                 state.release_failed(false);
-                return Err(e);
+                return Err(refused(allocation, e));
             }
         }
         Self::count_host(&mut self.state.lock().stats, access, record.len, false);

@@ -99,15 +99,19 @@ pub unsafe trait HostMemory: ErrorType {
         len: usize,
     ) -> Result<Allocation, Self::Error>;
 
-    /// Gives an attached range back (unregistering it). On an error the range stays attached,
-    /// and the handle is kept by the backend, which tries again when it drops.
+    /// Gives an attached range back (unregistering it). A refusal hands the handle back
+    /// ([`Refused`](crate::Refused)): the range stays attached (the caller may detach it again
+    /// later; a driver backend also tries again when it drops).
     ///
     /// # Safety
     ///
     /// `allocation` must have come from this backend's `attach_host`, and no device work may
     /// use the range any more (with [`HostAccess::Pageable`], see
     /// [`attach_host`](Self::attach_host)).
-    unsafe fn detach_host(&self, allocation: Allocation) -> Result<(), Self::Error>;
+    unsafe fn detach_host(
+        &self,
+        allocation: Allocation,
+    ) -> Result<(), crate::Refused<Allocation, Self::Error>>;
 }
 
 macro_rules! forward_host_memory {
@@ -127,7 +131,10 @@ macro_rules! forward_host_memory {
                 // SAFETY: the caller upholds `attach_host`'s contract, which is `T`'s.
                 unsafe { T::attach_host(self, device, access, ptr, len) }
             }
-            unsafe fn detach_host(&self, allocation: Allocation) -> Result<(), Self::Error> {
+            unsafe fn detach_host(
+                &self,
+                allocation: Allocation,
+            ) -> Result<(), crate::Refused<Allocation, Self::Error>> {
                 // SAFETY: the caller upholds `detach_host`'s contract, which is `T`'s.
                 unsafe { T::detach_host(self, allocation) }
             }

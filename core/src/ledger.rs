@@ -253,18 +253,23 @@ pub enum Purpose {
     /// Device-only buffers from the tenant's device memory pools: the touched and the held
     /// budgets (a pool buffer is both usable and occupied).
     DevicePool,
-    /// Capacity occupied (a memory's allocation or slot, table elements): the held budget.
+    /// Capacity occupied (a memory's allocation or slot): the held budget.
     Held,
     /// Live linear memories, counted one each: the memories budget.
     Memory,
+    /// Table elements: real host memory a guest can fill, so the touched and the held budgets
+    /// (a tenant with a cap of 0 has no table elements).
+    Table,
 }
 
 impl Purpose {
     const fn charges(self, budget: Budget) -> bool {
         matches!(
             (self, budget),
-            (Self::LinearMemory | Self::DevicePool, Budget::Touched)
-                | (Self::DevicePool | Self::Held, Budget::Held)
+            (
+                Self::LinearMemory | Self::DevicePool | Self::Table,
+                Budget::Touched
+            ) | (Self::DevicePool | Self::Held | Self::Table, Budget::Held)
                 | (Self::Memory, Budget::Memories)
         )
     }
@@ -356,6 +361,12 @@ pub struct LedgerStats {
     pub held_denials: u64,
     /// Of `denials`, those by the memories budget.
     pub memory_denials: u64,
+    /// Of `live_bytes` and `held_bytes`, the bytes in table elements.
+    pub table_bytes: u64,
+    /// Bytes charged for good ([`Reservation::strand`]): what a backend never gave back after
+    /// its owner was gone. Counted in `live_bytes` and `held_bytes` as their purposes say, until
+    /// the tenant itself goes.
+    pub stranded_bytes: u64,
 }
 
 /// Running totals of many tenants' ledgers: the members (tenants made with
@@ -420,6 +431,8 @@ pub struct TenantContext {
     granted: AtomicU64,
     denials: AtomicU64,
     device_pool: AtomicU64,
+    tables: AtomicU64,
+    stranded: AtomicU64,
     group: Option<Arc<LedgerGroup>>,
 }
 
@@ -445,6 +458,8 @@ impl TenantContext {
             granted: AtomicU64::new(0),
             denials: AtomicU64::new(0),
             device_pool: AtomicU64::new(0),
+            tables: AtomicU64::new(0),
+            stranded: AtomicU64::new(0),
             group: None,
         }
     }
@@ -539,6 +554,8 @@ impl TenantContext {
             peak_memories: self.memories.peak(),
             held_denials: self.held.denials.load(Ordering::Relaxed),
             memory_denials: self.memories.denials.load(Ordering::Relaxed),
+            table_bytes: self.tables.load(Ordering::Acquire),
+            stranded_bytes: self.stranded.load(Ordering::Acquire),
         }
     }
 
@@ -572,8 +589,8 @@ impl TenantContext {
                 });
             }
         }
-        if purpose == Purpose::DevicePool {
-            self.device_pool.fetch_add(amount, Ordering::AcqRel);
+        if let Some(figure) = self.figure(purpose) {
+            figure.fetch_add(amount, Ordering::AcqRel);
         }
         self.group_add(amount, purpose, true);
         self.granted.fetch_add(1, Ordering::Relaxed);
@@ -596,15 +613,35 @@ impl TenantContext {
         }
     }
 
+    /// The figure that reports `purpose` apart, if any.
+    fn figure(&self, purpose: Purpose) -> Option<&AtomicU64> {
+        match purpose {
+            Purpose::DevicePool => Some(&self.device_pool),
+            Purpose::Table => Some(&self.tables),
+            Purpose::LinearMemory | Purpose::Held | Purpose::Memory => None,
+        }
+    }
+
     fn uncharge(&self, amount: u64, purpose: Purpose) {
-        if purpose == Purpose::DevicePool {
-            self.device_pool.fetch_sub(amount, Ordering::AcqRel);
+        if let Some(figure) = self.figure(purpose) {
+            figure.fetch_sub(amount, Ordering::AcqRel);
         }
         self.group_add(amount, purpose, false);
         for budget in [Budget::Touched, Budget::Held, Budget::Memories] {
             if purpose.charges(budget) {
                 self.meter(budget).uncharge(amount);
             }
+        }
+    }
+
+    /// An empty reservation for `purpose`, to grow later ([`Reservation::try_grow`],
+    /// [`Reservation::absorb`]): charges nothing, so it is never refused.
+    pub fn empty_reservation(self: &Arc<Self>, purpose: Purpose) -> Reservation {
+        self.live_reservations.fetch_add(1, Ordering::AcqRel);
+        Reservation {
+            tenant: Arc::clone(self),
+            bytes: 0,
+            purpose,
         }
     }
 
@@ -632,13 +669,20 @@ impl TenantContext {
 }
 
 impl Drop for TenantContext {
-    /// Leaves the group: the cap is no longer committed there.
+    /// Leaves the group: the cap is no longer committed there, and what the tenant still has
+    /// charged (only stranded bytes can be: every other reservation keeps the tenant alive)
+    /// leaves the group's totals with it, so a group's totals are always the sum over its
+    /// members.
     fn drop(&mut self) {
         if let Some(group) = &self.group {
             group
                 .committed
                 .fetch_sub(self.touched.limit, Ordering::AcqRel);
             group.members.fetch_sub(1, Ordering::AcqRel);
+            group
+                .touched
+                .fetch_sub(self.touched.live(), Ordering::AcqRel);
+            group.held.fetch_sub(self.held.live(), Ordering::AcqRel);
         }
     }
 }
@@ -653,11 +697,29 @@ pub struct Reservation {
 }
 
 impl Reservation {
-    /// Ends the reservation but leaves its bytes charged to the tenant for good: for memory the
-    /// driver refused to give back, which the tenant's budget must go on counting (the cap is
-    /// never lower than what is really held).
-    pub fn keep_charged(mut self) {
+    /// Leaves the bytes charged to the tenant for good, without keeping the tenant alive: for a
+    /// resource its backend never gave back after its owner was gone (nothing is left to carry
+    /// the charge, and the tenant must never read as holding less than the backend does). The
+    /// bytes count in [`LedgerStats::stranded_bytes`]; they leave the tenant's group's totals
+    /// when the tenant itself goes.
+    pub fn strand(mut self) {
+        if self.purpose != Purpose::Memory {
+            self.tenant.stranded.fetch_add(self.bytes, Ordering::AcqRel);
+        }
         self.bytes = 0;
+    }
+
+    /// Moves `other`'s charge into this reservation (nothing is charged or given back): for a
+    /// grant made apart (a growth the limiter approved) joining what it pays for. A reservation
+    /// of another tenant or purpose is handed back untouched.
+    pub fn absorb(&mut self, mut other: Self) -> Result<(), Self> {
+        if !Arc::ptr_eq(&self.tenant, &other.tenant) || self.purpose != other.purpose {
+            return Err(other);
+        }
+        // Both amounts are charged in the same meters, so their sum fits the limit and a u64.
+        self.bytes += other.bytes;
+        other.bytes = 0;
+        Ok(())
     }
 
     /// Bytes held.

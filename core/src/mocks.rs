@@ -6,7 +6,7 @@
 
 use crate::{
     Advice, Advisor, Allocation, BackendError, Capabilities, DeviceId, ErrorKind, ErrorType,
-    IsolationLevel, Location, ManagedAllocator, Stream, StreamProvider, TenantKey,
+    IsolationLevel, Location, ManagedAllocator, Refused, Stream, StreamProvider, TenantKey,
 };
 
 /// The error type of [`MockBackend`]: whatever kind the test chooses.
@@ -33,7 +33,7 @@ mockall::mock! {
         fn capabilities(&self) -> Capabilities;
         fn device_count(&self) -> u32;
         fn allocate(&self, device: DeviceId, bytes: usize) -> Result<Allocation, MockError>;
-        unsafe fn free(&self, allocation: Allocation) -> Result<(), MockError>;
+        unsafe fn free(&self, allocation: Allocation) -> Result<(), Refused<Allocation, MockError>>;
         unsafe fn zero(
             &self,
             allocation: &Allocation,

@@ -358,8 +358,9 @@ impl<P: DevicePools> Drop for TenantDevicePool<P> {
     /// stream the allocation was made on: [`DevicePools::pool_free_at_teardown`]) and gives its
     /// bytes back, then destroys the pool, which retries what the backend refused to free. If
     /// the destroy fails too, the driver may still hold some of those blocks, and which ones is
-    /// not known here: the tenant stays charged for all of them (never less than what is held,
-    /// possibly more; the backend counts the pool and retries at its own drop).
+    /// not known here: the tenant stays charged for all of them for good
+    /// ([`Reservation::strand`]: never less than what is held, possibly more; the backend counts
+    /// the pool and retries at its own drop).
     fn drop(&mut self) {
         let Some(pool) = self.pool.take() else {
             return;
@@ -376,7 +377,7 @@ impl<P: DevicePools> Drop for TenantDevicePool<P> {
             }
         }
         if self.backend.destroy_pool(pool).is_err() {
-            refused.into_iter().for_each(Reservation::keep_charged);
+            refused.into_iter().for_each(Reservation::strand);
         }
     }
 }

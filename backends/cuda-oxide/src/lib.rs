@@ -5,8 +5,8 @@
 use tensor_wasm_mem_core::{
     Advice, Advisor, Allocation, BackendError, Capabilities, DeviceId, DevicePoolConfig,
     DevicePoolStats, DevicePools, ErrorKind, ErrorType, HostAccess, HostMemory, IsolationLevel,
-    Location, ManagedAllocator, Operation, PoolAllocation, PoolHandle, Stream, StreamProvider,
-    TenantKey,
+    Location, ManagedAllocator, Operation, PoolAllocation, PoolHandle, Refused, Stream,
+    StreamProvider, TenantKey,
 };
 
 /// The only error of the reserved slot.
@@ -76,9 +76,12 @@ unsafe impl ManagedAllocator for CudaOxideBackend {
         Err(not_yet(Operation::Allocate))
     }
 
-    unsafe fn free(&self, _allocation: Allocation) -> Result<(), OxideError> {
-        // Nothing can have come from `allocate`; the handle is dropped untouched.
-        Err(not_yet(Operation::Free))
+    unsafe fn free(&self, allocation: Allocation) -> Result<(), Refused<Allocation, OxideError>> {
+        // Nothing can have come from `allocate`; the handle goes back untouched.
+        Err(Refused {
+            resource: allocation,
+            error: not_yet(Operation::Free),
+        })
     }
 
     unsafe fn zero(&self, _: &Allocation, _: usize, _: usize) -> Result<(), OxideError> {
@@ -143,8 +146,14 @@ unsafe impl HostMemory for CudaOxideBackend {
         Err(not_yet(Operation::AttachHost))
     }
 
-    unsafe fn detach_host(&self, _: Allocation) -> Result<(), OxideError> {
-        Err(not_yet(Operation::DetachHost))
+    unsafe fn detach_host(
+        &self,
+        allocation: Allocation,
+    ) -> Result<(), Refused<Allocation, OxideError>> {
+        Err(Refused {
+            resource: allocation,
+            error: not_yet(Operation::DetachHost),
+        })
     }
 }
 

@@ -62,7 +62,10 @@ fn every_other_operation() {
     let (ptr, len, device) = (b.as_ptr(), b.len(), b.device());
     // SAFETY: the slot drops the handle without touching the memory; it is freed below through
     // a handle rebuilt from the same parts.
-    assert_not_yet(unsafe { slot.free(b) }, Operation::Free);
+    assert_not_yet(
+        unsafe { slot.free(b) }.map_err(tensor_wasm_mem_core::Refused::into_error),
+        Operation::Free,
+    );
     // SAFETY: rebuilds the handle of the allocation `heap` made above, still live.
     let b = unsafe {
         tensor_wasm_mem_core::Allocation::from_raw_parts(

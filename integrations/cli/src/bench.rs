@@ -215,9 +215,11 @@ impl Setup {
 }
 
 /// An engine whose creator on `backend` makes a fresh memory each time (of the backing the
-/// backend's devices call for).
+/// backend's devices call for). These rows measure the creator for Stores of no tenant, as
+/// Wasmtime's rows do (untenanted memories allowed); the tenant's own path is measured apart.
 fn fresh_engine(backend: Arc<MockBackend>) -> wasmtime::Result<Engine> {
     TensorWasmMemoryCreator::builder(backend)
+        .allow_untenanted()
         .build()
         .map_err(wasmtime::Error::new)?
         .engine()
@@ -231,6 +233,7 @@ fn pooled_engine(backend: Arc<MockBackend>, slots: usize) -> wasmtime::Result<En
             DeviceId(0),
             [SizeClass::new(16 << 16, slots)],
         ))
+        .allow_untenanted()
         .build()
         .map_err(wasmtime::Error::new)?
         .engine()

@@ -391,8 +391,9 @@ fn a_many_memory_module_at_cap_zero_is_denied_by_the_held_budget() {
 }
 
 /// Attack 2 through `twm run`: tables are not free. One past the per-table element limit
-/// refuses instantiation (exit 4, naming the limit); tables within it are charged to the held
-/// budget, which refuses the third 1M-element table at 16 MiB; growth past it is -1.
+/// refuses instantiation (exit 4, naming the limit); tables within it are real host memory,
+/// charged to the touched budget (the cap: at a cap of 0 there are none) and the held budget,
+/// which refuses the third 1M-element table at 16 MiB; growth past a budget is -1.
 #[test]
 fn tables_are_charged_and_bounded_under_twm_run() {
     let huge = module_file("huge-table.wat", b"(module (table 10000000 funcref))");
@@ -403,9 +404,14 @@ fn tables_are_charged_and_bounded_under_twm_run() {
         "{}",
         stderr(&o)
     );
+    // At a cap of 0 a tenant holds no table elements at all.
+    let ten = module_file("ten-elements.wat", b"(module (table 10 funcref))");
+    let o = twm(&["run", ten.to_str().unwrap(), "--tenant-cap", "0"]);
+    assert_eq!(o.status.code(), Some(4), "{}", stderr(&o));
+    assert!(stderr(&o).contains("touched budget"), "{}", stderr(&o));
     let tables = "(table 1000000 funcref) ".repeat(3);
     let three = module_file("three-tables.wat", format!("(module {tables})").as_bytes());
-    let args = ["--tenant-cap", "0", "--tenant-held", "16MiB"];
+    let args = ["--tenant-cap", "64MiB", "--tenant-held", "16MiB"];
     let o = twm(&[&["run", three.to_str().unwrap()][..], &args[..]].concat());
     assert_eq!(o.status.code(), Some(4), "{}", stderr(&o));
     assert!(stderr(&o).contains("held budget"), "{}", stderr(&o));
@@ -416,9 +422,9 @@ fn tables_are_charged_and_bounded_under_twm_run() {
                (table.grow (ref.null func) (local.get 0))))"#,
     );
     let path = growing.to_str().unwrap();
-    // 1 MiB of held budget is 131072 elements: a growth past it (within the element limit) is
+    // A cap of 1 MiB is 131072 elements: a growth past it (within the element limit) is
     // refused by the budget.
-    let small = ["--tenant-cap", "0", "--tenant-held", "1MiB"];
+    let small = ["--tenant-cap", "1MiB"];
     let o = twm(&[&["run", path, "--invoke", "grow", "100"][..], &small[..]].concat());
     assert_eq!(
         (o.status.code(), stdout(&o)),

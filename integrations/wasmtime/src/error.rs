@@ -133,6 +133,28 @@ pub enum TwmError {
     /// A memory of another Store than the one given.
     #[error("this memory belongs to another Store than the one given")]
     ForeignMemory,
+    /// A memory no tenant would pay for: its Store has no tenant limiter announcing it (made
+    /// with `Store::new` instead of [`new_store`](crate::new_store), refilled with
+    /// `Store::into_data`, or instantiated outside [`instantiate`](crate::instantiate)), and the
+    /// creator is bound to no tenant.
+    #[error(
+        "no tenant pays for this memory: make the Store with tensor_wasm_mem_wasmtime::new_store \
+         and instantiate with tensor_wasm_mem_wasmtime::instantiate (a plain Linker::instantiate \
+         or a Store without the tenant limiter announces no tenant), or bind the creator to a \
+         tenant (CreatorBuilder::tenant), or allow untenanted memories \
+         (CreatorBuilder::allow_untenanted)"
+    )]
+    NoTenant,
+    /// [`instantiate`](crate::instantiate) on a tenant's Store whose limiter is not installed.
+    #[error(
+        "{tenant_name:?}'s Store has no tenant limiter installed: make it with \
+         tensor_wasm_mem_wasmtime::new_store (a Store from Store::new, or one refilled with \
+         Store::into_data, would charge nobody)"
+    )]
+    NoLimiter {
+        /// The tenant's name.
+        tenant_name: String,
+    },
     /// A device the backend does not have.
     #[error("{device} is unknown here: there are {count} device(s)")]
     UnknownDevice {
@@ -216,6 +238,7 @@ impl TwmError {
             | Self::ForeignMemory => ErrorKind::InvalidArgument,
             Self::CustomPageSize { .. } | Self::BackingUnavailable { .. } => ErrorKind::Unsupported,
             Self::NotOurMemory | Self::NotDeviceAccessible => ErrorKind::Unsupported,
+            Self::NoTenant | Self::NoLimiter { .. } => ErrorKind::InvalidArgument,
             Self::UnknownDevice { .. }
             | Self::Devices(_)
             | Self::DeviceNotServed { .. }

@@ -35,9 +35,10 @@ use tensor_wasm_mem_core::{
 use wasmtime::{Caller, Extern, Linker};
 
 use crate::Backend;
+use crate::books::StoreBooks;
 use crate::error::TwmError;
 use crate::memory::{MemoryView, TensorWasmMemoryCreator};
-use crate::tenancy::{ChargeMode, HasTenantLimiter, StoreCharge, StreamId, Tenant, TenantLimiter};
+use crate::tenancy::{ChargeMode, HasTenantLimiter, StreamId, Tenant, TenantLimiter};
 
 /// Success.
 pub const TWM_OK: i32 = 0;
@@ -66,9 +67,9 @@ pub struct GuestContext<B: Backend> {
     /// The tenant's devices, its home first (where the stream is made).
     devices: Vec<DeviceId>,
     stream: Option<StreamLease<Arc<B>>>,
-    /// The Store's shared charge, which its memories keep: the stream is recorded there while
-    /// it lives, so a memory that goes first waits for it.
-    store: Option<Arc<StoreCharge>>,
+    /// The Store's books, which its memories keep: the stream is recorded there while it
+    /// lives, so a memory that goes first waits for it.
+    store: Option<Arc<StoreBooks>>,
     calls: u64,
     failed_calls: u64,
 }
@@ -105,7 +106,7 @@ impl<B: Backend> GuestContext<B> {
     /// [`TenantStore`] uses; custom Store data holding both should make its context this way.
     pub fn for_limiter(creator: TensorWasmMemoryCreator<B>, limiter: &TenantLimiter) -> Self {
         let mut guest = Self::new(creator, limiter.tenant());
-        guest.store = Some(Arc::clone(limiter.store_charge()));
+        guest.store = Some(Arc::clone(limiter.books()));
         guest
     }
 
@@ -121,8 +122,8 @@ impl<B: Backend> GuestContext<B> {
         (self.calls, self.failed_calls)
     }
 
-    /// The Store's shared charge, when made with [`for_limiter`](Self::for_limiter).
-    pub(crate) fn store_charge(&self) -> Option<&Arc<StoreCharge>> {
+    /// The Store's books, when made with [`for_limiter`](Self::for_limiter).
+    pub(crate) fn books(&self) -> Option<&Arc<StoreBooks>> {
         self.store.as_ref()
     }
 

@@ -1,25 +1,34 @@
-//! [`TensorWasmMemoryCreator`] and [`TensorWasmLinearMemory`]: Wasm linear memory on a backend's
-//! managed memory, fresh or from a slot pool, with guest-pointer resolution.
+//! [`TensorWasmMemoryCreator`]: Wasm linear memory on a backend's managed memory (or a guarded
+//! backing), fresh or from a slot pool, with guest-pointer resolution.
+//!
+//! Making a memory is one straight line ([`TensorWasmMemoryCreator::create`]): check what the
+//! engine asks, plan the memory, find who pays (the Store's limiter's grant, a tenant bound to
+//! the creator, or nobody where allowed), charge it, acquire the storage, register. What
+//! follows (growth, release) is in the `lifecycle` module.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tensor_wasm_mem_core::{
     Advice, Capabilities, DeviceId, DeviceSlice, Location, MemoryPlan, MemoryType as PlanType,
-    PlanLimits, PoolConfig, PoolStats, Purpose, Reservation, SlotPool, Stream, StreamProvider,
-    UnifiedBuffer, check_range,
+    PlanLimits, PoolConfig, PoolStats, Reservation, SlotPool, Stream, UnifiedBuffer, check_range,
 };
-
-use crate::backing::{Backing, CreatorPool, GuardedPool, GuardedRegion, MemoryBacking};
 use wasmtime::{AsContext, Config, Engine, LinearMemory, Memory, MemoryCreator, MemoryType};
 
 use crate::Backend;
+use crate::backing::Backing;
+use crate::books::{self, MemoryCharge, StoreBooks};
 use crate::config::configure;
 use crate::error::TwmError;
-use crate::tenancy::{self, ChargeMode, Creation, MemoryCharge, StoreCharge, Tenant};
+use crate::guarded_region::{GuardedPool, GuardedRegion};
+use crate::lifecycle::{
+    Held, KeptMemories, MemoryRecord, Registry, ScopedMemory, TensorWasmLinearMemory,
+};
+use crate::storage::{CreatorPool, Storage};
+use crate::tenancy::{ChargeMode, Tenant};
 
 /// Where a Wasmtime memory is, read from its Store: the key of the registry.
 #[derive(Clone, Copy, Debug)]
@@ -81,103 +90,6 @@ impl GuestSlice<'_> {
     }
 }
 
-/// What one live memory shares with the registry (for resolution and host calls). Fields drop
-/// in order: the buffer (freed, or back in its pool) first, then the charges, so a tenant is
-/// never charged less than it holds.
-struct MemoryShared<B: Backend> {
-    buffer: RwLock<MemoryBacking<B>>,
-    /// The buffer's device (it never changes), read without the buffer's lock.
-    device: DeviceId,
-    charges: MemoryCharges,
-}
-
-impl<B: Backend> Drop for MemoryShared<B> {
-    /// Before the buffer is freed or its slot goes back: waits for the Store's guest stream if
-    /// it is still alive (its data outlived its memories), so no work queued on it can land
-    /// after the scrub, in the next holder's memory. In Wasmtime's usual order the stream is
-    /// already released (and waited for) and there is nothing to do.
-    fn drop(&mut self) {
-        let Some(store) = &self.charges._store else {
-            return;
-        };
-        let buffer = self
-            .buffer
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner);
-        for id in store.streams() {
-            if let Err(e) = buffer.allocator().synchronize(&id.handle()) {
-                tracing::warn!(error = %e, "twm: waiting for a stream before freeing a memory failed");
-            }
-        }
-    }
-}
-
-/// One memory held by a device-access scope (see [`crate::DeviceAccess`]).
-pub(crate) struct ScopedMemory<B: Backend>(Arc<MemoryShared<B>>);
-
-impl<B: Backend> ScopedMemory<B> {
-    /// The charge of the Store that made it (`None`: a creator bound to a tenant, no limiter).
-    pub(crate) fn store_charge(&self) -> Option<&Arc<StoreCharge>> {
-        self.0.charges._store.as_ref()
-    }
-
-    fn buffer(&self) -> std::sync::RwLockReadGuard<'_, MemoryBacking<B>> {
-        self.0.buffer.read().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// A device slice of a range already checked against the visible size.
-    pub(crate) fn slice(&self, range: &std::ops::Range<usize>) -> Result<DeviceSlice, TwmError> {
-        self.buffer().device_slice(range.start, range.len())
-    }
-
-    pub(crate) fn prefetch(
-        &self,
-        range: &std::ops::Range<usize>,
-        to: Location,
-        stream: &Stream,
-    ) -> Result<(), TwmError> {
-        self.buffer().prefetch(range.start, range.len(), to, stream)
-    }
-
-    pub(crate) fn advise(
-        &self,
-        range: &std::ops::Range<usize>,
-        advice: Advice,
-    ) -> Result<(), TwmError> {
-        self.buffer().advise(range.start, range.len(), advice)
-    }
-
-    /// The host address of visible byte `offset`, where the backing is host-accessible.
-    pub(crate) fn host_ptr(&self, offset: usize) -> Option<*mut u8> {
-        let buffer = self.buffer();
-        buffer
-            .capabilities()
-            .host_accessible
-            .then(|| buffer.as_ptr().wrapping_add(offset))
-    }
-
-    pub(crate) fn backend(&self) -> Arc<B> {
-        Arc::clone(self.buffer().allocator())
-    }
-
-    /// The device the memory is on.
-    pub(crate) fn device(&self) -> DeviceId {
-        self.0.device
-    }
-}
-
-/// Everything a memory holds charged to its tenant.
-#[derive(Debug, Default)]
-struct MemoryCharges {
-    /// Its count and held bytes (memories and held budgets); held only to be dropped.
-    _memory: Option<MemoryCharge>,
-    /// Its touched bytes when charged by the memory itself (a creator bound to a tenant, or
-    /// `Capacity` mode under a limiter).
-    touched: Option<Mutex<Reservation>>,
-    /// The Store's charge (touched bytes and tables), kept until the memory is gone.
-    _store: Option<Arc<StoreCharge>>,
-}
-
 struct CreatorInner<B: Backend> {
     backend: Arc<B>,
     /// The devices served, the default (for memories of no tenant) first.
@@ -188,16 +100,27 @@ struct CreatorInner<B: Backend> {
     /// A pool per served device, in the same order (empty: fresh allocations).
     pools: Vec<CreatorPool<B>>,
     tenant: Option<(Arc<Tenant>, ChargeMode)>,
+    /// Memories no tenant pays for are made (else refused with `NoTenant`).
+    untenanted: bool,
     /// Live memories by base address.
-    registry: Mutex<HashMap<usize, Arc<MemoryShared<B>>>>,
+    registry: Mutex<HashMap<usize, Arc<MemoryRecord<B>>>>,
+    /// Memories whose storage the backend refused to release, with their charges.
+    kept: Arc<KeptMemories<B>>,
     created: AtomicU64,
     dropped: AtomicU64,
     refused: AtomicU64,
 }
 
 impl<B: Backend> CreatorInner<B> {
-    fn registry(&self) -> std::sync::MutexGuard<'_, HashMap<usize, Arc<MemoryShared<B>>>> {
+    fn registry(&self) -> std::sync::MutexGuard<'_, HashMap<usize, Arc<MemoryRecord<B>>>> {
         self.registry.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<B: Backend> Registry<B> for CreatorInner<B> {
+    fn unregister(&self, base: usize) {
+        self.registry().remove(&base);
+        self.dropped.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -214,6 +137,14 @@ pub struct CreatorStats {
     pub dropped: u64,
     /// Memories refused (plan, cap, guard, pool or backend).
     pub refused: u64,
+    /// Memories gone whose storage the backend refused to release: kept, with their charges
+    /// (their tenants stay charged), and released again on the creator's next memory, by
+    /// [`TensorWasmMemoryCreator::retry_releases`], and when the creator goes.
+    pub kept_memories: u64,
+    /// Bytes those kept memories hold visible.
+    pub kept_bytes: u64,
+    /// Kept memories a later try released (their charges went back then).
+    pub kept_released: u64,
     /// The default device's pool's figures, when memories come from pools.
     pub pool: Option<PoolStats>,
     /// Each served device's figures, in the order served.
@@ -239,6 +170,7 @@ pub struct CreatorBuilder<B: Backend> {
     limits: PlanLimits,
     pool: Option<PoolConfig>,
     tenant: Option<(Arc<Tenant>, ChargeMode)>,
+    untenanted: bool,
 }
 
 impl<B: Backend> fmt::Debug for CreatorBuilder<B> {
@@ -310,6 +242,17 @@ impl<B: Backend> CreatorBuilder<B> {
         self
     }
 
+    /// Make memories no tenant pays for: those of a Store without a tenant limiter
+    /// ([`new_store`](crate::new_store)), on a creator bound to no tenant. By default they are
+    /// refused ([`TwmError::NoTenant`]), so a tenant's Store that lost its limiter (made with
+    /// `Store::new`, or refilled with `Store::into_data`) cannot hold memory its tenant does not
+    /// pay for. Untenanted memories go to the first served device and count in no budget.
+    #[must_use]
+    pub fn allow_untenanted(mut self) -> Self {
+        self.untenanted = true;
+        self
+    }
+
     /// Builds the creator (allocating the pools' slabs, if any). A device the backend does not
     /// have is [`TwmError::UnknownDevice`].
     pub fn build(self) -> Result<TensorWasmMemoryCreator<B>, TwmError> {
@@ -349,7 +292,9 @@ impl<B: Backend> CreatorBuilder<B> {
                 limits: self.limits,
                 pools,
                 tenant: self.tenant,
+                untenanted: self.untenanted,
                 registry: Mutex::new(HashMap::new()),
+                kept: Arc::default(),
                 created: AtomicU64::new(0),
                 dropped: AtomicU64::new(0),
                 refused: AtomicU64::new(0),
@@ -363,16 +308,26 @@ impl<B: Backend> CreatorBuilder<B> {
 /// Cheap to clone (shared state). Install it with [`install`](Self::install) or make an engine
 /// with [`engine`](Self::engine); both apply the safe Config from [`configure`].
 ///
+/// Every memory is paid for by a tenant: a Store made by [`new_store`](crate::new_store) whose
+/// modules are instantiated by [`instantiate`](crate::instantiate), or the tenant the creator is
+/// bound to ([`CreatorBuilder::tenant`]); memories nobody pays for are refused
+/// ([`TwmError::NoTenant`]) unless the creator allows them
+/// ([`CreatorBuilder::allow_untenanted`]).
+///
 /// ```
 /// use std::sync::Arc;
 /// use tensor_wasm_mem_mock::MockBackend;
-/// use tensor_wasm_mem_wasmtime::TensorWasmMemoryCreator;
+/// use tensor_wasm_mem_wasmtime::core::IsolationLevel;
+/// use tensor_wasm_mem_wasmtime::{
+///     ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, instantiate, new_store,
+/// };
 ///
 /// let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default())).build()?;
 /// let engine = creator.engine()?;
 /// let module = wasmtime::Module::new(&engine, r#"(module (memory (export "memory") 1 4))"#)?;
-/// let mut store = wasmtime::Store::new(&engine, ());
-/// let instance = wasmtime::Instance::new(&mut store, &module, &[])?;
+/// let tenant = Tenant::new(1, "t1", 1 << 20, IsolationLevel::StreamIsolated);
+/// let mut store = new_store(&engine, TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()));
+/// let instance = instantiate(&mut store, &wasmtime::Linker::new(&engine), &module)?;
 /// let memory = instance.get_memory(&mut store, "memory").unwrap();
 /// let slice = creator.resolve(&store, &memory, 16, 64)?; // a checked device pointer
 /// assert_eq!(slice.len(), 64);
@@ -412,6 +367,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             limits: PlanLimits::default(),
             pool: None,
             tenant: None,
+            untenanted: false,
         }
     }
 
@@ -478,12 +434,16 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     pub fn stats(&self) -> CreatorStats {
         let created = self.inner.created.load(Ordering::Acquire);
         let dropped = self.inner.dropped.load(Ordering::Acquire);
+        let (kept_memories, kept_bytes) = self.inner.kept.figures();
         CreatorStats {
             backing: self.inner.backing,
             live_memories: created - dropped.min(created),
             created,
             dropped,
             refused: self.inner.refused.load(Ordering::Acquire),
+            kept_memories,
+            kept_bytes,
+            kept_released: self.inner.kept.released(),
             pool: self.inner.pools.first().map(CreatorPool::stats),
             devices: self.device_stats(),
         }
@@ -491,8 +451,13 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
 
     fn device_stats(&self) -> Vec<CreatorDeviceStats> {
         let mut live = vec![0u64; self.inner.devices.len()];
-        for shared in self.inner.registry().values() {
-            if let Some(i) = self.inner.devices.iter().position(|d| *d == shared.device) {
+        for record in self.inner.registry().values() {
+            if let Some(i) = self
+                .inner
+                .devices
+                .iter()
+                .position(|d| *d == record.device())
+            {
                 live[i] += 1;
             }
         }
@@ -521,8 +486,15 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         &self.inner.devices
     }
 
+    /// Releases again every memory whose storage the backend refused to release (their
+    /// charges go back as they are released), and returns how many the backend still refuses.
+    /// The creator also tries on each memory it makes, and a last time when it goes.
+    pub fn retry_releases(&self) -> u64 {
+        self.inner.kept.retry()
+    }
+
     /// The live memory at `view`'s base, if this creator made it (any other is `NotOurMemory`).
-    fn shared(&self, view: MemoryView) -> Result<Arc<MemoryShared<B>>, TwmError> {
+    fn record(&self, view: MemoryView) -> Result<Arc<MemoryRecord<B>>, TwmError> {
         self.inner
             .registry()
             .get(&view.base)
@@ -532,33 +504,31 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
 
     /// The device of a memory this creator made (any other is `NotOurMemory`).
     pub(crate) fn memory_device(&self, view: MemoryView) -> Result<DeviceId, TwmError> {
-        Ok(self.shared(view)?.device)
+        Ok(self.record(view)?.device())
     }
 
     /// A memory this creator made (any other is `NotOurMemory`), held for a device-access
     /// scope, with its visible size as the guest sees it.
     pub(crate) fn scoped(&self, view: MemoryView) -> Result<(ScopedMemory<B>, usize), TwmError> {
-        let shared = self.shared(view)?;
-        let size = {
-            let buffer = shared.buffer.read().unwrap_or_else(PoisonError::into_inner);
-            if !buffer.capabilities().device_accessible {
+        let record = self.record(view)?;
+        let size = record.with_storage(|storage| {
+            if !storage.capabilities().device_accessible {
                 return Err(TwmError::NotDeviceAccessible);
             }
-            view.size.min(buffer.len())
-        };
-        Ok((ScopedMemory(shared), size))
+            Ok(view.size.min(storage.len()))
+        })?;
+        Ok((ScopedMemory::of(&record), size))
     }
 
-    /// Runs `f` on the buffer of a memory this creator made (any other is `NotOurMemory`), with
-    /// its visible size as the guest sees it.
+    /// Runs `f` on the storage of a memory this creator made (any other is `NotOurMemory`),
+    /// with its visible size as the guest sees it.
     fn with_buffer<R>(
         &self,
         view: MemoryView,
-        f: impl FnOnce(&MemoryBacking<B>, usize) -> Result<R, TwmError>,
+        f: impl FnOnce(&Storage<B>, usize) -> Result<R, TwmError>,
     ) -> Result<R, TwmError> {
-        let shared = self.shared(view)?;
-        let buffer = shared.buffer.read().unwrap_or_else(PoisonError::into_inner);
-        f(&buffer, view.size.min(buffer.len()))
+        self.record(view)?
+            .with_storage(|storage| f(storage, view.size.min(storage.len())))
     }
 
     /// Resolves a guest range of `memory` to a device slice: only when `memory` came from this
@@ -652,143 +622,228 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         error.to_string()
     }
 
-    /// Makes a memory; the Store's limiter's `creation`, if any, says whom to charge.
+    /// Makes a memory: check, plan, find who pays, charge, acquire, register.
     fn create(
+        &self,
+        ty: &MemoryType,
+        (reserved, guard): (Option<usize>, usize),
+        payer: Payer,
+    ) -> Result<TensorWasmLinearMemory<B>, TwmError> {
+        self.inner.kept.retry();
+        self.check_engine(ty, reserved, guard)?;
+        let plan = self.plan(ty)?;
+        let (slot, device) = self.home(payer.tenant())?;
+        let sizes = Sizes::new(&plan, self.inner.pools.get(slot))?;
+        let books = payer.books();
+        let charge = payer.charge(&sizes)?;
+        let _span = tracing::debug_span!(
+            "twm.memory.create",
+            backing = self.inner.backing.name(),
+            isolation =
+                charge
+                    .as_ref()
+                    .map_or("untenanted", |c| c.tenant().context().isolation().name()),
+            device = device.0,
+            initial = sizes.initial,
+            capacity = sizes.capacity,
+            held = sizes.held
+        )
+        .entered();
+        let storage = self.acquire(slot, device, &sizes, reserved.unwrap_or(0), guard)?;
+        Ok(self.register(Held { storage, charge }, device, books, &sizes))
+    }
+
+    /// Refuses what the engine asks that this backing cannot honour: managed memory has no
+    /// guard pages and no reservation (Wasmtime must check bounds); a guarded backing maps (or
+    /// its pool slot holds) what Wasmtime asks for.
+    fn check_engine(
         &self,
         ty: &MemoryType,
         reserved: Option<usize>,
         guard: usize,
-        creation: &Option<Creation>,
-    ) -> Result<TensorWasmLinearMemory<B>, TwmError> {
+    ) -> Result<(), TwmError> {
         crate::error::check_memory_type(ty)?;
-        // Managed memory has no guard pages and no reservation: Wasmtime must check bounds.
-        // A guarded backing maps (or its pool slot holds) what Wasmtime asks for.
-        let backing = self.inner.backing;
-        if backing == Backing::Managed {
-            if guard > 0 {
-                return Err(TwmError::GuardNotHonoured { guard });
-            }
-            if let Some(reserved) = reserved.filter(|&r| r > 0) {
-                return Err(TwmError::ReservationNotHonoured { reserved });
-            }
+        if self.inner.backing != Backing::Managed {
+            return Ok(());
         }
+        if guard > 0 {
+            return Err(TwmError::GuardNotHonoured { guard });
+        }
+        match reserved.filter(|&r| r > 0) {
+            Some(reserved) => Err(TwmError::ReservationNotHonoured { reserved }),
+            None => Ok(()),
+        }
+    }
+
+    /// The memory's plan: the hard cap and the configured limit, before any allocation.
+    fn plan(&self, ty: &MemoryType) -> Result<MemoryPlan, TwmError> {
         let plan_type = PlanType {
             minimum_pages: ty.minimum(),
             maximum_pages: ty.maximum(),
             page_size_log2: ty.page_size_log2(),
             memory64: ty.is_64(),
         };
-        // The hard cap and the configured limit are enforced here, before any allocation.
-        let plan = MemoryPlan::new(&plan_type, &self.inner.limits)?;
-        let initial = plan.initial_usize()?;
-        let capacity = plan.capacity_usize()?;
-        // A zero-capacity memory still gets a real (one page) allocation: the base pointer of a
-        // linear memory must be non-null and unique.
-        let allocate = capacity.max(1);
-        // The tenant's home device (it must be served), or the default for no tenant.
-        let tenant = match (creation, &self.inner.tenant) {
-            (Some(creation), _) => Some(creation.store.tenant()),
-            (None, Some((tenant, _))) => Some(tenant),
-            (None, None) => None,
+        Ok(MemoryPlan::new(&plan_type, &self.inner.limits)?)
+    }
+
+    /// Who pays for a memory of `minimum` bytes: the Store whose limiter announced it (inside
+    /// that Store's [`instantiate`](crate::instantiate)), the tenant the creator is bound to,
+    /// or nobody where untenanted memories are allowed; else [`TwmError::NoTenant`].
+    fn payer(&self, minimum: usize) -> Result<Payer, TwmError> {
+        if let Some((books, grant)) = books::redeem_creation(minimum) {
+            return Ok(Payer::Store { books, grant });
+        }
+        match &self.inner.tenant {
+            Some((tenant, mode)) => Ok(Payer::Bound {
+                tenant: Arc::clone(tenant),
+                mode: *mode,
+            }),
+            None if self.inner.untenanted => Ok(Payer::Nobody),
+            None => Err(TwmError::NoTenant),
+        }
+    }
+
+    /// The served device a memory of `tenant` goes to (its home, which must be served; the
+    /// first for no tenant), as its index in the served devices.
+    fn home(&self, tenant: Option<&Arc<Tenant>>) -> Result<(usize, DeviceId), TwmError> {
+        let Some(tenant) = tenant else {
+            return Ok((0, self.inner.devices[0]));
         };
-        let slot = match tenant {
-            Some(tenant) => self
-                .inner
-                .devices
-                .iter()
-                .position(|d| *d == tenant.device())
-                .ok_or_else(|| TwmError::DeviceNotServed {
-                    tenant_name: tenant.name().to_string(),
-                    device: tenant.device(),
-                })?,
-            None => 0,
-        };
-        let device = self.inner.devices[slot];
-        let pool = self.inner.pools.get(slot);
-        let held = match pool {
-            Some(pool) => pool.slot_size_for(allocate).unwrap_or(allocate),
-            None => allocate,
-        } as u64;
-        let charges = match (&creation, &self.inner.tenant) {
-            // The Store's limiter charged the touched bytes; the memory adds its count and what
-            // it holds, and in `Capacity` mode its capacity.
-            (Some(creation), _) => {
-                let tenant = creation.store.tenant();
-                let touched = match creation.store.mode() {
-                    ChargeMode::Capacity => Some(Mutex::new(
-                        tenant.reserve_for(plan.capacity_bytes(), Purpose::LinearMemory)?,
-                    )),
-                    ChargeMode::Touched => None,
-                };
-                MemoryCharges {
-                    _memory: Some(tenant.charge_memory(held)?),
-                    touched,
-                    _store: Some(Arc::clone(&creation.store)),
-                }
-            }
-            // A creator bound to one tenant charges everything here.
-            (None, Some((tenant, mode))) => {
-                let bytes = match mode {
-                    ChargeMode::Touched => plan.initial_bytes(),
-                    ChargeMode::Capacity => plan.capacity_bytes(),
-                };
-                let touched = tenant.reserve_for(bytes, Purpose::LinearMemory)?;
-                MemoryCharges {
-                    _memory: Some(tenant.charge_memory(held)?),
-                    touched: Some(Mutex::new(touched)),
-                    _store: None,
-                }
-            }
-            (None, None) => MemoryCharges::default(),
-        };
-        let level = self
+        let slot = self
             .inner
-            .tenant
-            .as_ref()
-            .map_or("unbound", |(t, _)| t.context().isolation().name());
-        let _span = tracing::debug_span!(
-            "twm.memory.create",
-            backing = backing.name(),
-            isolation = level,
-            device = device.0,
-            initial,
-            capacity,
-            held
-        )
-        .entered();
+            .devices
+            .iter()
+            .position(|d| *d == tenant.device())
+            .ok_or_else(|| TwmError::DeviceNotServed {
+                tenant_name: tenant.name().to_string(),
+                device: tenant.device(),
+            })?;
+        Ok((slot, tenant.device()))
+    }
+
+    /// The memory's storage: a slot of the device's pool, or a fresh allocation or region.
+    fn acquire(
+        &self,
+        slot: usize,
+        device: DeviceId,
+        sizes: &Sizes,
+        reserved: usize,
+        guard: usize,
+    ) -> Result<Storage<B>, TwmError> {
         let backend = Arc::clone(&self.inner.backend);
-        let reserved = reserved.unwrap_or(0);
-        let buffer = match (pool, backing) {
-            (Some(CreatorPool::Managed(pool)), _) => MemoryBacking::Managed(
-                pool.acquire(allocate, initial)
+        let (capacity, initial) = (sizes.allocate, sizes.initial);
+        Ok(match (self.inner.pools.get(slot), self.inner.backing) {
+            (Some(CreatorPool::Managed(pool)), _) => Storage::Managed(
+                pool.acquire(capacity, initial)
                     .map_err(TwmError::from_core)?,
             ),
             (Some(CreatorPool::Guarded(pool)), _) => {
-                MemoryBacking::Guarded(pool.acquire(allocate, initial, reserved, guard)?)
+                Storage::Guarded(pool.acquire(capacity, initial, reserved, guard)?)
             }
-            (None, Backing::Managed) => MemoryBacking::Managed(
-                UnifiedBuffer::new(backend, device, allocate, initial)
+            (None, Backing::Managed) => Storage::Managed(
+                UnifiedBuffer::new(backend, device, capacity, initial)
                     .map_err(TwmError::from_core)?,
             ),
-            (None, Backing::Guarded(access)) => MemoryBacking::Guarded(GuardedRegion::new(
-                backend, device, access, allocate, initial, reserved, guard,
+            (None, Backing::Guarded(access)) => Storage::Guarded(GuardedRegion::new(
+                backend, device, access, capacity, initial, reserved, guard,
             )?),
-        };
-        let base = buffer.as_ptr() as usize;
-        let shared = Arc::new(MemoryShared {
-            buffer: RwLock::new(buffer),
-            device,
-            charges,
-        });
-        self.inner.registry().insert(base, Arc::clone(&shared));
-        self.inner.created.fetch_add(1, Ordering::AcqRel);
-        Ok(TensorWasmLinearMemory {
-            creator: Arc::clone(&self.inner),
-            shared,
-            base,
-            len: initial,
-            capacity,
         })
+    }
+
+    /// Registers a made memory by its base, and hands it to Wasmtime.
+    fn register(
+        &self,
+        held: Held<B>,
+        device: DeviceId,
+        books: Option<Arc<StoreBooks>>,
+        sizes: &Sizes,
+    ) -> TensorWasmLinearMemory<B> {
+        let base = held.storage.as_ptr() as usize;
+        let kept = Arc::clone(&self.inner.kept);
+        let record = Arc::new(MemoryRecord::new(held, device, books, kept));
+        self.inner.registry().insert(base, Arc::clone(&record));
+        self.inner.created.fetch_add(1, Ordering::AcqRel);
+        let registry: Arc<dyn Registry<B>> = self.inner.clone();
+        TensorWasmLinearMemory::new(registry, record, (base, sizes.initial, sizes.capacity))
+    }
+}
+
+/// The sizes of a memory about to be made.
+#[derive(Clone, Copy, Debug)]
+struct Sizes {
+    /// Visible bytes at first.
+    initial: usize,
+    /// The most it can grow to.
+    capacity: usize,
+    /// Bytes asked of the pool or the backend: the capacity, at least one byte (a linear
+    /// memory's base must be non-null and unique, so a zero-capacity memory still holds one
+    /// allocation).
+    allocate: usize,
+    /// Bytes it will hold: its pool slot's size, or its allocation's.
+    held: usize,
+}
+
+impl Sizes {
+    fn new<B: Backend>(plan: &MemoryPlan, pool: Option<&CreatorPool<B>>) -> Result<Self, TwmError> {
+        let capacity = plan.capacity_usize()?;
+        let allocate = capacity.max(1);
+        Ok(Self {
+            initial: plan.initial_usize()?,
+            capacity,
+            allocate,
+            held: pool
+                .and_then(|p| p.slot_size_for(allocate))
+                .unwrap_or(allocate),
+        })
+    }
+
+    /// `(initial, capacity, held)` as a charge counts them.
+    fn charged(&self) -> (u64, u64, u64) {
+        (self.initial as u64, self.capacity as u64, self.held as u64)
+    }
+}
+
+/// Who pays for a memory about to be made.
+#[derive(Debug)]
+enum Payer {
+    /// The Store whose limiter granted its touched bytes.
+    Store {
+        books: Arc<StoreBooks>,
+        grant: Reservation,
+    },
+    /// The tenant the creator is bound to.
+    Bound {
+        tenant: Arc<Tenant>,
+        mode: ChargeMode,
+    },
+    /// Nobody: an untenanted memory (where the creator allows them).
+    Nobody,
+}
+
+impl Payer {
+    fn tenant(&self) -> Option<&Arc<Tenant>> {
+        match self {
+            Self::Store { books, .. } => Some(books.tenant()),
+            Self::Bound { tenant, .. } => Some(tenant),
+            Self::Nobody => None,
+        }
+    }
+
+    fn books(&self) -> Option<Arc<StoreBooks>> {
+        match self {
+            Self::Store { books, .. } => Some(Arc::clone(books)),
+            Self::Bound { .. } | Self::Nobody => None,
+        }
+    }
+
+    /// The memory's charge, before its storage is acquired (`None`: nobody pays).
+    fn charge(self, sizes: &Sizes) -> Result<Option<MemoryCharge>, TwmError> {
+        let (tenant, mode, grant) = match self {
+            Self::Store { books, grant } => (Arc::clone(books.tenant()), books.mode(), Some(grant)),
+            Self::Bound { tenant, mode } => (tenant, mode, None),
+            Self::Nobody => return Ok(None),
+        };
+        MemoryCharge::new(&tenant, mode, grant, sizes.charged()).map(Some)
     }
 }
 
@@ -818,139 +873,20 @@ unsafe impl<B: Backend> MemoryCreator for TensorWasmMemoryCreator<B> {
         reserved_size_in_bytes: Option<usize>,
         guard_size_in_bytes: usize,
     ) -> Result<Box<dyn LinearMemory>, String> {
-        // The Store's limiter approved this memory just before, on this thread.
-        let creation = tenancy::take_creation(minimum);
-        match self.create(&ty, reserved_size_in_bytes, guard_size_in_bytes, &creation) {
+        // Who pays: the Store's limiter announced this memory just before, on this thread.
+        let payer = self.payer(minimum);
+        let books = payer.as_ref().ok().and_then(Payer::books);
+        let engine = (reserved_size_in_bytes, guard_size_in_bytes);
+        match payer.and_then(|payer| self.create(&ty, engine, payer)) {
             Ok(memory) => Ok(Box::new(memory)),
             Err(e) => {
-                if let Some(creation) = &creation {
-                    // Wasmtime tells the limiter nothing of a creator's refusal: the touched
-                    // bytes it charged go back here, and a denial is kept for `instantiate`.
-                    creation.store.refund_touched(creation.touched);
-                    if let TwmError::Denied { denied, .. } = &e {
-                        creation.store.record_refusal(*denied);
-                    }
+                // Wasmtime reports a creator's refusal as text only: a denial is kept for
+                // `instantiate` to return typed.
+                if let (Some(books), TwmError::Denied { denied, .. }) = (&books, &e) {
+                    books.record_refusal(*denied);
                 }
                 Err(self.refuse(e))
             }
         }
-    }
-}
-
-/// One Wasm linear memory on managed memory: a fixed capacity, a growing visible size, a base
-/// that never moves. Unregisters itself and frees (or returns its pool slot) on drop.
-pub struct TensorWasmLinearMemory<B: Backend> {
-    creator: Arc<CreatorInner<B>>,
-    shared: Arc<MemoryShared<B>>,
-    base: usize,
-    len: usize,
-    capacity: usize,
-}
-
-impl<B: Backend> fmt::Debug for TensorWasmLinearMemory<B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TensorWasmLinearMemory")
-            .field("base", &(self.base as *const u8))
-            .field("len", &self.len)
-            .field("capacity", &self.capacity)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<B: Backend> TensorWasmLinearMemory<B> {
-    /// Visible bytes now.
-    #[must_use]
-    pub fn current_size(&self) -> usize {
-        self.len
-    }
-
-    /// The fixed capacity.
-    #[must_use]
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// `true` when the memory is unified memory a device can use with no copy (managed memory,
-    /// or guarded host memory with pageable memory access).
-    #[must_use]
-    pub fn is_uvm_backed(&self) -> bool {
-        self.shared
-            .buffer
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .capabilities()
-            .is_uvm()
-    }
-
-    fn grow(&mut self, new_size: usize) -> Result<(), TwmError> {
-        if new_size > self.capacity {
-            return Err(TwmError::CapacityExceeded {
-                requested: new_size,
-                capacity: self.capacity,
-            });
-        }
-        // A growth, not a creation: any announcement of one on this thread is stale.
-        tenancy::forget_creation();
-        let extra = new_size.saturating_sub(self.len) as u64;
-        // A creator bound to a tenant charges growth here (a Store's limiter charged it before).
-        let charged = match (&self.shared.charges.touched, &self.creator.tenant) {
-            (Some(touched), Some((tenant, ChargeMode::Touched))) if extra > 0 => {
-                touched
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .try_grow(extra)
-                    .map_err(|denied| tenant.denied(denied))?;
-                extra
-            }
-            _ => 0,
-        };
-        let grown = self
-            .shared
-            .buffer
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .grow_to(new_size);
-        if let Err(e) = grown {
-            if let Some(touched) = &self.shared.charges.touched {
-                let mut touched = touched.lock().unwrap_or_else(PoisonError::into_inner);
-                let keep = touched.bytes() - charged;
-                touched.shrink_to(keep);
-            }
-            return Err(e);
-        }
-        self.len = self.len.max(new_size);
-        Ok(())
-    }
-}
-
-// SAFETY: `as_ptr` is the base of a live allocation (or pool slot) of at least `capacity` bytes,
-// owned by this memory until it drops, and it never changes: growth only bumps `len` up to
-// `capacity`, zeroing newly visible bytes where the backend does not hand out zeroed memory.
-// `byte_size` bytes from the base are always readable and writable from the host.
-unsafe impl<B: Backend> LinearMemory for TensorWasmLinearMemory<B> {
-    fn byte_size(&self) -> usize {
-        self.len
-    }
-
-    fn byte_capacity(&self) -> usize {
-        self.capacity
-    }
-
-    fn grow_to(&mut self, new_size: usize) -> wasmtime::Result<()> {
-        self.grow(new_size).map_err(wasmtime::Error::new)
-    }
-
-    fn as_ptr(&self) -> *mut u8 {
-        self.base as *mut u8
-    }
-}
-
-impl<B: Backend> Drop for TensorWasmLinearMemory<B> {
-    fn drop(&mut self) {
-        self.creator.registry().remove(&self.base);
-        self.creator.dropped.fetch_add(1, Ordering::AcqRel);
-        // The buffer is freed (or its slot returned) when the last `Arc` to it drops: here,
-        // or at the end of a host call that is using it right now. Its charges go back after
-        // it (`MemoryShared`'s field order).
     }
 }

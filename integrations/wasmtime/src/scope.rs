@@ -37,7 +37,7 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::ops::Range;
+use std::ops::{Deref, Range};
 
 use tensor_wasm_mem_core::{
     Advice, DeviceId, DeviceSlice, Location, ManagedAllocator, Stream, StreamProvider,
@@ -47,7 +47,8 @@ use wasmtime::{Memory, Store};
 use crate::Backend;
 use crate::error::TwmError;
 use crate::guest::HasGuestContext;
-use crate::memory::{GuestSlice, MemoryView, ScopedMemory, TensorWasmMemoryCreator, guest_range};
+use crate::lifecycle::ScopedMemory;
+use crate::memory::{GuestSlice, MemoryView, TensorWasmMemoryCreator, guest_range};
 use crate::tenancy::StreamId;
 
 /// How a kernel uses a range.
@@ -165,10 +166,19 @@ struct Entry {
     slice: DeviceSlice,
 }
 
-/// An open device-access scope over one guest memory: holds the Store exclusively for `'s`.
-/// See `docs/SAFETY.md` section 5 for the contract.
+/// Makes a type invariant in `'a` (neither a longer nor a shorter lifetime converts to it).
+type Invariant<'a> = fn(&'a ()) -> &'a ();
+
+/// An open device-access scope over one guest memory: holds the Store exclusively for `'s`
+/// (invariant in `'s`: a scope over a longer-lived Store is not a scope over this one). See
+/// `docs/SAFETY.md` section 5 for the contract.
+///
+/// A scope that is forgotten (`mem::forget`) skips its wait: launching a kernel is unsafe, and
+/// its contract includes closing or dropping the scope; [`run`](Self::run) cannot be made to
+/// skip it. A forgotten scope holds no memory, slot, stream or charge (it refers to its memory
+/// weakly): what it leaks is its own few hundred bytes.
 pub struct DeviceAccess<'s, T: 'static, B: Backend> {
-    _store: PhantomData<&'s mut Store<T>>,
+    _store: PhantomData<(&'s mut Store<T>, Invariant<'s>)>,
     memory: ScopedMemory<B>,
     stream: Stream,
     device: DeviceId,
@@ -216,8 +226,8 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
         let view = MemoryView::of(&*store, memory)?;
         let (scoped, size) = creator.scoped(view)?;
         let guest = store.data_mut().guest_context();
-        if let (Some(theirs), Some(ours)) = (scoped.store_charge(), guest.store_charge())
-            && !std::sync::Arc::ptr_eq(theirs, ours)
+        if let (Some(theirs), Some(ours)) = (scoped.books(), guest.books())
+            && !std::sync::Arc::ptr_eq(&theirs, ours)
         {
             return Err(TwmError::ForeignMemory);
         }
@@ -290,23 +300,60 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
 }
 
 impl<T: HasGuestContext<B>, B: Backend> DeviceAccess<'_, T, B> {
-    /// Opens a scope, runs `f` in it, and closes it: the form that cannot skip the wait. (A
-    /// scope from [`open`](Self::open) that is leaked with `mem::forget` never waits, and its
-    /// Store borrow ends all the same; launching a kernel is unsafe, and its contract includes
-    /// closing or dropping the scope.) `f`'s result comes back once the stream has been waited
-    /// for; an error of the open or of the wait is returned instead.
+    /// Opens a scope, runs `f` in it, and closes it: the form that cannot skip the wait. `f`
+    /// gets a [`RunScope`], which only `run` can make and which lends the scope by shared
+    /// reference (and [`host_bytes_mut`](RunScope::host_bytes_mut)): `f` cannot swap the
+    /// scope for another, nor give it up, so the wait always happens
+    /// (`tests/ui/run_scope_cannot_be_swapped.rs`). (A scope from [`open`](Self::open) that is
+    /// leaked with `mem::forget` never waits: see [`DeviceAccess`].) `f`'s result comes back
+    /// once the stream has been waited for; an error of the open or of the wait is returned
+    /// instead.
     pub fn run<R>(
         store: &mut Store<T>,
         creator: &TensorWasmMemoryCreator<B>,
         memory: &Memory,
         ranges: &[AccessRange],
         options: ScopeOptions,
-        f: impl FnOnce(&mut DeviceAccess<'_, T, B>) -> R,
+        f: impl FnOnce(&mut RunScope<'_, T, B>) -> R,
     ) -> Result<R, TwmError> {
-        let mut scope = DeviceAccess::open_with(store, creator, memory, ranges, options)?;
-        let out = f(&mut scope);
-        scope.close()?;
+        let scope = DeviceAccess::open_with(store, creator, memory, ranges, options)?;
+        let mut run = RunScope {
+            scope,
+            _brand: PhantomData,
+        };
+        let out = f(&mut run);
+        run.scope.close()?;
         Ok(out)
+    }
+}
+
+/// The open scope [`DeviceAccess::run`] lends its closure: every reading method of the scope
+/// (through `Deref`) and [`host_bytes_mut`](Self::host_bytes_mut). Only `run` makes one, and
+/// it never hands out the scope mutably, so the closure cannot replace or forget it: `run`
+/// closes the very scope it opened. Invariant in `'scope`, unique to the call.
+pub struct RunScope<'scope, T: 'static, B: Backend> {
+    scope: DeviceAccess<'scope, T, B>,
+    _brand: PhantomData<Invariant<'scope>>,
+}
+
+impl<'scope, T: 'static, B: Backend> Deref for RunScope<'scope, T, B> {
+    type Target = DeviceAccess<'scope, T, B>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.scope
+    }
+}
+
+impl<T: 'static, B: Backend> RunScope<'_, T, B> {
+    /// [`DeviceAccess::host_bytes_mut`] of the scope.
+    pub fn host_bytes_mut(&mut self, i: usize) -> Result<Option<&mut [u8]>, TwmError> {
+        self.scope.host_bytes_mut(i)
+    }
+}
+
+impl<T: 'static, B: Backend> fmt::Debug for RunScope<'_, T, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("RunScope").field(&self.scope).finish()
     }
 }
 
@@ -341,7 +388,7 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
             return Ok(None);
         };
         self.memory
-            .backend()
+            .backend()?
             .synchronize(&self.stream)
             .map_err(TwmError::backend)?;
         // SAFETY: the backing is host-accessible and `range` was checked to lie inside the
@@ -379,7 +426,7 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
             return Ok(());
         }
         self.open = false;
-        let backend = self.memory.backend();
+        let backend = self.memory.backend()?;
         let waited = backend.synchronize(&self.stream).map_err(TwmError::backend);
         let mut result = waited;
         for range in std::mem::take(&mut self.advised) {

@@ -1,6 +1,6 @@
 //! Tenancy with one Engine: a per-Store [`TenantLimiter`] that charges a [`Tenant`] for what its
-//! guests touch and hold, refuses what would pass a budget, and gives everything back when the
-//! memories are really gone.
+//! guests touch and hold, refuses what would pass a budget, and gives everything back when what
+//! it paid for is really gone.
 //!
 //! A tenant has three budgets on its one ledger ([`TenantBudgets`]), all hard and all checked
 //! before anything is allocated:
@@ -8,48 +8,57 @@
 //! - **touched** bytes (the cap): a memory's current size, charged at instantiation and on each
 //!   growth ([`ChargeMode::Touched`], the default: managed memory is demand-paged, so capacity
 //!   that is never touched costs no device memory), or its whole capacity at instantiation
-//!   ([`ChargeMode::Capacity`], for backings where capacity is physical);
+//!   ([`ChargeMode::Capacity`], for backings where capacity is physical); and
+//!   [`TABLE_ELEMENT_BYTES`] per table element (real host memory a guest fills);
 //! - **held** bytes: the capacity a memory occupies (its pool slot, or its whole allocation),
-//!   and [`TABLE_ELEMENT_BYTES`] per table element;
+//!   and the table elements again;
 //! - **memories**: linear memories alive at once, across all the tenant's Stores.
 //!
-//! Wasmtime calls the limiter's `memory_growing(0, minimum, maximum)` for every memory at
-//! instantiation, *before* the creator allocates, then the creator's `new_memory` on the same
-//! thread; `memory_growing(current, desired, ..)` on each `memory.grow`. The limiter charges the
-//! touched bytes (the same rule for a new memory and a growth: `desired - current`) and hands
-//! the Store's charge to the creator on the thread; the creator charges the held bytes and the
-//! memory count (and the capacity in `Capacity` mode), and the memory keeps all of it, with the
-//! Store's charge, until its backing is freed or back in the pool. Wasmtime drops a Store's data
-//! (the limiter) *before* its memories: the charge outlives the limiter, so a tenant is never
-//! below what it holds.
+//! The lifecycle (`docs/ARCHITECTURE.md` draws it): Wasmtime calls the limiter's
+//! `memory_growing(current, desired, maximum)` before a memory is made (`current == 0`) and
+//! before each `memory.grow`, then, on the same thread, the creator's `new_memory` or the
+//! memory's `grow_to`. The limiter checks the plan and grants the touched bytes as a value that
+//! waits in the Store's books; the creator (inside [`instantiate`] only) or the memory redeems
+//! it. The creator adds the memory count and the held bytes to the grant and the memory keeps
+//! that one charge until its storage is really gone (a refused free keeps it: see
+//! [`TensorWasmMemoryCreator::retry_releases`](crate::TensorWasmMemoryCreator::retry_releases)).
+//! Table elements are charged to the Store's books when granted and go back when the Store's
+//! data drops.
 //!
 //! - A memory past a budget refuses instantiation with [`TwmError::Denied`] naming the tenant,
-//!   the budget, its limit and the request, when the module is instantiated through
-//!   [`instantiate`]. A plain `Linker::instantiate` is refused too, with Wasmtime's generic
-//!   message; [`TenantLimiter::last_denial`] then has the details.
+//!   the budget, its limit and the request. Memories of a tenant's Store are made through
+//!   [`instantiate`] (or [`instantiate_pre`]) only: the creator refuses a memory no tenant
+//!   pays for ([`TwmError::NoTenant`]), which is what a plain `Linker::instantiate` asks for.
+//! - [`instantiate`] refuses a tenant's Store whose limiter is not installed
+//!   ([`TwmError::NoLimiter`]): make Stores with [`new_store`].
 //! - A growth past the touched budget is a failed `memory.grow`: `-1` to the guest, which keeps
 //!   running. So is a growth past the memory's capacity (never charged).
 //! - Under [`instantiate`] the limiter knows how many memories and tables the module defines
 //!   (Wasmtime makes them all before the start function runs), so a start function's
 //!   `memory.grow` on a zero-page memory is a growth: past the cap it returns `-1`, as the spec
 //!   says, instead of refusing the instantiation.
-//! - Tables: a table past [`TenantLimiter::DEFAULT_TABLE_ELEMENTS`] elements (or the tenant's
-//!   held budget) refuses instantiation; a `table.grow` past them returns `-1`. Instances,
-//!   tables and memories per Store default to Wasmtime's own limits
-//!   ([`wasmtime::DEFAULT_INSTANCE_LIMIT`] and friends); [`instantiate`] refuses a module that
-//!   would pass them with [`TwmError::Limit`].
+//! - Tables: a table past [`TenantLimiter::DEFAULT_TABLE_ELEMENTS`] elements, its declared
+//!   maximum, or the tenant's touched or held budget refuses instantiation; a `table.grow` past
+//!   them returns `-1`. Every grant is final once made: a failure Wasmtime reports after (or
+//!   without) a grant refunds nothing (a growth past the declared maximum is refused before
+//!   anything is charged). Instances, tables and memories per Store default to Wasmtime's own
+//!   limits ([`wasmtime::DEFAULT_INSTANCE_LIMIT`] and friends); [`instantiate`] refuses a module
+//!   that would pass them with [`TwmError::Limit`].
 
-use std::cell::RefCell;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use tensor_wasm_mem_core::{
     Denied, DeviceId, IsolationLevel, LedgerGroup, MemoryPlan, PlanLimits, Purpose, Reservation,
     Stream, TenantBudgets, TenantContext, TenantId, TenantKey,
 };
-use wasmtime::{AsContextMut, Instance, Linker, Module, ResourceLimiter, Store};
+use wasmtime::{
+    AsContextMut, Instance, InstancePre, Linker, Module, ResourceLimiter, ResourcesRequired, Store,
+    StoreContextMut,
+};
 
+use crate::books::{EntryScope, StoreBooks};
 use crate::error::TwmError;
 
 /// Host bytes charged to the held budget per table element: Wasmtime 48 stores a funcref
@@ -118,6 +127,11 @@ pub struct TenantStats {
     pub memory_denials: u64,
     /// Of `live_bytes`, the bytes in the tenant's device memory pools.
     pub device_pool_bytes: u64,
+    /// Of `live_bytes` and `held_bytes`, the bytes in table elements.
+    pub table_bytes: u64,
+    /// Bytes charged for good: what a backend never gave back after its owner was gone
+    /// ([`Reservation::strand`]).
+    pub stranded_bytes: u64,
     /// Its home device (where its memories, pool slots and stream are).
     pub device: DeviceId,
 }
@@ -243,6 +257,8 @@ impl Tenant {
             held_denials: ledger.held_denials,
             memory_denials: ledger.memory_denials,
             device_pool_bytes: ledger.device_pool_bytes,
+            table_bytes: ledger.table_bytes,
+            stranded_bytes: ledger.stranded_bytes,
             device: self.device(),
         }
     }
@@ -265,41 +281,10 @@ impl Tenant {
             .map_err(|d| self.denied(d))
     }
 
-    /// Charges one new memory holding `held` bytes: the memory count and the held bytes, in
-    /// that order; nothing if either refuses.
-    pub(crate) fn charge_memory(&self, held: u64) -> Result<MemoryCharge, TwmError> {
-        let count = self.reserve_for(1, Purpose::Memory)?;
-        let held = self.reserve_for(held, Purpose::Held)?;
+    /// Counts a memory charged to this tenant.
+    pub(crate) fn count_memory(&self) {
         self.memories_created.fetch_add(1, Ordering::AcqRel);
-        Ok(MemoryCharge {
-            _count: count,
-            _held: held,
-        })
     }
-}
-
-/// What one memory holds of its tenant's memory-count and held budgets.
-#[derive(Debug)]
-pub(crate) struct MemoryCharge {
-    _count: Reservation,
-    _held: Reservation,
-}
-
-/// What one Store has charged its tenant (touched bytes of its memories, its table elements),
-/// shared by the Store's limiter and every memory made in it, so it goes back when the last of
-/// them goes: the memories, which Wasmtime drops after the Store's data.
-#[derive(Debug)]
-pub(crate) struct StoreCharge {
-    tenant: Arc<Tenant>,
-    mode: ChargeMode,
-    touched: Mutex<Reservation>,
-    tables: Mutex<Reservation>,
-    /// The creator's last refusal of a memory in this Store (held or memories budget), for
-    /// [`instantiate`] to return typed.
-    refusal: Mutex<Option<Denied>>,
-    /// Streams of this Store's guest context still alive: a memory that goes before them (the
-    /// Store's data outlived its memories, as with `Store::into_data`) waits for them first.
-    streams: Mutex<Vec<StreamId>>,
 }
 
 /// What names a stream to its backend (a [`Stream`] is a handle that cannot be copied).
@@ -329,108 +314,21 @@ impl StreamId {
     }
 }
 
-impl StoreCharge {
-    pub(crate) fn tenant(&self) -> &Arc<Tenant> {
-        &self.tenant
-    }
-
-    pub(crate) fn mode(&self) -> ChargeMode {
-        self.mode
-    }
-
-    fn touched(&self) -> std::sync::MutexGuard<'_, Reservation> {
-        self.touched.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn tables(&self) -> std::sync::MutexGuard<'_, Reservation> {
-        self.tables.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Gives back `bytes` of touched charge (a creation the creator refused after the limiter
-    /// charged it: Wasmtime reports no failure to the limiter then).
-    pub(crate) fn refund_touched(&self, bytes: u64) {
-        let mut touched = self.touched();
-        let keep = touched.bytes().saturating_sub(bytes);
-        touched.shrink_to(keep);
-    }
-
-    pub(crate) fn add_stream(&self, id: StreamId) {
-        self.streams
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(id);
-    }
-
-    pub(crate) fn remove_stream(&self, id: StreamId) {
-        let mut streams = self.streams.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(i) = streams.iter().position(|s| *s == id) {
-            streams.swap_remove(i);
-        }
-    }
-
-    /// The Store's streams still alive.
-    pub(crate) fn streams(&self) -> Vec<StreamId> {
-        self.streams
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-
-    pub(crate) fn record_refusal(&self, denied: Denied) {
-        *self.refusal.lock().unwrap_or_else(PoisonError::into_inner) = Some(denied);
-    }
-
-    fn take_refusal(&self) -> Option<Denied> {
-        self.refusal
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-    }
-}
-
-/// A new memory the limiter has approved, for the creator Wasmtime calls next on this thread.
-#[derive(Debug)]
-pub(crate) struct Creation {
-    /// The Store's charge, which the memory keeps alive.
-    pub(crate) store: Arc<StoreCharge>,
-    /// The size the limiter approved (the memory's minimum in bytes).
-    minimum: usize,
-    /// Touched bytes the limiter charged for it.
-    pub(crate) touched: u64,
-}
-
-thread_local! {
-    /// The handoff from `memory_growing(0, ..)` to `new_memory`: Wasmtime makes the two calls
-    /// one after the other on the same thread, with nothing in between that can reach another
-    /// Store's limiter.
-    static CREATION: RefCell<Option<Creation>> = const { RefCell::new(None) };
-}
-
-fn announce(creation: Option<Creation>) {
-    CREATION.with(|c| *c.borrow_mut() = creation);
-}
-
-/// The creation the limiter announced on this thread, if it is for a memory of `minimum` bytes
-/// (any other announcement is stale and is dropped).
-pub(crate) fn take_creation(minimum: usize) -> Option<Creation> {
-    CREATION
-        .with(|c| c.borrow_mut().take())
-        .filter(|c| c.minimum == minimum)
-}
-
-/// Drops any stale announcement: a growth, not a creation, followed it.
-pub(crate) fn forget_creation() {
-    announce(None);
+/// What one Store has made through [`instantiate`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct StoreCounts {
+    instances: u64,
+    tables: u64,
+    memories: u64,
 }
 
 /// A per-Store Wasmtime `ResourceLimiter` charging one [`Tenant`].
 pub struct TenantLimiter {
-    charge: Arc<StoreCharge>,
+    books: Arc<StoreBooks>,
     limits: PlanLimits,
-    /// The last memory growth charged, until its outcome is known.
-    pending_growth: u64,
-    /// The last table growth charged, until its outcome is known.
-    pending_table_growth: u64,
+    /// Set when Wasmtime installs this limiter in a Store; cleared when a Store made by
+    /// [`new_store`] goes (or gives its data back with `Store::into_data`).
+    installed: Arc<AtomicBool>,
     instantiating: bool,
     /// During [`instantiate`]: the memories the module defines that Wasmtime has yet to create.
     /// A `memory_growing` from zero is a new memory only while this is above zero; after, it is
@@ -438,11 +336,11 @@ pub struct TenantLimiter {
     new_memories: Option<u32>,
     /// The same for tables.
     new_tables: Option<u32>,
-    /// Instances, tables and memories made by [`instantiate`] in this Store.
-    made: [u64; 3],
+    made: StoreCounts,
     growths: u64,
     denied_growths: u64,
     denied_table_growths: u64,
+    failed_growths: u64,
     last_denial: Option<Denied>,
     max_table_elements: usize,
     max_instances: usize,
@@ -453,8 +351,8 @@ pub struct TenantLimiter {
 impl fmt::Debug for TenantLimiter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TenantLimiter")
-            .field("tenant", &self.charge.tenant.name)
-            .field("mode", &self.charge.mode)
+            .field("tenant", &self.books.tenant().name)
+            .field("mode", &self.books.mode())
             .field("stats", &self.stats())
             .finish_non_exhaustive()
     }
@@ -463,10 +361,11 @@ impl fmt::Debug for TenantLimiter {
 /// Figures of one Store's limiter.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LimiterStats {
-    /// Touched bytes of this Store's memories charged to its tenant (in `Capacity` mode the
-    /// capacity is charged by each memory instead, and is not in this figure).
+    /// Touched bytes granted through this limiter that no memory of ours holds: growths of
+    /// memories our creator did not make (`Memory::new`), kept until the Store goes. The
+    /// touched bytes of our memories are in the tenant's figures (each memory holds its own).
     pub charged_bytes: u64,
-    /// Held bytes of this Store's table elements charged to its tenant.
+    /// Bytes of this Store's table elements charged to its tenant.
     pub table_bytes: u64,
     /// Memories this Store made through [`instantiate`].
     pub memories: u64,
@@ -476,11 +375,10 @@ pub struct LimiterStats {
     pub denied_growths: u64,
     /// Table growths refused (`-1` to the guest).
     pub denied_table_growths: u64,
+    /// Growths Wasmtime reported failed after (or without) a grant: none of them refunds
+    /// anything (a memory of ours gives a failed growth's grant back itself).
+    pub failed_growths: u64,
 }
-
-const INSTANCES: usize = 0;
-const TABLES: usize = 1;
-const MEMORIES: usize = 2;
 
 impl TenantLimiter {
     /// The default limit of elements in one table: a million (8 MiB of host memory).
@@ -489,32 +387,18 @@ impl TenantLimiter {
     /// A limiter charging `tenant` in `mode`, planning memories under `limits` (use the creator's:
     /// `creator.limits()`).
     pub fn new(tenant: Arc<Tenant>, mode: ChargeMode, limits: PlanLimits) -> Self {
-        let zero = |purpose| {
-            tenant
-                .context
-                .try_reserve_for(0, purpose)
-                .unwrap_or_else(|_| unreachable!("a zero-byte reservation is always granted"))
-        };
-        let charge = Arc::new(StoreCharge {
-            touched: Mutex::new(zero(Purpose::LinearMemory)),
-            tables: Mutex::new(zero(Purpose::Held)),
-            tenant,
-            mode,
-            refusal: Mutex::new(None),
-            streams: Mutex::new(Vec::new()),
-        });
         Self {
-            charge,
+            books: StoreBooks::new(tenant, mode),
             limits,
-            pending_growth: 0,
-            pending_table_growth: 0,
+            installed: Arc::new(AtomicBool::new(false)),
             instantiating: false,
             new_memories: None,
             new_tables: None,
-            made: [0; 3],
+            made: StoreCounts::default(),
             growths: 0,
             denied_growths: 0,
             denied_table_growths: 0,
+            failed_growths: 0,
             last_denial: None,
             max_table_elements: Self::DEFAULT_TABLE_ELEMENTS,
             max_instances: wasmtime::DEFAULT_INSTANCE_LIMIT,
@@ -544,11 +428,18 @@ impl TenantLimiter {
     /// The tenant.
     #[must_use]
     pub fn tenant(&self) -> &Arc<Tenant> {
-        &self.charge.tenant
+        self.books.tenant()
     }
 
-    pub(crate) fn store_charge(&self) -> &Arc<StoreCharge> {
-        &self.charge
+    pub(crate) fn books(&self) -> &Arc<StoreBooks> {
+        &self.books
+    }
+
+    /// Whether this limiter is installed in a live Store (by [`new_store`], or by the
+    /// embedder's own `Store::limiter` call).
+    #[must_use]
+    pub fn is_installed(&self) -> bool {
+        self.installed.load(Ordering::Acquire)
     }
 
     /// The most recent refusal by a budget, if any.
@@ -561,12 +452,13 @@ impl TenantLimiter {
     #[must_use]
     pub fn stats(&self) -> LimiterStats {
         LimiterStats {
-            charged_bytes: self.charge.touched().bytes(),
-            table_bytes: self.charge.tables().bytes(),
-            memories: self.made[MEMORIES],
+            charged_bytes: self.books.settled_bytes(),
+            table_bytes: self.books.table_bytes(),
+            memories: self.made.memories,
             growths: self.growths,
             denied_growths: self.denied_growths,
             denied_table_growths: self.denied_table_growths,
+            failed_growths: self.failed_growths,
         }
     }
 
@@ -583,7 +475,7 @@ impl TenantLimiter {
     fn deny(&mut self, creating: bool, denied: Denied) -> wasmtime::Result<bool> {
         self.last_denial = Some(denied);
         tracing::debug!(%denied, "twm: denied by a tenant budget");
-        let error = self.charge.tenant.denied(denied);
+        let error = self.books.tenant().denied(denied);
         self.refuse(creating, error)
     }
 
@@ -600,6 +492,61 @@ impl TenantLimiter {
             None => current == 0,
         }
     }
+
+    /// Checks a memory growing from `current` to `desired` bytes against the plan the creator
+    /// would make: `Err` carries the limiter's answer (a refused growth is never charged).
+    fn check_memory(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+        creating: bool,
+    ) -> Result<(), wasmtime::Result<bool>> {
+        // Page size 1: the plan is never rounded below what the creator can hand out, so
+        // nothing the creator would serve is refused here.
+        let plan = MemoryPlan::from_bytes(current.min(desired), maximum, 1, &self.limits)
+            .map_err(|e| self.refuse(creating, TwmError::Plan(e)))?;
+        if desired as u64 <= plan.capacity_bytes() {
+            return Ok(());
+        }
+        // Past the capacity the creator gives such a memory (and so past its declared
+        // maximum): it cannot succeed, so it is refused before anything is charged (a new
+        // memory this large is a plan error).
+        if creating {
+            MemoryPlan::from_bytes(desired, maximum, 1, &self.limits)
+                .map_err(|e| self.refuse(creating, TwmError::Plan(e)))?;
+            return Ok(());
+        }
+        self.denied_growths += 1;
+        Err(Ok(false))
+    }
+
+    /// Checks a table growing from `current` to `desired` elements: what it would charge, or
+    /// the limiter's answer.
+    fn check_table(
+        &mut self,
+        current: usize,
+        desired: usize,
+        maximum: Option<usize>,
+        creating: bool,
+    ) -> Result<u64, wasmtime::Result<bool>> {
+        let limit = maximum.map_or(self.max_table_elements, |m| m.min(self.max_table_elements));
+        let extra = (desired.saturating_sub(current) as u64).checked_mul(TABLE_ELEMENT_BYTES);
+        match extra {
+            Some(extra) if desired <= limit => Ok(extra),
+            _ => {
+                if !creating {
+                    self.denied_table_growths += 1;
+                }
+                let error = TwmError::Limit {
+                    what: "elements in one table",
+                    requested: desired as u64,
+                    limit: limit as u64,
+                };
+                Err(self.refuse(creating, error))
+            }
+        }
+    }
 }
 
 impl ResourceLimiter for TenantLimiter {
@@ -609,82 +556,47 @@ impl ResourceLimiter for TenantLimiter {
         desired: usize,
         maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        // A new call means the previous growth's outcome is settled (a failure was reported
-        // through `memory_grow_failed` before this call), and any announcement is stale.
-        self.pending_growth = 0;
-        forget_creation();
+        // A new call: a grant nobody redeemed paid for a memory we did not make.
+        self.books.settle();
         let creating = Self::is_creation(&mut self.new_memories, current);
         let _span = tracing::debug_span!(
             "twm.tenant.memory",
-            isolation = self.charge.tenant.context.isolation().name(),
-            tenant = self.charge.tenant.name.as_str(),
+            isolation = self.books.tenant().context.isolation().name(),
+            tenant = self.books.tenant().name.as_str(),
             current,
             desired
         )
         .entered();
-        // Page size 1: the plan is never rounded below what the creator can hand out, so
-        // nothing the creator would serve is refused here.
-        let plan = match MemoryPlan::from_bytes(current.min(desired), maximum, 1, &self.limits) {
-            Ok(plan) => plan,
-            Err(e) => return self.refuse(creating, TwmError::Plan(e)),
-        };
-        if desired as u64 > plan.capacity_bytes() {
-            // Past the capacity the creator gives such a memory: it cannot succeed, so it is
-            // refused before anything is charged (a new memory this large is a plan error).
-            if creating {
-                if let Err(e) = MemoryPlan::from_bytes(desired, maximum, 1, &self.limits) {
-                    return self.refuse(creating, TwmError::Plan(e));
-                }
-            } else {
-                self.denied_growths += 1;
-                return Ok(false);
-            }
+        if let Err(answer) = self.check_memory(current, desired, maximum, creating) {
+            return answer;
         }
         // The same rule for a new memory and a growth: what becomes touchable. In `Capacity`
         // mode the creator charges the whole capacity to the memory instead.
-        let extra = match self.charge.mode {
+        let bytes = match self.books.mode() {
             ChargeMode::Touched => desired.saturating_sub(current) as u64,
             ChargeMode::Capacity => 0,
         };
-        let granted = self.charge.touched().try_grow(extra);
-        if let Err(denied) = granted {
+        if let Err(denied) = self.books.grant(bytes, current == 0, desired) {
             if !creating {
                 self.denied_growths += 1;
             }
             return self.deny(creating, denied);
         }
-        self.pending_growth = extra;
         if creating {
-            self.made[MEMORIES] += 1;
+            self.made.memories += 1;
         } else {
             self.growths += 1;
-        }
-        if current == 0 {
-            // Maybe a new memory (certainly, under `instantiate`): the creator takes this if
-            // Wasmtime calls it next; a growth's `grow_to` drops it.
-            announce(Some(Creation {
-                store: Arc::clone(&self.charge),
-                minimum: desired,
-                touched: extra,
-            }));
         }
         Ok(true)
     }
 
+    /// Answers no grant: a memory of ours gave a failed growth's grant back itself, and a grant
+    /// for a memory we did not make stays charged until the Store goes (so a failure reported
+    /// without a growth before it, which Wasmtime does for what a memory type cannot represent,
+    /// can never give back a growth that was granted).
     fn memory_grow_failed(&mut self, _error: wasmtime::Error) -> wasmtime::Result<()> {
-        // Every failure reported here follows the `memory_growing` call that charged it: the
-        // one path where Wasmtime 48 reports a failure without announcing the growth first
-        // (past what a 1-byte-page memory type can represent) cannot be reached, because our
-        // creators refuse custom page sizes (and `configure` turns the proposal off). So the
-        // pending growth is refunded whatever the error says.
-        forget_creation();
-        if self.pending_growth > 0 {
-            let refund = self.pending_growth;
-            let mut touched = self.charge.touched();
-            let keep = touched.bytes() - refund;
-            touched.shrink_to(keep);
-        }
-        self.pending_growth = 0;
+        self.failed_growths += 1;
+        self.books.settle();
         Ok(())
     }
 
@@ -692,48 +604,37 @@ impl ResourceLimiter for TenantLimiter {
         &mut self,
         current: usize,
         desired: usize,
-        _maximum: Option<usize>,
+        maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        self.pending_table_growth = 0;
+        self.books.settle();
         let creating = Self::is_creation(&mut self.new_tables, current);
-        if desired > self.max_table_elements {
-            if !creating {
-                self.denied_table_growths += 1;
-            }
-            let error = TwmError::Limit {
-                what: "elements in one table",
-                requested: desired as u64,
-                limit: self.max_table_elements as u64,
-            };
-            return self.refuse(creating, error);
-        }
-        let extra = (desired.saturating_sub(current) as u64).saturating_mul(TABLE_ELEMENT_BYTES);
-        let granted = self.charge.tables().try_grow(extra);
-        if let Err(denied) = granted {
+        let extra = match self.check_table(current, desired, maximum, creating) {
+            Ok(extra) => extra,
+            Err(answer) => return answer,
+        };
+        if let Err(denied) = self.books.charge_tables(extra) {
             if !creating {
                 self.denied_table_growths += 1;
             }
             return self.deny(creating, denied);
         }
-        self.pending_table_growth = extra;
         if creating {
-            self.made[TABLES] += 1;
+            self.made.tables += 1;
         }
         Ok(true)
     }
 
+    /// Answers no grant: a growth past the declared maximum was refused before anything was
+    /// charged, and Wasmtime 48 reports an overflowing `old + delta` here without a
+    /// `table_growing` first (reachable from a guest with 64-bit tables).
     fn table_grow_failed(&mut self, _error: wasmtime::Error) -> wasmtime::Result<()> {
-        if self.pending_table_growth > 0 {
-            let refund = self.pending_table_growth;
-            let mut tables = self.charge.tables();
-            let keep = tables.bytes() - refund;
-            tables.shrink_to(keep);
-        }
-        self.pending_table_growth = 0;
+        self.failed_growths += 1;
         Ok(())
     }
 
     fn instances(&self) -> usize {
+        // Wasmtime asks this once, when the limiter is installed in a Store.
+        self.installed.store(true, Ordering::Release);
         self.max_instances
     }
 
@@ -758,79 +659,141 @@ impl HasTenantLimiter for TenantLimiter {
     }
 }
 
-/// A Store whose limiter charges the tenant of `data`.
-pub fn new_store<T: HasTenantLimiter>(engine: &wasmtime::Engine, data: T) -> Store<T> {
+/// Marks its limiter uninstalled when the Store that holds it (in its limiter closure) goes.
+struct Installed(Arc<AtomicBool>);
+
+impl Drop for Installed {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// A Store whose limiter charges the tenant of `data`. The limiter knows it is installed while
+/// the Store lives: [`instantiate`] refuses a tenant's Store without it (one made with
+/// `Store::new`, or holding data taken back from another Store with `Store::into_data`).
+pub fn new_store<T: HasTenantLimiter>(engine: &wasmtime::Engine, mut data: T) -> Store<T> {
+    let installed = Installed(Arc::clone(&data.tenant_limiter().installed));
     let mut store = Store::new(engine, data);
-    store.limiter(|data| data.tenant_limiter());
+    store.limiter(move |data| {
+        let _ = &installed;
+        data.tenant_limiter()
+    });
     store
 }
 
 /// Instantiates `module` with the limiter told that memories and tables are being created, so
 /// a memory or table past the tenant's budgets refuses instantiation with [`TwmError::Denied`],
 /// and a module that would pass the Store's counts with [`TwmError::Limit`] (downcast the
-/// returned error).
+/// returned error). A Store whose limiter is not installed is [`TwmError::NoLimiter`].
 pub fn instantiate<T: HasTenantLimiter>(
-    mut store: impl AsContextMut<Data = T>,
+    store: impl AsContextMut<Data = T>,
     linker: &Linker<T>,
     module: &Module,
+) -> wasmtime::Result<Instance> {
+    instantiate_with(store, module, |context| linker.instantiate(context, module))
+}
+
+/// [`instantiate`] from an `InstancePre` (what `Linker::instantiate_pre` makes): the same
+/// checks and charges, without resolving the imports again.
+pub fn instantiate_pre<T: HasTenantLimiter>(
+    store: impl AsContextMut<Data = T>,
+    pre: &InstancePre<T>,
+) -> wasmtime::Result<Instance> {
+    instantiate_with(store, pre.module(), |context| pre.instantiate(context))
+}
+
+fn instantiate_with<T: HasTenantLimiter>(
+    mut store: impl AsContextMut<Data = T>,
+    module: &Module,
+    make: impl FnOnce(&mut StoreContextMut<'_, T>) -> wasmtime::Result<Instance>,
 ) -> wasmtime::Result<Instance> {
     let required = module.resources_required();
     let mut context = store.as_context_mut();
     let limiter = context.data_mut().tenant_limiter();
-    let wanted = [
-        (
-            INSTANCES,
-            "instances in one Store",
-            1,
-            limiter.max_instances,
-        ),
-        (
-            TABLES,
-            "tables in one Store",
-            u64::from(required.num_tables),
-            limiter.max_tables,
-        ),
-        (
-            MEMORIES,
-            "memories in one Store",
-            u64::from(required.num_memories),
-            limiter.max_memories,
-        ),
-    ];
-    for (index, what, more, limit) in wanted {
-        let requested = limiter.made[index].saturating_add(more);
-        if requested > limit as u64 {
-            return Err(wasmtime::Error::new(TwmError::Limit {
-                what,
-                requested,
-                limit: limit as u64,
-            }));
+    limiter.check_instantiation(&required)?;
+    let scope = limiter.begin_instantiation(&required);
+    let result = make(&mut context);
+    drop(scope);
+    context
+        .data_mut()
+        .tenant_limiter()
+        .end_instantiation(result)
+}
+
+impl TenantLimiter {
+    /// Refuses what [`instantiate`] cannot do in this Store: no limiter installed, or counts
+    /// past the Store's limits.
+    fn check_instantiation(&self, required: &ResourcesRequired) -> Result<(), TwmError> {
+        if !self.is_installed() {
+            return Err(TwmError::NoLimiter {
+                tenant_name: self.tenant().name().to_string(),
+            });
         }
-    }
-    limiter.instantiating = true;
-    limiter.new_memories = Some(required.num_memories);
-    limiter.new_tables = Some(required.num_tables);
-    let _ = limiter.charge.take_refusal();
-    let result = linker.instantiate(&mut context, module);
-    forget_creation();
-    let limiter = context.data_mut().tenant_limiter();
-    limiter.instantiating = false;
-    limiter.new_memories = None;
-    limiter.new_tables = None;
-    let refusal = limiter.charge.take_refusal();
-    match result {
-        Ok(instance) => {
-            limiter.made[INSTANCES] += 1;
-            Ok(instance)
-        }
-        Err(error) => match refusal {
-            // The creator refused a memory (held or memories budget): its message reached
-            // Wasmtime as text only, so the typed denial is returned here.
-            Some(denied) if error.downcast_ref::<TwmError>().is_none() => {
-                limiter.last_denial = Some(denied);
-                Err(wasmtime::Error::new(limiter.charge.tenant.denied(denied)))
+        let wanted = [
+            (
+                "instances in one Store",
+                self.made.instances,
+                1,
+                self.max_instances,
+            ),
+            (
+                "tables in one Store",
+                self.made.tables,
+                u64::from(required.num_tables),
+                self.max_tables,
+            ),
+            (
+                "memories in one Store",
+                self.made.memories,
+                u64::from(required.num_memories),
+                self.max_memories,
+            ),
+        ];
+        for (what, made, more, limit) in wanted {
+            let requested = made.saturating_add(more);
+            if requested > limit as u64 {
+                return Err(TwmError::Limit {
+                    what,
+                    requested,
+                    limit: limit as u64,
+                });
             }
-            _ => Err(error),
-        },
+        }
+        Ok(())
+    }
+
+    /// Tells the limiter what the module makes, and opens the Store's entry scope (closed when
+    /// the returned guard drops, on every exit).
+    fn begin_instantiation(&mut self, required: &ResourcesRequired) -> EntryScope {
+        self.instantiating = true;
+        self.new_memories = Some(required.num_memories);
+        self.new_tables = Some(required.num_tables);
+        let _ = self.books.take_refusal();
+        EntryScope::enter(&self.books)
+    }
+
+    fn end_instantiation(
+        &mut self,
+        result: wasmtime::Result<Instance>,
+    ) -> wasmtime::Result<Instance> {
+        self.instantiating = false;
+        self.new_memories = None;
+        self.new_tables = None;
+        let refusal = self.books.take_refusal();
+        match result {
+            Ok(instance) => {
+                self.made.instances += 1;
+                Ok(instance)
+            }
+            Err(error) => match refusal {
+                // The creator refused a memory (held or memories budget): its message reached
+                // Wasmtime as text only, so the typed denial is returned here.
+                Some(denied) if error.downcast_ref::<TwmError>().is_none() => {
+                    self.last_denial = Some(denied);
+                    Err(wasmtime::Error::new(self.tenant().denied(denied)))
+                }
+                _ => Err(error),
+            },
+        }
     }
 }

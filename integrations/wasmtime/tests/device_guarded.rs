@@ -47,6 +47,7 @@ fn each_backing() -> [(Backing, Arc<MockBackend>); 3] {
 fn make(backend: &Arc<MockBackend>, backing: Backing) -> TensorWasmMemoryCreator<MockBackend> {
     TensorWasmMemoryCreator::builder(Arc::clone(backend))
         .backing(backing)
+        .allow_untenanted()
         .build()
         .expect("creator")
 }
@@ -58,6 +59,7 @@ fn pooled_creator(
     TensorWasmMemoryCreator::builder(Arc::clone(backend))
         .backing(backing)
         .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 * PAGE, 1)]))
+        .allow_untenanted()
         .build()
         .expect("pooled creator")
 }
@@ -471,14 +473,32 @@ fn a_range_the_device_cannot_see_is_refused() {
         assert!(scope.close().is_err(), "{backing}: the stray kernel faults");
         assert_eq!(backend.driver().stats().kernel_faults, 1, "{backing}");
         // The fault is sticky: the driver refuses to reset the hints (pageable: hints carry no
-        // bytes, the mapping goes all the same) or to unregister (registered: the address space
-        // stays mapped, never reused under a device mapping, and counted).
+        // bytes, the mapping goes all the same) or to unregister (registered: the creator keeps
+        // the memory with its charge, and tries again; what is still refused when the creator
+        // goes stays mapped, never reused under a device mapping, counted, and charged to the
+        // tenant for good).
+        let registered = u64::from(backing == REGISTERED);
+        let tenant = Arc::clone(store.data().limiter().tenant());
         let kept = guarded_mappings_kept();
         drop(store);
+        let stats = creator.stats();
+        assert_eq!(stats.kept_memories, registered, "{backing}");
         assert_eq!(
-            guarded_mappings_kept(),
-            kept + u64::from(backing == REGISTERED),
-            "{backing}"
+            creator.retry_releases(),
+            registered,
+            "{backing}: still refused"
+        );
+        assert_eq!(
+            tenant.stats().held_bytes > 0,
+            backing == REGISTERED,
+            "{backing}: charged while kept"
+        );
+        drop(creator);
+        assert_eq!(guarded_mappings_kept(), kept + registered, "{backing}");
+        assert_eq!(
+            tenant.stats().stranded_bytes > 0,
+            backing == REGISTERED,
+            "{backing}: charged for good once the creator is gone"
         );
         if backing == REGISTERED {
             assert!(

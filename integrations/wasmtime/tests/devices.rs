@@ -558,21 +558,28 @@ fn a_scope_refuses_a_memory_on_another_device_than_the_guests_stream() {
         &[DeviceId(1)],
     )
     .unwrap();
-    // No limiter: the memory goes to the creator's default device 0, the stream to device 1.
+    // No limiter: by default no memory is made at all (no tenant pays for it).
     let mut store = Store::new(
         &rig.engine,
         Data(GuestContext::new(rig.creator.clone(), &tenant)),
     );
     let module = Module::new(&rig.engine, "(module (memory (export \"memory\") 1))").unwrap();
+    let e = wasmtime::Instance::new(&mut store, &module, &[]).unwrap_err();
+    assert!(format!("{e:#}").contains("no tenant pays"), "{e:#}");
+    // Where untenanted memories are allowed, the memory goes to the creator's default device
+    // 0, the stream to device 1.
+    let creator = TensorWasmMemoryCreator::builder(Arc::clone(&rig.backend))
+        .all_devices()
+        .allow_untenanted()
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let mut store = Store::new(&engine, Data(GuestContext::new(creator.clone(), &tenant)));
+    let module = Module::new(&engine, "(module (memory (export \"memory\") 1))").unwrap();
     let instance = wasmtime::Instance::new(&mut store, &module, &[]).unwrap();
     let memory = instance.get_memory(&mut store, "memory").unwrap();
-    let e = DeviceAccess::open(
-        &mut store,
-        &rig.creator,
-        &memory,
-        &[AccessRange::read(0, 64)],
-    )
-    .unwrap_err();
+    let e =
+        DeviceAccess::open(&mut store, &creator, &memory, &[AccessRange::read(0, 64)]).unwrap_err();
     assert!(
         matches!(
             e,

@@ -15,7 +15,7 @@ use tensor_wasm_mem_wasmtime::wasmtime::{
 #[test]
 fn store_load_grow_and_the_page_past_capacity() {
     let backend = mock();
-    let creator = fresh(&backend);
+    let creator = untenanted(&backend);
     let engine = creator.engine().unwrap();
     let module = access_module(&engine, 1, 4);
     let mut store = Store::new(&engine, ());
@@ -65,6 +65,7 @@ fn clamped_maximum_fails_growth_at_the_limit() {
     let limits = PlanLimits::new(4 * PAGE as u64).unwrap();
     let creator = tensor_wasm_mem_wasmtime::TensorWasmMemoryCreator::builder(Arc::clone(&backend))
         .limits(limits)
+        .allow_untenanted()
         .build()
         .unwrap();
     let engine = creator.engine().unwrap();
@@ -85,7 +86,7 @@ fn clamped_maximum_fails_growth_at_the_limit() {
 #[test]
 fn every_out_of_bounds_form_traps_and_the_neighbour_is_intact() {
     let backend = mock();
-    let creator = pooled(&backend, 2 * PAGE, 2);
+    let creator = untenanted_pooled(&backend, 2 * PAGE, 2);
     let engine = creator.engine().unwrap();
     let module = access_module(&engine, 1, 2);
     let mut store = Store::new(&engine, ());
@@ -181,7 +182,7 @@ fn every_out_of_bounds_form_traps_and_the_neighbour_is_intact() {
 #[test]
 fn huge_declared_maxima_allocate_no_more_than_the_limit() {
     let backend = mock();
-    let creator = fresh(&backend);
+    let creator = untenanted(&backend);
     let engine = creator.engine().unwrap();
     let mut store = Store::new(&engine, ());
     for wat in [
@@ -206,7 +207,7 @@ fn huge_declared_maxima_allocate_no_more_than_the_limit() {
 #[test]
 fn minimum_above_the_limit_is_refused_before_any_allocation() {
     let backend = mock();
-    let creator = fresh(&backend);
+    let creator = untenanted(&backend);
     let engine = creator.engine().unwrap();
     let mut store = Store::new(&engine, ());
     for wat in [
@@ -232,7 +233,7 @@ fn minimum_above_the_limit_is_refused_before_any_allocation() {
 #[test]
 fn data_segments_work_with_copy_on_write_off() {
     let backend = mock();
-    let creator = fresh(&backend);
+    let creator = untenanted(&backend);
     let engine = creator.engine().unwrap();
     let module = Module::new(
         &engine,
@@ -254,7 +255,7 @@ fn data_segments_work_with_copy_on_write_off() {
 #[test]
 fn reused_pool_slot_reads_as_zeros() {
     let backend = mock();
-    let creator = pooled(&backend, 2 * PAGE, 1);
+    let creator = untenanted_pooled(&backend, 2 * PAGE, 1);
     let engine = creator.engine().unwrap();
     let module = access_module(&engine, 1, 2);
     let first_base;
@@ -297,7 +298,7 @@ fn reused_pool_slot_reads_as_zeros() {
 #[test]
 fn exhausted_pool_refuses_instantiation_cleanly() {
     let backend = mock();
-    let creator = pooled(&backend, PAGE, 1);
+    let creator = untenanted_pooled(&backend, PAGE, 1);
     let engine = creator.engine().unwrap();
     let module = access_module(&engine, 1, 1);
     let mut store = Store::new(&engine, ());
@@ -309,7 +310,7 @@ fn exhausted_pool_refuses_instantiation_cleanly() {
 #[test]
 fn default_config_guard_and_reservation_are_refused_with_the_setting_to_change() {
     let backend = mock();
-    let creator = fresh(&backend);
+    let creator = untenanted(&backend);
     // A Config that keeps Wasmtime's defaults (4 GiB reservation, 32 MiB guard).
     let mut config = Config::new();
     config.with_host_memory(Arc::new(creator.clone()));
@@ -341,7 +342,7 @@ fn default_config_guard_and_reservation_are_refused_with_the_setting_to_change()
 #[test]
 fn memories_that_bypass_the_creator_are_never_device_visible() {
     let backend = mock();
-    let creator = fresh(&backend);
+    let creator = untenanted(&backend);
     let engine = creator.engine().unwrap();
     let mut store = Store::new(&engine, ());
     // Memory::new never calls the creator.
@@ -399,7 +400,7 @@ fn memories_that_bypass_the_creator_are_never_device_visible() {
 #[test]
 fn a_failing_backend_refuses_the_memory_and_leaks_nothing() {
     let backend = mock();
-    let creator = fresh(&backend);
+    let creator = untenanted(&backend);
     let engine = creator.engine().unwrap();
     let module = access_module(&engine, 1, 2);
     let mut store = Store::new(&engine, ());

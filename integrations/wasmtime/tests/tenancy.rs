@@ -346,7 +346,11 @@ fn the_limiter_alone_works_as_store_data() {
     let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
     assert_eq!(grow.call(&mut store, 1).unwrap(), 1);
     assert_eq!(grow.call(&mut store, 1).unwrap(), -1);
-    assert_eq!(store.data().stats().charged_bytes, 2 * PAGE as u64);
+    assert_eq!(tenant.stats().live_bytes, 2 * PAGE as u64);
+    // Every touched byte is held by the memory itself: nothing is left with the Store.
+    assert_eq!(store.data().stats().charged_bytes, 0);
+    drop(store);
+    assert_eq!(tenant.stats().live_bytes, 0);
 }
 
 /// `(module (memory 0) (memory 0) ...)`: `count` zero-page memories with no maximum.
@@ -477,7 +481,7 @@ fn tables_are_charged_and_bounded() {
     let backend = mock();
     let creator = fresh(&backend);
     let engine = creator.engine().unwrap();
-    let t = tenant(4, 0);
+    let t = tenant(4, 1 << 20);
     let limiter = |t: &Arc<Tenant>| {
         TenantLimiter::new(Arc::clone(t), ChargeMode::Touched, creator.limits())
             .with_max_table_elements(1000)
@@ -508,9 +512,15 @@ fn tables_are_charged_and_bounded() {
     .unwrap();
     let instance = instantiate(&mut store, &linker, &growing).unwrap();
     assert_eq!(t.stats().held_bytes, 10 * TABLE_ELEMENT_BYTES);
+    assert_eq!(
+        t.stats().live_bytes,
+        10 * TABLE_ELEMENT_BYTES,
+        "and touched"
+    );
     let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
     assert_eq!(grow.call(&mut store, 90).unwrap(), 10);
     assert_eq!(t.stats().held_bytes, 100 * TABLE_ELEMENT_BYTES);
+    assert_eq!(t.stats().table_bytes, 100 * TABLE_ELEMENT_BYTES);
     assert_eq!(
         grow.call(&mut store, 901).unwrap(),
         -1,
@@ -534,6 +544,7 @@ fn tables_are_charged_and_bounded() {
     );
     drop((store, store2));
     assert_eq!(t.stats().held_bytes, 0);
+    assert_eq!(t.stats().live_bytes, 0);
     assert_eq!(small.stats().held_bytes, 0);
 }
 

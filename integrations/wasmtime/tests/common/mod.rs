@@ -36,6 +36,31 @@ pub fn pooled(
         .expect("pooled creator")
 }
 
+/// A fresh creator that also makes memories no tenant pays for (plain `Store`s): for tests of
+/// the memory itself, not of its charges.
+pub fn untenanted(backend: &Arc<MockBackend>) -> TensorWasmMemoryCreator<MockBackend> {
+    TensorWasmMemoryCreator::builder(Arc::clone(backend))
+        .allow_untenanted()
+        .build()
+        .expect("creator")
+}
+
+/// [`pooled`], also making memories no tenant pays for.
+pub fn untenanted_pooled(
+    backend: &Arc<MockBackend>,
+    slot_bytes: usize,
+    slots: usize,
+) -> TensorWasmMemoryCreator<MockBackend> {
+    TensorWasmMemoryCreator::builder(Arc::clone(backend))
+        .pool(PoolConfig::new(
+            DeviceId(0),
+            [SizeClass::new(slot_bytes, slots)],
+        ))
+        .allow_untenanted()
+        .build()
+        .expect("pooled creator")
+}
+
 pub fn tenant(id: u64, cap: u64) -> Arc<Tenant> {
     Tenant::new(id, format!("t{id}"), cap, IsolationLevel::StreamIsolated)
 }

@@ -1,0 +1,701 @@
+//! The device-visible guarded backing's storage: a [`GuardedRegion`] (host virtual memory with
+//! `PROT_NONE` guard pages, its reachable pages attached to the backend for the device) and the
+//! [`GuardedPool`] its slots come from.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tensor_wasm_mem_core::{
+    Advice, Allocation, ClassLayout, ClassStats, DeviceId, DeviceSlice, Error as CoreError,
+    HostAccess, HostMemory, Location, Operation, PoolConfig, PoolError, PoolStats, RangeError,
+    Refused, Stream, check_range,
+};
+
+use crate::Backend;
+use crate::config::{GUARDED_GUARD, GUARDED_RESERVATION};
+use crate::error::TwmError;
+use crate::host_mapping::{HostMapping, page_size};
+
+/// Where a guarded region's address space comes from.
+enum Home<B: Backend> {
+    /// A reservation of its own, unmapped with it.
+    Own(HostMapping),
+    /// A slot of a guarded pool, given back (scrubbed) with it.
+    Slot {
+        pool: Arc<GuardedPool<B>>,
+        class: usize,
+        index: u32,
+    },
+}
+
+/// One guarded memory: `PROT_NONE` host address space whose first `accessible` bytes (whole
+/// pages, at least the visible size) are readable, writable and attached to the backend for
+/// `device`, one attached range per growth.
+pub(crate) struct GuardedRegion<B: Backend> {
+    backend: Arc<B>,
+    device: DeviceId,
+    access: HostAccess,
+    home: Home<B>,
+    base: usize,
+    page: usize,
+    len: usize,
+    /// Bytes from the base that are attached (and readable and writable): whole pages, at least
+    /// `len`; everything past them is `PROT_NONE` up to the end of the reservation and guard.
+    accessible: usize,
+    /// Bytes from the base that are readable and writable: `accessible`, except while a pool
+    /// slot is being handed out with the pages its last holder left open (see `open_in`).
+    opened: usize,
+    capacity: usize,
+    /// The attached ranges, in address order, covering `base..base + accessible`.
+    chunks: Vec<Allocation>,
+    /// Advice or a prefetch reached the backend: hints are reset before the pages go.
+    hinted: AtomicBool,
+    /// A failure left the attachment or the page protection unknown (a refused detach, a
+    /// failed `mprotect` close): no growth, no device calls, and a pool slot is withdrawn (never
+    /// reused) when the region goes.
+    broken: bool,
+    /// A hint reset failed at release: a pool slot is withdrawn rather than handed on hinted.
+    hints_kept: bool,
+    /// Released: every chunk detached and the home finished (mapping dropped, slot returned).
+    released: bool,
+}
+
+impl<B: Backend> fmt::Debug for GuardedRegion<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GuardedRegion")
+            .field("device", &self.device)
+            .field("access", &self.access)
+            .field("len", &self.len)
+            .field("accessible", &self.accessible)
+            .field("capacity", &self.capacity)
+            .field("chunks", &self.chunks.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> GuardedRegion<B> {
+    /// A region in a reservation of its own: `max(reserved, capacity) + guard` bytes of address
+    /// space (what Wasmtime elides checks against), `initial` bytes open.
+    pub(crate) fn new(
+        backend: Arc<B>,
+        device: DeviceId,
+        access: HostAccess,
+        capacity: usize,
+        initial: usize,
+        reserved: usize,
+        guard: usize,
+    ) -> Result<Self, TwmError> {
+        let span = reserved
+            .max(capacity)
+            .checked_add(guard)
+            .ok_or(TwmError::Plan(
+                tensor_wasm_mem_core::PlanError::TooLargeForHost { bytes: u64::MAX },
+            ))?;
+        let mapping = HostMapping::reserve(span)?;
+        let base = mapping.base();
+        Self::open_in(
+            backend,
+            device,
+            access,
+            (Home::Own(mapping), base),
+            capacity,
+            initial,
+            0,
+        )
+    }
+
+    /// A region at `base` of `home` whose first `opened` bytes are already readable and
+    /// writable (a pool slot keeps the pages its last holder opened, scrubbed, so that a memory
+    /// of the same size costs no `mprotect`): `initial` bytes are made accessible and attached,
+    /// and whatever else was open is closed again before the memory is handed out.
+    fn open_in(
+        backend: Arc<B>,
+        device: DeviceId,
+        access: HostAccess,
+        (home, base): (Home<B>, usize),
+        capacity: usize,
+        initial: usize,
+        opened: usize,
+    ) -> Result<Self, TwmError> {
+        let mut region = Self {
+            backend,
+            device,
+            access,
+            home,
+            base,
+            page: page_size(),
+            len: 0,
+            accessible: 0,
+            opened,
+            capacity,
+            chunks: Vec::new(),
+            hinted: AtomicBool::new(false),
+            broken: false,
+            hints_kept: false,
+            released: false,
+        };
+        // On failure `region` drops: what was attached is detached, the slot goes back (or, if
+        // the backend keeps a chunk, the slot is withdrawn and the mapping kept).
+        region.grow_to(initial)?;
+        region.close_past_accessible()?;
+        Ok(region)
+    }
+
+    /// How the device reaches the pages.
+    pub(crate) fn access(&self) -> HostAccess {
+        self.access
+    }
+
+    /// The backend the pages are attached to.
+    pub(crate) fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// The first byte.
+    pub(crate) fn base(&self) -> usize {
+        self.base
+    }
+
+    /// Visible bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// A checked device slice of the visible bytes (the host address is the device address).
+    pub(crate) fn device_slice(
+        &self,
+        offset: usize,
+        len: usize,
+    ) -> Result<DeviceSlice, RangeError> {
+        check_range(offset, len, self.len).map(|range| DeviceSlice {
+            device_ptr: (self.base + range.start) as u64,
+            len,
+        })
+    }
+
+    pub(crate) fn advise(&self, offset: usize, len: usize, advice: Advice) -> Result<(), TwmError> {
+        self.each_span(offset, len, Operation::Advise, |a, o, l| {
+            self.backend.advise(a, o, l, advice)
+        })
+    }
+
+    pub(crate) fn prefetch(
+        &self,
+        offset: usize,
+        len: usize,
+        to: Location,
+        stream: &Stream,
+    ) -> Result<(), TwmError> {
+        self.each_span(offset, len, Operation::Prefetch, |a, o, l| {
+            self.backend.prefetch(a, o, l, to, stream)
+        })
+    }
+
+    /// Makes every open page past the accessible ones a guard again.
+    fn close_past_accessible(&mut self) -> Result<(), TwmError> {
+        if self.opened > self.accessible {
+            let (mapping, at) = self.mapping();
+            mapping.close(at + self.accessible, self.opened - self.accessible)?;
+            self.opened = self.accessible;
+        }
+        Ok(())
+    }
+
+    /// The mapping the region lies in, and the region's offset in it.
+    fn mapping(&self) -> (&HostMapping, usize) {
+        match &self.home {
+            Home::Own(m) => (m, 0),
+            Home::Slot { pool, .. } => (&pool.mapping, self.base - pool.mapping.base()),
+        }
+    }
+
+    pub(crate) fn grow_to(&mut self, new_len: usize) -> Result<(), TwmError> {
+        if self.broken {
+            return Err(TwmError::GuardedMemoryBroken);
+        }
+        if new_len > self.capacity {
+            return Err(TwmError::CapacityExceeded {
+                requested: new_len,
+                capacity: self.capacity,
+            });
+        }
+        let want = new_len.next_multiple_of(self.page);
+        if want > self.accessible {
+            if want > self.opened {
+                let (mapping, at) = self.mapping();
+                let opened = mapping.open(at + self.opened, want - self.opened);
+                // A failed `mprotect` may have opened part of the range: count all of it as
+                // open, so it is closed below and scrubbed when the slot goes back.
+                self.opened = want;
+                if let Err(e) = opened {
+                    self.close_or_warn();
+                    return Err(e);
+                }
+            }
+            if let Err(e) = self.attach(want) {
+                // The pages past the visible size are guards again (or the region is refused
+                // and dropped).
+                self.close_or_warn();
+                return Err(TwmError::from_core(CoreError::backend(
+                    Operation::AttachHost,
+                    e,
+                )));
+            }
+            self.accessible = want;
+        }
+        self.len = self.len.max(new_len);
+        Ok(())
+    }
+
+    /// Closes what is open past the accessible pages after a failed growth; a failure to close
+    /// is logged (the pages stay counted as open, and are scrubbed with the slot).
+    fn close_or_warn(&mut self) {
+        if let Err(e) = self.close_past_accessible() {
+            tracing::warn!(error = %e, "twm: closing pages past a guarded memory's end failed");
+            self.broken = true;
+        }
+    }
+
+    /// Attaches the pages up to `want` (readable and writable now) to the backend. With
+    /// registration, the new pages are a registration of their own (registered pages are
+    /// pinned one range at a time); with pageable access the region keeps one chunk for all its
+    /// pages, replaced by a larger one (the driver is asked nothing either way), so a guest's
+    /// advice or prefetch is one driver call however the memory grew.
+    fn attach(&mut self, want: usize) -> Result<(), B::Error> {
+        let start = match self.access {
+            HostAccess::Registered => self.accessible,
+            HostAccess::Pageable => 0,
+        };
+        let attach = |from: usize, to: usize| {
+            let ptr = std::ptr::NonNull::new((self.base + from) as *mut u8)
+                .expect("a mapping's base is never null");
+            // SAFETY: `ptr..ptr + (to - from)` lies inside our mapping, page-aligned, readable
+            // and writable (opened by `grow_to`, or left open by the slot's last holder and
+            // scrubbed), owned by this region, and stays mapped until the chunk is detached
+            // (`release` detaches every chunk before the pages are dropped or unmapped, and a
+            // region dropped with chunks the backend kept keeps its mapping).
+            unsafe {
+                self.backend
+                    .attach_host(self.device, self.access, ptr, to - from)
+            }
+        };
+        if self.access == HostAccess::Pageable
+            && let Some(old) = self.chunks.pop()
+        {
+            // SAFETY: a chunk of ours with pageable access: the backend asks the driver
+            // nothing, so device work on the range is unaffected (`HostMemory::attach_host`).
+            if let Err(refused) = unsafe { self.backend.detach_host(old) } {
+                // The range stays attached: this region cannot attach at its base again. The
+                // chunk stays ours, detached again when the region is released.
+                self.chunks.push(refused.resource);
+                self.broken = true;
+                return Err(refused.error);
+            }
+        }
+        match attach(start, want) {
+            Ok(chunk) => {
+                self.chunks.push(chunk);
+                Ok(())
+            }
+            Err(e) => {
+                if self.access == HostAccess::Pageable && self.accessible > 0 {
+                    match attach(0, self.accessible) {
+                        Ok(old) => self.chunks.push(old),
+                        // The visible pages are attached no more: advice and prefetch would
+                        // reach nothing, and the hints could not be reset.
+                        Err(_) => self.broken = true,
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Runs `f` on each attached chunk's part of visible `offset..offset + len` (checked), as
+    /// `(chunk, offset in it, length)`.
+    fn each_span(
+        &self,
+        offset: usize,
+        len: usize,
+        op: Operation,
+        f: impl Fn(&Allocation, usize, usize) -> Result<(), B::Error>,
+    ) -> Result<(), TwmError> {
+        let range = check_range(offset, len, self.len).map_err(TwmError::GuestRange)?;
+        if self.broken {
+            return Err(TwmError::GuardedMemoryBroken);
+        }
+        self.hinted.store(true, Ordering::Release);
+        let (start, end) = (self.base + range.start, self.base + range.end);
+        for chunk in &self.chunks {
+            let (c_start, c_end) = (
+                chunk.as_ptr() as usize,
+                chunk.as_ptr() as usize + chunk.len(),
+            );
+            let (s, e) = (start.max(c_start), end.min(c_end));
+            if s < e {
+                f(chunk, s - c_start, e - s)
+                    .map_err(|e| TwmError::from_core(CoreError::backend(op, e)))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives the pages back: hints reset (once, if any were given), every chunk detached, then
+    /// the home finished (an own reservation unmapped when the region drops, a slot returned to
+    /// its pool, scrubbed). A detach the backend refuses hands the region back with the chunks
+    /// it still holds ([`Refused`]): release it again later. Device work on the pages must be
+    /// over (the memory's record waits for its Store's streams first).
+    #[expect(
+        clippy::result_large_err,
+        reason = "a refused release hands the storage back by value, on a rare path"
+    )]
+    pub(crate) fn release(mut self) -> Result<(), Refused<Self, TwmError>> {
+        match self.let_go() {
+            Ok(()) => Ok(()),
+            Err(error) => Err(Refused {
+                resource: self,
+                error,
+            }),
+        }
+    }
+
+    /// The steps of [`release`](Self::release), each done once, however often it is retried.
+    fn let_go(&mut self) -> Result<(), TwmError> {
+        if self.released {
+            return Ok(());
+        }
+        self.reset_hints();
+        while let Some(chunk) = self.chunks.pop() {
+            // SAFETY: a chunk this region attached; no device work uses it (the caller's
+            // guarantee, kept by the memory's record).
+            if let Err(refused) = unsafe { self.backend.detach_host(chunk) } {
+                self.chunks.push(refused.resource);
+                return Err(TwmError::from_core(CoreError::backend(
+                    Operation::DetachHost,
+                    refused.error,
+                )));
+            }
+        }
+        self.released = true;
+        if let Home::Slot { pool, class, index } = &self.home {
+            let reusable = !self.broken && !self.hints_kept;
+            let hinted = self.hinted.load(Ordering::Acquire);
+            pool.release(*class, *index, self.opened, Released { reusable, hinted });
+        }
+        Ok(())
+    }
+
+    /// Resets the hints of every chunk once, if advice or a prefetch reached them; a failure
+    /// keeps the slot from being reused.
+    fn reset_hints(&mut self) {
+        if !self.hinted.load(Ordering::Acquire) || self.hints_kept {
+            return;
+        }
+        for chunk in &self.chunks {
+            if let Err(e) = self.backend.reset_hints(chunk, 0, chunk.len()) {
+                tracing::warn!(error = %e, "twm: resetting a guarded region's hints failed");
+                self.hints_kept = true;
+            }
+        }
+    }
+}
+
+/// How a guarded region's pages came back to their pool (every chunk detached).
+#[derive(Clone, Copy, Debug)]
+struct Released {
+    /// Their hints are back to a fresh allocation's (or were never set) and their protection
+    /// is known: the slot may go to the next tenant. If not, it is withdrawn.
+    reusable: bool,
+    /// Advice or a prefetch reached them.
+    hinted: bool,
+}
+
+impl<B: Backend> Drop for GuardedRegion<B> {
+    /// A region not released (a failed open, or the last try of a refused release): releases
+    /// what it can. Chunks the backend still holds keep their address space mapped, never
+    /// reused under a device mapping: an own reservation stays mapped, a slot is withdrawn with
+    /// its pool's address space kept.
+    fn drop(&mut self) {
+        if let Err(e) = self.let_go() {
+            tracing::warn!(error = %e, "twm: a guarded region's pages stay mapped: the backend keeps them");
+            LEAKED_MAPPINGS.fetch_add(1, Ordering::AcqRel);
+            match &mut self.home {
+                Home::Own(mapping) => mapping.keep_mapped(),
+                Home::Slot { pool, .. } => pool.withdraw_held(),
+            }
+        }
+    }
+}
+
+/// Guarded reservations (own or slots) kept mapped because the backend never let go of them,
+/// process-wide.
+static LEAKED_MAPPINGS: AtomicU64 = AtomicU64::new(0);
+
+/// Guarded regions whose pages stayed mapped (or whose pool slot was withdrawn with its pool's
+/// address space kept) because the backend still held them when they went for good, over the
+/// whole process: non-zero is a driver fault to look at. A refused detach first keeps the
+/// memory, and its charge, in its creator
+/// ([`CreatorStats::kept_memories`](crate::CreatorStats::kept_memories)) and is tried again;
+/// only what is still refused when the creator goes is counted here. (Slots withdrawn for a
+/// failed hint reset or a lost page protection are counted in `PoolStats::scrub_failures`.)
+#[must_use]
+pub fn guarded_mappings_kept() -> u64 {
+    LEAKED_MAPPINGS.load(Ordering::Acquire)
+}
+
+/// Bytes at the start of a guarded pool slot that are zeroed by writing rather than dropped when
+/// the slot is given back (as Wasmtime's `linear_memory_keep_resident`): a small memory's pages
+/// stay resident across tenants and cost neither a system call nor a page fault per reuse.
+const KEEP_RESIDENT_BYTES: usize = 64 << 10;
+
+#[derive(Debug, Default)]
+struct GuardedPoolState {
+    /// A slot was withdrawn with chunks the backend would not detach: the pool's address space
+    /// stays mapped when the pool goes.
+    driver_held: bool,
+    /// Per class: free slots, the most recently freed reused first, with the bytes from their
+    /// start left readable and writable (scrubbed) by their last holder.
+    free: Vec<Vec<(u32, usize)>>,
+    acquisitions: u64,
+    releases: u64,
+    bytes_scrubbed: u64,
+    scrub_failures: u64,
+    hint_resets: u64,
+    exhaustions: u64,
+}
+
+/// Guarded slots in one reservation, each `reservation + guard` of address space (so Wasmtime's
+/// guard-page Config holds in every slot), with guard space between them. A slot is scrubbed
+/// when it is given back by dropping the pages its holder could touch (`MADV_DONTNEED` up to
+/// its high-water mark, as Wasmtime's pooling allocator does): they read as zeros and hold no
+/// memory until touched again. Its hints are reset and its chunks detached first (registered
+/// pages unregistered: a pinned page would survive the drop for the device, keeping the old
+/// tenant's bytes where the device reads). The dropped pages stay readable and writable while
+/// the slot is free, and the next holder closes what its memory does not reach before the
+/// memory is handed out.
+pub(crate) struct GuardedPool<B: Backend> {
+    backend: Arc<B>,
+    device: DeviceId,
+    access: HostAccess,
+    mapping: HostMapping,
+    classes: Vec<ClassLayout>,
+    state: Mutex<GuardedPoolState>,
+}
+
+impl<B: Backend> fmt::Debug for GuardedPool<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GuardedPool")
+            .field("device", &self.device)
+            .field("access", &self.access)
+            .field("classes", &self.classes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> GuardedPool<B> {
+    /// Reserves the pool's address space: per class, `slots` slots of `max(slot_bytes,
+    /// GUARDED_RESERVATION) + GUARDED_GUARD` bytes.
+    pub(crate) fn new(
+        backend: Arc<B>,
+        device: DeviceId,
+        access: HostAccess,
+        config: &PoolConfig,
+    ) -> Result<Self, TwmError> {
+        let page = page_size();
+        // Each slot spans its reservation (at least Wasmtime's) and its guard.
+        let (classes, total) = config.layout(|slot_bytes| {
+            usize::try_from(GUARDED_RESERVATION)
+                .ok()?
+                .max(slot_bytes)
+                .checked_add(usize::try_from(GUARDED_GUARD).ok()?)?
+                .checked_next_multiple_of(page)
+        })?;
+        let mapping = HostMapping::reserve(total)?;
+        let free = classes
+            .iter()
+            .map(|c| (0..c.slots).rev().map(|i| (i, 0)).collect())
+            .collect();
+        Ok(Self {
+            backend,
+            device,
+            access,
+            mapping,
+            classes,
+            state: Mutex::new(GuardedPoolState {
+                free,
+                ..GuardedPoolState::default()
+            }),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, GuardedPoolState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The slot size a memory of `capacity` bytes would hold (the smallest class that fits).
+    pub(crate) fn slot_size_for(&self, capacity: usize) -> Option<usize> {
+        self.classes
+            .iter()
+            .map(|c| c.slot_bytes)
+            .find(|&s| s >= capacity)
+    }
+
+    /// A region in a free slot of the smallest class that holds `capacity` and whose address
+    /// space covers Wasmtime's `reserved + guard`.
+    pub(crate) fn acquire(
+        self: &Arc<Self>,
+        capacity: usize,
+        initial: usize,
+        reserved: usize,
+        guard: usize,
+    ) -> Result<GuardedRegion<B>, TwmError> {
+        let needed = reserved.max(capacity).saturating_add(guard);
+        let fitting = || {
+            self.classes
+                .iter()
+                .enumerate()
+                .filter(move |(_, c)| c.slot_bytes >= capacity)
+        };
+        let Some((_, largest)) = fitting().next_back() else {
+            let largest = self.classes.last().map_or(0, |c| c.slot_bytes);
+            return Err(PoolError::TooLarge {
+                requested: capacity as u64,
+                largest: largest as u64,
+            }
+            .into());
+        };
+        if needed > largest.stride {
+            return Err(TwmError::ReservationNotHonoured { reserved: needed });
+        }
+        let taken = {
+            let mut state = self.state();
+            let found = fitting()
+                .filter(|(_, c)| c.stride >= needed)
+                .find_map(|(i, _)| state.free[i].pop().map(|index| (i, index)));
+            match found {
+                Some(slot) => {
+                    state.acquisitions += 1;
+                    Some(slot)
+                }
+                None => {
+                    state.exhaustions += 1;
+                    None
+                }
+            }
+        };
+        let Some((class, (index, opened))) = taken else {
+            return Err(PoolError::Exhausted {
+                requested: capacity as u64,
+            }
+            .into());
+        };
+        let c = &self.classes[class];
+        let base = self.mapping.base() + c.offset + c.stride * index as usize;
+        // On failure the region drops and gives the slot back.
+        GuardedRegion::open_in(
+            Arc::clone(&self.backend),
+            self.device,
+            self.access,
+            (
+                Home::Slot {
+                    pool: Arc::clone(self),
+                    class,
+                    index,
+                },
+                base,
+            ),
+            capacity,
+            initial,
+            opened,
+        )
+    }
+
+    /// A slot comes back, every chunk detached, with its first `opened` bytes readable and
+    /// writable (the high-water mark of what its holder could touch): their pages are dropped
+    /// (they read as zeros and hold no memory), and left open for the next holder, whose
+    /// `open_in` closes what it does not use (a memory of the same size then costs no
+    /// `mprotect`, as in Wasmtime's pooling allocator). A free slot is reachable by no one. A
+    /// slot that is not reusable (hints kept, protection unknown), or whose scrub failed, is
+    /// withdrawn for good rather than handed to another tenant.
+    fn release(&self, class: usize, index: u32, opened: usize, released: Released) {
+        let c = &self.classes[class];
+        let offset = c.offset + c.stride * index as usize;
+        // SAFETY: the slot's holder is gone and its chunks detached: no one uses its pages, no
+        // device holds them pinned, and its first `opened` bytes are readable and writable (a
+        // failed `mprotect` would have made it not reusable).
+        let scrubbed = released.reusable && unsafe { self.scrub(offset, opened) }.is_ok();
+        let mut state = self.state();
+        state.releases += 1;
+        state.hint_resets += u64::from(released.hinted && released.reusable);
+        if scrubbed {
+            state.bytes_scrubbed += opened as u64;
+            state.free[class].push((index, opened));
+        } else {
+            // Withdrawn for good: never handed to another tenant.
+            state.scrub_failures += 1;
+        }
+    }
+
+    /// A slot leaves with chunks the backend still holds: withdrawn (never returned), and the
+    /// pool's address space stays mapped when the pool goes.
+    fn withdraw_held(&self) {
+        let mut state = self.state();
+        state.releases += 1;
+        state.scrub_failures += 1;
+        state.driver_held = true;
+    }
+
+    /// Zeroes a free slot's first `opened` bytes: the first [`KEEP_RESIDENT_BYTES`] by writing
+    /// zeros (they stay resident, and the next holder touches them without a page fault), the
+    /// rest by dropping the pages.
+    ///
+    /// # Safety
+    ///
+    /// No one uses the slot's pages, and no device holds them pinned.
+    unsafe fn scrub(&self, offset: usize, opened: usize) -> Result<(), TwmError> {
+        let kept = opened.min(KEEP_RESIDENT_BYTES);
+        // SAFETY: the slot's first `opened` bytes are readable and writable (its holder's
+        // accessible pages) and used by no one (the caller's guarantee).
+        unsafe { ((self.mapping.base() + offset) as *mut u8).write_bytes(0, kept) };
+        // SAFETY: as above.
+        unsafe { self.mapping.discard(offset + kept, opened - kept) }
+    }
+
+    /// The pool's figures, in the managed pool's shape.
+    pub(crate) fn stats(&self) -> PoolStats {
+        let state = self.state();
+        PoolStats {
+            classes: self
+                .classes
+                .iter()
+                .zip(&state.free)
+                .map(|(c, free)| ClassStats {
+                    slot_bytes: c.slot_bytes,
+                    slots: c.slots as usize,
+                    in_use: c.slots as usize - free.len(),
+                    free: free.len(),
+                })
+                .collect(),
+            acquisitions: state.acquisitions,
+            releases: state.releases,
+            bytes_scrubbed: state.bytes_scrubbed,
+            scrub_failures: state.scrub_failures,
+            hint_resets: state.hint_resets,
+            exhaustions: state.exhaustions,
+        }
+    }
+}
+
+impl<B: Backend> Drop for GuardedPool<B> {
+    fn drop(&mut self) {
+        let held = self
+            .state
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .driver_held;
+        if held {
+            self.mapping.keep_mapped();
+        }
+    }
+}

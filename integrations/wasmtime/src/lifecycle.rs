@@ -1,0 +1,409 @@
+//! One linear memory's life after the creator made it: its record (storage and charge under one
+//! lock, shared by the registry, host calls and device-access scopes), its growth, and its end,
+//! where the storage is released and its charge goes back with it, or both are kept together
+//! when the backend refuses ([`KeptMemories`]).
+//!
+//! ```text
+//!  TensorWasmLinearMemory ──owns──▶ Arc<MemoryRecord> ◀── registry (by base), scopes (Weak)
+//!        grow_to                        │ held: RwLock<Option<Held { storage, charge }>>
+//!          │ redeem the limiter's grant │ books: the Store's (its streams are waited for)
+//!          │ charge what it misses      │
+//!          ▼ storage.grow_to, pay       ▼ drop: wait for the Store's streams, then
+//!                                         Held::release ─ Ok: charge dropped (given back)
+//!                                                       └ refused: KeptMemories (retried)
+//! ```
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
+
+use tensor_wasm_mem_core::{Advice, DeviceId, DeviceSlice, Location, Stream, StreamProvider};
+use wasmtime::LinearMemory;
+
+use crate::Backend;
+use crate::books::{self, MemoryCharge, StoreBooks};
+use crate::error::TwmError;
+use crate::storage::Storage;
+
+/// A memory's storage and what pays for it, together for their whole life.
+pub(crate) struct Held<B: Backend> {
+    pub(crate) storage: Storage<B>,
+    /// `None` for a memory no tenant pays for (a creator that allows untenanted memories).
+    pub(crate) charge: Option<MemoryCharge>,
+}
+
+impl<B: Backend> Held<B> {
+    /// Gives the storage back; its charge goes back with it (dropped after the release), or,
+    /// if the backend refuses, stays with it.
+    #[expect(
+        clippy::result_large_err,
+        reason = "a refused release hands the storage back by value, on a rare path"
+    )]
+    fn release(self) -> Result<(), Self> {
+        let Self { storage, charge } = self;
+        match storage.release() {
+            Ok(()) => {
+                drop(charge);
+                Ok(())
+            }
+            Err(refused) => {
+                tracing::warn!(error = %refused.error, "twm: the backend refused to release a memory: kept, with its charge");
+                Err(Self {
+                    storage: refused.resource,
+                    charge,
+                })
+            }
+        }
+    }
+
+    /// Bytes the storage holds visible (what a kept memory still holds for its tenant).
+    fn len(&self) -> usize {
+        self.storage.len()
+    }
+}
+
+/// Memories whose storage the backend refused to release, kept with their charges, released
+/// again by [`retry`](Self::retry) (on the creator's next memory, or when the embedder asks)
+/// and a last time when the creator goes: whatever the backend still refuses then is left to it
+/// (a driver backend retries at its own drop) and its charge stays with the tenant for good
+/// ([`Reservation::strand`](tensor_wasm_mem_core::Reservation::strand)).
+pub(crate) struct KeptMemories<B: Backend> {
+    kept: Mutex<Vec<Held<B>>>,
+    /// Kept now (read without the lock on every memory the creator makes).
+    count: AtomicU64,
+    released: AtomicU64,
+}
+
+impl<B: Backend> Default for KeptMemories<B> {
+    fn default() -> Self {
+        Self {
+            kept: Mutex::new(Vec::new()),
+            count: AtomicU64::new(0),
+            released: AtomicU64::new(0),
+        }
+    }
+}
+
+impl<B: Backend> KeptMemories<B> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Held<B>>> {
+        self.kept.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn keep(&self, held: Held<B>) {
+        let mut kept = self.lock();
+        kept.push(held);
+        self.count.store(kept.len() as u64, Ordering::Release);
+    }
+
+    /// Releases every kept memory again; the ones the backend still refuses stay. Returns how
+    /// many are still kept.
+    pub(crate) fn retry(&self) -> u64 {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        let mut kept = self.lock();
+        let before = kept.len();
+        let still: Vec<Held<B>> = kept.drain(..).filter_map(|h| h.release().err()).collect();
+        self.released
+            .fetch_add((before - still.len()) as u64, Ordering::AcqRel);
+        *kept = still;
+        self.count.store(kept.len() as u64, Ordering::Release);
+        kept.len() as u64
+    }
+
+    /// Memories kept now, and the bytes they hold visible.
+    pub(crate) fn figures(&self) -> (u64, u64) {
+        let kept = self.lock();
+        let bytes = kept.iter().map(|h| h.len() as u64).sum();
+        (kept.len() as u64, bytes)
+    }
+
+    /// Kept memories a retry has released since the creator was made.
+    pub(crate) fn released(&self) -> u64 {
+        self.released.load(Ordering::Acquire)
+    }
+}
+
+impl<B: Backend> Drop for KeptMemories<B> {
+    fn drop(&mut self) {
+        self.retry();
+        for held in self
+            .kept
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain(..)
+        {
+            tracing::warn!(
+                "twm: a memory the backend never released stays with it; its charge stays with its tenant"
+            );
+            let Held { storage, charge } = held;
+            drop(storage);
+            if let Some(charge) = charge {
+                charge.strand();
+            }
+        }
+    }
+}
+
+/// One live memory as the registry, host calls and scopes see it.
+pub(crate) struct MemoryRecord<B: Backend> {
+    held: RwLock<Option<Held<B>>>,
+    /// The storage's device (it never changes), read without the lock.
+    device: DeviceId,
+    /// The books of the Store that made it, if a limiter charged it: its growth grants, and
+    /// the streams to wait for before the storage goes.
+    books: Option<Arc<StoreBooks>>,
+    kept: Arc<KeptMemories<B>>,
+}
+
+impl<B: Backend> MemoryRecord<B> {
+    pub(crate) fn new(
+        held: Held<B>,
+        device: DeviceId,
+        books: Option<Arc<StoreBooks>>,
+        kept: Arc<KeptMemories<B>>,
+    ) -> Self {
+        Self {
+            held: RwLock::new(Some(held)),
+            device,
+            books,
+            kept,
+        }
+    }
+
+    pub(crate) fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, Option<Held<B>>> {
+        self.held.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the storage (`Some` from creation until the record drops).
+    pub(crate) fn with_storage<R>(
+        &self,
+        f: impl FnOnce(&Storage<B>) -> Result<R, TwmError>,
+    ) -> Result<R, TwmError> {
+        match self.read().as_ref() {
+            Some(held) => f(&held.storage),
+            None => Err(TwmError::NotOurMemory),
+        }
+    }
+}
+
+impl<B: Backend> Drop for MemoryRecord<B> {
+    /// Before the storage goes: waits for the Store's guest streams still alive (its data
+    /// outlived its memories, as with `Store::into_data`), so no work queued on them lands after
+    /// the scrub, in the next holder's memory (in Wasmtime's usual order they are already
+    /// released and waited for). Then releases the storage, its charge going back with it, or
+    /// keeps both when the backend refuses.
+    fn drop(&mut self) {
+        let Some(held) = self
+            .held
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        else {
+            return;
+        };
+        if let Some(books) = &self.books {
+            for id in books.streams() {
+                if let Err(e) = held.storage.allocator().synchronize(&id.handle()) {
+                    tracing::warn!(error = %e, "twm: waiting for a stream before freeing a memory failed");
+                }
+            }
+        }
+        if let Err(held) = held.release() {
+            self.kept.keep(held);
+        }
+    }
+}
+
+/// One memory held by a device-access scope (see [`crate::DeviceAccess`]). Weak: a scope that
+/// is forgotten (`mem::forget`) keeps no memory, slot or charge alive.
+pub(crate) struct ScopedMemory<B: Backend>(Weak<MemoryRecord<B>>, DeviceId);
+
+impl<B: Backend> ScopedMemory<B> {
+    pub(crate) fn of(record: &Arc<MemoryRecord<B>>) -> Self {
+        Self(Arc::downgrade(record), record.device)
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&Storage<B>) -> Result<R, TwmError>) -> Result<R, TwmError> {
+        // Alive while the scope holds the Store (the memory cannot go before).
+        let record = self.0.upgrade().ok_or(TwmError::NotOurMemory)?;
+        record.with_storage(f)
+    }
+
+    /// The books of the Store that made it (`None`: a creator bound to a tenant, no limiter).
+    pub(crate) fn books(&self) -> Option<Arc<StoreBooks>> {
+        self.0.upgrade().and_then(|r| r.books.clone())
+    }
+
+    /// A device slice of a range already checked against the visible size.
+    pub(crate) fn slice(&self, range: &std::ops::Range<usize>) -> Result<DeviceSlice, TwmError> {
+        self.with(|s| s.device_slice(range.start, range.len()))
+    }
+
+    pub(crate) fn prefetch(
+        &self,
+        range: &std::ops::Range<usize>,
+        to: Location,
+        stream: &Stream,
+    ) -> Result<(), TwmError> {
+        self.with(|s| s.prefetch(range.start, range.len(), to, stream))
+    }
+
+    pub(crate) fn advise(
+        &self,
+        range: &std::ops::Range<usize>,
+        advice: Advice,
+    ) -> Result<(), TwmError> {
+        self.with(|s| s.advise(range.start, range.len(), advice))
+    }
+
+    /// The host address of visible byte `offset`, where the storage is host-accessible.
+    pub(crate) fn host_ptr(&self, offset: usize) -> Option<*mut u8> {
+        self.with(|s| {
+            Ok(s.capabilities()
+                .host_accessible
+                .then(|| s.as_ptr().wrapping_add(offset)))
+        })
+        .ok()
+        .flatten()
+    }
+
+    pub(crate) fn backend(&self) -> Result<Arc<B>, TwmError> {
+        self.with(|s| Ok(Arc::clone(s.allocator())))
+    }
+
+    /// The device the memory is on.
+    pub(crate) fn device(&self) -> DeviceId {
+        self.1
+    }
+}
+
+/// Unregisters a memory from its creator when it goes.
+pub(crate) trait Registry<B: Backend>: Send + Sync {
+    fn unregister(&self, base: usize);
+}
+
+/// One Wasm linear memory made by a
+/// [`TensorWasmMemoryCreator`](crate::TensorWasmMemoryCreator): a fixed capacity, a growing
+/// visible size, a base that never moves. Growth is decided here, once, over any storage:
+/// within the capacity, paid (the Store's limiter's grant, or a charge of its own) before the
+/// storage grows, given back if the storage cannot. Unregisters itself on drop; its storage and
+/// charge go when the last user of its record is done.
+pub struct TensorWasmLinearMemory<B: Backend> {
+    registry: Arc<dyn Registry<B>>,
+    record: Arc<MemoryRecord<B>>,
+    base: usize,
+    len: usize,
+    capacity: usize,
+}
+
+impl<B: Backend> fmt::Debug for TensorWasmLinearMemory<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TensorWasmLinearMemory")
+            .field("base", &(self.base as *const u8))
+            .field("len", &self.len)
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> TensorWasmLinearMemory<B> {
+    pub(crate) fn new(
+        registry: Arc<dyn Registry<B>>,
+        record: Arc<MemoryRecord<B>>,
+        (base, len, capacity): (usize, usize, usize),
+    ) -> Self {
+        Self {
+            registry,
+            record,
+            base,
+            len,
+            capacity,
+        }
+    }
+
+    /// Visible bytes now.
+    #[must_use]
+    pub fn current_size(&self) -> usize {
+        self.len
+    }
+
+    /// The fixed capacity.
+    #[must_use]
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// `true` when the memory is unified memory a device can use with no copy (managed memory,
+    /// or guarded host memory with pageable memory access).
+    #[must_use]
+    pub fn is_uvm_backed(&self) -> bool {
+        self.record
+            .with_storage(|s| Ok(s.capabilities().is_uvm()))
+            .unwrap_or(false)
+    }
+
+    fn grow(&mut self, new_size: usize) -> Result<(), TwmError> {
+        if new_size > self.capacity {
+            return Err(TwmError::CapacityExceeded {
+                requested: new_size,
+                capacity: self.capacity,
+            });
+        }
+        let extra = new_size.saturating_sub(self.len) as u64;
+        // The Store's limiter granted this growth just before, on this thread.
+        let grant = self.record.books.as_ref().and_then(books::redeem_growth);
+        let mut guard = self
+            .record
+            .held
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let held = guard.as_mut().ok_or(TwmError::NotOurMemory)?;
+        let growth = match &held.charge {
+            Some(charge) => charge.growth(extra, grant)?,
+            None => None,
+        };
+        // On failure `growth` drops here: nothing stays charged for bytes never reachable.
+        held.storage.grow_to(new_size)?;
+        if let Some(charge) = &mut held.charge {
+            charge.pay_growth(growth);
+        }
+        self.len = self.len.max(new_size);
+        Ok(())
+    }
+}
+
+// SAFETY: `as_ptr` is the base of a live allocation (or pool slot, or guarded region) of at
+// least `capacity` bytes, owned by this memory's record until it drops, and it never changes:
+// growth only makes more of the storage reachable, up to `capacity`, zeroing newly visible bytes
+// where the backend does not hand out zeroed memory. `byte_size` bytes from the base are always
+// readable and writable from the host.
+unsafe impl<B: Backend> LinearMemory for TensorWasmLinearMemory<B> {
+    fn byte_size(&self) -> usize {
+        self.len
+    }
+
+    fn byte_capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn grow_to(&mut self, new_size: usize) -> wasmtime::Result<()> {
+        self.grow(new_size).map_err(wasmtime::Error::new)
+    }
+
+    fn as_ptr(&self) -> *mut u8 {
+        self.base as *mut u8
+    }
+}
+
+impl<B: Backend> Drop for TensorWasmLinearMemory<B> {
+    fn drop(&mut self) {
+        self.registry.unregister(self.base);
+        // The storage is released when the last `Arc` to the record drops: here, or at the end
+        // of a host call that is using it right now; its charge goes back with it.
+    }
+}
