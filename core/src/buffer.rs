@@ -329,6 +329,20 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
     }
 }
 
+impl<A: ManagedAllocator> UnifiedBuffer<A> {
+    /// Gives the buffer up without freeing its allocation, for an owner whose
+    /// [`release`](Self::release) the backend refused for good: the allocation stays with the
+    /// backend (a driver backend frees it when it drops). A pool slot goes back to its pool as
+    /// on drop.
+    pub fn abandon(mut self) {
+        if let Backing::Owned { allocation, .. } = &mut self.backing {
+            // The handle owns nothing by itself: taken out of the buffer, nothing frees it and
+            // the backend keeps the memory.
+            let _abandoned: Option<Allocation> = allocation.take();
+        }
+    }
+}
+
 impl<A: ManagedAllocator> Drop for UnifiedBuffer<A> {
     /// Frees the allocation (a slot goes back to its pool when its `PoolSlot` drops). A free
     /// the backend refuses here leaves the allocation to the backend (a driver backend keeps

@@ -93,6 +93,14 @@ pub trait Harness: 'static {
         false
     }
 
+    /// Makes `stream`'s context fault for good, as a kernel writing outside every allocation
+    /// does (a sticky error: every later call in that context fails); `false` where the harness
+    /// cannot launch one.
+    fn fault(backend: &Self::Backend, stream: &Stream) -> bool {
+        let _ = (backend, stream);
+        false
+    }
+
     /// Orders `to`'s later work after `from`'s work so far, with an event (`cuEventRecord` on
     /// `from`, `cuStreamWaitEvent` on `to`); `false` where the harness cannot.
     fn event_between(_backend: &Self::Backend, _from: &Stream, _to: &Stream) -> bool {
@@ -169,6 +177,9 @@ pub trait Harness: 'static {
         None
     }
 }
+
+/// An address no allocation ever covers: a simulated kernel that writes there faults.
+pub const FAULT_AT: u64 = 0x10;
 
 /// The advice and residency at one address, as the suite compares them across backends.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -339,6 +350,16 @@ macro_rules! mock_harness {
             ) -> bool {
                 // SAFETY: the caller's contract is the launch's.
                 unsafe { b.driver().enqueue_fill(stream, ptr, len, byte) }.expect("fill");
+                true
+            }
+            fn fault(b: &MockBackend, stream: &tensor_wasm_mem_core::Stream) -> bool {
+                // SAFETY: the address lies outside every allocation: the simulated kernel
+                // faults instead of writing. The launch may report it at once (synchronous
+                // streams) or at the next wait.
+                let _ = unsafe {
+                    b.driver()
+                        .enqueue_fill(stream, $crate::harness::FAULT_AT, 64, 1)
+                };
                 true
             }
             fn event_between(
@@ -591,6 +612,8 @@ macro_rules! driver_harness {
                     Operation::CreatePool => "cuMemPoolCreate",
                     Operation::PoolAllocate => "cuMemAllocFromPoolAsync",
                     Operation::PoolFree => "cuMemFreeAsync",
+                    Operation::AttachHost => "cuMemHostRegister_v2",
+                    Operation::DetachHost => "cuMemHostUnregister",
                     _ => return false,
                 };
                 let Some(sim) = $crate::sim::Sim::get() else {
@@ -631,6 +654,18 @@ macro_rules! driver_harness {
                     sim.launch_fill(stream.context(), stream.raw(), ptr, len as u64, byte)
                 };
                 launched.unwrap_or_else(|e| panic!("fill: {e}"));
+                true
+            }
+
+            fn fault(_: &Self::Backend, stream: &$crate::core::Stream) -> bool {
+                let Some(sim) = $crate::sim::Sim::get() else {
+                    return false;
+                };
+                // SAFETY: the address lies outside every allocation: the simulated kernel faults
+                // instead of writing (at the launch, or at the next wait).
+                let _ = unsafe {
+                    sim.launch_fill(stream.context(), stream.raw(), $crate::harness::FAULT_AT, 64, 1)
+                };
                 true
             }
 

@@ -13,6 +13,7 @@
 //! Each case is one `rstest` case named after the [`suite`] function it runs.
 #![deny(missing_docs)]
 
+pub mod books;
 pub mod guests;
 pub mod harness;
 pub mod kernels;
@@ -75,6 +76,9 @@ macro_rules! conformance {
         #[case::device_pool_memory_comes_zeroed($crate::suite::device_pool_memory_comes_zeroed::<$harness>)]
         #[case::device_pool_driver_maximum_is_a_second_line($crate::suite::device_pool_driver_maximum_is_a_second_line::<$harness>)]
         #[case::device_pool_trim_gives_memory_back($crate::suite::device_pool_trim_gives_memory_back::<$harness>)]
+        #[case::a_refused_free_keeps_its_charge($crate::books::a_refused_free_keeps_its_charge::<$harness>)]
+        #[case::a_sticky_fault_keeps_the_charge($crate::books::a_sticky_fault_keeps_the_charge::<$harness>)]
+        #[case::a_refused_unregister_keeps_its_charge($crate::books::a_refused_unregister_keeps_its_charge::<$harness>)]
         #[case::context_first_stream_race_gives_one_context($crate::races::context_first_stream_race_gives_one_context::<$harness>)]
         #[case::context_storm_keeps_every_stream_usable($crate::races::context_storm_keeps_every_stream_usable::<$harness>)]
         #[case::tenants_sharing_an_id_are_isolated($crate::races::tenants_sharing_an_id_are_isolated::<$harness>)]

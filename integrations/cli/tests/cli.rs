@@ -509,3 +509,51 @@ fn guarded_backings_through_twm_run_and_probe() {
     let (code, _, err) = run(&["--invoke", "first", "--backing", "guarded"]);
     assert_eq!(code, 2, "a usage error: {err}");
 }
+
+/// A guest with `tables` tables of `index` elements whose `attack` grows each by 2^20 - 1 and
+/// then by -1 (an overflowing `old + delta` for 64-bit tables, which Wasmtime reports as a
+/// failure with no growth announced), printing how many first growths succeeded.
+fn table_attack(index: &str, tables: usize) -> PathBuf {
+    let declared: String = (0..tables)
+        .map(|t| format!("(table $t{t} {index} 0 funcref)"))
+        .collect();
+    let grows: String = (0..tables)
+        .map(|t| {
+            format!(
+                "(if ({index}.ne (table.grow $t{t} (ref.null func) ({index}.const 1048575)) \
+                 ({index}.const -1)) (then (local.set $ok (i32.add (local.get $ok) (i32.const 1))))) \
+                 (drop (table.grow $t{t} (ref.null func) ({index}.const -1)))"
+            )
+        })
+        .collect();
+    let wat = format!(
+        "(module {declared} (func (export \"attack\") (result i32) (local $ok i32) {grows} (local.get $ok)))"
+    );
+    module_file(&format!("attack-{index}-{tables}.wat"), wat.as_bytes())
+}
+
+/// The books under attack through `twm run` (issue 29, findings 1 and 6): an overflowing
+/// 64-bit `table.grow` gives back no growth granted before it (two 8 MiB tables fit a 16 MiB
+/// cap, not forty), and at a cap of 0 a guest grows no table at all.
+#[test]
+fn table_growth_attacks_hold_no_more_than_the_cap_under_twm_run() {
+    for index in ["i64", "i32"] {
+        let attack = table_attack(index, 40);
+        let args = ["run", attack.to_str().unwrap(), "--invoke", "attack"];
+        let o = twm(&[&args[..], &["--tenant-cap", "16MiB"][..]].concat());
+        assert_eq!(
+            (o.status.code(), stdout(&o)),
+            (Some(0), "2\n".into()),
+            "{index}: {}",
+            stderr(&o)
+        );
+    }
+    let attack = table_attack("i32", 100);
+    let args = ["run", attack.to_str().unwrap(), "--invoke", "attack"];
+    let o = twm(&[&args[..], &["--tenant-cap", "0", "--json"][..]].concat());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("json");
+    assert_eq!(report["runs"][0][0], 0, "{report}");
+    assert_eq!(report["tenant"]["peak_bytes"], 0, "{report}");
+    assert_eq!(report["tenant"]["held_peak_bytes"], 0, "{report}");
+}

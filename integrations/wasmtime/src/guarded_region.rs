@@ -59,6 +59,8 @@ pub(crate) struct GuardedRegion<B: Backend> {
     hints_kept: bool,
     /// Released: every chunk detached and the home finished (mapping dropped, slot returned).
     released: bool,
+    /// Given up with chunks the backend keeps: no more tries, the pages stay mapped.
+    abandoned: bool,
 }
 
 impl<B: Backend> fmt::Debug for GuardedRegion<B> {
@@ -134,6 +136,7 @@ impl<B: Backend> GuardedRegion<B> {
             broken: false,
             hints_kept: false,
             released: false,
+            abandoned: false,
         };
         // On failure `region` drops: what was attached is detached, the slot goes back (or, if
         // the backend keeps a chunk, the slot is withdrawn and the mapping kept).
@@ -411,19 +414,37 @@ struct Released {
     hinted: bool,
 }
 
+impl<B: Backend> GuardedRegion<B> {
+    /// Gives the region up without another try, after the backend refused to release it for
+    /// good: its chunks stay with the backend, and so its pages stay mapped, never reused.
+    pub(crate) fn abandon(mut self) {
+        self.abandoned = true;
+    }
+
+    /// Keeps the pages the backend still holds mapped, never reused under a device mapping:
+    /// an own reservation stays mapped, a slot is withdrawn with its pool's address space kept.
+    fn keep_for_the_backend(&mut self) {
+        LEAKED_MAPPINGS.fetch_add(1, Ordering::AcqRel);
+        match &mut self.home {
+            Home::Own(mapping) => mapping.keep_mapped(),
+            Home::Slot { pool, .. } => pool.withdraw_held(),
+        }
+    }
+}
+
 impl<B: Backend> Drop for GuardedRegion<B> {
-    /// A region not released (a failed open, or the last try of a refused release): releases
-    /// what it can. Chunks the backend still holds keep their address space mapped, never
-    /// reused under a device mapping: an own reservation stays mapped, a slot is withdrawn with
-    /// its pool's address space kept.
+    /// A region not released (a failed open): releases what it can; an abandoned one only
+    /// keeps its pages for the backend.
     fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        if self.abandoned {
+            return self.keep_for_the_backend();
+        }
         if let Err(e) = self.let_go() {
             tracing::warn!(error = %e, "twm: a guarded region's pages stay mapped: the backend keeps them");
-            LEAKED_MAPPINGS.fetch_add(1, Ordering::AcqRel);
-            match &mut self.home {
-                Home::Own(mapping) => mapping.keep_mapped(),
-                Home::Slot { pool, .. } => pool.withdraw_held(),
-            }
+            self.keep_for_the_backend();
         }
     }
 }

@@ -125,6 +125,8 @@ impl<B: Backend> KeptMemories<B> {
 }
 
 impl<B: Backend> Drop for KeptMemories<B> {
+    /// The last try; what the backend still refuses is abandoned to it (no further try) and
+    /// its charge stays with its tenant for good.
     fn drop(&mut self) {
         self.retry();
         for held in self
@@ -137,7 +139,7 @@ impl<B: Backend> Drop for KeptMemories<B> {
                 "twm: a memory the backend never released stays with it; its charge stays with its tenant"
             );
             let Held { storage, charge } = held;
-            drop(storage);
+            storage.abandon();
             if let Some(charge) = charge {
                 charge.strand();
             }

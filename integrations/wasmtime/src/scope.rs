@@ -304,7 +304,7 @@ impl<T: HasGuestContext<B>, B: Backend> DeviceAccess<'_, T, B> {
     /// gets a [`RunScope`], which only `run` can make and which lends the scope by shared
     /// reference (and [`host_bytes_mut`](RunScope::host_bytes_mut)): `f` cannot swap the
     /// scope for another, nor give it up, so the wait always happens
-    /// (`tests/ui/run_scope_cannot_be_swapped.rs`). (A scope from [`open`](Self::open) that is
+    /// (`tests/ui/run_scope_cannot_be_replaced.rs`, `tests/ui/run_scopes_cannot_be_swapped.rs`). (A scope from [`open`](Self::open) that is
     /// leaked with `mem::forget` never waits: see [`DeviceAccess`].) `f`'s result comes back
     /// once the stream has been waited for; an error of the open or of the wait is returned
     /// instead.

@@ -116,6 +116,18 @@ impl<B: Backend> Storage<B> {
     }
 }
 
+impl<B: Backend> Storage<B> {
+    /// Gives the storage up without another release, after the backend refused it for good:
+    /// what the backend holds stays with it (an allocation it frees when it drops, pages kept
+    /// mapped and never reused).
+    pub(crate) fn abandon(self) {
+        match self {
+            Self::Managed(buffer) => buffer.abandon(),
+            Self::Guarded(region) => region.abandon(),
+        }
+    }
+}
+
 /// A creator's pool on one device: managed slots, or guarded ones.
 pub(crate) enum CreatorPool<B: Backend> {
     Managed(Arc<SlotPool<Arc<B>>>),
