@@ -48,7 +48,8 @@ pub use plan::{
     WASM_PAGE_SIZE,
 };
 pub use pool::{
-    ClassLayout, ClassStats, PoolConfig, PoolError, PoolStats, SLOT_ALIGN, SizeClass, SlotPool,
+    ClassLayout, ClassStats, PoolConfig, PoolError, PoolStats, Returned, SLOT_ALIGN, SizeClass,
+    SlotId, SlotPool, SlotTable, Taken,
 };
 pub use pools::{
     DevicePoolConfig, DevicePoolStats, DevicePools, PoolAllocation, PoolHandle, TenantDevicePool,

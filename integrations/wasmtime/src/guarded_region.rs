@@ -3,13 +3,13 @@
 //! [`GuardedPool`] its slots come from.
 
 use std::fmt;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 
 use tensor_wasm_mem_core::{
-    Advice, Allocation, ClassLayout, ClassStats, DeviceId, DeviceSlice, Error as CoreError,
-    HostAccess, HostMemory, Location, Operation, PoolConfig, PoolError, PoolStats, RangeError,
-    Refused, Stream, check_range,
+    Advice, Allocation, DeviceId, DeviceSlice, Error as CoreError, HostAccess, HostMemory,
+    Location, Operation, PoolConfig, PoolStats, RangeError, Refused, Returned, SlotId, SlotTable,
+    Stream, check_range,
 };
 
 use crate::Backend;
@@ -24,8 +24,7 @@ enum Home<B: Backend> {
     /// A slot of a guarded pool, given back (scrubbed) with it.
     Slot {
         pool: Arc<GuardedPool<B>>,
-        class: usize,
-        index: u32,
+        slot: SlotId,
     },
 }
 
@@ -381,10 +380,10 @@ impl<B: Backend> GuardedRegion<B> {
             }
         }
         self.released = true;
-        if let Home::Slot { pool, class, index } = &self.home {
+        if let Home::Slot { pool, slot } = &self.home {
             let reusable = !self.broken && !self.hints_kept;
             let hinted = self.hinted.load(Ordering::Acquire);
-            pool.release(*class, *index, self.opened, Released { reusable, hinted });
+            pool.release(*slot, self.opened, Released { reusable, hinted });
         }
         Ok(())
     }
@@ -470,22 +469,6 @@ pub fn guarded_mappings_kept() -> u64 {
 /// stay resident across tenants and cost neither a system call nor a page fault per reuse.
 const KEEP_RESIDENT_BYTES: usize = 64 << 10;
 
-#[derive(Debug, Default)]
-struct GuardedPoolState {
-    /// A slot was withdrawn with chunks the backend would not detach: the pool's address space
-    /// stays mapped when the pool goes.
-    driver_held: bool,
-    /// Per class: free slots, the most recently freed reused first, with the bytes from their
-    /// start left readable and writable (scrubbed) by their last holder.
-    free: Vec<Vec<(u32, usize)>>,
-    acquisitions: u64,
-    releases: u64,
-    bytes_scrubbed: u64,
-    scrub_failures: u64,
-    hint_resets: u64,
-    exhaustions: u64,
-}
-
 /// Guarded slots in one reservation, each `reservation + guard` of address space (so Wasmtime's
 /// guard-page Config holds in every slot), with guard space between them. A slot is scrubbed
 /// when it is given back by dropping the pages its holder could touch (`MADV_DONTNEED` up to
@@ -500,8 +483,12 @@ pub(crate) struct GuardedPool<B: Backend> {
     device: DeviceId,
     access: HostAccess,
     mapping: HostMapping,
-    classes: Vec<ClassLayout>,
-    state: Mutex<GuardedPoolState>,
+    /// Per slot: the bytes from its start its last holder left readable and writable
+    /// (scrubbed).
+    slots: SlotTable<usize>,
+    /// A slot was withdrawn with chunks the backend would not detach: the pool's address space
+    /// stays mapped when the pool goes.
+    driver_held: AtomicBool,
 }
 
 impl<B: Backend> fmt::Debug for GuardedPool<B> {
@@ -509,7 +496,7 @@ impl<B: Backend> fmt::Debug for GuardedPool<B> {
         f.debug_struct("GuardedPool")
             .field("device", &self.device)
             .field("access", &self.access)
-            .field("classes", &self.classes)
+            .field("classes", &self.slots.layout())
             .finish_non_exhaustive()
     }
 }
@@ -533,33 +520,19 @@ impl<B: Backend> GuardedPool<B> {
                 .checked_next_multiple_of(page)
         })?;
         let mapping = HostMapping::reserve(total)?;
-        let free = classes
-            .iter()
-            .map(|c| (0..c.slots).rev().map(|i| (i, 0)).collect())
-            .collect();
         Ok(Self {
             backend,
             device,
             access,
             mapping,
-            classes,
-            state: Mutex::new(GuardedPoolState {
-                free,
-                ..GuardedPoolState::default()
-            }),
+            slots: SlotTable::new(classes, |_| 0),
+            driver_held: AtomicBool::new(false),
         })
-    }
-
-    fn state(&self) -> std::sync::MutexGuard<'_, GuardedPoolState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The slot size a memory of `capacity` bytes would hold (the smallest class that fits).
     pub(crate) fn slot_size_for(&self, capacity: usize) -> Option<usize> {
-        self.classes
-            .iter()
-            .map(|c| c.slot_bytes)
-            .find(|&s| s >= capacity)
+        self.slots.slot_size_for(capacity)
     }
 
     /// A region in a free slot of the smallest class that holds `capacity` and whose address
@@ -572,63 +545,30 @@ impl<B: Backend> GuardedPool<B> {
         guard: usize,
     ) -> Result<GuardedRegion<B>, TwmError> {
         let needed = reserved.max(capacity).saturating_add(guard);
-        let fitting = || {
-            self.classes
-                .iter()
-                .enumerate()
-                .filter(move |(_, c)| c.slot_bytes >= capacity)
-        };
-        let Some((_, largest)) = fitting().next_back() else {
-            let largest = self.classes.last().map_or(0, |c| c.slot_bytes);
-            return Err(PoolError::TooLarge {
-                requested: capacity as u64,
-                largest: largest as u64,
-            }
-            .into());
-        };
-        if needed > largest.stride {
+        // The largest class that holds the memory must span what Wasmtime reserves and guards.
+        let largest = self
+            .slots
+            .layout()
+            .iter()
+            .rfind(|c| c.slot_bytes >= capacity);
+        if largest.is_some_and(|c| needed > c.stride) {
             return Err(TwmError::ReservationNotHonoured { reserved: needed });
         }
-        let taken = {
-            let mut state = self.state();
-            let found = fitting()
-                .filter(|(_, c)| c.stride >= needed)
-                .find_map(|(i, _)| state.free[i].pop().map(|index| (i, index)));
-            match found {
-                Some(slot) => {
-                    state.acquisitions += 1;
-                    Some(slot)
-                }
-                None => {
-                    state.exhaustions += 1;
-                    None
-                }
-            }
+        let taken = self.slots.take(capacity, |c| c.stride >= needed)?;
+        let base = self.mapping.base() + taken.offset();
+        let home = Home::Slot {
+            pool: Arc::clone(self),
+            slot: taken.slot,
         };
-        let Some((class, (index, opened))) = taken else {
-            return Err(PoolError::Exhausted {
-                requested: capacity as u64,
-            }
-            .into());
-        };
-        let c = &self.classes[class];
-        let base = self.mapping.base() + c.offset + c.stride * index as usize;
         // On failure the region drops and gives the slot back.
         GuardedRegion::open_in(
             Arc::clone(&self.backend),
             self.device,
             self.access,
-            (
-                Home::Slot {
-                    pool: Arc::clone(self),
-                    class,
-                    index,
-                },
-                base,
-            ),
+            (home, base),
             capacity,
             initial,
-            opened,
+            taken.meta,
         )
     }
 
@@ -639,32 +579,35 @@ impl<B: Backend> GuardedPool<B> {
     /// `mprotect`, as in Wasmtime's pooling allocator). A free slot is reachable by no one. A
     /// slot that is not reusable (hints kept, protection unknown), or whose scrub failed, is
     /// withdrawn for good rather than handed to another tenant.
-    fn release(&self, class: usize, index: u32, opened: usize, released: Released) {
-        let c = &self.classes[class];
-        let offset = c.offset + c.stride * index as usize;
+    fn release(&self, slot: SlotId, opened: usize, released: Released) {
+        let offset = self.offset_of(slot);
         // SAFETY: the slot's holder is gone and its chunks detached: no one uses its pages, no
         // device holds them pinned, and its first `opened` bytes are readable and writable (a
         // failed `mprotect` would have made it not reusable).
         let scrubbed = released.reusable && unsafe { self.scrub(offset, opened) }.is_ok();
-        let mut state = self.state();
-        state.releases += 1;
-        state.hint_resets += u64::from(released.hinted && released.reusable);
         if scrubbed {
-            state.bytes_scrubbed += opened as u64;
-            state.free[class].push((index, opened));
+            let returned = Returned {
+                scrubbed: opened as u64,
+                hints_reset: released.hinted,
+            };
+            self.slots.give_back(slot, opened, returned);
         } else {
             // Withdrawn for good: never handed to another tenant.
-            state.scrub_failures += 1;
+            self.slots.withdraw();
         }
     }
 
     /// A slot leaves with chunks the backend still holds: withdrawn (never returned), and the
     /// pool's address space stays mapped when the pool goes.
     fn withdraw_held(&self) {
-        let mut state = self.state();
-        state.releases += 1;
-        state.scrub_failures += 1;
-        state.driver_held = true;
+        self.slots.withdraw();
+        self.driver_held.store(true, Ordering::Release);
+    }
+
+    /// Where `slot` starts, from the start of the pool's mapping.
+    fn offset_of(&self, slot: SlotId) -> usize {
+        let c = &self.slots.layout()[slot.class];
+        c.offset + c.stride * slot.index as usize
     }
 
     /// Zeroes a free slot's first `opened` bytes: the first [`KEEP_RESIDENT_BYTES`] by writing
@@ -683,39 +626,15 @@ impl<B: Backend> GuardedPool<B> {
         unsafe { self.mapping.discard(offset + kept, opened - kept) }
     }
 
-    /// The pool's figures, in the managed pool's shape.
+    /// The pool's figures.
     pub(crate) fn stats(&self) -> PoolStats {
-        let state = self.state();
-        PoolStats {
-            classes: self
-                .classes
-                .iter()
-                .zip(&state.free)
-                .map(|(c, free)| ClassStats {
-                    slot_bytes: c.slot_bytes,
-                    slots: c.slots as usize,
-                    in_use: c.slots as usize - free.len(),
-                    free: free.len(),
-                })
-                .collect(),
-            acquisitions: state.acquisitions,
-            releases: state.releases,
-            bytes_scrubbed: state.bytes_scrubbed,
-            scrub_failures: state.scrub_failures,
-            hint_resets: state.hint_resets,
-            exhaustions: state.exhaustions,
-        }
+        self.slots.stats()
     }
 }
 
 impl<B: Backend> Drop for GuardedPool<B> {
     fn drop(&mut self) {
-        let held = self
-            .state
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner)
-            .driver_held;
-        if held {
+        if *self.driver_held.get_mut() {
             self.mapping.keep_mapped();
         }
     }

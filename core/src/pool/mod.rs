@@ -25,257 +25,45 @@
 //! ```
 
 use alloc::sync::Arc;
-use alloc::vec::Vec;
 use core::fmt;
-
-use hashbrown::HashMap;
 
 use core::sync::atomic::{AtomicBool, Ordering};
 
 use crate::allocator::{Allocation, ManagedAllocator};
 use crate::buffer::UnifiedBuffer;
-use crate::device::DeviceId;
-use crate::error::{Error, ErrorKind, ErrorType, Operation};
+use crate::error::{Error, ErrorType, Operation};
 
-/// Slot sizes are rounded up to a multiple of this (one Wasm page), so every slot starts on a
-/// page boundary and hints never straddle two slots' pages.
-pub const SLOT_ALIGN: usize = 1 << 16;
+mod config;
+mod slots;
 
-/// A size class: `slots` slots of `slot_bytes` bytes each (rounded up to [`SLOT_ALIGN`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SizeClass {
-    /// Bytes per slot.
-    pub slot_bytes: usize,
-    /// Number of slots.
-    pub slots: usize,
-}
+pub use config::{
+    ClassLayout, ClassStats, PoolConfig, PoolError, PoolStats, SLOT_ALIGN, SizeClass,
+};
+pub use slots::{Returned, SlotId, SlotTable, Taken};
 
-impl SizeClass {
-    /// A class of `slots` slots of `slot_bytes` bytes.
-    #[must_use]
-    pub const fn new(slot_bytes: usize, slots: usize) -> Self {
-        Self { slot_bytes, slots }
-    }
-}
-
-/// How to build a [`SlotPool`].
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PoolConfig {
-    /// The device the slab is allocated on.
-    pub device: DeviceId,
-    /// The size classes (any order; slot sizes must be distinct after rounding).
-    pub classes: Vec<SizeClass>,
-}
-
-impl PoolConfig {
-    /// A configuration on `device` with `classes`.
-    pub fn new(device: DeviceId, classes: impl IntoIterator<Item = SizeClass>) -> Self {
-        Self {
-            device,
-            classes: classes.into_iter().collect(),
-        }
-    }
-
-    /// Checks the classes and lays them out one after another, smallest slot first: each slot
-    /// size rounded up to [`SLOT_ALIGN`], each slot `stride(slot_bytes)` bytes after the last
-    /// (`None`: too large). Returns the classes and the bytes they span. No classes, a class of
-    /// zero bytes or zero slots, two classes rounding to one size and any overflow are typed
-    /// errors. [`SlotPool`] lays its slab out so (a slot's stride is its size); a pool of
-    /// guarded slots gives each its guard and reservation.
-    pub fn layout(
-        &self,
-        stride: impl Fn(usize) -> Option<usize>,
-    ) -> Result<(Vec<ClassLayout>, usize), PoolError> {
-        if self.classes.is_empty() {
-            return Err(PoolError::InvalidConfig {
-                reason: "no size classes",
-            });
-        }
-        let mut requested = self.classes.clone();
-        requested.sort_by_key(|c| c.slot_bytes);
-        let mut layout: Vec<ClassLayout> = Vec::with_capacity(requested.len());
-        let mut total = 0usize;
-        for class in &requested {
-            if class.slot_bytes == 0 || class.slots == 0 {
-                return Err(PoolError::InvalidConfig {
-                    reason: "a size class has zero bytes or zero slots",
-                });
-            }
-            let slots = u32::try_from(class.slots).map_err(|_| PoolError::InvalidConfig {
-                reason: "more than u32::MAX slots in a class",
-            })?;
-            let slot_bytes = class
-                .slot_bytes
-                .checked_next_multiple_of(SLOT_ALIGN)
-                .ok_or(PoolError::SizeOverflow)?;
-            if layout.iter().any(|c| c.slot_bytes == slot_bytes) {
-                return Err(PoolError::InvalidConfig {
-                    reason: "two size classes round to the same slot size",
-                });
-            }
-            let stride = stride(slot_bytes).ok_or(PoolError::SizeOverflow)?;
-            let bytes = stride
-                .checked_mul(class.slots)
-                .ok_or(PoolError::SizeOverflow)?;
-            layout.push(ClassLayout {
-                slot_bytes,
-                slots,
-                offset: total,
-                stride,
-            });
-            total = total.checked_add(bytes).ok_or(PoolError::SizeOverflow)?;
-        }
-        Ok((layout, total))
-    }
-}
-
-/// One size class as [`PoolConfig::layout`] places it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ClassLayout {
-    /// Bytes a slot holds (rounded up to [`SLOT_ALIGN`]).
-    pub slot_bytes: usize,
-    /// Slots in the class.
-    pub slots: u32,
-    /// Where its first slot starts, from the start of the pool.
-    pub offset: usize,
-    /// Bytes from one slot's start to the next.
-    pub stride: usize,
-}
-
-/// The pool could not serve a request or be built.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum PoolError {
-    /// Every slot of every class that could hold the request is in use.
-    #[error("slot pool exhausted: no free slot of at least {requested} bytes")]
-    Exhausted {
-        /// Bytes requested.
-        requested: u64,
-    },
-    /// No class is large enough.
-    #[error("{requested} bytes exceed the largest slot of {largest} bytes")]
-    TooLarge {
-        /// Bytes requested.
-        requested: u64,
-        /// The largest slot size.
-        largest: u64,
-    },
-    /// The initial visible size is larger than the capacity asked for.
-    #[error("visible size of {visible} bytes exceeds the capacity of {capacity} bytes")]
-    VisibleAboveCapacity {
-        /// Visible bytes asked for.
-        visible: u64,
-        /// Capacity asked for.
-        capacity: u64,
-    },
-    /// The configuration is unusable.
-    #[error("invalid pool configuration: {reason}")]
-    InvalidConfig {
-        /// What is wrong.
-        reason: &'static str,
-    },
-    /// The slab size does not fit the address space.
-    #[error("pool slab size overflows")]
-    SizeOverflow,
-}
-
-impl PoolError {
-    /// The kind of this error.
-    #[must_use]
-    pub const fn kind(&self) -> ErrorKind {
-        match self {
-            Self::Exhausted { .. } => ErrorKind::PoolExhausted,
-            Self::TooLarge { .. } => ErrorKind::LimitExceeded,
-            Self::VisibleAboveCapacity { .. } | Self::InvalidConfig { .. } => {
-                ErrorKind::InvalidArgument
-            }
-            Self::SizeOverflow => ErrorKind::Overflow,
-        }
-    }
-}
-
-/// Figures for one size class.
+/// What a managed slot's next scrub must do.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ClassStats {
-    /// Bytes per slot.
-    pub slot_bytes: usize,
-    /// Slots in the class.
-    pub slots: usize,
-    /// Slots handed out now.
-    pub in_use: usize,
-    /// Slots free now.
-    pub free: usize,
-}
-
-/// A snapshot of a pool's figures.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct PoolStats {
-    /// Per class, smallest first.
-    pub classes: Vec<ClassStats>,
-    /// Slots ever handed out.
-    pub acquisitions: u64,
-    /// Slots ever given back.
-    pub releases: u64,
-    /// Bytes zeroed before reuse.
-    pub bytes_scrubbed: u64,
-    /// Scrubs that failed, zeroing or resetting hints (the slot stayed free and dirty; nothing
-    /// was handed out).
-    pub scrub_failures: u64,
-    /// Slots whose hints were reset before reuse (their last holder advised or prefetched).
-    pub hint_resets: u64,
-    /// Requests refused because every fitting slot was busy.
-    pub exhaustions: u64,
-}
-
-impl PoolStats {
-    /// Slots handed out now, over all classes.
-    #[must_use]
-    pub fn in_use(&self) -> usize {
-        self.classes.iter().map(|c| c.in_use).sum()
-    }
-
-    /// Free slots now, over all classes.
-    #[must_use]
-    pub fn free(&self) -> usize {
-        self.classes.iter().map(|c| c.free).sum()
-    }
-}
-
-#[derive(Debug)]
-struct ClassState {
-    offset: usize,
-    slot_bytes: usize,
-    /// Free slot indices; the most recently freed is reused first.
-    free: Vec<u32>,
-    /// Per slot: bytes from its start that may be non-zero.
-    dirty: Vec<usize>,
-    /// Per slot: bytes from its start that may carry advice or residency (0: none).
-    hinted: Vec<usize>,
-}
-
-#[derive(Debug, Default)]
-struct PoolState {
-    classes: HashMap<usize, ClassState>,
-    acquisitions: u64,
-    releases: u64,
-    bytes_scrubbed: u64,
-    scrub_failures: u64,
-    hint_resets: u64,
-    exhaustions: u64,
+struct Dirt {
+    /// Bytes from its start that may be non-zero.
+    dirty: usize,
+    /// Bytes from its start that may carry advice or residency (0: none).
+    hinted: usize,
 }
 
 /// Resets advice and residency over a range of the slab: [`Advisor::reset_hints`] of the
 /// allocator, recorded by the first holder that hints (the pool itself needs no `Advisor`).
+///
+/// [`Advisor::reset_hints`]: crate::Advisor::reset_hints
 pub(crate) type ResetHints<A> =
     fn(&A, &Allocation, usize, usize) -> Result<(), <A as ErrorType>::Error>;
 
-/// A pool of equally sized slots per size class, carved from one slab.
+/// A pool of equally sized slots per size class, carved from one slab. Slots are scrubbed as
+/// they are handed out (the zeroing is the backend's, and may be asynchronous work ordered on
+/// its scrub stream): a slot comes back by recording its high-water mark only.
 pub struct SlotPool<A: ManagedAllocator> {
     allocator: A,
     slab: Option<Allocation>,
-    /// Slot sizes, ascending: the keys of `state.classes`.
-    sizes: Vec<usize>,
-    state: spin::Mutex<PoolState>,
+    slots: SlotTable<Dirt>,
     /// Set by the first slot holder that advises or prefetches (see [`PoolSlot::hinted`]).
     reset_hints: spin::Mutex<Option<ResetHints<A>>>,
 }
@@ -284,7 +72,7 @@ impl<A: ManagedAllocator> fmt::Debug for SlotPool<A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SlotPool")
             .field("slab", &self.slab)
-            .field("sizes", &self.sizes)
+            .field("classes", &self.slots.layout())
             .finish_non_exhaustive()
     }
 }
@@ -293,37 +81,19 @@ impl<A: ManagedAllocator> SlotPool<A> {
     /// Takes one slab from `allocator` and carves it as `config` says.
     pub fn new(allocator: A, config: PoolConfig) -> Result<Self, Error<A::Error>> {
         let (layout, total) = config.layout(Some)?;
-        let sizes: Vec<usize> = layout.iter().map(|c| c.slot_bytes).collect();
-        let mut classes: HashMap<usize, ClassState> = layout
-            .iter()
-            .map(|c| {
-                let state = ClassState {
-                    offset: c.offset,
-                    slot_bytes: c.slot_bytes,
-                    free: (0..c.slots).rev().collect(),
-                    dirty: Vec::new(),
-                    hinted: Vec::new(),
-                };
-                (c.slot_bytes, state)
-            })
-            .collect();
         let slab = allocator
             .allocate(config.device, total)
             .map_err(|e| Error::backend(Operation::Allocate, e))?;
+        // A slab that does not come zeroed starts with every slot dirty to its full size.
         let zeroed = allocator.capabilities().comes_zeroed;
-        for class in classes.values_mut() {
-            let initial_dirty = if zeroed { 0 } else { class.slot_bytes };
-            class.dirty = alloc::vec![initial_dirty; class.free.len()];
-            class.hinted = alloc::vec![0; class.free.len()];
-        }
+        let slots = SlotTable::new(layout, |c| Dirt {
+            dirty: if zeroed { 0 } else { c.slot_bytes },
+            hinted: 0,
+        });
         Ok(Self {
             allocator,
             slab: Some(slab),
-            sizes,
-            state: spin::Mutex::new(PoolState {
-                classes,
-                ..PoolState::default()
-            }),
+            slots,
             reset_hints: spin::Mutex::new(None),
         })
     }
@@ -341,33 +111,14 @@ impl<A: ManagedAllocator> SlotPool<A> {
 
     /// A snapshot of the pool's figures.
     pub fn stats(&self) -> PoolStats {
-        let state = self.state.lock();
-        PoolStats {
-            classes: self
-                .sizes
-                .iter()
-                .filter_map(|size| state.classes.get(size))
-                .map(|c| ClassStats {
-                    slot_bytes: c.slot_bytes,
-                    slots: c.dirty.len(),
-                    in_use: c.dirty.len() - c.free.len(),
-                    free: c.free.len(),
-                })
-                .collect(),
-            acquisitions: state.acquisitions,
-            releases: state.releases,
-            bytes_scrubbed: state.bytes_scrubbed,
-            scrub_failures: state.scrub_failures,
-            hint_resets: state.hint_resets,
-            exhaustions: state.exhaustions,
-        }
+        self.slots.stats()
     }
 
     /// The size of the smallest slot class that can hold `capacity` bytes (what a memory of that
     /// capacity occupies when the class has a free slot), or `None` if none can.
     #[must_use]
     pub fn slot_size_for(&self, capacity: usize) -> Option<usize> {
-        self.sizes.iter().copied().find(|&size| size >= capacity)
+        self.slots.slot_size_for(capacity)
     }
 
     /// Hands out a slot that can hold `capacity` bytes (the smallest free one that fits), as a
@@ -384,76 +135,15 @@ impl<A: ManagedAllocator> SlotPool<A> {
             }
             .into());
         }
-        let largest = self.sizes.last().copied().unwrap_or(0);
-        if capacity > largest {
-            return Err(PoolError::TooLarge {
-                requested: capacity as u64,
-                largest: largest as u64,
-            }
-            .into());
-        }
-        let (class, index, offset, dirty, hinted) = {
-            let mut state = self.state.lock();
-            let found = self
-                .sizes
-                .iter()
-                .filter(|&&size| size >= capacity)
-                .find_map(|size| {
-                    let class = state.classes.get_mut(size)?;
-                    let index = class.free.pop()?;
-                    let offset = class.offset + class.slot_bytes * index as usize;
-                    let i = index as usize;
-                    Some((*size, index, offset, class.dirty[i], class.hinted[i]))
-                });
-            match found {
-                Some(slot) => {
-                    state.acquisitions += 1;
-                    slot
-                }
-                None => {
-                    state.exhaustions += 1;
-                    return Err(PoolError::Exhausted {
-                        requested: capacity as u64,
-                    }
-                    .into());
-                }
-            }
-        };
-        if dirty > 0 || hinted > 0 {
-            let scrubbed = self.scrub(offset, dirty, hinted);
-            let mut state = self.state.lock();
-            let state = &mut *state;
-            let i = index as usize;
-            // Only a failed zeroing leaves the bytes dirty.
-            let zeroed = !matches!(scrubbed, Err((_, false, _)));
-            if zeroed {
-                state.bytes_scrubbed += dirty as u64;
-            }
-            if let Some(c) = state.classes.get_mut(&class) {
-                if zeroed {
-                    c.dirty[i] = 0;
-                }
-                match scrubbed {
-                    Ok(()) => c.hinted[i] = 0,
-                    // Last in the free list, not first: a slot whose scrub keeps failing must
-                    // not stand in front of the class's other free slots.
-                    Err(_) => c.free.insert(0, index),
-                }
-            }
-            match scrubbed {
-                Ok(()) => state.hint_resets += u64::from(hinted > 0),
-                Err((operation, _, e)) => {
-                    // Still dirty or still hinted: scrubbed again on the next try.
-                    state.scrub_failures += 1;
-                    state.acquisitions -= 1;
-                    return Err(Error::backend(operation, e));
-                }
-            }
+        let taken = self.slots.take(capacity, |_| true)?;
+        let (slot, offset, dirt) = (taken.slot, taken.offset(), taken.meta);
+        if dirt != Dirt::default() {
+            self.prepare(slot, offset, dirt)?;
         }
         let slot = PoolSlot {
             pool: Arc::clone(self),
-            class,
-            index,
+            id: slot,
+            slot_bytes: taken.layout.slot_bytes,
             offset,
             high_water: visible,
             hinted: AtomicBool::new(false),
@@ -461,47 +151,62 @@ impl<A: ManagedAllocator> SlotPool<A> {
         Ok(UnifiedBuffer::from_slot(slot, capacity, visible))
     }
 
-    /// Zeroes the first `dirty` bytes of the slot at `offset`, then resets the hints of its
-    /// first `hinted` bytes (after the zeroing, which may itself move pages). On failure: the
-    /// operation, whether the zeroing was done, and the backend's error.
-    fn scrub(
-        &self,
-        offset: usize,
-        dirty: usize,
-        hinted: usize,
-    ) -> Result<(), (Operation, bool, A::Error)> {
-        if dirty > 0 {
-            // SAFETY: the slab is live (owned by `self`), and the slot `offset..offset + dirty`
-            // was just taken off the free list under the lock, so no holder can access it.
-            unsafe { self.allocator.zero(self.slab(), offset, dirty) }
-                .map_err(|e| (Operation::Zero, false, e))?;
+    /// Scrubs a slot just taken: zeroes its dirty bytes, then resets its hints (after the
+    /// zeroing, which may itself move pages). A failure hands nothing out: the slot goes back
+    /// free, still dirty (a failed zeroing) or still hinted, and is scrubbed again next time.
+    fn prepare(&self, slot: SlotId, offset: usize, dirt: Dirt) -> Result<(), Error<A::Error>> {
+        if let Err(e) = self.zero(offset, dirt.dirty) {
+            self.slots.refuse(slot, dirt, 0);
+            return Err(e);
         }
+        let scrubbed = dirt.dirty as u64;
+        if let Err(e) = self.reset(offset, dirt.hinted) {
+            let hinted = Dirt { dirty: 0, ..dirt };
+            self.slots.refuse(slot, hinted, scrubbed);
+            return Err(e);
+        }
+        let returned = Returned {
+            scrubbed,
+            hints_reset: dirt.hinted > 0,
+        };
+        self.slots.scrubbed(slot, Dirt::default(), returned);
+        Ok(())
+    }
+
+    /// Zeroes the first `dirty` bytes of the slot at `offset`.
+    fn zero(&self, offset: usize, dirty: usize) -> Result<(), Error<A::Error>> {
+        if dirty == 0 {
+            return Ok(());
+        }
+        // SAFETY: the slab is live (owned by `self`), and the slot `offset..offset + dirty`
+        // was just taken off the free list, so no holder can access it.
+        unsafe { self.allocator.zero(self.slab(), offset, dirty) }
+            .map_err(|e| Error::backend(Operation::Zero, e))
+    }
+
+    /// Resets the hints of the first `hinted` bytes of the slot at `offset`.
+    fn reset(&self, offset: usize, hinted: usize) -> Result<(), Error<A::Error>> {
         if hinted == 0 {
             return Ok(());
         }
         // A slot is only marked hinted after `reset_hints` is recorded.
         let reset = *self.reset_hints.lock();
-        if let Some(reset) = reset {
-            reset(&self.allocator, self.slab(), offset, hinted)
-                .map_err(|e| (Operation::ResetHints, true, e))?;
+        match reset {
+            Some(reset) => reset(&self.allocator, self.slab(), offset, hinted)
+                .map_err(|e| Error::backend(Operation::ResetHints, e)),
+            None => Ok(()),
         }
-        Ok(())
     }
 
-    fn release(&self, class: usize, index: u32, high_water: usize, hinted: bool) {
-        let mut state = self.state.lock();
-        state.releases += 1;
-        if let Some(c) = state.classes.get_mut(&class) {
-            let i = index as usize;
-            let high_water = high_water.min(c.slot_bytes);
-            c.dirty[i] = high_water;
-            if hinted {
-                // Hints lie in the visible window, so within the high-water mark; a reset
-                // that failed before keeps its own extent.
-                c.hinted[i] = c.hinted[i].max(high_water);
-            }
-            c.free.push(index);
-        }
+    /// A slot comes back dirty to its high-water mark (and hinted to it, if its holder
+    /// hinted); a reset that failed before keeps its own extent.
+    fn release(&self, slot: SlotId, slot_bytes: usize, high_water: usize, hinted: bool) {
+        let high_water = high_water.min(slot_bytes);
+        let dirt = Dirt {
+            dirty: high_water,
+            hinted: if hinted { high_water } else { 0 },
+        };
+        self.slots.give_back(slot, dirt, Returned::default());
     }
 }
 
@@ -520,8 +225,8 @@ impl<A: ManagedAllocator> Drop for SlotPool<A> {
 /// One slot on loan from a [`SlotPool`]; goes back (dirty to its high-water mark) on drop.
 pub(crate) struct PoolSlot<A: ManagedAllocator> {
     pool: Arc<SlotPool<A>>,
-    class: usize,
-    index: u32,
+    id: SlotId,
+    slot_bytes: usize,
     offset: usize,
     high_water: usize,
     /// The holder advised or prefetched (some of) the slot: its hints are reset before reuse.
@@ -538,11 +243,13 @@ impl<A: ManagedAllocator> PoolSlot<A> {
     }
 
     pub(crate) fn slot_bytes(&self) -> usize {
-        self.class
+        self.slot_bytes
     }
 
     /// Records, before the holder advises or prefetches, that the slot's hints must be reset
     /// before its next holder gets it, and how (`reset` is `A`'s [`Advisor::reset_hints`]).
+    ///
+    /// [`Advisor::reset_hints`]: crate::Advisor::reset_hints
     pub(crate) fn hinted(&self, reset: ResetHints<A>) {
         if !self.hinted.load(Ordering::Acquire) {
             *self.pool.reset_hints.lock() = Some(reset);
@@ -559,8 +266,7 @@ impl<A: ManagedAllocator> PoolSlot<A> {
 impl<A: ManagedAllocator> fmt::Debug for PoolSlot<A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PoolSlot")
-            .field("class", &self.class)
-            .field("index", &self.index)
+            .field("slot", &self.id)
             .field("offset", &self.offset)
             .field("high_water", &self.high_water)
             .finish()
@@ -571,7 +277,7 @@ impl<A: ManagedAllocator> Drop for PoolSlot<A> {
     fn drop(&mut self) {
         let hinted = *self.hinted.get_mut();
         self.pool
-            .release(self.class, self.index, self.high_water, hinted);
+            .release(self.id, self.slot_bytes, self.high_water, hinted);
     }
 }
 
@@ -583,6 +289,8 @@ mod tests {
     use crate::{
         Advice, Capabilities, IsolationLevel, Location, Stream, TenantContext, TenantId, TenantKey,
     };
+    use crate::{DeviceId, ErrorKind};
+    use alloc::vec::Vec;
     use rstest::rstest;
 
     const PAGE: usize = SLOT_ALIGN;
@@ -1016,6 +724,9 @@ mod model {
     //! The slot pool against a plain model: random sequences of acquire, grow, write and release.
     use super::*;
     use crate::doc_support::HeapAllocator;
+    use crate::{DeviceId, ErrorKind};
+    use alloc::vec::Vec;
+    use hashbrown::HashMap;
     use proptest::prelude::*;
 
     const PAGE: usize = SLOT_ALIGN;

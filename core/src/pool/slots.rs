@@ -1,0 +1,235 @@
+//! [`SlotTable`]: the bookkeeping every slot pool shares, whatever its slots are made of (a
+//! managed slab, guarded host address space): the size classes as [`PoolConfig::layout`]
+//! placed them, a free list per class (the most recently freed slot reused first), what each
+//! slot's next scrub needs to know, and one set of figures ([`PoolStats`]).
+//!
+//! A pool decides *how* a slot is scrubbed (when it is handed out, or when it comes back) and
+//! tells the table what happened; the table decides nothing about memory.
+//!
+//! [`PoolConfig::layout`]: super::PoolConfig::layout
+
+use alloc::vec::Vec;
+
+use super::config::{ClassLayout, ClassStats, PoolError, PoolStats};
+
+/// One slot: its class and its index in the class.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SlotId {
+    /// The class, in the table's order (smallest slot first).
+    pub class: usize,
+    /// The slot's index in its class.
+    pub index: u32,
+}
+
+/// A slot taken off its free list, with what the pool recorded for it when it came back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Taken<M> {
+    /// Which slot.
+    pub slot: SlotId,
+    /// Its class's layout (size, offset, stride).
+    pub layout: ClassLayout,
+    /// What the pool recorded when it was last given back (or at the start).
+    pub meta: M,
+}
+
+impl<M> Taken<M> {
+    /// The slot's start, from the start of the pool.
+    #[must_use]
+    pub fn offset(&self) -> usize {
+        self.layout.offset + self.layout.stride * self.slot.index as usize
+    }
+}
+
+/// How a slot came back to its pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Returned {
+    /// Bytes the pool zeroed as the slot came back (0 for a pool that scrubs on handing out).
+    pub scrubbed: u64,
+    /// Its hints were reset as it came back.
+    pub hints_reset: bool,
+}
+
+#[derive(Debug)]
+struct Counters {
+    acquisitions: u64,
+    releases: u64,
+    bytes_scrubbed: u64,
+    scrub_failures: u64,
+    hint_resets: u64,
+    exhaustions: u64,
+}
+
+#[derive(Debug)]
+struct Class<M> {
+    /// Free slot indices; the last is handed out first.
+    free: Vec<u32>,
+    /// Per slot: what its next scrub needs to know.
+    meta: Vec<M>,
+}
+
+#[derive(Debug)]
+struct TableState<M> {
+    classes: Vec<Class<M>>,
+    counters: Counters,
+}
+
+/// Free lists, per-slot records and figures of a slot pool (see the [module docs](self)).
+#[derive(Debug)]
+pub struct SlotTable<M> {
+    layout: Vec<ClassLayout>,
+    state: spin::Mutex<TableState<M>>,
+}
+
+impl<M: Copy> SlotTable<M> {
+    /// A table over `layout` (smallest slot first, as [`PoolConfig::layout`] returns it), every
+    /// slot free with `initial(class)` recorded.
+    ///
+    /// [`PoolConfig::layout`]: super::PoolConfig::layout
+    pub fn new(layout: Vec<ClassLayout>, initial: impl Fn(&ClassLayout) -> M) -> Self {
+        let classes = layout
+            .iter()
+            .map(|c| Class {
+                free: (0..c.slots).rev().collect(),
+                meta: alloc::vec![initial(c); c.slots as usize],
+            })
+            .collect();
+        Self {
+            layout,
+            state: spin::Mutex::new(TableState {
+                classes,
+                counters: Counters {
+                    acquisitions: 0,
+                    releases: 0,
+                    bytes_scrubbed: 0,
+                    scrub_failures: 0,
+                    hint_resets: 0,
+                    exhaustions: 0,
+                },
+            }),
+        }
+    }
+
+    /// The classes, smallest slot first.
+    pub fn layout(&self) -> &[ClassLayout] {
+        &self.layout
+    }
+
+    /// The size of the smallest slot class that can hold `capacity` bytes, if any.
+    pub fn slot_size_for(&self, capacity: usize) -> Option<usize> {
+        self.layout
+            .iter()
+            .map(|c| c.slot_bytes)
+            .find(|&s| s >= capacity)
+    }
+
+    /// Takes the most recently freed slot of the smallest class that holds `capacity` bytes
+    /// and that `fits` accepts (a pool's own condition, such as the address space a slot
+    /// spans), counting an acquisition; [`PoolError::TooLarge`] if no class holds it,
+    /// [`PoolError::Exhausted`] (counted) if every such slot is taken.
+    pub fn take(
+        &self,
+        capacity: usize,
+        fits: impl Fn(&ClassLayout) -> bool,
+    ) -> Result<Taken<M>, PoolError> {
+        let largest = self.layout.last().map_or(0, |c| c.slot_bytes);
+        if capacity > largest {
+            return Err(PoolError::TooLarge {
+                requested: capacity as u64,
+                largest: largest as u64,
+            });
+        }
+        let mut state = self.state.lock();
+        let found = self
+            .layout
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.slot_bytes >= capacity && fits(c))
+            .find_map(|(class, layout)| {
+                let index = state.classes[class].free.pop()?;
+                let meta = state.classes[class].meta[index as usize];
+                Some(Taken {
+                    slot: SlotId { class, index },
+                    layout: *layout,
+                    meta,
+                })
+            });
+        match found {
+            Some(taken) => {
+                state.counters.acquisitions += 1;
+                Ok(taken)
+            }
+            None => {
+                state.counters.exhaustions += 1;
+                Err(PoolError::Exhausted {
+                    requested: capacity as u64,
+                })
+            }
+        }
+    }
+
+    /// A slot taken whose scrub failed (part way: `scrubbed` bytes were zeroed): it is not
+    /// handed out but goes back last in its class's free list (so a slot that keeps failing
+    /// does not stand in front of the others) with `meta` for the next try, its acquisition
+    /// undone and a scrub failure counted.
+    pub fn refuse(&self, slot: SlotId, meta: M, scrubbed: u64) {
+        let mut state = self.state.lock();
+        let class = &mut state.classes[slot.class];
+        class.meta[slot.index as usize] = meta;
+        class.free.insert(0, slot.index);
+        state.counters.acquisitions -= 1;
+        state.counters.scrub_failures += 1;
+        state.counters.bytes_scrubbed += scrubbed;
+    }
+
+    /// Records a scrub done as a slot was handed out.
+    pub fn scrubbed(&self, slot: SlotId, meta: M, returned: Returned) {
+        let mut state = self.state.lock();
+        state.classes[slot.class].meta[slot.index as usize] = meta;
+        state.counters.bytes_scrubbed += returned.scrubbed;
+        state.counters.hint_resets += u64::from(returned.hints_reset);
+    }
+
+    /// A slot comes back, free, with `meta` for its next scrub, counting a release.
+    pub fn give_back(&self, slot: SlotId, meta: M, returned: Returned) {
+        let mut state = self.state.lock();
+        let class = &mut state.classes[slot.class];
+        class.meta[slot.index as usize] = meta;
+        class.free.push(slot.index);
+        state.counters.releases += 1;
+        state.counters.bytes_scrubbed += returned.scrubbed;
+        state.counters.hint_resets += u64::from(returned.hints_reset);
+    }
+
+    /// A slot came back that cannot be handed out again (its scrub failed, or what it holds is
+    /// unknown): it stays off the free lists for good, counting a release and a scrub failure.
+    pub fn withdraw(&self) {
+        let mut state = self.state.lock();
+        state.counters.releases += 1;
+        state.counters.scrub_failures += 1;
+    }
+
+    /// The figures.
+    pub fn stats(&self) -> PoolStats {
+        let state = self.state.lock();
+        let c = &state.counters;
+        PoolStats {
+            classes: self
+                .layout
+                .iter()
+                .zip(&state.classes)
+                .map(|(layout, class)| ClassStats {
+                    slot_bytes: layout.slot_bytes,
+                    slots: layout.slots as usize,
+                    in_use: layout.slots as usize - class.free.len(),
+                    free: class.free.len(),
+                })
+                .collect(),
+            acquisitions: c.acquisitions,
+            releases: c.releases,
+            bytes_scrubbed: c.bytes_scrubbed,
+            scrub_failures: c.scrub_failures,
+            hint_resets: c.hint_resets,
+            exhaustions: c.exhaustions,
+        }
+    }
+}
