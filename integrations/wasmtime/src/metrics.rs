@@ -24,6 +24,8 @@
 //! | `twm_tenant_held_bytes` | gauge | tenant, tenant_id, device, isolation | capacity held now (slots, allocations, tables, device pools) |
 //! | `twm_tenant_held_peak_bytes` | gauge | tenant, tenant_id, device, isolation | the most capacity held at once |
 //! | `twm_tenant_device_pool_bytes` | gauge | tenant, tenant_id, device, isolation | of the touched bytes, those in device pools |
+//! | `twm_tenant_table_bytes` | gauge | tenant, tenant_id, device, isolation | of the touched and held bytes, those in table elements |
+//! | `twm_tenant_stranded_bytes` | gauge | tenant, tenant_id, device, isolation | bytes charged for good: what a backend never gave back after its creator went |
 //! | `twm_tenant_live_memories` | gauge | tenant, tenant_id, device, isolation | memories alive now |
 //! | `twm_tenant_memories_created_total` | counter | tenant, tenant_id, device, isolation | memories ever charged |
 //! | `twm_tenant_denials_total` | counter | tenant, tenant_id, device, isolation, budget | requests refused, by budget (`touched`, `held`, `memories`) |
@@ -31,6 +33,7 @@
 //! | `twm_creator_backing` | gauge | backing | 1, labelled with what the creator's memories are made of (`managed`, `guarded_pageable`, `guarded_registered`) |
 //! | `twm_creator_memories_created_total` | counter | - | memories ever made |
 //! | `twm_creator_memories_refused_total` | counter | - | memories refused (plan, cap, guard, pool, backend) |
+//! | `twm_creator_kept_memories` | gauge | - | memories gone whose release the backend refused: kept with their charges and retried |
 //! | `twm_pool_slots` | gauge | device | slots of the device's pool |
 //! | `twm_pool_slots_in_use` | gauge | device | of them, in use |
 //! | `twm_pool_exhaustions_total` | counter | device | acquisitions refused for want of a slot |
@@ -49,106 +52,124 @@ use metrics::{Unit, counter, describe_counter, describe_gauge, gauge};
 
 use crate::{Backend, Placement, Tenant, TensorWasmMemoryCreator};
 
+/// Gauges in bytes, with their help text.
+const BYTE_GAUGES: [(&str, &str); 15] = [
+    ("twm_tenant_cap_bytes", "The tenant's touched budget."),
+    (
+        "twm_tenant_touched_bytes",
+        "Touched bytes charged to the tenant now.",
+    ),
+    (
+        "twm_tenant_touched_peak_bytes",
+        "The most touched bytes charged at once.",
+    ),
+    ("twm_tenant_held_limit_bytes", "The tenant's held budget."),
+    ("twm_tenant_held_bytes", "Capacity the tenant holds now."),
+    (
+        "twm_tenant_held_peak_bytes",
+        "The most capacity the tenant held at once.",
+    ),
+    (
+        "twm_tenant_device_pool_bytes",
+        "Of the touched bytes, those in device pools.",
+    ),
+    (
+        "twm_tenant_table_bytes",
+        "Of the touched and held bytes, those in table elements.",
+    ),
+    (
+        "twm_tenant_stranded_bytes",
+        "Bytes charged for good: what a backend never gave back.",
+    ),
+    ("twm_device_memory_total_bytes", "The device's memory."),
+    ("twm_device_memory_free_bytes", "The device's free memory."),
+    (
+        "twm_device_capacity_bytes",
+        "Caps the placement lets the device hold.",
+    ),
+    (
+        "twm_device_committed_bytes",
+        "Caps of the tenants placed on the device.",
+    ),
+    ("twm_device_held_bytes", "Bytes the device's tenants hold."),
+    (
+        "twm_device_touched_bytes",
+        "Bytes the device's tenants touched.",
+    ),
+];
+
+/// Gauges that count, with their help text.
+const COUNT_GAUGES: [(&str, &str); 8] = [
+    (
+        "twm_tenant_live_memories",
+        "Memories of the tenant alive now.",
+    ),
+    (
+        "twm_creator_live_memories",
+        "Memories of the creator alive on the device.",
+    ),
+    (
+        "twm_creator_kept_memories",
+        "Memories gone whose release the backend refused: kept with their charges, retried.",
+    ),
+    ("twm_pool_slots", "Slots of the device's pool."),
+    (
+        "twm_creator_backing",
+        "1, labelled with what the creator's memories are made of.",
+    ),
+    (
+        "twm_pool_slots_in_use",
+        "Slots of the device's pool in use.",
+    ),
+    ("twm_device_tenants", "Tenants placed on the device, alive."),
+    (
+        "twm_device_available",
+        "1 while the device takes new tenants.",
+    ),
+];
+
+/// Counters, with their help text.
+const COUNTERS: [(&str, &str); 7] = [
+    (
+        "twm_tenant_memories_created_total",
+        "Memories ever charged to the tenant.",
+    ),
+    (
+        "twm_tenant_denials_total",
+        "Requests a budget of the tenant refused.",
+    ),
+    (
+        "twm_creator_memories_created_total",
+        "Memories the creator made.",
+    ),
+    (
+        "twm_creator_memories_refused_total",
+        "Memories the creator refused.",
+    ),
+    (
+        "twm_pool_exhaustions_total",
+        "Pool acquisitions refused for want of a slot.",
+    ),
+    (
+        "twm_pool_scrub_failures_total",
+        "Pool slots retired after a failed scrub.",
+    ),
+    (
+        "twm_placement_refusals_total",
+        "Tenants no device could take.",
+    ),
+];
+
 /// Registers help text and units for every metric with the installed recorder (once, after
 /// installing it; harmless to repeat).
 pub fn describe() {
-    let tenant_gauges = [
-        ("twm_tenant_cap_bytes", "The tenant's touched budget."),
-        (
-            "twm_tenant_touched_bytes",
-            "Touched bytes charged to the tenant now.",
-        ),
-        (
-            "twm_tenant_touched_peak_bytes",
-            "The most touched bytes charged at once.",
-        ),
-        ("twm_tenant_held_limit_bytes", "The tenant's held budget."),
-        ("twm_tenant_held_bytes", "Capacity the tenant holds now."),
-        (
-            "twm_tenant_held_peak_bytes",
-            "The most capacity the tenant held at once.",
-        ),
-        (
-            "twm_tenant_device_pool_bytes",
-            "Of the touched bytes, those in device pools.",
-        ),
-        ("twm_device_memory_total_bytes", "The device's memory."),
-        ("twm_device_memory_free_bytes", "The device's free memory."),
-        (
-            "twm_device_capacity_bytes",
-            "Caps the placement lets the device hold.",
-        ),
-        (
-            "twm_device_committed_bytes",
-            "Caps of the tenants placed on the device.",
-        ),
-        ("twm_device_held_bytes", "Bytes the device's tenants hold."),
-        (
-            "twm_device_touched_bytes",
-            "Bytes the device's tenants touched.",
-        ),
-    ];
-    for (name, help) in tenant_gauges {
+    for (name, help) in BYTE_GAUGES {
         describe_gauge!(name, Unit::Bytes, help);
     }
-    let counts = [
-        (
-            "twm_tenant_live_memories",
-            "Memories of the tenant alive now.",
-        ),
-        (
-            "twm_creator_live_memories",
-            "Memories of the creator alive on the device.",
-        ),
-        ("twm_pool_slots", "Slots of the device's pool."),
-        (
-            "twm_creator_backing",
-            "1, labelled with what the creator's memories are made of.",
-        ),
-        (
-            "twm_pool_slots_in_use",
-            "Slots of the device's pool in use.",
-        ),
-        ("twm_device_tenants", "Tenants placed on the device, alive."),
-        (
-            "twm_device_available",
-            "1 while the device takes new tenants.",
-        ),
-    ];
-    for (name, help) in counts {
+    for (name, help) in COUNT_GAUGES {
         describe_gauge!(name, Unit::Count, help);
     }
-    let counters = [
-        (
-            "twm_tenant_memories_created_total",
-            "Memories ever charged to the tenant.",
-        ),
-        (
-            "twm_tenant_denials_total",
-            "Requests a budget of the tenant refused.",
-        ),
-        (
-            "twm_creator_memories_created_total",
-            "Memories the creator made.",
-        ),
-        (
-            "twm_creator_memories_refused_total",
-            "Memories the creator refused.",
-        ),
-        (
-            "twm_pool_exhaustions_total",
-            "Pool acquisitions refused for want of a slot.",
-        ),
-        (
-            "twm_pool_scrub_failures_total",
-            "Pool slots retired after a failed scrub.",
-        ),
-        (
-            "twm_placement_refusals_total",
-            "Tenants no device could take.",
-        ),
-    ];
-    for (name, help) in counters {
+    for (name, help) in COUNTERS {
         describe_counter!(name, Unit::Count, help);
     }
 }
@@ -174,6 +195,8 @@ pub fn record_tenant(tenant: &Tenant) {
     gauge!("twm_tenant_held_bytes", &labels).set(s.held_bytes as f64);
     gauge!("twm_tenant_held_peak_bytes", &labels).set(s.held_peak_bytes as f64);
     gauge!("twm_tenant_device_pool_bytes", &labels).set(s.device_pool_bytes as f64);
+    gauge!("twm_tenant_table_bytes", &labels).set(s.table_bytes as f64);
+    gauge!("twm_tenant_stranded_bytes", &labels).set(s.stranded_bytes as f64);
     gauge!("twm_tenant_live_memories", &labels).set(s.live_memories as f64);
     counter!("twm_tenant_memories_created_total", &labels).absolute(s.memories_created);
     let touched_denials = s
@@ -198,6 +221,7 @@ pub fn record_creator<B: Backend>(creator: &TensorWasmMemoryCreator<B>) {
     gauge!("twm_creator_backing", "backing" => s.backing.name()).set(1.0);
     counter!("twm_creator_memories_created_total").absolute(s.created);
     counter!("twm_creator_memories_refused_total").absolute(s.refused);
+    gauge!("twm_creator_kept_memories").set(s.kept_memories as f64);
     for d in &s.devices {
         let labels = [("device", d.device.0.to_string())];
         gauge!("twm_creator_live_memories", &labels).set(d.live_memories as f64);
