@@ -330,15 +330,18 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
 }
 
 impl<A: ManagedAllocator> UnifiedBuffer<A> {
-    /// Gives the buffer up without freeing its allocation, for an owner whose
-    /// [`release`](Self::release) the backend refused for good: the allocation stays with the
-    /// backend (a driver backend frees it when it drops). A pool slot goes back to its pool as
-    /// on drop.
+    /// Gives the buffer up without freeing its allocation, for an owner that could not release
+    /// it (the backend refused) or cannot prove no device work still uses it: the allocation
+    /// stays with the backend (a driver backend frees it when it drops), and a pool slot is
+    /// withdrawn from its pool for good, never handed out again.
     pub fn abandon(mut self) {
-        if let Backing::Owned { allocation, .. } = &mut self.backing {
-            // The handle owns nothing by itself: taken out of the buffer, nothing frees it and
-            // the backend keeps the memory.
-            let _abandoned: Option<Allocation> = allocation.take();
+        match &mut self.backing {
+            Backing::Owned { allocation, .. } => {
+                // The handle owns nothing by itself: taken out of the buffer, nothing frees it
+                // and the backend keeps the memory.
+                let _abandoned: Option<Allocation> = allocation.take();
+            }
+            Backing::Slot(slot) => slot.withdraw(),
         }
     }
 }

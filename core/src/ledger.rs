@@ -146,10 +146,11 @@ pub struct TenantBudgets {
 impl TenantBudgets {
     /// The default held budget is this many times the cap ...
     pub const HELD_PER_TOUCHED: u64 = 4;
-    /// Room in the default held budget beside a memory, for its tables: 16 MiB, two million
-    /// table elements at 8 bytes each (two tables at the Wasmtime integration's default element
-    /// limit). A program with one default-size memory and a table must fit in the defaults.
-    pub const TABLE_ROOM_BYTES: u64 = 16 << 20;
+    /// Room in the default held budget beside a memory, for its tables: 32 MiB, two million
+    /// table elements at the Wasmtime integration's 16 bytes each (two tables at its default
+    /// element limit). A program with one default-size memory and a table must fit in the
+    /// defaults.
+    pub const TABLE_ROOM_BYTES: u64 = 32 << 20;
     /// ... and never less than one memory of the default size plus
     /// [`TABLE_ROOM_BYTES`](Self::TABLE_ROOM_BYTES).
     pub const MIN_HELD_BYTES: u64 = DEFAULT_MAX_BYTES + Self::TABLE_ROOM_BYTES;
@@ -363,9 +364,9 @@ pub struct LedgerStats {
     pub memory_denials: u64,
     /// Of `live_bytes` and `held_bytes`, the bytes in table elements.
     pub table_bytes: u64,
-    /// Bytes charged for good ([`Reservation::strand`]): what a backend never gave back after
-    /// its owner was gone. Counted in `live_bytes` and `held_bytes` as their purposes say, until
-    /// the tenant itself goes.
+    /// Of `held_bytes`, the bytes charged for good ([`Reservation::strand`]): what a backend
+    /// never gave back after its owner was gone (their touched bytes stay in `live_bytes`
+    /// too), until the tenant itself goes.
     pub stranded_bytes: u64,
 }
 
@@ -699,11 +700,11 @@ pub struct Reservation {
 impl Reservation {
     /// Leaves the bytes charged to the tenant for good, without keeping the tenant alive: for a
     /// resource its backend never gave back after its owner was gone (nothing is left to carry
-    /// the charge, and the tenant must never read as holding less than the backend does). The
-    /// bytes count in [`LedgerStats::stranded_bytes`]; they leave the tenant's group's totals
-    /// when the tenant itself goes.
+    /// the charge, and the tenant must never read as holding less than the backend does). Held
+    /// bytes count in [`LedgerStats::stranded_bytes`]; everything stranded leaves the tenant's
+    /// group's totals when the tenant itself goes.
     pub fn strand(mut self) {
-        if self.purpose != Purpose::Memory {
+        if self.purpose.charges(Budget::Held) {
             self.tenant.stranded.fetch_add(self.bytes, Ordering::AcqRel);
         }
         self.bytes = 0;

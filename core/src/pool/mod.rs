@@ -147,6 +147,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
             offset,
             high_water: visible,
             hinted: AtomicBool::new(false),
+            withdrawn: false,
         };
         Ok(UnifiedBuffer::from_slot(slot, capacity, visible))
     }
@@ -231,9 +232,16 @@ pub(crate) struct PoolSlot<A: ManagedAllocator> {
     high_water: usize,
     /// The holder advised or prefetched (some of) the slot: its hints are reset before reuse.
     hinted: AtomicBool,
+    /// Given up: it leaves the pool for good instead of going back.
+    withdrawn: bool,
 }
 
 impl<A: ManagedAllocator> PoolSlot<A> {
+    /// Withdraws the slot from its pool for good (it is never handed out again) when it goes.
+    pub(crate) fn withdraw(&mut self) {
+        self.withdrawn = true;
+    }
+
     pub(crate) fn pool(&self) -> &Arc<SlotPool<A>> {
         &self.pool
     }
@@ -275,6 +283,9 @@ impl<A: ManagedAllocator> fmt::Debug for PoolSlot<A> {
 
 impl<A: ManagedAllocator> Drop for PoolSlot<A> {
     fn drop(&mut self) {
+        if self.withdrawn {
+            return self.pool.slots.withdraw();
+        }
         let hinted = *self.hinted.get_mut();
         self.pool
             .release(self.id, self.slot_bytes, self.high_water, hinted);

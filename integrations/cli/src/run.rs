@@ -41,7 +41,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "BYTES", value_parser = crate::bytes::parse_bytes)]
     pub tenant_cap: Option<u64>,
     /// The tenant's held budget: capacity its memories (slots or allocations) and table
-    /// elements may occupy. Default: 4x the cap, at least --memory-limit + 16MiB (none without
+    /// elements may occupy. Default: 4x the cap, at least --memory-limit + 32MiB (none without
     /// a cap).
     #[arg(long, value_name = "BYTES", value_parser = crate::bytes::parse_bytes)]
     pub tenant_held: Option<u64>,

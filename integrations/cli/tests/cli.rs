@@ -422,7 +422,7 @@ fn tables_are_charged_and_bounded_under_twm_run() {
                (table.grow (ref.null func) (local.get 0))))"#,
     );
     let path = growing.to_str().unwrap();
-    // A cap of 1 MiB is 131072 elements: a growth past it (within the element limit) is
+    // A cap of 1 MiB is 65536 elements: a growth past it (within the element limit) is
     // refused by the budget.
     let small = ["--tenant-cap", "1MiB"];
     let o = twm(&[&["run", path, "--invoke", "grow", "100"][..], &small[..]].concat());
@@ -533,14 +533,14 @@ fn table_attack(index: &str, tables: usize) -> PathBuf {
 }
 
 /// The books under attack through `twm run` (issue 29, findings 1 and 6): an overflowing
-/// 64-bit `table.grow` gives back no growth granted before it (two 8 MiB tables fit a 16 MiB
+/// 64-bit `table.grow` gives back no growth granted before it (two 16 MiB tables fit a 32 MiB
 /// cap, not forty), and at a cap of 0 a guest grows no table at all.
 #[test]
 fn table_growth_attacks_hold_no_more_than_the_cap_under_twm_run() {
     for index in ["i64", "i32"] {
         let attack = table_attack(index, 40);
         let args = ["run", attack.to_str().unwrap(), "--invoke", "attack"];
-        let o = twm(&[&args[..], &["--tenant-cap", "16MiB"][..]].concat());
+        let o = twm(&[&args[..], &["--tenant-cap", "32MiB"][..]].concat());
         assert_eq!(
             (o.status.code(), stdout(&o)),
             (Some(0), "2\n".into()),

@@ -41,7 +41,7 @@ pub(crate) struct MemoryCharge {
     tenant: Arc<Tenant>,
     mode: ChargeMode,
     touched: Reservation,
-    _held: Reservation,
+    held: Reservation,
     _count: Reservation,
 }
 
@@ -74,9 +74,18 @@ impl MemoryCharge {
             tenant: Arc::clone(tenant),
             mode,
             touched,
-            _held: held,
+            held,
             _count: count,
         })
+    }
+
+    /// Charges the held budget up to `bytes` (what the memory's storage really holds), or
+    /// refuses and charges nothing more.
+    pub(crate) fn hold_at_least(&mut self, bytes: u64) -> Result<(), TwmError> {
+        let more = bytes.saturating_sub(self.held.bytes());
+        self.held
+            .try_grow(more)
+            .map_err(|denied| self.tenant.denied(denied))
     }
 
     /// The tenant paying.
@@ -115,7 +124,7 @@ impl MemoryCharge {
     /// storage back, and nothing is left to carry the charge.
     pub(crate) fn strand(self) {
         self.touched.strand();
-        self._held.strand();
+        self.held.strand();
         self._count.strand();
     }
 
@@ -153,6 +162,9 @@ pub(crate) struct StoreBooks {
     /// Streams of this Store's guest context still alive: a memory that goes before them (the
     /// Store's data outlived its memories, as with `Store::into_data`) waits for them first.
     streams: Mutex<Vec<StreamId>>,
+    /// A stream of this Store could not be released (its wait or its destroy was refused):
+    /// work queued on it may still run, so no memory of the Store is given back.
+    unsettled: std::sync::atomic::AtomicBool,
 }
 
 impl StoreBooks {
@@ -165,6 +177,7 @@ impl StoreBooks {
             tickets: AtomicU64::new(0),
             refusal: Mutex::new(None),
             streams: Mutex::new(Vec::new()),
+            unsettled: std::sync::atomic::AtomicBool::new(false),
             tenant,
             mode,
         })
@@ -266,6 +279,16 @@ impl StoreBooks {
     /// The Store's streams still alive.
     pub(crate) fn streams(&self) -> Vec<StreamId> {
         lock(&self.streams).clone()
+    }
+
+    /// A stream of the Store could not be released: its work may still run.
+    pub(crate) fn mark_unsettled(&self) {
+        self.unsettled.store(true, Ordering::Release);
+    }
+
+    /// Whether a stream of the Store could not be released.
+    pub(crate) fn is_unsettled(&self) -> bool {
+        self.unsettled.load(Ordering::Acquire)
     }
 }
 

@@ -60,6 +60,8 @@ pub(crate) struct GuardedRegion<B: Backend> {
     released: bool,
     /// Given up with chunks the backend keeps: no more tries, the pages stay mapped.
     abandoned: bool,
+    /// The bytes it holds: its pool slot's size, or its own reservation's.
+    held: usize,
 }
 
 impl<B: Backend> fmt::Debug for GuardedRegion<B> {
@@ -77,13 +79,12 @@ impl<B: Backend> fmt::Debug for GuardedRegion<B> {
 
 impl<B: Backend> GuardedRegion<B> {
     /// A region in a reservation of its own: `max(reserved, capacity) + guard` bytes of address
-    /// space (what Wasmtime elides checks against), `initial` bytes open.
+    /// space (what Wasmtime elides checks against), nothing open yet ([`open`](Self::open)).
     pub(crate) fn new(
         backend: Arc<B>,
         device: DeviceId,
         access: HostAccess,
         capacity: usize,
-        initial: usize,
         reserved: usize,
         guard: usize,
     ) -> Result<Self, TwmError> {
@@ -95,31 +96,31 @@ impl<B: Backend> GuardedRegion<B> {
             ))?;
         let mapping = HostMapping::reserve(span)?;
         let base = mapping.base();
-        Self::open_in(
+        // What the guest can ever touch; the rest of the reservation is address space only.
+        let held = capacity.max(1).next_multiple_of(page_size());
+        Ok(Self::at(
             backend,
             device,
             access,
             (Home::Own(mapping), base),
-            capacity,
-            initial,
+            (capacity, held),
             0,
-        )
+        ))
     }
 
-    /// A region at `base` of `home` whose first `opened` bytes are already readable and
-    /// writable (a pool slot keeps the pages its last holder opened, scrubbed, so that a memory
-    /// of the same size costs no `mprotect`): `initial` bytes are made accessible and attached,
-    /// and whatever else was open is closed again before the memory is handed out.
-    fn open_in(
+    /// A region at `base` of `home` holding `held` bytes, whose first `opened` bytes are already
+    /// readable and writable (a pool slot keeps the pages its last holder opened, scrubbed, so
+    /// that a memory of the same size costs no `mprotect`); nothing is attached until
+    /// [`open`](Self::open).
+    fn at(
         backend: Arc<B>,
         device: DeviceId,
         access: HostAccess,
         (home, base): (Home<B>, usize),
-        capacity: usize,
-        initial: usize,
+        (capacity, held): (usize, usize),
         opened: usize,
-    ) -> Result<Self, TwmError> {
-        let mut region = Self {
+    ) -> Self {
+        Self {
             backend,
             device,
             access,
@@ -136,12 +137,21 @@ impl<B: Backend> GuardedRegion<B> {
             hints_kept: false,
             released: false,
             abandoned: false,
-        };
-        // On failure `region` drops: what was attached is detached, the slot goes back (or, if
-        // the backend keeps a chunk, the slot is withdrawn and the mapping kept).
-        region.grow_to(initial)?;
-        region.close_past_accessible()?;
-        Ok(region)
+            held,
+        }
+    }
+
+    /// Makes the first `initial` bytes accessible and attached, and closes again whatever else
+    /// the slot's last holder left open, before the memory is handed out. On failure the region
+    /// stays its owner's to release (what was attached is detached then).
+    pub(crate) fn open(&mut self, initial: usize) -> Result<(), TwmError> {
+        self.grow_to(initial)?;
+        self.close_past_accessible()
+    }
+
+    /// The bytes the region holds: its pool slot, or its own reservation.
+    pub(crate) fn held(&self) -> usize {
+        self.held
     }
 
     /// How the device reaches the pages.
@@ -540,7 +550,6 @@ impl<B: Backend> GuardedPool<B> {
     pub(crate) fn acquire(
         self: &Arc<Self>,
         capacity: usize,
-        initial: usize,
         reserved: usize,
         guard: usize,
     ) -> Result<GuardedRegion<B>, TwmError> {
@@ -560,16 +569,14 @@ impl<B: Backend> GuardedPool<B> {
             pool: Arc::clone(self),
             slot: taken.slot,
         };
-        // On failure the region drops and gives the slot back.
-        GuardedRegion::open_in(
+        Ok(GuardedRegion::at(
             Arc::clone(&self.backend),
             self.device,
             self.access,
             (home, base),
-            capacity,
-            initial,
+            (capacity, taken.layout.slot_bytes),
             taken.meta,
-        )
+        ))
     }
 
     /// A slot comes back, every chunk detached, with its first `opened` bytes readable and

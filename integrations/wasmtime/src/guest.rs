@@ -154,15 +154,23 @@ impl<B: Backend> GuestContext<B> {
 }
 
 impl<B: Backend> Drop for GuestContext<B> {
-    /// Takes the stream off the Store's list, then releases it (which waits for it).
+    /// Releases the stream (which waits for it). Released, it leaves the Store's list; a
+    /// release the backend refuses (a wait or a destroy) leaves work that may still run, and
+    /// the Store's memories are then kept rather than given back (`docs/SAFETY.md`, teardown).
     fn drop(&mut self) {
-        if let Some(lease) = self.stream.take() {
-            // Off the list first: a release that fails leaves no entry for the memories to
-            // wait on in vain.
-            if let Some(store) = &self.store {
-                store.remove_stream(StreamId::of(lease.stream()));
+        let Some(lease) = self.stream.take() else {
+            return;
+        };
+        let id = StreamId::of(lease.stream());
+        match (lease.release(), &self.store) {
+            (Ok(()), Some(store)) => store.remove_stream(id),
+            (Ok(()), None) => {}
+            (Err(e), store) => {
+                tracing::warn!(error = %e, "twm: releasing a guest stream failed: its Store's memories are kept");
+                if let Some(store) = store {
+                    store.mark_unsettled();
+                }
             }
-            drop(lease);
         }
     }
 }

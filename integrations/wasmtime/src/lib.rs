@@ -42,7 +42,7 @@ pub use placement::{DevicePlacement, Placement, PlacementPolicy};
 pub use scope::{Access, AccessRange, DeviceAccess, RunScope, ScopeOptions, ScopedSlice};
 pub use tenancy::{
     ChargeMode, HasTenantLimiter, LimiterStats, TABLE_ELEMENT_BYTES, Tenant, TenantLimiter,
-    TenantStats, instantiate, instantiate_pre, new_store,
+    TenantStats, install_limiter, instantiate, instantiate_pre, new_store,
 };
 pub use tensor_wasm_mem_core::{Budget, TenantBudgets};
 

@@ -39,7 +39,7 @@ impl<B: Backend> Held<B> {
         clippy::result_large_err,
         reason = "a refused release hands the storage back by value, on a rare path"
     )]
-    fn release(self) -> Result<(), Self> {
+    pub(crate) fn release(self) -> Result<(), Self> {
         let Self { storage, charge } = self;
         match storage.release() {
             Ok(()) => {
@@ -69,17 +69,24 @@ impl<B: Backend> Held<B> {
 /// ([`Reservation::strand`](tensor_wasm_mem_core::Reservation::strand)).
 pub(crate) struct KeptMemories<B: Backend> {
     kept: Mutex<Vec<Held<B>>>,
+    /// Memories device work may still use (a stream of their Store could not be released):
+    /// never given back, nor scrubbed for another tenant, while the creator lives.
+    busy: Mutex<Vec<Held<B>>>,
     /// Kept now (read without the lock on every memory the creator makes).
     count: AtomicU64,
     released: AtomicU64,
+    /// A retry is under way: another caller does not wait for it.
+    retrying: std::sync::atomic::AtomicBool,
 }
 
 impl<B: Backend> Default for KeptMemories<B> {
     fn default() -> Self {
         Self {
             kept: Mutex::new(Vec::new()),
+            busy: Mutex::new(Vec::new()),
             count: AtomicU64::new(0),
             released: AtomicU64::new(0),
+            retrying: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
@@ -89,33 +96,56 @@ impl<B: Backend> KeptMemories<B> {
         self.kept.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn keep(&self, held: Held<B>) {
+    pub(crate) fn keep(&self, held: Held<B>) {
         let mut kept = self.lock();
         kept.push(held);
         self.count.store(kept.len() as u64, Ordering::Release);
     }
 
-    /// Releases every kept memory again; the ones the backend still refuses stay. Returns how
-    /// many are still kept.
-    pub(crate) fn retry(&self) -> u64 {
-        if self.count.load(Ordering::Acquire) == 0 {
-            return 0;
-        }
-        let mut kept = self.lock();
-        let before = kept.len();
-        let still: Vec<Held<B>> = kept.drain(..).filter_map(|h| h.release().err()).collect();
-        self.released
-            .fetch_add((before - still.len()) as u64, Ordering::AcqRel);
-        *kept = still;
-        self.count.store(kept.len() as u64, Ordering::Release);
-        kept.len() as u64
+    /// Keeps a memory device work may still use, for good (while the creator lives).
+    fn keep_busy(&self, held: Held<B>) {
+        self.busy
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(held);
     }
 
-    /// Memories kept now, and the bytes they hold visible.
+    /// Releases every kept memory again, without holding the list across the backend's calls
+    /// (and not at all while another caller is at it); the ones the backend still refuses
+    /// stay, and so do busy ones. Returns how many are kept now, busy ones included.
+    pub(crate) fn retry(&self) -> u64 {
+        self.retry_kept();
+        self.figures().0
+    }
+
+    /// [`retry`](Self::retry), without the count: nothing but an atomic load when nothing is
+    /// kept (what the creator calls on every memory it makes).
+    pub(crate) fn retry_kept(&self) {
+        if self.count.load(Ordering::Acquire) == 0 || self.retrying.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let taken: Vec<Held<B>> = self.lock().drain(..).collect();
+        let tried = taken.len() as u64;
+        let still: Vec<Held<B>> = taken
+            .into_iter()
+            .filter_map(|h| h.release().err())
+            .collect();
+        self.released
+            .fetch_add(tried - still.len() as u64, Ordering::AcqRel);
+        let mut kept = self.lock();
+        kept.extend(still);
+        self.count.store(kept.len() as u64, Ordering::Release);
+        drop(kept);
+        self.retrying.store(false, Ordering::Release);
+    }
+
+    /// Memories kept now (busy ones included), and the bytes they hold visible.
     pub(crate) fn figures(&self) -> (u64, u64) {
         let kept = self.lock();
-        let bytes = kept.iter().map(|h| h.len() as u64).sum();
-        (kept.len() as u64, bytes)
+        let busy = self.busy.lock().unwrap_or_else(PoisonError::into_inner);
+        let all = kept.iter().chain(busy.iter());
+        let bytes = all.map(|h| h.len() as u64).sum();
+        ((kept.len() + busy.len()) as u64, bytes)
     }
 
     /// Kept memories a retry has released since the creator was made.
@@ -128,13 +158,10 @@ impl<B: Backend> Drop for KeptMemories<B> {
     /// The last try; what the backend still refuses is abandoned to it (no further try) and
     /// its charge stays with its tenant for good.
     fn drop(&mut self) {
-        self.retry();
-        for held in self
-            .kept
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner)
-            .drain(..)
-        {
+        self.retry_kept();
+        let busy = self.busy.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let kept = self.kept.get_mut().unwrap_or_else(PoisonError::into_inner);
+        for held in kept.drain(..).chain(busy.drain(..)) {
             tracing::warn!(
                 "twm: a memory the backend never released stays with it; its charge stays with its tenant"
             );
@@ -193,6 +220,24 @@ impl<B: Backend> MemoryRecord<B> {
     }
 }
 
+impl<B: Backend> MemoryRecord<B> {
+    /// Waits for the Store's live streams; `false` if a wait failed or a stream of the Store
+    /// could not be released (work queued there may still run).
+    fn streams_quiet(&self, held: &Held<B>) -> bool {
+        let Some(books) = &self.books else {
+            return true;
+        };
+        let mut quiet = !books.is_unsettled();
+        for id in books.streams() {
+            if let Err(e) = held.storage.allocator().synchronize(&id.handle()) {
+                tracing::warn!(error = %e, "twm: waiting for a stream before freeing a memory failed");
+                quiet = false;
+            }
+        }
+        quiet
+    }
+}
+
 impl<B: Backend> Drop for MemoryRecord<B> {
     /// Before the storage goes: waits for the Store's guest streams still alive (its data
     /// outlived its memories, as with `Store::into_data`), so no work queued on them lands after
@@ -208,12 +253,9 @@ impl<B: Backend> Drop for MemoryRecord<B> {
         else {
             return;
         };
-        if let Some(books) = &self.books {
-            for id in books.streams() {
-                if let Err(e) = held.storage.allocator().synchronize(&id.handle()) {
-                    tracing::warn!(error = %e, "twm: waiting for a stream before freeing a memory failed");
-                }
-            }
+        if !self.streams_quiet(&held) {
+            tracing::warn!("twm: work may still use a memory: kept, not given back");
+            return self.kept.keep_busy(held);
         }
         if let Err(held) = held.release() {
             self.kept.keep(held);

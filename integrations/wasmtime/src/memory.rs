@@ -14,7 +14,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tensor_wasm_mem_core::{
     Advice, Capabilities, DeviceId, DeviceSlice, Location, MemoryPlan, MemoryType as PlanType,
-    PlanLimits, PoolConfig, PoolStats, Reservation, SlotPool, Stream, UnifiedBuffer, check_range,
+    PlanLimits, PoolConfig, PoolStats, Reservation, SLOT_ALIGN, SlotPool, Stream, UnifiedBuffer,
+    check_range,
 };
 use wasmtime::{AsContext, Config, Engine, LinearMemory, Memory, MemoryCreator, MemoryType};
 
@@ -487,8 +488,10 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     }
 
     /// Releases again every memory whose storage the backend refused to release (their
-    /// charges go back as they are released), and returns how many the backend still refuses.
-    /// The creator also tries on each memory it makes, and a last time when it goes.
+    /// charges go back as they are released), and returns how many memories are still kept:
+    /// those the backend still refuses, and those device work may still use (a stream of their
+    /// Store could not be released), which are never given back while the creator lives. The
+    /// creator also tries on each memory it makes, and a last time when it goes.
     pub fn retry_releases(&self) -> u64 {
         self.inner.kept.retry()
     }
@@ -629,7 +632,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         (reserved, guard): (Option<usize>, usize),
         payer: Payer,
     ) -> Result<TensorWasmLinearMemory<B>, TwmError> {
-        self.inner.kept.retry();
+        self.inner.kept.retry_kept();
         self.check_engine(ty, reserved, guard)?;
         let plan = self.plan(ty)?;
         let (slot, device) = self.home(payer.tenant())?;
@@ -650,7 +653,30 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         )
         .entered();
         let storage = self.acquire(slot, device, &sizes, reserved.unwrap_or(0), guard)?;
-        Ok(self.register(Held { storage, charge }, device, books, &sizes))
+        let held = self.open(Held { storage, charge }, sizes.initial)?;
+        Ok(self.register(held, device, books, &sizes))
+    }
+
+    /// Readies a memory just acquired: its charge covers what the storage really holds (a pool
+    /// may hand out a slot of a larger class than the smallest that fits), and its first
+    /// `initial` bytes are reachable. On failure the storage is released with its charge, or
+    /// kept with it if the backend refuses.
+    fn open(&self, mut held: Held<B>, initial: usize) -> Result<Held<B>, TwmError> {
+        let holds = held.storage.held_bytes() as u64;
+        let opened = match &mut held.charge {
+            Some(charge) => charge.hold_at_least(holds),
+            None => Ok(()),
+        }
+        .and_then(|()| held.storage.open(initial));
+        match opened {
+            Ok(()) => Ok(held),
+            Err(e) => {
+                if let Err(kept) = held.release() {
+                    self.inner.kept.keep(kept);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Refuses what the engine asks that this backing cannot honour: managed memory has no
@@ -731,21 +757,21 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         guard: usize,
     ) -> Result<Storage<B>, TwmError> {
         let backend = Arc::clone(&self.inner.backend);
-        let (capacity, initial) = (sizes.allocate, sizes.initial);
+        let capacity = sizes.allocate;
+        // Nothing visible yet: `open` makes the initial bytes reachable, through the path that
+        // keeps a storage the backend refuses to take back.
         Ok(match (self.inner.pools.get(slot), self.inner.backing) {
-            (Some(CreatorPool::Managed(pool)), _) => Storage::Managed(
-                pool.acquire(capacity, initial)
-                    .map_err(TwmError::from_core)?,
-            ),
+            (Some(CreatorPool::Managed(pool)), _) => {
+                Storage::Managed(pool.acquire(capacity, 0).map_err(TwmError::from_core)?)
+            }
             (Some(CreatorPool::Guarded(pool)), _) => {
-                Storage::Guarded(pool.acquire(capacity, initial, reserved, guard)?)
+                Storage::Guarded(pool.acquire(capacity, reserved, guard)?)
             }
             (None, Backing::Managed) => Storage::Managed(
-                UnifiedBuffer::new(backend, device, capacity, initial)
-                    .map_err(TwmError::from_core)?,
+                UnifiedBuffer::new(backend, device, capacity, 0).map_err(TwmError::from_core)?,
             ),
             (None, Backing::Guarded(access)) => Storage::Guarded(GuardedRegion::new(
-                backend, device, access, capacity, initial, reserved, guard,
+                backend, device, access, capacity, reserved, guard,
             )?),
         })
     }
@@ -787,13 +813,18 @@ impl Sizes {
     fn new<B: Backend>(plan: &MemoryPlan, pool: Option<&CreatorPool<B>>) -> Result<Self, TwmError> {
         let capacity = plan.capacity_usize()?;
         let allocate = capacity.max(1);
+        // What the storage will hold at least: the smallest slot that fits, or the allocation
+        // rounded up to a Wasm page (a driver allocation never holds less); `open` charges more
+        // if the storage turns out to hold more.
+        let held = match pool {
+            Some(pool) => pool.slot_size_for(allocate).unwrap_or(allocate),
+            None => allocate.next_multiple_of(SLOT_ALIGN),
+        };
         Ok(Self {
             initial: plan.initial_usize()?,
             capacity,
             allocate,
-            held: pool
-                .and_then(|p| p.slot_size_for(allocate))
-                .unwrap_or(allocate),
+            held,
         })
     }
 

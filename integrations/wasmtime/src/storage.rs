@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use tensor_wasm_mem_core::{
-    Advice, Capabilities, DeviceSlice, Location, PoolStats, Refused, SlotPool, Stream,
+    Advice, Capabilities, DeviceSlice, Location, PoolStats, Refused, SLOT_ALIGN, SlotPool, Stream,
     UnifiedBuffer,
 };
 
@@ -54,6 +54,27 @@ impl<B: Backend> Storage<B> {
         match self {
             Self::Managed(b) => b.len(),
             Self::Guarded(r) => r.len(),
+        }
+    }
+
+    /// The bytes the storage holds: its pool slot, or its whole allocation or reservation
+    /// (rounded up to [`SLOT_ALIGN`], the least a driver allocation holds of a device).
+    pub(crate) fn held_bytes(&self) -> usize {
+        match self {
+            Self::Managed(b) => b
+                .slot_bytes()
+                .unwrap_or_else(|| b.capacity().max(1).next_multiple_of(SLOT_ALIGN)),
+            Self::Guarded(r) => r.held(),
+        }
+    }
+
+    /// Makes the first `initial` bytes of a storage just acquired reachable (zero), and, for a
+    /// guarded slot, closes what its last holder left open. On failure the storage stays its
+    /// owner's to release.
+    pub(crate) fn open(&mut self, initial: usize) -> Result<(), TwmError> {
+        match self {
+            Self::Managed(b) => b.grow_to(initial).map_err(TwmError::from_core),
+            Self::Guarded(r) => r.open(initial),
         }
     }
 

@@ -61,10 +61,11 @@ use wasmtime::{
 use crate::books::{EntryScope, StoreBooks};
 use crate::error::TwmError;
 
-/// Host bytes charged to the held budget per table element: Wasmtime 48 stores a funcref
-/// element as one pointer and an externref as a 32-bit GC reference; both are charged as a
-/// pointer.
-pub const TABLE_ELEMENT_BYTES: u64 = 8;
+/// Host bytes charged per table element (to the touched and the held budget): Wasmtime 48
+/// stores a funcref element as one pointer (an externref as a 32-bit GC reference), in storage
+/// that grows by doubling, so a table grown one element at a time holds up to twice its
+/// elements: each is charged as two pointers.
+pub const TABLE_ELEMENT_BYTES: u64 = 16;
 
 /// How a tenant is charged for a memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -314,6 +315,18 @@ impl StreamId {
     }
 }
 
+/// What the limiter knows of the instantiation under way, if any.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Creating {
+    instantiating: bool,
+    /// During [`instantiate`]: the memories the module defines that Wasmtime has yet to create.
+    /// A `memory_growing` from zero is a new memory only while this is above zero; after, it is
+    /// a growth of a zero-page memory (a start function's `memory.grow`).
+    new_memories: Option<u32>,
+    /// The same for tables.
+    new_tables: Option<u32>,
+}
+
 /// What one Store has made through [`instantiate`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct StoreCounts {
@@ -326,16 +339,11 @@ struct StoreCounts {
 pub struct TenantLimiter {
     books: Arc<StoreBooks>,
     limits: PlanLimits,
-    /// Set when Wasmtime installs this limiter in a Store; cleared when a Store made by
-    /// [`new_store`] goes (or gives its data back with `Store::into_data`).
+    /// Set while the limiter is installed in a live Store by [`install_limiter`] (or
+    /// [`new_store`]); cleared when that Store goes or gives its data back with
+    /// `Store::into_data`.
     installed: Arc<AtomicBool>,
-    instantiating: bool,
-    /// During [`instantiate`]: the memories the module defines that Wasmtime has yet to create.
-    /// A `memory_growing` from zero is a new memory only while this is above zero; after, it is
-    /// a growth of a zero-page memory (a start function's `memory.grow`).
-    new_memories: Option<u32>,
-    /// The same for tables.
-    new_tables: Option<u32>,
+    creating: Creating,
     made: StoreCounts,
     growths: u64,
     denied_growths: u64,
@@ -391,9 +399,7 @@ impl TenantLimiter {
             books: StoreBooks::new(tenant, mode),
             limits,
             installed: Arc::new(AtomicBool::new(false)),
-            instantiating: false,
-            new_memories: None,
-            new_tables: None,
+            creating: Creating::default(),
             made: StoreCounts::default(),
             growths: 0,
             denied_growths: 0,
@@ -435,8 +441,9 @@ impl TenantLimiter {
         &self.books
     }
 
-    /// Whether this limiter is installed in a live Store (by [`new_store`], or by the
-    /// embedder's own `Store::limiter` call).
+    /// Whether this limiter is installed in a live Store by [`new_store`] or
+    /// [`install_limiter`]. (A limiter the embedder installs with its own `Store::limiter` call
+    /// does not count: nothing would tell it when that Store goes.)
     #[must_use]
     pub fn is_installed(&self) -> bool {
         self.installed.load(Ordering::Acquire)
@@ -465,7 +472,7 @@ impl TenantLimiter {
     /// Refuses a creation: an error naming the tenant during [`instantiate`], a plain `false`
     /// otherwise (a failed `memory.grow`, or Wasmtime's generic instantiation error).
     fn refuse(&self, creating: bool, error: TwmError) -> wasmtime::Result<bool> {
-        if creating && self.instantiating {
+        if creating && self.creating.instantiating {
             Err(wasmtime::Error::new(error))
         } else {
             Ok(false)
@@ -558,7 +565,7 @@ impl ResourceLimiter for TenantLimiter {
     ) -> wasmtime::Result<bool> {
         // A new call: a grant nobody redeemed paid for a memory we did not make.
         self.books.settle();
-        let creating = Self::is_creation(&mut self.new_memories, current);
+        let creating = Self::is_creation(&mut self.creating.new_memories, current);
         let _span = tracing::debug_span!(
             "twm.tenant.memory",
             isolation = self.books.tenant().context.isolation().name(),
@@ -576,7 +583,9 @@ impl ResourceLimiter for TenantLimiter {
             ChargeMode::Touched => desired.saturating_sub(current) as u64,
             ChargeMode::Capacity => 0,
         };
-        if let Err(denied) = self.books.grant(bytes, current == 0, desired) {
+        // Announced to the creator as a new memory only when it is one of the module's (a
+        // growth of a zero-page memory, ours or not, is redeemed by no creator).
+        if let Err(denied) = self.books.grant(bytes, creating, desired) {
             if !creating {
                 self.denied_growths += 1;
             }
@@ -607,7 +616,7 @@ impl ResourceLimiter for TenantLimiter {
         maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
         self.books.settle();
-        let creating = Self::is_creation(&mut self.new_tables, current);
+        let creating = Self::is_creation(&mut self.creating.new_tables, current);
         let extra = match self.check_table(current, desired, maximum, creating) {
             Ok(extra) => extra,
             Err(answer) => return answer,
@@ -633,8 +642,6 @@ impl ResourceLimiter for TenantLimiter {
     }
 
     fn instances(&self) -> usize {
-        // Wasmtime asks this once, when the limiter is installed in a Store.
-        self.installed.store(true, Ordering::Release);
         self.max_instances
     }
 
@@ -671,14 +678,23 @@ impl Drop for Installed {
 /// A Store whose limiter charges the tenant of `data`. The limiter knows it is installed while
 /// the Store lives: [`instantiate`] refuses a tenant's Store without it (one made with
 /// `Store::new`, or holding data taken back from another Store with `Store::into_data`).
-pub fn new_store<T: HasTenantLimiter>(engine: &wasmtime::Engine, mut data: T) -> Store<T> {
-    let installed = Installed(Arc::clone(&data.tenant_limiter().installed));
+pub fn new_store<T: HasTenantLimiter>(engine: &wasmtime::Engine, data: T) -> Store<T> {
     let mut store = Store::new(engine, data);
+    install_limiter(&mut store);
+    store
+}
+
+/// Installs the tenant limiter of `store`'s data in `store` (what [`new_store`] does, for a
+/// Store made otherwise): until the Store goes, or gives its data back, the limiter knows it is
+/// installed and [`instantiate`] accepts the Store.
+pub fn install_limiter<T: HasTenantLimiter>(store: &mut Store<T>) {
+    let flag = Arc::clone(&store.data_mut().tenant_limiter().installed);
+    flag.store(true, Ordering::Release);
+    let installed = Installed(flag);
     store.limiter(move |data| {
         let _ = &installed;
         data.tenant_limiter()
     });
-    store
 }
 
 /// Instantiates `module` with the limiter told that memories and tables are being created, so
@@ -711,13 +727,13 @@ fn instantiate_with<T: HasTenantLimiter>(
     let mut context = store.as_context_mut();
     let limiter = context.data_mut().tenant_limiter();
     limiter.check_instantiation(&required)?;
-    let scope = limiter.begin_instantiation(&required);
+    let (outer, scope) = limiter.begin_instantiation(&required);
     let result = make(&mut context);
     drop(scope);
     context
         .data_mut()
         .tenant_limiter()
-        .end_instantiation(result)
+        .end_instantiation(outer, result)
 }
 
 impl TenantLimiter {
@@ -763,22 +779,25 @@ impl TenantLimiter {
     }
 
     /// Tells the limiter what the module makes, and opens the Store's entry scope (closed when
-    /// the returned guard drops, on every exit).
-    fn begin_instantiation(&mut self, required: &ResourcesRequired) -> EntryScope {
-        self.instantiating = true;
-        self.new_memories = Some(required.num_memories);
-        self.new_tables = Some(required.num_tables);
+    /// the returned guard drops, on every exit). Returns what an enclosing instantiation (one
+    /// in a start function's host call) had told it, for `end_instantiation` to restore.
+    fn begin_instantiation(&mut self, required: &ResourcesRequired) -> (Creating, EntryScope) {
+        let outer = self.creating;
+        self.creating = Creating {
+            instantiating: true,
+            new_memories: Some(required.num_memories),
+            new_tables: Some(required.num_tables),
+        };
         let _ = self.books.take_refusal();
-        EntryScope::enter(&self.books)
+        (outer, EntryScope::enter(&self.books))
     }
 
     fn end_instantiation(
         &mut self,
+        outer: Creating,
         result: wasmtime::Result<Instance>,
     ) -> wasmtime::Result<Instance> {
-        self.instantiating = false;
-        self.new_memories = None;
-        self.new_tables = None;
+        self.creating = outer;
         let refusal = self.books.take_refusal();
         match result {
             Ok(instance) => {

@@ -472,32 +472,23 @@ fn a_range_the_device_cannot_see_is_refused() {
         .unwrap();
         assert!(scope.close().is_err(), "{backing}: the stray kernel faults");
         assert_eq!(backend.driver().stats().kernel_faults, 1, "{backing}");
-        // The fault is sticky: the driver refuses to reset the hints (pageable: hints carry no
-        // bytes, the mapping goes all the same) or to unregister (registered: the creator keeps
-        // the memory with its charge, and tries again; what is still refused when the creator
-        // goes stays mapped, never reused under a device mapping, counted, and charged to the
-        // tenant for good).
-        let registered = u64::from(backing == REGISTERED);
+        // The fault is sticky: the tenant's stream cannot be released (its wait is refused),
+        // so work queued there may still run: the creator keeps the memory with its charge,
+        // never giving it back nor scrubbing it for another tenant; when the creator goes the
+        // pages stay mapped, never reused under a device mapping, counted, and charged to the
+        // tenant for good.
         let tenant = Arc::clone(store.data().limiter().tenant());
         let kept = guarded_mappings_kept();
         drop(store);
-        let stats = creator.stats();
-        assert_eq!(stats.kept_memories, registered, "{backing}");
-        assert_eq!(
-            creator.retry_releases(),
-            registered,
-            "{backing}: still refused"
-        );
-        assert_eq!(
+        assert_eq!(creator.stats().kept_memories, 1, "{backing}");
+        assert!(
             tenant.stats().held_bytes > 0,
-            backing == REGISTERED,
             "{backing}: charged while kept"
         );
         drop(creator);
-        assert_eq!(guarded_mappings_kept(), kept + registered, "{backing}");
-        assert_eq!(
+        assert_eq!(guarded_mappings_kept(), kept + 1, "{backing}");
+        assert!(
             tenant.stats().stranded_bytes > 0,
-            backing == REGISTERED,
             "{backing}: charged for good once the creator is gone"
         );
         if backing == REGISTERED {
