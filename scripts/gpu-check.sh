@@ -2,7 +2,7 @@
 # The GPU validation kit: the same tests against a real driver, in one short run.
 #
 #   scripts/gpu-check.sh build            here (cargo): release builds of the conformance suite,
-#                                         twm (cudarc + cust) and gpu-check, copied to gpu-kit/
+#                                         twm (cudarc) and gpu-check, copied to gpu-kit/
 #   scripts/gpu-check.sh run              on the GPU machine (no cargo): runs the kit against the
 #                                         real driver and prints one short table; the full log
 #                                         goes to $OUT/gpu-check.log (or gpu-kit/out/)
@@ -18,8 +18,10 @@ build() {
     rm -rf "$kit" && mkdir -p "$kit/bin"
     echo "gpu-check: building release binaries (this takes a few minutes)"
     cargo build --locked --release -q -p tensor-wasm-mem-tests --bin gpu-check
+    # twm takes cudarc (libcuda loaded at run time): linking cust here needs a libcuda at link
+    # time, which only the tests crate's build provides (see .cuda-link/lib64/README.md).
     cargo build --locked --release -q -p tensor-wasm-mem-cli --no-default-features \
-        --features mock,cudarc,cust
+        --features mock,cudarc
     local exe
     exe=$(cargo test --locked --release -q -p tensor-wasm-mem-tests --test conformance --no-run \
         --message-format=json 2>/dev/null |
@@ -45,7 +47,7 @@ run() {
         # The cust-linked binaries need a libcuda.so.1: the simulator that cargo would put on the
         # loader path (only built on machines without a driver; never part of the kit).
         local sim
-        sim=$(ls -td target/release/build/tensor-wasm-mem-cust-*/out/runtime 2>/dev/null | head -n 1 || true)
+        sim=$(ls -td target/release/build/tensor-wasm-mem-tests-*/out/runtime 2>/dev/null | head -n 1 || true)
         [ -n "$sim" ] || { echo "gpu-check: no simulated libcuda built (is there a real driver here?)" >&2; exit 1; }
         export LD_LIBRARY_PATH="$sim${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
         echo "gpu-check: DRY RUN on the simulated libcuda" | tee -a "$log"

@@ -1,25 +1,6 @@
 //! [`DriverBackend`]: the three backend traits implemented once, on top of a thin [`DriverApi`]
 //! (a CUDA-like driver's raw calls). The real driver backends (cudarc, cust) implement only
 //! `DriverApi`; every check, every table and every counter lives here, so they cannot drift apart.
-//!
-//! What `DriverBackend` adds to the raw calls:
-//! - ranges checked against its own table of live allocations before the driver is asked, so an
-//!   out-of-range or overflowing request never reaches the driver, and an allocation of another
-//!   backend is refused;
-//! - devices and locations checked against the driver's device count; prefetch to a device
-//!   without concurrent managed access refused as unsupported;
-//! - streams per isolation level (the default stream when shared, one stream per instance in the
-//!   primary context when stream-isolated, a context per tenant when context-isolated, destroyed
-//!   with its last stream), and stream handles it did not hand out refused;
-//! - empty ranges accepted without a driver call;
-//! - device memory pools ([`DevicePools`]) on the driver's optional pool calls (drivers without
-//!   them answer `Unsupported`), with their allocations tracked;
-//! - counters, and everything still alive at drop given back to the driver;
-//! - safety under threads and failures: tenants keyed by [`TenantKey`], each driver call on a
-//!   stream or pool holding a counted use of its record (a release never tears one down under a
-//!   call), records out of the table before the driver frees, contexts pushed and popped in
-//!   pairs, and every release the driver refuses kept, counted and retried at drop (see
-//!   `docs/BACKENDS.md` and the submodules `streams` and `device_pools`).
 
 use alloc::vec::Vec;
 use core::fmt;
@@ -492,8 +473,26 @@ fn with_context<D: DriverApi, T>(
     (result, popped)
 }
 
-/// The three backend traits and [`DevicePools`](crate::DevicePools) on a [`DriverApi`]. See the
-/// [module docs](self).
+/// The three backend traits and [`DevicePools`](crate::DevicePools) on a [`DriverApi`].
+///
+/// What `DriverBackend` adds to the raw calls:
+/// - ranges checked against its own table of live allocations before the driver is asked, so an
+///   out-of-range or overflowing request never reaches the driver, and an allocation of another
+///   backend is refused;
+/// - devices and locations checked against the driver's device count; prefetch to a device
+///   without concurrent managed access refused as unsupported;
+/// - streams per isolation level (the default stream when shared, one stream per instance in the
+///   primary context when stream-isolated, a context per tenant when context-isolated, destroyed
+///   with its last stream), and stream handles it did not hand out refused;
+/// - empty ranges accepted without a driver call;
+/// - device memory pools ([`DevicePools`](crate::DevicePools)) on the driver's optional pool calls (drivers without
+///   them answer `Unsupported`), with their allocations tracked;
+/// - counters, and everything still alive at drop given back to the driver;
+/// - safety under threads and failures: tenants keyed by [`TenantKey`], each driver call on a
+///   stream or pool holding a counted use of its record (a release never tears one down under a
+///   call), records out of the table before the driver frees, contexts pushed and popped in
+///   pairs, and every release the driver refuses kept, counted and retried at drop (see
+///   `docs/BACKENDS.md` and the submodules `streams` and `device_pools`).
 ///
 /// Streams are made on the device `acquire_stream_on` names.
 pub struct DriverBackend<D: DriverApi> {

@@ -1,22 +1,4 @@
 //! Per-tenant device memory pools with a real cap.
-//!
-//! A tenant's GPU work needs device-only buffers besides its linear memory (scratch space,
-//! tensors a kernel writes). Drivers offer stream-ordered memory pools for that, but a pool's
-//! "release threshold" only says how much *freed* memory the pool keeps: it is no ceiling.
-//! [`TenantDevicePool`] is the ceiling: every byte is charged to the tenant's one
-//! [`TenantContext`] ledger (the same cap as its linear memories, [`Purpose::DevicePool`]) before
-//! the driver is asked, and given back when freed. The driver's own pool maximum
-//! ([`DevicePoolConfig::max_bytes`], `CUmemPoolProps.maxSize` where the driver has it) is a second
-//! line behind the ledger.
-//!
-//! **Scrubbing.** Pools are per tenant, so memory a tenant frees returns to its own pool and is
-//! only ever reused by the same tenant. But a pool gives memory back to the driver (trimming, or
-//! above its release threshold), and the driver may hand those pages to another tenant's pool:
-//! so every [`DevicePools::pool_allocate`] returns memory zero-filled (stream-ordered, before any
-//! later work on the stream), whatever the driver gave it.
-//!
-//! Backends without pools (cust 0.3 has no pool API; the reserved cuda-oxide slot) answer every
-//! call with an error of kind [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported).
 
 use alloc::sync::Arc;
 use core::fmt;
@@ -235,8 +217,25 @@ macro_rules! forward_pools {
 
 forward_pools!(&T, alloc::boxed::Box<T>, alloc::sync::Arc<T>);
 
-/// A tenant's device memory pool with the tenant's cap as its ceiling. See the
-/// [module docs](self).
+/// A tenant's device memory pool with the tenant's cap as its ceiling.
+///
+/// A tenant's GPU work needs device-only buffers besides its linear memory (scratch space,
+/// tensors a kernel writes). Drivers offer stream-ordered memory pools for that, but a pool's
+/// "release threshold" only says how much *freed* memory the pool keeps: it is no ceiling.
+/// [`TenantDevicePool`] is the ceiling: every byte is charged to the tenant's one
+/// [`TenantContext`] ledger (the same cap as its linear memories, [`Purpose::DevicePool`]) before
+/// the driver is asked, and given back when freed. The driver's own pool maximum
+/// ([`DevicePoolConfig::max_bytes`], `CUmemPoolProps.maxSize` where the driver has it) is a second
+/// line behind the ledger.
+///
+/// **Scrubbing.** Pools are per tenant, so memory a tenant frees returns to its own pool and is
+/// only ever reused by the same tenant. But a pool gives memory back to the driver (trimming, or
+/// above its release threshold), and the driver may hand those pages to another tenant's pool:
+/// so every [`DevicePools::pool_allocate`] returns memory zero-filled (stream-ordered, before any
+/// later work on the stream), whatever the driver gave it.
+///
+/// Backends without pools (cust 0.3 has no pool API; the reserved cuda-oxide slot) answer every
+/// call with an error of kind [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported).
 ///
 /// Dropping it frees every allocation still live (each ordered after the work on the stream it
 /// was made on), destroys the pool and gives every byte back to the ledger.

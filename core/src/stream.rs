@@ -1,15 +1,4 @@
 //! The [`StreamProvider`] trait: which stream (and context) an instance's GPU work goes to.
-//!
-//! # The contract per [`IsolationLevel`]
-//!
-//! | level | stream | context |
-//! |---|---|---|
-//! | `Shared` | the default stream, the same handle value for every caller; releasing it does nothing | the primary context |
-//! | `StreamIsolated` | a new stream per call, distinct from every other live one, destroyed on release | the primary context |
-//! | `ContextIsolated` | a new stream per call | one context per tenant, created with the tenant's first stream and destroyed with its last |
-//!
-//! A handle that this provider did not hand out (or already took back) is rejected with an
-//! error, never trusted.
 
 use crate::device::DeviceId;
 use crate::error::ErrorType;
@@ -94,7 +83,18 @@ impl Stream {
     }
 }
 
-/// Hands out streams by isolation level. See the [module docs](self) for the contract.
+/// Hands out streams by isolation level.
+///
+/// # The contract per [`IsolationLevel`]
+///
+/// | level | stream | context |
+/// |---|---|---|
+/// | `Shared` | the default stream, the same handle value for every caller; releasing it does nothing | the primary context |
+/// | `StreamIsolated` | a new stream per call, distinct from every other live one, destroyed on release | the primary context |
+/// | `ContextIsolated` | a new stream per call | one context per tenant, created with the tenant's first stream and destroyed with its last |
+///
+/// A handle that this provider did not hand out (or already took back) is rejected with an
+/// error, never trusted.
 pub trait StreamProvider: ErrorType {
     /// A stream on `device` for one instance of `tenant` at `level` (the shared default stream
     /// and the primary context are `device`'s; a context-isolated tenant's context is made on

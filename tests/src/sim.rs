@@ -3,10 +3,9 @@
 use std::ffi::{CString, c_char};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
-#[path = "../cuda-sim/src/abi.rs"]
-mod abi;
-
-pub use abi::{SimConfig, SimHints, SimStats, code};
+/// `CUresult` values: the model's (one table, shared by the model, the simulator and the tests).
+pub use tensor_wasm_mem_model::code;
+pub use tensor_wasm_mem_model::shell::{SimConfig, SimHints, SimStats};
 
 /// The simulator built by `build.rs` (SONAME `libcuda.so.1`).
 pub const SIM_PATH: &str = env!("TWM_CUDA_SIM_PATH");

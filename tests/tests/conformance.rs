@@ -34,7 +34,7 @@ mod with_four_device_deferred_cudarc {
 
 tensor_wasm_mem_tests::driver_harness!(
     /// The cust backend: on whatever `libcuda.so.1` the binary loaded (the real driver where
-    /// there is one, the simulator otherwise; see `backends/cust/build.rs`).
+    /// there is one, the simulator otherwise; see `tests/build.rs`).
     CustHarness,
     tensor_wasm_mem_cust::CustBackend,
     tensor_wasm_mem_cust::start(),

@@ -1,6 +1,7 @@
 //! Shape rules the review holds the code to, checked so they stay held: no function in the core
 //! or the Wasmtime integration is longer than 80 lines (one seam per lifecycle: a function that
-//! long is several steps that want names of their own).
+//! long is several steps that want names of their own); no crate reads a file outside its own
+//! package.
 
 use std::path::{Path, PathBuf};
 
@@ -93,4 +94,105 @@ fn the_checker_sees_a_long_function() {
     let found = long_functions(Path::new("x.rs"), &format!("{long}{short}"));
     assert_eq!(found.len(), 1, "{found:?}");
     assert_eq!((found[0].2.as_str(), found[0].3), ("long", LONGEST + 2));
+}
+
+/// The workspace's member folders, from its manifest.
+fn members(root: &Path) -> Vec<PathBuf> {
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).expect("workspace manifest");
+    let list = manifest
+        .split_once("members = [")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .expect("a members list")
+        .0;
+    list.split(',')
+        .map(|m| m.trim().trim_matches('"'))
+        .filter(|m| !m.is_empty())
+        .map(|m| root.join(m))
+        .collect()
+}
+
+/// Every `#[path = ..]`, `include_str!` or `include_bytes!` in `source` (a file of the package
+/// at `package`) that names a file outside that package (or inside a package nested in it,
+/// which cargo leaves out of its package), except under `#[cfg(doctest)]` (doc tests of the
+/// workspace README, never built from a package).
+fn reaches_outside(package: &Path, nested: &[PathBuf], file: &Path, source: &str) -> Vec<String> {
+    let package = package.canonicalize().expect("package folder");
+    let mut found = Vec::new();
+    let mut previous = "";
+    for line in source.lines() {
+        for marker in ["#[path = \"", "include_str!(\"", "include_bytes!(\""] {
+            let Some((_, rest)) = line.split_once(marker) else {
+                continue;
+            };
+            let named = rest.split('"').next().unwrap_or_default();
+            let base = file.parent().expect("a folder");
+            let target = base.join(named);
+            let inside = target
+                .canonicalize()
+                .is_ok_and(|t| t.starts_with(&package) && !nested.iter().any(|n| t.starts_with(n)));
+            if !inside && previous.trim() != "#[cfg(doctest)]" {
+                found.push(format!("{}: {}", file.display(), line.trim()));
+            }
+        }
+        previous = line;
+    }
+    found
+}
+
+/// A crate is built from its own package: a packaged crate (what `cargo package` verifies and
+/// crates.io serves) has no files beside it, so no source may name one. Build scripts find
+/// their inputs from their build's environment at run time, never from a path compiled in.
+#[test]
+fn every_crate_reads_only_its_own_package() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .canonicalize()
+        .expect("workspace");
+    let members = members(&root);
+    assert!(members.len() > 8, "the members were found: {members:?}");
+    let mut outside = Vec::new();
+    for member in &members {
+        let mut files = Vec::new();
+        rust_files(member, &mut files);
+        for file in files {
+            // A nested member's files are that member's.
+            let owner = members
+                .iter()
+                .filter(|m| file.starts_with(m))
+                .max_by_key(|m| m.components().count());
+            if owner != Some(member) || file.components().any(|c| c.as_os_str() == "target") {
+                continue;
+            }
+            let source = std::fs::read_to_string(&file).expect("read");
+            let nested: Vec<PathBuf> = members
+                .iter()
+                .filter(|m| *m != member && m.starts_with(member))
+                .cloned()
+                .collect();
+            outside.extend(reaches_outside(member, &nested, &file, &source));
+            if file.file_name().is_some_and(|n| n == "build.rs") && source.contains("env!(") {
+                outside.push(format!(
+                    "{}: a path compiled into a build script",
+                    file.display()
+                ));
+            }
+        }
+    }
+    assert!(
+        outside.is_empty(),
+        "sources that reach outside their package: {outside:#?}"
+    );
+}
+
+#[test]
+fn the_package_check_sees_a_file_outside() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let nested = [root.join("cuda-sim").canonicalize().expect("cuda-sim")];
+    let file = root.join("src/sim.rs");
+    let outside = "#[path = \"../../core/src/lib.rs\"]\nmod x;\n";
+    let in_nested = "#[path = \"../cuda-sim/src/lib.rs\"]\nmod x;\n";
+    let inside = "#[path = \"harness.rs\"]\nmod y;\n";
+    assert_eq!(reaches_outside(root, &nested, &file, outside).len(), 1);
+    assert_eq!(reaches_outside(root, &nested, &file, in_nested).len(), 1);
+    assert!(reaches_outside(root, &nested, &file, inside).is_empty());
 }

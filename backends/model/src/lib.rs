@@ -5,6 +5,7 @@ mod error;
 mod host;
 mod machine;
 mod ranges;
+pub mod shell;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

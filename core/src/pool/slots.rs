@@ -73,7 +73,13 @@ struct TableState<M> {
     counters: Counters,
 }
 
-/// Free lists, per-slot records and figures of a slot pool (see the [module docs](self)).
+/// Free lists, per-slot records and figures of a slot pool: the bookkeeping every slot pool
+/// shares, whatever its slots are made of (a managed slab, guarded host address space): the
+/// size classes as [`PoolConfig::layout`](super::PoolConfig::layout) placed them, a free list
+/// per class (the most recently freed slot reused first), what each slot's next scrub needs to
+/// know, and one set of figures ([`PoolStats`]). A pool decides *how* a slot is scrubbed (when
+/// it is handed out, or when it comes back) and tells the table what happened; the table
+/// decides nothing about memory.
 #[derive(Debug)]
 pub struct SlotTable<M> {
     layout: Vec<ClassLayout>,

@@ -13,7 +13,7 @@
 //! | none | a compile error saying which features exist |
 //!
 //! The `twm` CLI picks with `--backend`; without it, the first of [`ENABLED`] (the one place
-//! the order is written), and starts the real backends with [`start_cudarc`] / [`start_cust`].
+//! the order is written), and starts the real backends with `start_cudarc` / `start_cust` (features `cudarc`, `cust`).
 
 use std::sync::Arc;
 

@@ -15,8 +15,8 @@
 //! shape (devices, memory, attributes, deferred streams), failure injection by entry point (any
 //! non-zero code, including codes no CUDA enum knows), delays, call counts, hints, counters.
 //!
-//! Built as a cdylib with SONAME `libcuda.so.1` by `tensor-wasm-mem-cuda-sim-build` (what the
-//! tests' and the cust backend's build scripts use). Its file is never named `libcuda.so`
+//! Built as a cdylib with SONAME `libcuda.so.1` by the tests crate's build script
+//! (`tests/build.rs`). Its file is never named `libcuda.so`
 //! inside `target/`, where it could shadow a real driver.
 
 use std::collections::BTreeMap;
@@ -31,8 +31,8 @@ use tensor_wasm_mem_model::{
     Call, Event, Function, Kernel, ModelConfig, ModelDriver, ModelError, Module,
 };
 
-mod abi;
-pub use abi::{SimConfig, SimHints, SimStats, code};
+pub use tensor_wasm_mem_model::code;
+pub use tensor_wasm_mem_model::shell::{SimConfig, SimHints, SimStats};
 
 /// Device attributes the shell answers (others answer 0).
 mod attr {

@@ -1,8 +1,6 @@
-//! The simulator's C ABI types and codes, shared (by `#[path]`) with the tests that drive it.
-#![allow(dead_code)]
-
-/// `CUresult` values: the model's (one table, shared by the model, this shell and the tests).
-pub use tensor_wasm_mem_model::code;
+//! The C layouts a C-ABI shell over the model answers with: the knobs of the simulated libcuda
+//! (`tests/cuda-sim`: `twm_sim_configure`, `twm_sim_stats`, `twm_sim_hints`), shared by that shell
+//! and the tests that drive it through its C interface. Its `CUresult` values are [`crate::code`].
 
 /// How the simulated machine looks (`twm_sim_configure`).
 #[repr(C)]
