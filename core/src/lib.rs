@@ -48,8 +48,8 @@ pub use plan::{
     WASM_PAGE_SIZE,
 };
 pub use pool::{
-    ClassLayout, ClassStats, PoolConfig, PoolError, PoolStats, Returned, SLOT_ALIGN, SizeClass,
-    SlotId, SlotPool, SlotTable, Taken,
+    ClassLayout, ClassStats, MAX_POOL_SLOTS, PoolConfig, PoolError, PoolStats, Returned,
+    SLOT_ALIGN, SizeClass, SlotId, SlotPool, SlotTable, Taken,
 };
 pub use pools::{
     DevicePoolConfig, DevicePoolStats, DevicePools, PoolAllocation, PoolHandle, TenantDevicePool,

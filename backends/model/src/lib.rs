@@ -15,6 +15,9 @@ use tensor_wasm_mem_core::{Location, Operation};
 pub use error::ModelError;
 pub use machine::ModelDriver;
 
+/// The most devices a simulated machine has (a larger `device_count` is taken as this many).
+pub const MAX_DEVICES: u32 = 1024;
+
 /// `CUresult` codes (the one table: `tensor-wasm-mem-cuda`'s, shared with the CUDA backends and
 /// the simulated libcuda).
 pub use tensor_wasm_mem_cuda::code;

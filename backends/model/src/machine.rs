@@ -687,12 +687,13 @@ unsafe fn run_kernel(kernel: Kernel, args: [u64; 4]) {
 }
 
 impl ModelDriver {
-    /// A simulated machine as `config` describes (a `device_count` of 0 is taken as 1: a driver
-    /// backend does not start without a device).
+    /// A simulated machine as `config` describes. Its `device_count` is taken within 1 (a
+    /// driver backend does not start without a device) and [`MAX_DEVICES`](crate::MAX_DEVICES)
+    /// (each device has tables of its own: a count from a command line must not size them).
     #[must_use]
     pub fn new(config: ModelConfig) -> Self {
         let config = ModelConfig {
-            device_count: config.device_count.max(1),
+            device_count: config.device_count.clamp(1, crate::MAX_DEVICES),
             ..config
         };
         let mut state = State {

@@ -10,6 +10,11 @@ use crate::error::ErrorKind;
 /// page boundary and hints never straddle two slots' pages.
 pub const SLOT_ALIGN: usize = 1 << 16;
 
+/// The most slots one pool may have, over all its classes: the free lists and per-slot records
+/// are host memory allocated when the pool is built, so a pool asked for more is refused before
+/// anything is allocated (a million slots of 64 KiB already address 64 GiB).
+pub const MAX_POOL_SLOTS: usize = 1 << 20;
+
 /// A size class: `slots` slots of `slot_bytes` bytes each (rounded up to [`SLOT_ALIGN`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SizeClass {
@@ -58,6 +63,15 @@ impl PoolConfig {
         if self.classes.is_empty() {
             return Err(PoolError::InvalidConfig {
                 reason: "no size classes",
+            });
+        }
+        let slots = self
+            .classes
+            .iter()
+            .try_fold(0usize, |sum, c| sum.checked_add(c.slots));
+        if slots.is_none_or(|n| n > MAX_POOL_SLOTS) {
+            return Err(PoolError::InvalidConfig {
+                reason: "more slots than MAX_POOL_SLOTS (1,048,576) in one pool",
             });
         }
         let mut requested = self.classes.clone();
@@ -207,5 +221,36 @@ impl PoolStats {
     #[must_use]
     pub fn free(&self) -> usize {
         self.classes.iter().map(|c| c.free).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DeviceId;
+    use alloc::vec;
+
+    #[test]
+    fn a_pool_of_more_than_the_most_slots_is_refused_before_anything_is_placed() {
+        let at_most = PoolConfig::new(DeviceId(0), [SizeClass::new(SLOT_ALIGN, MAX_POOL_SLOTS)]);
+        assert!(at_most.layout(Some).is_ok());
+        for classes in [
+            vec![SizeClass::new(SLOT_ALIGN, MAX_POOL_SLOTS + 1)],
+            vec![SizeClass::new(SLOT_ALIGN, 2_000_000_000)],
+            vec![
+                SizeClass::new(SLOT_ALIGN, MAX_POOL_SLOTS),
+                SizeClass::new(2 * SLOT_ALIGN, 1),
+            ],
+            vec![
+                SizeClass::new(SLOT_ALIGN, usize::MAX),
+                SizeClass::new(2 * SLOT_ALIGN, 1),
+            ],
+        ] {
+            let config = PoolConfig::new(DeviceId(0), classes);
+            assert!(
+                matches!(config.layout(Some), Err(PoolError::InvalidConfig { .. })),
+                "{config:?}"
+            );
+        }
     }
 }

@@ -37,7 +37,8 @@ mod config;
 mod slots;
 
 pub use config::{
-    ClassLayout, ClassStats, PoolConfig, PoolError, PoolStats, SLOT_ALIGN, SizeClass,
+    ClassLayout, ClassStats, MAX_POOL_SLOTS, PoolConfig, PoolError, PoolStats, SLOT_ALIGN,
+    SizeClass,
 };
 pub use slots::{Returned, SlotId, SlotTable, Taken};
 

@@ -122,6 +122,19 @@ pub struct SimulatedMachine {
     pub registration: bool,
 }
 
+/// The most devices `--devices` simulates.
+pub const MAX_DEVICES: u32 = 64;
+
+/// Parses `--devices`: 1 to [`MAX_DEVICES`], checked before anything is made.
+pub fn parse_devices(text: &str) -> Result<u32, String> {
+    match text.trim().parse::<u64>() {
+        Ok(n) if (1..=u64::from(MAX_DEVICES)).contains(&n) => Ok(n as u32),
+        _ => Err(format!(
+            "{text:?} is not a device count from 1 to {MAX_DEVICES}"
+        )),
+    }
+}
+
 /// The simulated machine of `--devices` and `--simulate-host-access`; either is refused for a
 /// backend other than the mock.
 pub fn simulated_machine(

@@ -13,6 +13,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Value, json};
 use tensor_wasm_mem_core::{DeviceId, PlanLimits, PoolConfig, SizeClass};
 use tensor_wasm_mem_mock::MockBackend;
+use tensor_wasm_mem_wasmtime::deadline::{Interruption, NO_DEADLINE};
 use tensor_wasm_mem_wasmtime::wasi::{WasiP1Ctx, add_wasi_to_linker};
 use tensor_wasm_mem_wasmtime::wasmtime::{
     self, Config, Engine, InstanceAllocationStrategy, InstancePre, Linker, Module,
@@ -141,6 +142,10 @@ enum Setup {
     TwmDeviceGuarded,
     /// The same from a guarded slot pool.
     TwmDeviceGuardedPooled,
+    /// `TwmFresh` with epoch interruption compiled in (what `twm run --timeout` costs).
+    TwmEpochs,
+    /// `TwmFresh` with fuel compiled in (what `twm run --fuel` costs).
+    TwmFuel,
 }
 
 /// The simulated machine the device-guarded setups run on: one device with pageable memory
@@ -170,6 +175,8 @@ impl Setup {
             Self::TwmGuarded => "twm_guarded",
             Self::TwmDeviceGuarded => "twm_device_guarded",
             Self::TwmDeviceGuardedPooled => "twm_device_guarded_pooled",
+            Self::TwmEpochs => "twm_checked_epochs",
+            Self::TwmFuel => "twm_checked_fuel",
         }
     }
 
@@ -183,6 +190,8 @@ impl Setup {
             Self::TwmGuarded,
             Self::TwmDeviceGuarded,
             Self::TwmDeviceGuardedPooled,
+            Self::TwmEpochs,
+            Self::TwmFuel,
         ]
         .into_iter()
         .find(|s| s.key() == key)
@@ -204,10 +213,12 @@ impl Setup {
                 config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling));
                 Engine::new(&config)
             }
-            Self::TwmFresh => fresh_engine(mock()),
+            Self::TwmFresh => fresh_engine(mock(), Interruption::NONE),
+            Self::TwmEpochs => fresh_engine(mock(), Interruption::EPOCHS),
+            Self::TwmFuel => fresh_engine(mock(), Interruption::FUEL),
             Self::TwmPooled | Self::TwmPooledWasi => pooled_engine(mock(), slots),
             Self::TwmGuarded => GuardedHostCreator::new(PlanLimits::default()).engine(),
-            Self::TwmDeviceGuarded => fresh_engine(pageable_mock()),
+            Self::TwmDeviceGuarded => fresh_engine(pageable_mock(), Interruption::NONE),
             Self::TwmDeviceGuardedPooled => pooled_engine(pageable_mock(), slots),
         };
         engine.map_err(other)
@@ -217,8 +228,9 @@ impl Setup {
 /// An engine whose creator on `backend` makes a fresh memory each time (of the backing the
 /// backend's devices call for). These rows measure the creator for Stores of no tenant, as
 /// Wasmtime's rows do (untenanted memories allowed); the tenant's own path is measured apart.
-fn fresh_engine(backend: Arc<MockBackend>) -> wasmtime::Result<Engine> {
+fn fresh_engine(backend: Arc<MockBackend>, interruption: Interruption) -> wasmtime::Result<Engine> {
     TensorWasmMemoryCreator::builder(backend)
+        .interruption(interruption)
         .allow_untenanted()
         .build()
         .map_err(wasmtime::Error::new)?
@@ -404,6 +416,10 @@ fn guest_loop_ms(
         for engine in &engines {
             let pre = pre(engine, &wat)?;
             let mut store = Store::new(engine, ());
+            // With interruption compiled in: no deadline, fuel enough (the checks run, never
+            // fire). Without, these are no-ops (and the fuel call an error to ignore).
+            store.set_epoch_deadline(NO_DEADLINE);
+            let _ = store.set_fuel(u64::MAX);
             let instance = pre.instantiate(&mut store).map_err(other)?;
             let sum = instance
                 .get_typed_func::<i32, i32>(&mut store, "sum")
@@ -638,6 +654,8 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         (Setup::TwmFresh, "twm_checked", Some(1.3)),
         (Setup::TwmGuarded, "twm_guarded", Some(1.05)),
         (Setup::TwmDeviceGuarded, "twm_device_guarded", Some(1.05)),
+        (Setup::TwmEpochs, "twm_checked_epochs", None),
+        (Setup::TwmFuel, "twm_checked_fuel", None),
     ];
     let backing = device_guarded_backing();
     let details = [(false, false), (true, false), (false, true), (true, true)];
@@ -729,6 +747,8 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
                 "twm_checked": loop_get("twm_checked"),
                 "twm_guarded": loop_get("twm_guarded"),
                 "twm_device_guarded": loop_get("twm_device_guarded"),
+                "twm_checked_epochs": loop_get("twm_checked_epochs"),
+                "twm_checked_fuel": loop_get("twm_checked_fuel"),
             },
             "device_guarded_backing": backing.name(),
             "guest_loop_detail_ms": detail,

@@ -57,7 +57,7 @@ pub struct DemoArgs {
     pub backend: BackendKind,
     /// Simulate this many devices (`--backend mock` only; default 1) and spread the tenants
     /// over them, at least one per device.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = crate::backend::parse_devices)]
     pub devices: Option<u32>,
 }
 

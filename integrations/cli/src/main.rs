@@ -8,8 +8,11 @@ mod demo;
 mod probe;
 mod report;
 mod run;
+mod watchdog;
 
 use std::ffi::OsString;
+use std::io::Write;
+use std::path::Path;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -87,14 +90,57 @@ fn probe_command(args: &probe::ProbeArgs) -> Result<(), Failure> {
     })
 }
 
+/// Prints a command-line error (or the help clap answers with), its minus signs as given.
+fn print_parse_error(e: &clap::Error) -> ExitCode {
+    let text = e.render().to_string().replace(NEGATIVE, "-");
+    let (code, written) = if e.use_stderr() {
+        (2, write!(std::io::stderr(), "{text}"))
+    } else {
+        (0, write!(std::io::stdout(), "{text}"))
+    };
+    ExitCode::from(if written.is_err() { 1 } else { code })
+}
+
+/// Whether the process's stdout is open. Rust's runtime gives a process started with its
+/// stdout closed (`>&-`) a `/dev/null` opened for reading and writing in its place, which
+/// swallows every write: results would vanish while the exit status said they were printed.
+/// A shell's `>/dev/null` opens it write-only, so only the runtime's stand-in is taken for a
+/// closed stdout (seen through Linux's `/proc`; elsewhere stdout is taken as open).
+fn stdout_is_open() -> bool {
+    let null = std::fs::read_link("/proc/self/fd/1").is_ok_and(|p| p == Path::new("/dev/null"));
+    let read_write = std::fs::read_to_string("/proc/self/fdinfo/1").is_ok_and(|info| {
+        info.lines()
+            .find_map(|l| l.strip_prefix("flags:"))
+            .and_then(|f| u32::from_str_radix(f.trim(), 8).ok())
+            .is_some_and(|flags| flags & 0o3 == 0o2)
+    });
+    !(null && read_write)
+}
+
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse_from(negative_numbers_as_values(std::env::args_os())) {
+    let args = negative_numbers_as_values(std::env::args_os());
+    let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
         Err(e) => {
-            let _ = e.print();
-            return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
+            let json = args.iter().any(|a| a == "--json");
+            let run = args.get(1).is_some_and(|a| a == "run");
+            if json && run && e.use_stderr() {
+                let rendered = e.render().to_string().replace(NEGATIVE, "-");
+                let first = rendered.lines().next().unwrap_or_default();
+                let message = first.strip_prefix("error: ").unwrap_or(first);
+                let _ = writeln!(
+                    std::io::stdout(),
+                    "{}",
+                    run::early_report("", "", 2, message)
+                );
+            }
+            return print_parse_error(&e);
         }
     };
+    if !stdout_is_open() {
+        eprintln!("twm: stdout is closed: results would be lost");
+        return ExitCode::from(1);
+    }
     let result = match &cli.command {
         Command::Demo(args) => backend::simulated_machine(args.backend, args.devices, None)
             .and_then(|sim| with_backend!(args.backend, sim, |b| demo::demo(b))),
@@ -105,6 +151,19 @@ fn main() -> ExitCode {
         Command::Probe(args) => probe_command(args),
         Command::Bench(args) => bench::bench(args),
     };
+    if let (Command::Run(args), Err(failure)) = (&cli.command, &result)
+        && args.json
+        && !run::REPORTED.load(std::sync::atomic::Ordering::Acquire)
+    {
+        let report = run::early_report(
+            &args.file.display().to_string(),
+            args.backend.name(),
+            failure.exit_code(),
+            failure.message(),
+        );
+        // A stdout that cannot take it fails below with the failure's own status.
+        let _ = writeln!(std::io::stdout(), "{report}");
+    }
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(failure) => {

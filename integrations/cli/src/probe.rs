@@ -17,7 +17,7 @@ pub struct ProbeArgs {
     #[arg(long)]
     pub json: bool,
     /// Simulate this many devices (`--backend mock` only; default 1).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = crate::backend::parse_devices)]
     pub devices: Option<u32>,
     /// How the simulated devices reach host memory (`--backend mock` only; default none).
     #[arg(long, value_enum, value_name = "ACCESS")]
@@ -29,6 +29,29 @@ fn peers<B: Backend>(backend: &B, device: DeviceId) -> Vec<u32> {
     (0..backend.device_count())
         .filter(|&p| backend.can_access_peer(device, DeviceId(p)))
         .collect()
+}
+
+/// `peers` as ranges (`0-2,5`): a line as long as the gaps, not the devices.
+fn ranges(peers: &[u32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < peers.len() {
+        let start = peers[i];
+        while i + 1 < peers.len() && peers[i + 1] == peers[i] + 1 {
+            i += 1;
+        }
+        out.push(if peers[i] == start {
+            start.to_string()
+        } else {
+            format!("{start}-{}", peers[i])
+        });
+        i += 1;
+    }
+    if out.is_empty() {
+        "-".into()
+    } else {
+        out.join(",")
+    }
 }
 
 /// Describes a backend that started.
@@ -112,10 +135,6 @@ pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out:
             "host registration"
         );
         for r in &reports {
-            let list: Vec<String> = peers(backend, r.device)
-                .iter()
-                .map(u32::to_string)
-                .collect();
             println!(
                 "{:<8} {:>10} {:>10} {:>18} {:>16} {:>18}  {}",
                 r.device.0,
@@ -124,12 +143,19 @@ pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out:
                 yes(r.concurrent_managed_access),
                 yes(r.pageable_memory_access),
                 yes(registration(r.device)),
-                if list.is_empty() {
-                    "-".to_string()
-                } else {
-                    list.join(",")
-                }
+                ranges(&peers(backend, r.device))
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn peers_as_ranges() {
+        assert_eq!(super::ranges(&[]), "-");
+        assert_eq!(super::ranges(&[3]), "3");
+        assert_eq!(super::ranges(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
+        assert_eq!(super::ranges(&(1..64).collect::<Vec<_>>()), "1-63");
     }
 }

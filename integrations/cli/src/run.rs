@@ -1,15 +1,20 @@
 //! `twm run`: instantiate a `.wat` / `.wasm` file on managed memory and invoke an export.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 use tensor_wasm_mem_core::{DeviceId, IsolationLevel, PlanLimits, PoolConfig, SizeClass};
-use tensor_wasm_mem_wasmtime::wasi::{
-    FsPerms, WasiCtxBuilder, WasiP1Ctx, add_wasi_to_linker, imports_wasi,
+use tensor_wasm_mem_wasmtime::deadline::{
+    EpochTicker, Interruption, call_with_fuel, is_out_of_fuel, is_timeout,
 };
-use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module, Trap, Val, ValType};
+use tensor_wasm_mem_wasmtime::wasi::{
+    FsPerms, LimitedWasi, WasiCtxBuilder, WasiLimits, add_wasi_to_linker, imports_wasi,
+};
+use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module, Store, Trap, Val, ValType};
 use tensor_wasm_mem_wasmtime::{
     Backend, ChargeMode, Tenant, TenantBudgets, TenantStore, TensorWasmMemoryCreator, TwmError,
     add_to_linker, instantiate, new_store,
@@ -17,6 +22,19 @@ use tensor_wasm_mem_wasmtime::{
 
 use crate::backend::BackendKind;
 use crate::report::{creator_json, stats_table, tenant_json};
+use crate::watchdog::{TIMEOUT_EXIT, Watchdog, tick_for};
+
+/// The most slots `--pool` takes (each slot's records are host memory made up front).
+pub const MAX_POOL: u32 = 65_536;
+/// The most runs `--repeat` takes.
+pub const MAX_REPEAT: u32 = 1_000_000;
+/// The largest module file `twm run` reads (a larger file, or an endless one such as
+/// `/dev/zero`, is refused after this many bytes).
+pub const MAX_MODULE_BYTES: u64 = 256 << 20;
+
+/// Whether the JSON report (`--json`) has been printed: a failure before it prints an object
+/// of its own (see `main`).
+pub static REPORTED: AtomicBool = AtomicBool::new(false);
 
 /// `twm run` arguments.
 #[derive(Debug, clap::Args)]
@@ -52,16 +70,38 @@ pub struct RunArgs {
     /// The tenant's isolation level.
     #[arg(long, value_name = "LEVEL", default_value = "stream_isolated", value_parser = parse_isolation)]
     pub isolation: IsolationLevel,
-    /// Take memories from a pool of this many slots (each of --memory-limit bytes).
-    #[arg(long, value_name = "SLOTS")]
-    pub pool: Option<usize>,
+    /// Take memories from a pool of this many slots (each of --memory-limit bytes; at most
+    /// 65536).
+    #[arg(long, value_name = "SLOTS", value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_POOL)))]
+    pub pool: Option<u32>,
     /// The most bytes one linear memory may have (at most 4GiB); also the capacity of memories
     /// that declare no maximum (what clang's C programs declare).
     #[arg(long, value_name = "BYTES", default_value = "256MiB", value_parser = crate::bytes::parse_bytes)]
     pub memory_limit: u64,
-    /// Instantiate and invoke this many times, one after another, reusing the pool.
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    /// Instantiate and invoke this many times, one after another, reusing the pool (at most
+    /// 1000000).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_REPEAT)))]
     pub repeat: u32,
+    /// End each run (instantiation and call) that takes longer than DURATION (`500ms`, `10s`,
+    /// `2m`; 1ms to 24h), with exit status 124: guest code is interrupted (epoch
+    /// interruption), and a guest blocked in a host call (a WASI sleep) ends the process.
+    #[arg(long, value_name = "DURATION", value_parser = crate::watchdog::parse_duration)]
+    pub timeout: Option<Duration>,
+    /// Give each run N units of fuel (about one a Wasm instruction); a guest that spends it
+    /// traps (exit status 3).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub fuel: Option<u64>,
+    /// Descriptors a WASI guest may hold open, preopens included (1 to 65536; default 256):
+    /// past them, opening a file answers EMFILE.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub wasi_max_fds: Option<u32>,
+    /// Subscriptions one WASI `poll_oneoff` may pass (1 to 65536; default 256): more is EINVAL.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub wasi_max_poll: Option<u32>,
+    /// Entries a WASI guest's resource table may hold: descriptors, streams, pollables (1 to
+    /// 1000000; default 1024). A call that would pass it traps.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub wasi_max_resources: Option<u32>,
     /// Print the stats table to stderr.
     #[arg(long)]
     pub stats: bool,
@@ -73,8 +113,8 @@ pub struct RunArgs {
     /// The device the tenant is placed on (its memories, pool slots and stream).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub device: u32,
-    /// Simulate this many devices (`--backend mock` only; default 1).
-    #[arg(long, value_name = "N")]
+    /// Simulate this many devices (`--backend mock` only; 1 to 64, default 1).
+    #[arg(long, value_name = "N", value_parser = crate::backend::parse_devices)]
     pub devices: Option<u32>,
     /// How the simulated devices reach host memory (`--backend mock` only; default none).
     #[arg(long, value_enum, value_name = "ACCESS")]
@@ -89,9 +129,13 @@ pub struct RunArgs {
     /// An environment variable for a WASI guest (repeatable).
     #[arg(long = "env", value_name = "NAME=VALUE")]
     pub env: Vec<String>,
-    /// Preopen a host directory for a WASI guest, at GUEST (default: the same path); repeatable.
+    /// Preopen a host directory for a WASI guest, at GUEST (default: the same path); the guest
+    /// may read, create, change and delete files in it. Repeatable.
     #[arg(long = "dir", value_name = "HOST[::GUEST]")]
     pub dirs: Vec<String>,
+    /// Preopen a host directory read-only: the guest may read it, never change it. Repeatable.
+    #[arg(long = "dir-ro", value_name = "HOST[::GUEST]")]
+    pub dirs_ro: Vec<String>,
     /// Arguments for a WASI guest's `argv` (after `--`; `argv[0]` is the module's file name).
     #[arg(last = true, value_name = "GUEST_ARGS")]
     pub guest_args: Vec<String>,
@@ -103,7 +147,8 @@ pub struct RunArgs {
 struct WasiSetup {
     argv: Vec<String>,
     env: Vec<(String, String)>,
-    dirs: Vec<(PathBuf, String)>,
+    dirs: Vec<(PathBuf, String, FsPerms)>,
+    limits: WasiLimits,
 }
 
 impl WasiSetup {
@@ -121,30 +166,45 @@ impl WasiSetup {
             env.retain(|(name, _)| name != k);
             env.push((k.to_owned(), v.to_owned()));
         }
-        let dirs = args
-            .dirs
+        let writable = args.dirs.iter().map(|d| ("--dir", d, FsPerms::ReadWrite));
+        let read_only = args
+            .dirs_ro
             .iter()
-            .map(|spec| {
+            .map(|d| ("--dir-ro", d, FsPerms::ReadOnly));
+        let dirs = writable
+            .chain(read_only)
+            .map(|(flag, spec, perms)| {
                 let (host, guest) = spec.split_once("::").unwrap_or((spec, spec));
                 if host.is_empty() || guest.is_empty() {
                     return Err(Failure::Usage(format!(
-                        "--dir {spec:?}: expected HOST or HOST::GUEST"
+                        "{flag} {spec:?}: expected HOST or HOST::GUEST"
                     )));
                 }
                 if !std::path::Path::new(host).is_dir() {
                     return Err(Failure::Usage(format!(
-                        "--dir {spec:?}: {host} is not a directory"
+                        "{flag} {spec:?}: {host} is not a directory"
                     )));
                 }
-                Ok((PathBuf::from(host), guest.to_owned()))
+                Ok((PathBuf::from(host), guest.to_owned(), perms))
             })
             .collect::<Result<_, _>>()?;
-        Ok(Self { argv, env, dirs })
+        let defaults = WasiLimits::DEFAULT;
+        let limits = WasiLimits {
+            descriptors: args.wasi_max_fds.unwrap_or(defaults.descriptors),
+            poll_subscriptions: args.wasi_max_poll.unwrap_or(defaults.poll_subscriptions),
+            resources: args.wasi_max_resources.unwrap_or(defaults.resources),
+        };
+        Ok(Self {
+            argv,
+            env,
+            dirs,
+            limits,
+        })
     }
 
     /// A fresh WASI context for one Store. With `--json`, the guest's stdout goes to stderr, so
     /// that twm's stdout is the one JSON object and nothing a guest prints can forge it.
-    fn context(&self, json: bool) -> Result<WasiP1Ctx, Failure> {
+    fn context(&self, json: bool) -> Result<LimitedWasi, Failure> {
         let mut builder = WasiCtxBuilder::new();
         builder.inherit_stdio().args(&self.argv);
         if json {
@@ -153,14 +213,15 @@ impl WasiSetup {
         for (k, v) in &self.env {
             builder.env(k, v);
         }
-        for (host, guest) in &self.dirs {
-            builder
-                .preopened_dir(host, guest, FsPerms::ReadWrite)
-                .map_err(|e| {
-                    Failure::Usage(format!("--dir: cannot open {}: {e:#}", host.display()))
-                })?;
+        for (host, guest, perms) in &self.dirs {
+            builder.preopened_dir(host, guest, *perms).map_err(|e| {
+                Failure::Usage(format!("--dir: cannot open {}: {e:#}", host.display()))
+            })?;
         }
-        Ok(builder.build_p1())
+        Ok(LimitedWasi {
+            ctx: builder.build_p1(),
+            limits: self.limits,
+        })
     }
 }
 
@@ -181,6 +242,8 @@ pub enum Failure {
     Refused(String),
     /// Exit 1: anything else.
     Other(String),
+    /// Exit 124: a run passed its `--timeout`.
+    Timeout(String),
     /// A WASI guest called `proc_exit` with this status: `twm run` exits with it.
     Exit(i32),
 }
@@ -192,6 +255,7 @@ impl Failure {
             Self::Usage(_) => 2,
             Self::Trap(_) => 3,
             Self::Refused(_) => 4,
+            Self::Timeout(_) => TIMEOUT_EXIT,
             // WASI preview 1 passes statuses 0..=125 (it refuses larger ones, an error: 1).
             Self::Exit(code) => u8::try_from(*code).unwrap_or(1),
         }
@@ -200,7 +264,11 @@ impl Failure {
     /// What `twm` prints to stderr (nothing for a guest's own exit status).
     pub fn message(&self) -> &str {
         match self {
-            Self::Usage(m) | Self::Trap(m) | Self::Refused(m) | Self::Other(m) => m,
+            Self::Usage(m)
+            | Self::Trap(m)
+            | Self::Refused(m)
+            | Self::Other(m)
+            | Self::Timeout(m) => m,
             Self::Exit(_) => "",
         }
     }
@@ -210,6 +278,10 @@ impl Failure {
     fn of_call(what: &str, error: &wasmtime::Error) -> Self {
         if let Some(code) = tensor_wasm_mem_wasmtime::wasi::exit_code(error) {
             Self::Exit(code)
+        } else if is_timeout(error) {
+            Self::Timeout(format!("{what} timed out (--timeout)"))
+        } else if is_out_of_fuel(error) {
+            Self::Trap(format!("{what} ran out of fuel (--fuel)"))
         } else if is_trap(error) {
             Self::Trap(format!("{what} trapped: {error:#}"))
         } else {
@@ -297,54 +369,27 @@ fn show(val: &Val) -> (String, Value) {
     }
 }
 
-/// Runs `args` on `backend`; prints results to stdout (and stats to stderr).
-pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
-    let limits = PlanLimits::new(args.memory_limit)
-        .and_then(|l| l.with_default_maximum(args.memory_limit))
-        .map_err(|e| Failure::Usage(e.to_string()))?;
-    if args.repeat == 0 {
-        return Err(Failure::Usage("--repeat must be at least 1".into()));
-    }
-    let bytes = std::fs::read(&args.file)
-        .map_err(|e| Failure::Other(format!("cannot read {}: {e}", args.file.display())))?;
-    let count = backend.device_count();
-    if args.device >= count {
+/// Reads the module file, at most [`MAX_MODULE_BYTES`] of it.
+fn read_module(path: &std::path::Path) -> Result<Vec<u8>, Failure> {
+    let cannot = |e: std::io::Error| Failure::Other(format!("cannot read {}: {e}", path.display()));
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .map_err(cannot)?
+        .take(MAX_MODULE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(cannot)?;
+    if bytes.len() as u64 > MAX_MODULE_BYTES {
         return Err(Failure::Usage(format!(
-            "--device {}: the {} backend has {count} device(s) (0 to {})",
-            args.device,
-            args.backend,
-            count.saturating_sub(1)
+            "{}: larger than {} bytes, the most a module may be",
+            path.display(),
+            MAX_MODULE_BYTES
         )));
     }
-    let mut builder = TensorWasmMemoryCreator::builder(backend)
-        .limits(limits)
-        .device(DeviceId(args.device));
-    if let Some(backing) = args.backing {
-        builder = builder.backing(backing);
-    }
-    if let Some(slots) = args.pool {
-        if slots == 0 {
-            return Err(Failure::Usage("--pool needs at least one slot".into()));
-        }
-        let slot_bytes = usize::try_from(limits.per_memory_limit())
-            .map_err(|_| Failure::Usage("--memory-limit does not fit this host".into()))?;
-        builder = builder.pool(PoolConfig::new(
-            DeviceId(0),
-            [SizeClass::new(slot_bytes, slots)],
-        ));
-    }
-    let creator = builder
-        .build()
-        .map_err(|e| Failure::Other(format!("cannot set up memory: {e}")))?;
-    let engine = creator
-        .engine()
-        .map_err(|e| Failure::Other(format!("cannot build the engine: {e:#}")))?;
-    let module = Module::new(&engine, &bytes)
-        .map_err(|e| Failure::Other(format!("{}: {e:#}", args.file.display())))?;
-    let wasi = WasiSetup::parse(args)?;
-    let mut linker = Linker::new(&engine);
-    add_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
-    add_wasi_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
+    Ok(bytes)
+}
+
+/// The tenant's budgets from the command line.
+fn budgets(args: &RunArgs) -> TenantBudgets {
     let mut budgets = match args.tenant_cap {
         // One memory of the configured limit (a C program's whole capacity, or a pool slot)
         // and its tables always fit the default held budget.
@@ -357,13 +402,159 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
     if let Some(memories) = args.tenant_memories {
         budgets.memories = memories;
     }
-    let tenant = Tenant::with_devices(1, "cli", budgets, args.isolation, &[DeviceId(args.device)])
-        .map_err(|e| Failure::Other(e.to_string()))?;
+    budgets
+}
 
+/// The creator `args` ask for: limits, device, backing, pool, interruption.
+fn creator<B: Backend>(
+    backend: Arc<B>,
+    args: &RunArgs,
+) -> Result<TensorWasmMemoryCreator<B>, Failure> {
+    let limits = PlanLimits::new(args.memory_limit)
+        .and_then(|l| l.with_default_maximum(args.memory_limit))
+        .map_err(|e| Failure::Usage(e.to_string()))?;
+    let count = backend.device_count();
+    if args.device >= count {
+        return Err(Failure::Usage(format!(
+            "--device {}: the {} backend has {count} device(s) (0 to {})",
+            args.device,
+            args.backend,
+            count.saturating_sub(1)
+        )));
+    }
+    let mut builder = TensorWasmMemoryCreator::builder(backend)
+        .limits(limits)
+        .device(DeviceId(args.device))
+        .interruption(Interruption {
+            epochs: args.timeout.is_some(),
+            fuel: args.fuel.is_some(),
+        });
+    if let Some(backing) = args.backing {
+        builder = builder.backing(backing);
+    }
+    if let Some(slots) = args.pool {
+        let slot_bytes = usize::try_from(limits.per_memory_limit())
+            .map_err(|_| Failure::Usage("--memory-limit does not fit this host".into()))?;
+        builder = builder.pool(PoolConfig::new(
+            DeviceId(0),
+            [SizeClass::new(slot_bytes, slots as usize)],
+        ));
+    }
+    builder
+        .build()
+        .map_err(|e| Failure::Other(format!("cannot set up memory: {e}")))
+}
+
+/// What stops a run: its deadline (the engine's epoch ticker and the process's watchdog) and
+/// its fuel.
+struct RunLimits {
+    deadline: Option<(EpochTicker, Watchdog, Duration)>,
+    fuel: Option<u64>,
+}
+
+impl RunLimits {
+    fn start(engine: &wasmtime::Engine, args: &RunArgs) -> Result<Self, Failure> {
+        let deadline = match args.timeout {
+            None => None,
+            Some(timeout) => {
+                let ticker = EpochTicker::start(engine, tick_for(timeout))
+                    .map_err(|e| Failure::Other(e.to_string()))?;
+                let (json, file, backend) = (
+                    args.json,
+                    args.file.display().to_string(),
+                    args.backend.name(),
+                );
+                let watchdog = Watchdog::start(move |_| {
+                    let message = format!(
+                        "timed out after {timeout:?} (the guest was in a host call, which \
+                         cannot be interrupted: the process ends)"
+                    );
+                    if json {
+                        println!("{}", early_report(&file, backend, TIMEOUT_EXIT, &message));
+                    }
+                    eprintln!("twm: {message}");
+                })
+                .map_err(|e| Failure::Other(format!("cannot start the watchdog: {e}")))?;
+                Some((ticker, watchdog, timeout))
+            }
+        };
+        Ok(Self {
+            deadline,
+            fuel: args.fuel,
+        })
+    }
+
+    /// Runs `guest` on `store` within the deadline and the fuel.
+    fn within<T: 'static, R>(
+        &self,
+        store: &mut Store<T>,
+        guest: impl FnOnce(&mut Store<T>) -> R,
+    ) -> Result<R, Failure> {
+        let timed = |store: &mut Store<T>| match &self.deadline {
+            Some((ticker, watchdog, timeout)) => {
+                // The watchdog fires only when the deadline could not: a little after it.
+                watchdog.arm(*timeout + ticker.tick() * 2 + Duration::from_millis(250));
+                let result = ticker.call_within(store, *timeout, |store| Ok(guest(store)));
+                watchdog.disarm();
+                result
+            }
+            None => Ok(guest(store)),
+        };
+        match self.fuel {
+            Some(fuel) => call_with_fuel(store, fuel, timed),
+            None => timed(store),
+        }
+        .map_err(|e| Failure::Other(format!("{e:#}")))
+    }
+}
+
+/// The JSON object of a run that failed before its report: what `--json` prints instead.
+pub fn early_report(file: &str, backend: &str, exit_code: u8, message: &str) -> Value {
+    json!({
+        "file": file,
+        "backend": backend,
+        "runs": [],
+        "error": {"exit_code": exit_code, "message": message},
+        "tenant": null,
+        "creator": null,
+        "metrics": null,
+    })
+}
+
+/// Runs `args` on `backend`; prints results to stdout (and stats to stderr).
+pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
+    let bytes = read_module(&args.file)?;
+    let creator = creator(backend, args)?;
+    let engine = creator
+        .engine()
+        .map_err(|e| Failure::Other(format!("cannot build the engine: {e:#}")))?;
+    let module = Module::new(&engine, &bytes)
+        .map_err(|e| Failure::Other(format!("{}: {e:#}", args.file.display())))?;
+    let wasi = WasiSetup::parse(args)?;
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
+    add_wasi_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
+    let tenant = Tenant::with_devices(
+        1,
+        "cli",
+        budgets(args),
+        args.isolation,
+        &[DeviceId(args.device)],
+    )
+    .map_err(|e| Failure::Other(e.to_string()))?;
+    let limits = RunLimits::start(&engine, args)?;
+    let setup = RunSetup {
+        linker: &linker,
+        module: &module,
+        creator: &creator,
+        tenant: &tenant,
+        wasi: &wasi,
+        limits: &limits,
+    };
     let mut runs = Vec::new();
     let mut outcome = Ok(());
     for _ in 0..args.repeat {
-        match run_once(&engine, &linker, &module, &creator, &tenant, &wasi, args) {
+        match run_once(&engine, &setup, args) {
             Ok(results) => {
                 if !args.json {
                     for (text, _) in &results {
@@ -380,15 +571,27 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
             }
         }
     }
+    drop(limits);
+    report(args, &tenant, &creator, runs, outcome)
+}
+
+/// Prints what the runs left: the stats (stderr), the metrics and the JSON report.
+fn report<B: Backend>(
+    args: &RunArgs,
+    tenant: &Tenant,
+    creator: &TensorWasmMemoryCreator<B>,
+    runs: Vec<Value>,
+    outcome: Result<(), Failure>,
+) -> Result<(), Failure> {
     if args.stats {
         // Stats are a courtesy: a stderr that cannot be written to does not fail the run.
         let _ = write!(
             std::io::stderr(),
             "{}",
-            stats_table(&[tenant.stats()], &creator)
+            stats_table(&[tenant.stats()], creator)
         );
     }
-    let metrics = args.metrics.then(|| prometheus_text(&tenant, &creator));
+    let metrics = args.metrics.then(|| prometheus_text(tenant, creator));
     if let Some(text) = metrics.as_ref().filter(|_| !args.json) {
         out(text.trim_end())?;
     }
@@ -406,6 +609,7 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
             "creator": creator_json(&creator.stats()),
             "metrics": metrics,
         });
+        REPORTED.store(true, Ordering::Release);
         out(&report.to_string())?;
     }
     outcome
@@ -445,30 +649,50 @@ fn nullary<T>(
         })
 }
 
+/// What every run of one `twm run` shares.
+struct RunSetup<'a, B: Backend> {
+    linker: &'a Linker<TenantStore<B, Option<LimitedWasi>>>,
+    module: &'a Module,
+    creator: &'a TensorWasmMemoryCreator<B>,
+    tenant: &'a Arc<Tenant>,
+    wasi: &'a WasiSetup,
+    limits: &'a RunLimits,
+}
+
 fn run_once<B: Backend>(
     engine: &wasmtime::Engine,
-    linker: &Linker<TenantStore<B, Option<WasiP1Ctx>>>,
-    module: &Module,
-    creator: &TensorWasmMemoryCreator<B>,
-    tenant: &Arc<Tenant>,
-    wasi: &WasiSetup,
+    setup: &RunSetup<'_, B>,
     args: &RunArgs,
 ) -> Result<Vec<(String, Value)>, Failure> {
     // WASI state is made for guests that import WASI; others pay nothing for it.
-    let wasi = if imports_wasi(module) {
-        Some(wasi.context(args.json)?)
+    let wasi = if imports_wasi(setup.module) {
+        Some(setup.wasi.context(args.json)?)
     } else {
         None
     };
     let mut store = new_store(
         engine,
-        TenantStore::new(creator, tenant, ChargeMode::Touched, wasi),
+        TenantStore::new(setup.creator, setup.tenant, ChargeMode::Touched, wasi),
     );
-    let instance = instantiate(&mut store, linker, module).map_err(|e| {
+    setup
+        .limits
+        .within(&mut store, |store| guest_calls(store, setup, args))?
+}
+
+/// Instantiates the module in `store` and makes the calls `args` ask for.
+fn guest_calls<B: Backend>(
+    mut store: &mut Store<TenantStore<B, Option<LimitedWasi>>>,
+    setup: &RunSetup<'_, B>,
+    args: &RunArgs,
+) -> Result<Vec<(String, Value)>, Failure> {
+    let instance = instantiate(&mut store, setup.linker, setup.module).map_err(|e| {
         if let Some(code) = tensor_wasm_mem_wasmtime::wasi::exit_code(&e) {
             Failure::Exit(code)
         } else if is_trap(&e) {
-            Failure::Trap(format!("trapped during instantiation: {e:#}"))
+            match Failure::of_call("instantiation", &e) {
+                Failure::Trap(_) => Failure::Trap(format!("trapped during instantiation: {e:#}")),
+                other => other,
+            }
         } else if let Some(twm) = e.downcast_ref::<TwmError>() {
             Failure::Refused(format!("instantiation refused: {twm}"))
         } else {
@@ -477,14 +701,14 @@ fn run_once<B: Backend>(
     })?;
     // A reactor module (`-mexec-model=reactor`) is initialised before anything is called, as
     // `wasmtime run` does.
-    if let Some(init) = nullary(&mut store, &instance, "_initialize")? {
+    if let Some(init) = nullary(store, &instance, "_initialize")? {
         init.call(&mut store, ())
             .map_err(|e| Failure::of_call("_initialize", &e))?;
     }
     let Some(name) = &args.invoke else {
         // A command module (clang, wasm32-wasip1) runs its `_start`; anything else was only
         // to be instantiated.
-        return match nullary(&mut store, &instance, "_start")? {
+        return match nullary(store, &instance, "_start")? {
             Some(start) => start
                 .call(&mut store, ())
                 .map(|()| Vec::new())

@@ -557,3 +557,156 @@ fn table_growth_attacks_hold_no_more_than_the_cap_under_twm_run() {
     assert_eq!(report["tenant"]["peak_bytes"], 0, "{report}");
     assert_eq!(report["tenant"]["held_peak_bytes"], 0, "{report}");
 }
+
+const SPIN: &str = r#"(module
+  (memory 1)
+  (func (export "spin") (loop (br 0)))
+  (func (export "_start") (loop (br 0))))"#;
+
+/// A WASI guest that sleeps for 10^5 seconds in `poll_oneoff` (a host call).
+const SLEEP: &str = r#"(module
+  (import "wasi_snapshot_preview1" "poll_oneoff"
+    (func $poll (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (func (export "_start")
+    (i32.store (i32.const 16) (i32.const 1))
+    (i64.store (i32.const 24) (i64.const 100000000000000))
+    (drop (call $poll (i32.const 0) (i32.const 64) (i32.const 1) (i32.const 128)))))"#;
+
+#[test]
+fn timeout_ends_an_endless_loop_and_a_long_sleep_with_status_124() {
+    let spin = module_file("spin.wat", SPIN.as_bytes());
+    let sleep = module_file("sleep.wat", SLEEP.as_bytes());
+    for args in [
+        vec![
+            "run",
+            spin.to_str().unwrap(),
+            "--invoke",
+            "spin",
+            "--timeout",
+            "200ms",
+        ],
+        vec!["run", spin.to_str().unwrap(), "--timeout", "200ms"],
+        vec![
+            "run",
+            spin.to_str().unwrap(),
+            "--timeout",
+            "0.2s",
+            "--repeat",
+            "3",
+        ],
+        vec!["run", sleep.to_str().unwrap(), "--timeout", "300ms"],
+    ] {
+        let started = std::time::Instant::now();
+        let o = twm(&args);
+        let took = started.elapsed();
+        assert_eq!(o.status.code(), Some(124), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains("timed out"), "{}", stderr(&o));
+        assert!(
+            took < std::time::Duration::from_secs(10),
+            "{args:?} took {took:?}"
+        );
+    }
+    // With --json, one object saying so, whichever way the run ended.
+    for module in [&spin, &sleep] {
+        let o = twm(&[
+            "run",
+            module.to_str().unwrap(),
+            "--timeout",
+            "200ms",
+            "--json",
+        ]);
+        assert_eq!(o.status.code(), Some(124));
+        let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("one object");
+        assert_eq!(v["error"]["exit_code"], 124, "{v}");
+    }
+    // A run within its timeout is untouched.
+    assert_eq!(
+        run(&["--invoke", "add", "2", "3", "--timeout", "10s"]),
+        (0, "5\n".into(), String::new())
+    );
+}
+
+#[test]
+fn fuel_ends_a_loop_as_a_trap() {
+    let spin = module_file("spin.wat", SPIN.as_bytes());
+    let o = twm(&[
+        "run",
+        spin.to_str().unwrap(),
+        "--invoke",
+        "spin",
+        "--fuel",
+        "100000",
+    ]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("ran out of fuel"), "{}", stderr(&o));
+    assert_eq!(
+        run(&["--invoke", "add", "2", "3", "--fuel", "1000"]).1,
+        "5\n"
+    );
+}
+
+#[test]
+fn json_is_one_object_even_when_the_run_fails_before_it_starts() {
+    for args in [
+        vec!["run", "/nonexistent/module.wat", "--json"],
+        vec!["run", "/dev/zero", "--json"],
+        vec!["run", "x.wat", "--bogus", "--json"],
+    ] {
+        let o = twm(&args);
+        assert_ne!(o.status.code(), Some(0), "{args:?}");
+        let v: serde_json::Value = serde_json::from_str(stdout(&o).trim())
+            .unwrap_or_else(|e| panic!("{args:?}: {e}: {:?}", stdout(&o)));
+        assert_eq!(
+            v["error"]["exit_code"].as_i64(),
+            o.status.code().map(i64::from),
+            "{v}"
+        );
+    }
+}
+
+#[test]
+fn an_endless_module_file_is_refused_after_a_bounded_read() {
+    let o = twm(&["run", "/dev/zero"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("the most a module may be"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn a_closed_stdout_fails_the_run() {
+    let path = module_file("m.wat", MODULE.as_bytes());
+    // `sh -c '... >&-'`: twm starts with file descriptor 1 closed.
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "exec \"$0\" run '{}' --invoke add 1 2 >&-",
+            path.display()
+        ))
+        .arg(env!("CARGO_BIN_EXE_twm"))
+        .output()
+        .expect("sh");
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("stdout is closed"), "{}", stderr(&o));
+    // Redirected to /dev/null on purpose, it is open: the run succeeds.
+    let o = Command::new(env!("CARGO_BIN_EXE_twm"))
+        .args(["run", path.to_str().unwrap(), "--invoke", "add", "1", "2"])
+        .stdout(std::process::Stdio::null())
+        .output()
+        .expect("run twm");
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+#[test]
+fn error_text_shows_minus_signs_as_given() {
+    let (code, _, err) = run(&["--invoke", "add", "-5", "--bogus", "-7"]);
+    assert_eq!(code, 2);
+    assert!(!err.contains('\u{2212}'), "{err}");
+    let o = twm(&["run", "x.wat", "--repeat", "-3"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(!stderr(&o).contains('\u{2212}'), "{}", stderr(&o));
+    assert!(stderr(&o).contains("-3"), "{}", stderr(&o));
+}

@@ -320,7 +320,11 @@ fn run_on_a_device_and_refusals_of_bad_device_options() {
     assert!(err(&o).contains("has 3 device(s)"), "{}", err(&o));
     let o = twm(&["demo", "--devices", "0"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(err(&o).contains("at least one device"), "{}", err(&o));
+    assert!(
+        err(&o).contains("is not a device count from 1 to 64"),
+        "{}",
+        err(&o)
+    );
 }
 
 #[test]

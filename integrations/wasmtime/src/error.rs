@@ -183,6 +183,9 @@ pub enum TwmError {
         /// Its home device.
         device: DeviceId,
     },
+    /// A time or work limit could not be set up (see [`deadline`](crate::deadline)).
+    #[error("interruption: {0}")]
+    Interruption(&'static str),
     /// No device can take a new tenant: every device is full (its committed caps plus this one
     /// would pass its capacity) or unavailable.
     #[error(
@@ -244,6 +247,7 @@ impl TwmError {
             | Self::DeviceNotServed { .. }
             | Self::DeviceMismatch { .. } => ErrorKind::InvalidArgument,
             Self::Unplaceable { .. } => ErrorKind::LimitExceeded,
+            Self::Interruption(_) => ErrorKind::Unsupported,
         }
     }
 

@@ -5,6 +5,7 @@ pub mod backends;
 mod backing;
 mod books;
 mod config;
+pub mod deadline;
 mod error;
 mod guarded;
 mod guarded_region;

@@ -23,6 +23,7 @@ use crate::Backend;
 use crate::backing::Backing;
 use crate::books::{self, MemoryCharge, StoreBooks};
 use crate::config::configure;
+use crate::deadline::Interruption;
 use crate::error::TwmError;
 use crate::guarded_region::{GuardedPool, GuardedRegion};
 use crate::lifecycle::{
@@ -103,6 +104,8 @@ struct CreatorInner<B: Backend> {
     tenant: Option<(Arc<Tenant>, ChargeMode)>,
     /// Memories no tenant pays for are made (else refused with `NoTenant`).
     untenanted: bool,
+    /// What the engines this creator configures compile in to stop guest code.
+    interruption: Interruption,
     /// Live memories by base address.
     registry: Mutex<HashMap<usize, Arc<MemoryRecord<B>>>>,
     /// Memories whose storage the backend refused to release, with their charges.
@@ -172,6 +175,7 @@ pub struct CreatorBuilder<B: Backend> {
     pool: Option<PoolConfig>,
     tenant: Option<(Arc<Tenant>, ChargeMode)>,
     untenanted: bool,
+    interruption: Interruption,
 }
 
 impl<B: Backend> fmt::Debug for CreatorBuilder<B> {
@@ -254,6 +258,16 @@ impl<B: Backend> CreatorBuilder<B> {
         self
     }
 
+    /// Compile deadlines and/or fuel into the engines this creator configures
+    /// ([`install`](TensorWasmMemoryCreator::install), [`engine`](TensorWasmMemoryCreator::engine)):
+    /// see [`deadline`](crate::deadline). Default [`Interruption::NONE`]: each costs a check in
+    /// every guest loop.
+    #[must_use]
+    pub fn interruption(mut self, interruption: Interruption) -> Self {
+        self.interruption = interruption;
+        self
+    }
+
     /// Builds the creator (allocating the pools' slabs, if any). A device the backend does not
     /// have is [`TwmError::UnknownDevice`].
     pub fn build(self) -> Result<TensorWasmMemoryCreator<B>, TwmError> {
@@ -294,6 +308,7 @@ impl<B: Backend> CreatorBuilder<B> {
                 pools,
                 tenant: self.tenant,
                 untenanted: self.untenanted,
+                interruption: self.interruption,
                 registry: Mutex::new(HashMap::new()),
                 kept: Arc::default(),
                 created: AtomicU64::new(0),
@@ -369,6 +384,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             pool: None,
             tenant: None,
             untenanted: false,
+            interruption: Interruption::NONE,
         }
     }
 
@@ -420,7 +436,14 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
 
     /// Makes `config` safe for this backend ([`configure`]) and installs this creator in it.
     pub fn install<'c>(&self, config: &'c mut Config) -> &'c mut Config {
+        self.inner.interruption.configure(config);
         configure(config, &self.capabilities()).with_host_memory(Arc::new(self.clone()))
+    }
+
+    /// What the engines this creator configures compile in to stop guest code.
+    #[must_use]
+    pub fn interruption(&self) -> Interruption {
+        self.inner.interruption
     }
 
     /// An engine with the safe Config and this creator installed.

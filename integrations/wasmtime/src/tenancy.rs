@@ -688,6 +688,8 @@ pub fn new_store<T: HasTenantLimiter>(engine: &wasmtime::Engine, data: T) -> Sto
 /// Store made otherwise): until the Store goes, or gives its data back, the limiter knows it is
 /// installed and [`instantiate`] accepts the Store.
 pub fn install_limiter<T: HasTenantLimiter>(store: &mut Store<T>) {
+    // No deadline and unlimited fuel until a call asks for a limit (see `deadline`).
+    crate::deadline::unlimited(&mut *store);
     let flag = Arc::clone(&store.data_mut().tenant_limiter().installed);
     flag.store(true, Ordering::Release);
     let installed = Installed(flag);

@@ -1,0 +1,250 @@
+//! A WASI guest's host resources are limited per Store (`WasiLimits`): descriptors past the
+//! limit are `EMFILE` while the host keeps its own, a poll past its subscriptions is `EINVAL`
+//! before anything is read, the resource table has a ceiling, and a read-only preopen cannot be
+//! written through.
+
+use std::sync::Arc;
+
+use tensor_wasm_mem_core::IsolationLevel;
+use tensor_wasm_mem_mock::MockBackend;
+use tensor_wasm_mem_wasmtime::wasi::{
+    FsPerms, LimitedWasi, WasiCtxBuilder, WasiLimits, add_wasi_to_linker,
+};
+use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Linker, Module, Result, Store};
+use tensor_wasm_mem_wasmtime::{
+    ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, instantiate, new_store,
+};
+
+const EMFILE: i32 = 33;
+const EINVAL: i32 = 28;
+const CREATE: i32 = 1;
+/// `fd_read`, `fd_seek`, `fd_tell`, `fd_filestat_get`: what reading a file needs.
+const READ: i64 = (1 << 1) | (1 << 2) | (1 << 5) | (1 << 21);
+/// Every right preview 1 defines.
+const ALL: i64 = 0x1FFF_FFFF;
+
+const GUEST: &str = r#"(module
+  (import "wasi_snapshot_preview1" "path_open"
+    (func $open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "poll_oneoff"
+    (func $poll (param i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_symlink"
+    (func $symlink (param i32 i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 2)
+  (data (i32.const 16) "file.txt")
+  (data (i32.const 32) "../../../../../../../../etc/passwd")
+  (data (i32.const 80) "escape")
+  ;; Makes the symlink "escape" -> ../../(...)/etc/passwd: the errno.
+  (func (export "symlink_out") (result i32)
+    (call $symlink (i32.const 32) (i32.const 34) (i32.const 3) (i32.const 80) (i32.const 6)))
+  ;; Opens "escape", following symlinks: the errno.
+  (func (export "follow") (result i32)
+    (call $open (i32.const 3) (i32.const 1) (i32.const 80) (i32.const 6) (i32.const 0)
+      (i64.const 2) (i64.const 2) (i32.const 0) (i32.const 8)))
+  ;; Opens file.txt in the preopen (fd 3) until refused or $max opens: the count at 0, the
+  ;; refusal's errno (0 if none) returned.
+  (func (export "open_until_refused") (param $max i32) (param $oflags i32) (param $rights i64)
+    (result i32)
+    (local $n i32) (local $e i32)
+    (block $done
+      (loop $again
+        (br_if $done (i32.ge_u (local.get $n) (local.get $max)))
+        (local.set $e (call $open (i32.const 3) (i32.const 0) (i32.const 16) (i32.const 8)
+          (local.get $oflags) (local.get $rights) (local.get $rights) (i32.const 0)
+          (i32.const 8)))
+        (br_if $done (local.get $e))
+        (local.set $n (i32.add (local.get $n) (i32.const 1)))
+        (br $again)))
+    (i32.store (i32.const 0) (local.get $n))
+    (local.get $e))
+  (func (export "opened") (result i32) (i32.load (i32.const 0)))
+  ;; One poll of $n subscriptions at 4096 (the first $fill of them clocks with timeout 0),
+  ;; events at 65536.
+  (func (export "poll") (param $fill i32) (param $n i32) (result i32)
+    (local $i i32)
+    (block $done
+      (loop $next
+        (br_if $done (i32.ge_u (local.get $i) (local.get $fill)))
+        (i32.store
+          (i32.add (i32.const 4112) (i32.mul (local.get $i) (i32.const 48)))
+          (i32.const 1))
+        (local.set $i (i32.add (local.get $i) (i32.const 1)))
+        (br $next)))
+    (call $poll (i32.const 4096) (i32.const 65536) (local.get $n) (i32.const 12))))"#;
+
+type Data = TenantStore<MockBackend, LimitedWasi>;
+
+struct Guest {
+    store: Store<Data>,
+    instance: Instance,
+    dir: TempDir,
+}
+
+struct TempDir(std::path::PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn guest(limits: WasiLimits, perms: FsPerms) -> Guest {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("twm-wasi-limits-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    std::fs::write(dir.join("file.txt"), b"x").expect("file");
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .build()
+        .expect("creator");
+    let engine = creator.engine().expect("engine");
+    let mut linker = Linker::new(&engine);
+    add_wasi_to_linker(&mut linker).expect("wasi");
+    let module = Module::new(&engine, GUEST).expect("module");
+    let tenant = Tenant::new(1, "guest", 64 << 20, IsolationLevel::StreamIsolated);
+    let mut builder = WasiCtxBuilder::new();
+    builder.preopened_dir(&dir, ".", perms).expect("preopen");
+    let wasi = LimitedWasi {
+        ctx: builder.build_p1(),
+        limits,
+    };
+    let mut store = new_store(
+        &engine,
+        TenantStore::new(&creator, &tenant, ChargeMode::Touched, wasi),
+    );
+    let instance = instantiate(&mut store, &linker, &module).expect("instance");
+    Guest {
+        store,
+        instance,
+        dir: TempDir(dir),
+    }
+}
+
+impl Guest {
+    /// Opens until refused (at most `max` times) with `oflags` and `rights`: the errno.
+    fn open(&mut self, max: i32, oflags: i32, rights: i64) -> Result<i32> {
+        self.instance
+            .get_typed_func::<(i32, i32, i64), i32>(&mut self.store, "open_until_refused")?
+            .call(&mut self.store, (max, oflags, rights))
+    }
+
+    /// One poll of `n` subscriptions (the first 1000 at most filled in): the errno.
+    fn poll(&mut self, n: i32) -> Result<i32> {
+        self.instance
+            .get_typed_func::<(i32, i32), i32>(&mut self.store, "poll")?
+            .call(&mut self.store, (n.clamp(0, 1000), n))
+    }
+
+    fn nullary(&mut self, name: &str) -> Result<i32> {
+        self.instance
+            .get_typed_func::<(), i32>(&mut self.store, name)?
+            .call(&mut self.store, ())
+    }
+
+    fn opened(&mut self) -> i32 {
+        self.instance
+            .get_typed_func::<(), i32>(&mut self.store, "opened")
+            .expect("opened")
+            .call(&mut self.store, ())
+            .expect("opened")
+    }
+}
+
+fn host_descriptors() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, Iterator::count)
+}
+
+#[test]
+fn past_its_descriptor_limit_a_guest_gets_emfile_and_the_host_keeps_its_own() {
+    let limits = WasiLimits {
+        descriptors: 16,
+        ..WasiLimits::DEFAULT
+    };
+    let mut guest = guest(limits, FsPerms::ReadWrite);
+    let before = host_descriptors();
+    let errno = guest.open(10_000, 0, ALL).expect("no trap");
+    let opened = guest.opened();
+    assert_eq!(errno, EMFILE, "refused with EMFILE after {opened} opens");
+    assert!(
+        (1..16).contains(&opened),
+        "the preopen counts against the 16: {opened} opened"
+    );
+    // The host's descriptors grew by what the guest holds, no more, and the host still opens.
+    let held = host_descriptors() - before;
+    assert!(held <= 16, "the guest holds {held} host descriptors");
+    let host_file = std::fs::File::open("/proc/self/status").expect("the host still opens files");
+    drop(host_file);
+    // Refused again, as often as asked: nothing is opened past the limit.
+    assert_eq!(guest.open(10_000, 0, ALL).unwrap(), EMFILE);
+    assert_eq!(guest.opened(), 0);
+    drop(guest);
+    assert!(
+        host_descriptors() <= before,
+        "every descriptor went with the Store"
+    );
+}
+
+#[test]
+fn under_its_limit_a_guest_opens_what_it_asks() {
+    let mut guest = guest(WasiLimits::DEFAULT, FsPerms::ReadWrite);
+    assert_eq!(guest.open(100, 0, ALL).unwrap(), 0);
+    assert_eq!(guest.opened(), 100);
+}
+
+#[test]
+fn a_poll_past_its_subscription_limit_is_einval_before_anything_is_read() {
+    let limits = WasiLimits {
+        poll_subscriptions: 256,
+        ..WasiLimits::DEFAULT
+    };
+    let mut guest = guest(limits, FsPerms::ReadWrite);
+    assert_eq!(guest.poll(1).unwrap(), 0, "one clock: answered");
+    assert_eq!(guest.poll(256).unwrap(), 0, "at the limit: answered");
+    assert_eq!(guest.poll(257).unwrap(), EINVAL);
+    assert_eq!(guest.poll(1000).unwrap(), EINVAL);
+    assert_eq!(guest.poll(-1).unwrap(), EINVAL, "a count past i32");
+}
+
+#[test]
+fn the_resource_table_has_a_ceiling_of_its_own() {
+    let limits = WasiLimits {
+        descriptors: 1000,
+        poll_subscriptions: 1000,
+        resources: 8,
+    };
+    let mut guest = guest(limits, FsPerms::ReadWrite);
+    let error = guest
+        .open(10_000, 0, ALL)
+        .expect_err("a call past the table's ceiling traps");
+    assert!(
+        format!("{error:?}").contains("resource table has no free keys"),
+        "{error:?}"
+    );
+}
+
+#[test]
+fn a_read_only_preopen_cannot_be_written_through() {
+    let mut guest = guest(WasiLimits::DEFAULT, FsPerms::ReadOnly);
+    // Reading is allowed.
+    assert_eq!(guest.open(1, 0, READ).unwrap(), 0);
+    // Creating (or truncating) is refused with an errno, and nothing on the host changes.
+    let errno = guest.open(1, CREATE, ALL).unwrap();
+    assert_ne!(errno, 0, "O_CREAT in a read-only preopen is refused");
+}
+
+#[test]
+fn a_guest_may_make_a_symlink_out_of_its_preopen_but_not_follow_it() {
+    let mut writable = guest(WasiLimits::DEFAULT, FsPerms::ReadWrite);
+    assert_eq!(
+        writable.nullary("symlink_out").unwrap(),
+        0,
+        "made (docs/SAFETY.md)"
+    );
+    let link = writable.dir.0.join("escape");
+    assert!(link.symlink_metadata().is_ok_and(|m| m.is_symlink()));
+    assert_ne!(writable.nullary("follow").unwrap(), 0, "never followed");
+    // A read-only preopen refuses to make one.
+    let mut read_only = guest(WasiLimits::DEFAULT, FsPerms::ReadOnly);
+    assert_ne!(read_only.nullary("symlink_out").unwrap(), 0);
+    assert!(read_only.dir.0.join("escape").symlink_metadata().is_err());
+}
