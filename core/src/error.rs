@@ -61,11 +61,16 @@ impl ErrorKind {
         }
     }
 
-    /// `true` when a policy (a tenant cap, a configured limit) said no: nothing broke, and the
-    /// same request can succeed once bytes are given back or the policy changes.
+    /// `true` when a policy (a tenant cap, a configured limit, a pool's size: every slot in
+    /// use) said no: nothing broke, and the same request can succeed once bytes or slots are
+    /// given back or the policy changes. `false` for a failure: bad input, a missing
+    /// capability, the driver or the host broke.
     #[must_use]
     pub const fn is_denial(self) -> bool {
-        matches!(self, Self::CapExceeded | Self::LimitExceeded)
+        matches!(
+            self,
+            Self::CapExceeded | Self::LimitExceeded | Self::PoolExhausted
+        )
     }
 }
 
@@ -337,9 +342,9 @@ mod tests {
     fn denials_are_not_failures() {
         assert!(ErrorKind::CapExceeded.is_denial());
         assert!(ErrorKind::LimitExceeded.is_denial());
+        assert!(ErrorKind::PoolExhausted.is_denial());
         assert!(!ErrorKind::Driver.is_denial());
         assert!(!ErrorKind::OutOfMemory.is_denial());
-        assert!(!ErrorKind::PoolExhausted.is_denial());
     }
 
     #[test]

@@ -7,8 +7,10 @@ use tensor_wasm_mem_core::ErrorKind;
 use crate::code;
 
 /// A CUDA driver call that failed: the entry point and the `CUresult` it returned, as the
-/// integer (a code no table names, a newer CUDA's, is carried as it came).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// integer (a code no table names, a newer CUDA's, is carried as it came). Its Display and Debug
+/// name the code (`CUDA_ERROR_INVALID_CONTEXT (201)`), and Display says what to do where this
+/// layer knows ([`hint`](Self::hint)).
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub struct CudaError {
     /// The entry point.
     pub call: &'static str,
@@ -30,16 +32,59 @@ impl CudaError {
     }
 }
 
+impl CudaError {
+    /// What to do about this error, where this layer knows: the usual cause of a code in this
+    /// workspace and its fix.
+    #[must_use]
+    pub fn hint(&self) -> Option<&'static str> {
+        Some(match self.code {
+            code::INVALID_CONTEXT => {
+                "no CUDA context is current on this thread: make the context of the stream you \
+                 launch on current first (`cuCtxPushCurrent` with a device-access scope's \
+                 `stream().context()`, popped after the launch)"
+            }
+            code::OUT_OF_MEMORY => {
+                "the device is out of memory: free memories, or cap tenants so their sum fits"
+            }
+            code::ILLEGAL_ADDRESS => {
+                "a kernel faulted: the error is sticky for its context, whose work must be \
+                 treated as lost (docs/SAFETY.md section 6)"
+            }
+            code::NOT_INITIALIZED | code::DEINITIALIZED => {
+                "the driver is not initialised (or is shutting down): start the backend first"
+            }
+            _ => return None,
+        })
+    }
+}
+
 impl fmt::Display for CudaError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.name() {
-            Some(name) => write!(f, "{} failed: {name} ({})", self.call, self.code),
+            Some(name) => write!(f, "{} failed: {name} ({})", self.call, self.code)?,
             None => write!(
                 f,
                 "{} failed: CUresult {} (a code this build does not name)",
                 self.call, self.code
-            ),
+            )?,
         }
+        match self.hint() {
+            Some(hint) => write!(f, "; {hint}"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl fmt::Debug for CudaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let code = match self.name() {
+            Some(name) => format!("{} ({name})", self.code),
+            None => self.code.to_string(),
+        };
+        f.debug_struct("CudaError")
+            .field("call", &self.call)
+            .field("code", &format_args!("{code}"))
+            .finish()
     }
 }
 

@@ -1,18 +1,13 @@
-//! Two tenants on one Engine with pooled managed memory: each guest fills its memory, a host-side
-//! "kernel" reads and writes guest bytes through the resolved device slice, and the figures are
-//! printed at the end. On the mock backend the kernel runs on the CPU; on a GPU backend the same
-//! device pointer would go to a kernel launch.
+//! Two tenants on one Engine with pooled managed memory: each guest fills its memory, two
+//! "kernels" run on its bytes through a device-access scope (one on the simulated device, on the
+//! tenant's stream, as a GPU kernel would be launched; one on the CPU, through typed host
+//! views), and the figures are printed at the end.
 //!
 //! Run with `cargo run -p tensor-wasm-mem-wasmtime --example multi_tenant`.
 
 use std::sync::Arc;
 
-use tensor_wasm_mem_core::{DeviceId, IsolationLevel, PoolConfig, SizeClass};
-use tensor_wasm_mem_mock::MockBackend;
-use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
-use tensor_wasm_mem_wasmtime::{
-    ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, add_to_linker, instantiate, new_store,
-};
+use tensor_wasm_mem_wasmtime::prelude::*;
 
 const GUEST: &str = r#"(module
   (import "twm" "prefetch" (func $prefetch (param i32 i32 i32) (result i32)))
@@ -65,18 +60,43 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             tenant.stats().cap >> 16
         );
 
-        // The "kernel": doubles the first 1 KiB in place through the resolved device slice.
-        // The slice borrows the Store: a kernel launch takes its raw pointer and length, and
-        // the Store is free again for the guest once the kernel is done.
-        let slice = creator.resolve(&store, &memory, 0, 1024)?;
-        let (device_ptr, len) = (slice.device_ptr(), slice.len());
-        let mut data = vec![0u8; len];
-        memory.read(&store, 0, &mut data)?;
-        data.iter_mut().for_each(|b| *b *= 2);
-        memory.write(&mut store, 0, &data)?;
+        // Kernels on the first 2 KiB, through a device-access scope: it holds the Store (no
+        // guest code runs), checks and prefetches the ranges on the tenant's stream, and waits
+        // for the stream when the closure returns.
+        let ranges = [
+            AccessRange::read_write(0, 1024),
+            AccessRange::read_write(1024, 1024),
+        ];
+        let device_ptr = DeviceAccess::try_run(
+            &mut store,
+            &creator,
+            &memory,
+            &ranges,
+            ScopeOptions::default(),
+            |scope| -> Result<u64, TwmError> {
+                // 1. A device kernel: the simulated device's fill over the first range, queued
+                //    on the scope's stream with its device pointer (on a GPU: a launch with
+                //    `slice.device_ptr()`, `slice.len()` on `scope.stream()`).
+                let slice = scope.slice(0).expect("range 0");
+                let (device_ptr, len) = (slice.device_ptr(), slice.len());
+                // SAFETY: the scope holds the Store and waits for the stream before the guest
+                // runs again; the range was checked inside the guest's memory.
+                unsafe {
+                    backend
+                        .driver()
+                        .enqueue_fill(scope.stream(), device_ptr, len, byte as u8 * 2)
+                }
+                .map_err(TwmError::from_backend)?;
+                // 2. A CPU kernel: doubles the second range through a typed host view (which
+                //    first waits for the stream).
+                let mut views = scope.host_slices_mut::<u8>()?.expect("host-accessible");
+                views[1].iter_mut().for_each(|b| *b *= 2);
+                Ok(device_ptr)
+            },
+        )?;
         println!(
-            "  kernel at device pointer {device_ptr:#x} ({len} bytes); guest sum of the first KiB = {}",
-            sum.call(&mut store, 1024)?
+            "  kernels at device pointer {device_ptr:#x} (2 KiB); guest sum of the first 2 KiB = {}",
+            sum.call(&mut store, 2048)?
         );
     }
 

@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use tensor_wasm_mem_core::{Denied, Purpose, Reservation};
 
 use crate::error::TwmError;
+use crate::shares::{PoolShares, SlotShare};
 use crate::tenancy::{ChargeMode, StreamId, Tenant};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -43,6 +44,8 @@ pub(crate) struct MemoryCharge {
     touched: Reservation,
     held: Reservation,
     _count: Reservation,
+    /// The pool slot counted against the tenant's share, for a pooled memory.
+    _share: Option<SlotShare>,
 }
 
 impl MemoryCharge {
@@ -76,7 +79,15 @@ impl MemoryCharge {
             touched,
             held,
             _count: count,
+            _share: None,
         })
+    }
+
+    /// Counts the pool slot this memory will hold against its tenant's share of `shares`, or
+    /// refuses ([`TwmError::PoolShare`]) and charges nothing more.
+    pub(crate) fn take_share(&mut self, shares: &Arc<PoolShares>) -> Result<(), TwmError> {
+        self._share = Some(shares.take(&self.tenant)?);
+        Ok(())
     }
 
     /// Charges the held budget up to `bytes` (what the memory's storage really holds), or
@@ -158,7 +169,7 @@ pub(crate) struct StoreBooks {
     open: Mutex<Option<OpenGrant>>,
     tickets: AtomicU64,
     /// The creator's last refusal of a memory in this Store, for `instantiate` to return typed.
-    refusal: Mutex<Option<Denied>>,
+    refusal: Mutex<Option<TwmError>>,
     /// Streams of this Store's guest context still alive: a memory that goes before them (the
     /// Store's data outlived its memories, as with `Store::into_data`) waits for them first.
     streams: Mutex<Vec<StreamId>>,
@@ -257,11 +268,11 @@ impl StoreBooks {
         }
     }
 
-    pub(crate) fn record_refusal(&self, denied: Denied) {
-        *lock(&self.refusal) = Some(denied);
+    pub(crate) fn record_refusal(&self, refused: TwmError) {
+        *lock(&self.refusal) = Some(refused);
     }
 
-    pub(crate) fn take_refusal(&self) -> Option<Denied> {
+    pub(crate) fn take_refusal(&self) -> Option<TwmError> {
         lock(&self.refusal).take()
     }
 

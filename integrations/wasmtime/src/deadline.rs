@@ -7,10 +7,10 @@
 //!
 //! - **Deadlines.** An [`EpochTicker`] advances its engine's epoch on a thread of its own;
 //!   [`EpochTicker::call_within`] gives one call on a Store a deadline. Guest code past it traps
-//!   with [`Trap::Interrupt`](wasmtime::Trap::Interrupt) ([`is_timeout`] says so). One ticker
+//!   with [`Trap::Interrupt`] ([`is_timeout`] says so). One ticker
 //!   serves every Store of its engine, so every tenant's call can have a deadline of its own.
 //! - **Fuel.** [`call_with_fuel`] gives one call a budget of Wasm work; spent, the guest traps
-//!   with [`Trap::OutOfFuel`](wasmtime::Trap::OutOfFuel).
+//!   with [`Trap::OutOfFuel`].
 //!
 //! A Store made by [`new_store`](crate::new_store) (or given its limiter by
 //! [`install_limiter`](crate::install_limiter)) starts with no deadline and unlimited fuel, so

@@ -79,9 +79,58 @@ pub enum TwmError {
         /// The fixed capacity.
         capacity: usize,
     },
-    /// The slot pool could not serve the memory.
+    /// Every slot of the pool that could hold the memory is in use: a denial (the pool's size is
+    /// the embedder's decision), not a failure; retry once a memory is dropped, or give the
+    /// pool more slots. [`kind`](Self::kind) is [`ErrorKind::PoolExhausted`].
+    #[error(
+        "slot pool exhausted: no free slot of at least {requested} bytes on {device} (the pool's \
+         size is a limit: free a memory or configure more slots)"
+    )]
+    PoolExhausted {
+        /// Bytes the memory needs.
+        requested: u64,
+        /// The pool's device.
+        device: DeviceId,
+    },
+    /// Two ranges of a device-access scope overlap, so they cannot be lent as mutable views at
+    /// once ([`DeviceAccess::host_slices_mut`](crate::DeviceAccess::host_slices_mut)).
+    #[error("ranges {first} and {second} of the scope overlap: no two mutable views of one byte")]
+    OverlappingRanges {
+        /// The earlier range's index.
+        first: usize,
+        /// The later range's index.
+        second: usize,
+    },
+    /// A scope's range cannot be viewed as the element type asked for: its address is not
+    /// aligned to it, or its length is not a multiple of its size.
+    #[error("range {range} of the scope cannot be viewed as {element}: {reason}")]
+    HostView {
+        /// The range's index.
+        range: usize,
+        /// The element type.
+        element: &'static str,
+        /// Why (bytemuck's reason).
+        reason: String,
+    },
+    /// The tenant already holds its share of a shared pool's slots
+    /// ([`CreatorBuilder::slots_per_tenant`](crate::CreatorBuilder::slots_per_tenant); by
+    /// default half the slots): a denial, so that one tenant cannot take every slot.
+    #[error(
+        "{tenant_name:?} holds {held} slot(s) of the pool, its share of {share}: one tenant may \
+         not take every slot (CreatorBuilder::slots_per_tenant)"
+    )]
+    PoolShare {
+        /// The tenant's name.
+        tenant_name: String,
+        /// Slots it holds.
+        held: usize,
+        /// The most it may.
+        share: usize,
+    },
+    /// The slot pool could not serve the memory otherwise (a memory larger than its largest
+    /// slot, a bad configuration).
     #[error(transparent)]
-    Pool(#[from] PoolError),
+    Pool(PoolError),
     /// The backend (driver) failed.
     #[error("backend failed ({kind}): {source}")]
     Backend {
@@ -228,6 +277,9 @@ impl TwmError {
         match self {
             Self::Denied { .. } => ErrorKind::CapExceeded,
             Self::Plan(e) => e.kind(),
+            Self::PoolExhausted { .. } => ErrorKind::PoolExhausted,
+            Self::PoolShare { .. } => ErrorKind::LimitExceeded,
+            Self::OverlappingRanges { .. } | Self::HostView { .. } => ErrorKind::InvalidArgument,
             Self::Pool(e) => e.kind(),
             Self::CapacityExceeded { .. } | Self::Limit { .. } => ErrorKind::LimitExceeded,
             Self::GuestRange(e) => e.kind(),
@@ -251,6 +303,12 @@ impl TwmError {
         }
     }
 
+    /// A backend's own error (a driver call the embedder made itself, say), typed by its kind:
+    /// [`TwmError::Backend`].
+    pub fn from_backend<E: tensor_wasm_mem_core::BackendError>(e: E) -> Self {
+        Self::backend(e)
+    }
+
     /// A backend's own error, typed by its kind.
     pub(crate) fn backend<E: tensor_wasm_mem_core::BackendError>(e: E) -> Self {
         Self::Backend {
@@ -267,7 +325,7 @@ impl TwmError {
         let kind = e.kind();
         match e {
             CoreError::Plan(p) => Self::Plan(p),
-            CoreError::Pool(p) => Self::Pool(p),
+            CoreError::Pool(p) => p.into(),
             CoreError::Range(r) => Self::GuestRange(r),
             CoreError::Denied(d) => Self::Denied {
                 tenant_name: d.tenant.to_string(),
@@ -277,6 +335,40 @@ impl TwmError {
                 kind,
                 source: Box::new(other),
             },
+        }
+    }
+}
+
+impl From<PoolError> for TwmError {
+    /// An exhausted pool is [`TwmError::PoolExhausted`] (its device unknown here: device 0
+    /// unless the caller says otherwise with [`TwmError::on_device`]); anything else
+    /// [`TwmError::Pool`].
+    fn from(e: PoolError) -> Self {
+        match e {
+            PoolError::Exhausted { requested } => Self::PoolExhausted {
+                requested,
+                device: DeviceId(0),
+            },
+            other => Self::Pool(other),
+        }
+    }
+}
+
+impl TwmError {
+    /// Whether this is a denial (a budget, a limit or an exhausted pool said no: the embedder's
+    /// configuration, working as set) rather than a failure (bad input, the driver or the host
+    /// broke). See [`ErrorKind::is_denial`].
+    #[must_use]
+    pub fn is_denial(&self) -> bool {
+        self.kind().is_denial()
+    }
+
+    /// The same error, naming `device` where it names a pool's device.
+    #[must_use]
+    pub fn on_device(self, device: DeviceId) -> Self {
+        match self {
+            Self::PoolExhausted { requested, .. } => Self::PoolExhausted { requested, device },
+            other => other,
         }
     }
 }

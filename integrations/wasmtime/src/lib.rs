@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod backends;
 mod backing;
@@ -9,17 +10,20 @@ pub mod deadline;
 mod error;
 mod guarded;
 mod guarded_region;
-mod guest;
+pub mod guest;
 mod host_mapping;
 mod lifecycle;
 mod memory;
 #[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod metrics;
 mod placement;
-mod scope;
+pub mod scope;
+mod shares;
 mod storage;
 mod tenancy;
 #[cfg(feature = "wasi")]
+#[cfg_attr(docsrs, doc(cfg(feature = "wasi")))]
 pub mod wasi;
 
 use tensor_wasm_mem_core::{Advisor, DevicePools, HostMemory, ManagedAllocator, StreamProvider};
@@ -55,6 +59,28 @@ pub struct WorkspaceReadme;
 /// Re-exported so embedders use the same versions.
 pub use tensor_wasm_mem_core as core;
 pub use wasmtime;
+
+/// Everything a first program needs, from this one crate: `use tensor_wasm_mem_wasmtime::prelude::*;`
+/// brings the creator and its builder, tenants and their budgets, the Store functions, the
+/// device-access scope, the errors, the plan and pool settings, and (with feature `mock`, the
+/// default) the simulated backend.
+pub mod prelude {
+    pub use crate::core::{DeviceId, ErrorKind, IsolationLevel, PlanLimits, PoolConfig, SizeClass};
+    #[cfg(feature = "mock")]
+    pub use crate::mock::MockBackend;
+    pub use crate::{
+        Access, AccessRange, Backing, ChargeMode, CreatorBuilder, DeviceAccess, ScopeOptions,
+        Tenant, TenantBudgets, TenantStore, TensorWasmMemoryCreator, TwmError, add_to_linker,
+        instantiate, new_store,
+    };
+    pub use wasmtime::{Engine, Linker, Module, Store};
+}
+
+/// The simulated backend (feature `mock`, the default), re-exported so a first program needs
+/// this crate alone.
+#[cfg(feature = "mock")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
+pub use tensor_wasm_mem_mock as mock;
 
 /// Everything a backend must implement to back Wasm memories: the three core traits and device
 /// pools (which may answer `Unsupported`), on one thread-safe type. Implemented for every such

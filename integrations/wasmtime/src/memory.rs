@@ -29,6 +29,7 @@ use crate::guarded_region::{GuardedPool, GuardedRegion};
 use crate::lifecycle::{
     Held, KeptMemories, MemoryRecord, Registry, ScopedMemory, TensorWasmLinearMemory,
 };
+use crate::shares::PoolShares;
 use crate::storage::{CreatorPool, Storage};
 use crate::tenancy::{ChargeMode, Tenant};
 
@@ -106,6 +107,8 @@ struct CreatorInner<B: Backend> {
     untenanted: bool,
     /// What the engines this creator configures compile in to stop guest code.
     interruption: Interruption,
+    /// Each tenant's count of pool slots, and the most it may hold (pooled creators).
+    shares: Option<Arc<PoolShares>>,
     /// Live memories by base address.
     registry: Mutex<HashMap<usize, Arc<MemoryRecord<B>>>>,
     /// Memories whose storage the backend refused to release, with their charges.
@@ -176,6 +179,7 @@ pub struct CreatorBuilder<B: Backend> {
     tenant: Option<(Arc<Tenant>, ChargeMode)>,
     untenanted: bool,
     interruption: Interruption,
+    slots_per_tenant: Option<usize>,
 }
 
 impl<B: Backend> fmt::Debug for CreatorBuilder<B> {
@@ -233,6 +237,11 @@ impl<B: Backend> CreatorBuilder<B> {
 
     /// Take memories from slot pools carved as `config` says, one per served device (its slab
     /// on that device: `config.device` is replaced), instead of a fresh allocation each.
+    ///
+    /// Two defaults fit the plan and the tenants to the pool: a memory that declares no maximum
+    /// (every clang C guest) gets the largest slot where the plan's default maximum (256 MiB)
+    /// would fit no slot ([`limits`](TensorWasmMemoryCreator::limits) shows it); and one tenant
+    /// may hold at most half the slots ([`slots_per_tenant`](Self::slots_per_tenant)).
     #[must_use]
     pub fn pool(mut self, config: PoolConfig) -> Self {
         self.pool = Some(config);
@@ -268,6 +277,15 @@ impl<B: Backend> CreatorBuilder<B> {
         self
     }
 
+    /// The most slots of a pool one tenant may hold at once (default: half of each device's
+    /// pool, at least one), so that one tenant cannot take every slot of a pool tenants share.
+    /// A memory past it is refused with [`TwmError::PoolShare`]. Ignored without a pool.
+    #[must_use]
+    pub fn slots_per_tenant(mut self, slots: usize) -> Self {
+        self.slots_per_tenant = Some(slots);
+        self
+    }
+
     /// Builds the creator (allocating the pools' slabs, if any). A device the backend does not
     /// have is [`TwmError::UnknownDevice`].
     pub fn build(self) -> Result<TensorWasmMemoryCreator<B>, TwmError> {
@@ -281,6 +299,17 @@ impl<B: Backend> CreatorBuilder<B> {
             None => Backing::detect(&*self.backend, &self.devices),
         };
         backing.check(&*self.backend, &self.devices)?;
+        let shares = self.pool.as_ref().map(|config| {
+            let slots = config
+                .classes
+                .iter()
+                .fold(0usize, |sum, c| sum.saturating_add(c.slots));
+            PoolShares::new(self.slots_per_tenant.unwrap_or(slots / 2))
+        });
+        let limits = match &self.pool {
+            Some(config) => fit_plan_to_pool(config, self.limits),
+            None => self.limits,
+        };
         let mut pools = Vec::new();
         if let Some(config) = self.pool {
             for &device in &self.devices {
@@ -304,11 +333,12 @@ impl<B: Backend> CreatorBuilder<B> {
                 backing,
                 backend: self.backend,
                 devices: self.devices,
-                limits: self.limits,
+                limits,
                 pools,
                 tenant: self.tenant,
                 untenanted: self.untenanted,
                 interruption: self.interruption,
+                shares,
                 registry: Mutex::new(HashMap::new()),
                 kept: Arc::default(),
                 created: AtomicU64::new(0),
@@ -385,6 +415,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             tenant: None,
             untenanted: false,
             interruption: Interruption::NONE,
+            slots_per_tenant: None,
         }
     }
 
@@ -444,6 +475,13 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     #[must_use]
     pub fn interruption(&self) -> Interruption {
         self.inner.interruption
+    }
+
+    /// The most slots of a pool one tenant may hold at once (`None` without a pool; see
+    /// [`CreatorBuilder::slots_per_tenant`]).
+    #[must_use]
+    pub fn slots_per_tenant(&self) -> Option<usize> {
+        self.inner.shares.as_ref().map(|s| s.limit())
     }
 
     /// An engine with the safe Config and this creator installed.
@@ -642,7 +680,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         })
     }
 
-    fn refuse(&self, error: TwmError) -> String {
+    fn refuse(&self, error: &TwmError) -> String {
         self.inner.refused.fetch_add(1, Ordering::AcqRel);
         tracing::debug!(%error, "twm: memory refused");
         error.to_string()
@@ -661,7 +699,12 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         let (slot, device) = self.home(payer.tenant())?;
         let sizes = Sizes::new(&plan, self.inner.pools.get(slot))?;
         let books = payer.books();
-        let charge = payer.charge(&sizes)?;
+        let mut charge = payer.charge(&sizes)?;
+        if let (Some(charge), Some(shares), Some(_)) =
+            (&mut charge, &self.inner.shares, self.inner.pools.get(slot))
+        {
+            charge.take_share(shares)?;
+        }
         let _span = tracing::debug_span!(
             "twm.memory.create",
             backing = self.inner.backing.name(),
@@ -784,12 +827,14 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         // Nothing visible yet: `open` makes the initial bytes reachable, through the path that
         // keeps a storage the backend refuses to take back.
         Ok(match (self.inner.pools.get(slot), self.inner.backing) {
-            (Some(CreatorPool::Managed(pool)), _) => {
-                Storage::Managed(pool.acquire(capacity, 0).map_err(TwmError::from_core)?)
-            }
-            (Some(CreatorPool::Guarded(pool)), _) => {
-                Storage::Guarded(pool.acquire(capacity, reserved, guard)?)
-            }
+            (Some(CreatorPool::Managed(pool)), _) => Storage::Managed(
+                pool.acquire(capacity, 0)
+                    .map_err(|e| TwmError::from_core(e).on_device(device))?,
+            ),
+            (Some(CreatorPool::Guarded(pool)), _) => Storage::Guarded(
+                pool.acquire(capacity, reserved, guard)
+                    .map_err(|e| e.on_device(device))?,
+            ),
             (None, Backing::Managed) => Storage::Managed(
                 UnifiedBuffer::new(backend, device, capacity, 0).map_err(TwmError::from_core)?,
             ),
@@ -901,6 +946,29 @@ impl Payer {
     }
 }
 
+/// The plan fitted to a pool: a memory that declares no maximum gets the plan's default
+/// capacity, so where no slot could hold that, the default maximum becomes the largest slot
+/// (said in a log line, and in [`TensorWasmMemoryCreator::limits`]); without this every such
+/// memory (every clang C guest) would be refused.
+fn fit_plan_to_pool(config: &PoolConfig, limits: PlanLimits) -> PlanLimits {
+    let default_capacity = limits.default_maximum().min(limits.per_memory_limit());
+    let largest_slot = config
+        .classes
+        .iter()
+        .map(|c| c.slot_bytes as u64)
+        .max()
+        .unwrap_or(0);
+    if largest_slot == 0 || largest_slot >= default_capacity {
+        return limits;
+    }
+    tracing::info!(
+        largest_slot,
+        default_capacity,
+        "twm: memories that declare no maximum get the pool's largest slot, not the plan's default"
+    );
+    limits.with_default_maximum(largest_slot).unwrap_or(limits)
+}
+
 /// Checks a guest range against `size`; overflow of the address type is reported as such.
 pub(crate) fn guest_range(
     offset: u64,
@@ -934,12 +1002,13 @@ unsafe impl<B: Backend> MemoryCreator for TensorWasmMemoryCreator<B> {
         match payer.and_then(|payer| self.create(&ty, engine, payer)) {
             Ok(memory) => Ok(Box::new(memory)),
             Err(e) => {
-                // Wasmtime reports a creator's refusal as text only: a denial is kept for
-                // `instantiate` to return typed.
-                if let (Some(books), TwmError::Denied { denied, .. }) = (&books, &e) {
-                    books.record_refusal(*denied);
+                // Wasmtime reports a creator's refusal as text only: the typed error is kept
+                // for `instantiate` to return.
+                let message = self.refuse(&e);
+                if let Some(books) = &books {
+                    books.record_refusal(e);
                 }
-                Err(self.refuse(e))
+                Err(message)
             }
         }
     }

@@ -1,5 +1,5 @@
-//! The figures the memory layer keeps, exported through the [`metrics`] facade (feature
-//! `metrics`): gauges and counters with `tenant`, `device` and `isolation` labels, named as
+//! The figures the memory layer keeps, exported through the [`metrics`] facade (**available
+//! with the feature `metrics`**; the facade is `metrics` 0.24): gauges and counters with `tenant`, `device` and `isolation` labels, named as
 //! Prometheus names them (`twm_` prefix, `_bytes` for sizes, `_total` for counters), so an
 //! embedder plugs in any exporter (`metrics-exporter-prometheus`, OpenTelemetry, statsd...).
 //!
@@ -47,6 +47,30 @@
 //! | `twm_device_held_bytes` | gauge | device | bytes its tenants hold |
 //! | `twm_device_touched_bytes` | gauge | device | bytes its tenants touched |
 //! | `twm_placement_refusals_total` | counter | - | tenants no device could take |
+//!
+//! # Wiring an exporter
+//!
+//! With `metrics` 0.24 and `metrics-exporter-prometheus` 0.18 (the versions this crate is built
+//! with), a Prometheus text page for one tenant and its creator:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use tensor_wasm_mem_wasmtime::prelude::*;
+//!
+//! let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default())).build()?;
+//! let tenant = Tenant::new(1, "alice", 64 << 20, IsolationLevel::StreamIsolated);
+//! let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+//! let handle = recorder.handle();
+//! // A local recorder for this snapshot; `metrics::set_global_recorder` for a whole process.
+//! metrics::with_local_recorder(&recorder, || {
+//!     tensor_wasm_mem_wasmtime::metrics::describe();
+//!     tensor_wasm_mem_wasmtime::metrics::record_tenant(&tenant);
+//!     tensor_wasm_mem_wasmtime::metrics::record_creator(&creator);
+//! });
+//! let page = handle.render(); // serve it on /metrics
+//! assert!(page.contains("twm_tenant_cap_bytes{"));
+//! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+//! ```
 
 use metrics::{Unit, counter, describe_counter, describe_gauge, gauge};
 

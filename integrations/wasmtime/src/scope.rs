@@ -325,6 +325,24 @@ impl<T: HasGuestContext<B>, B: Backend> DeviceAccess<'_, T, B> {
         run.scope.close()?;
         Ok(out)
     }
+
+    /// [`run`](Self::run) for a closure that can fail: its error and the scope's compose into
+    /// one `Result` (`E: From<TwmError>`), so the caller writes one `?`, not two. The scope is
+    /// closed (the stream waited for) whether `f` fails or not; an error of `f` wins over one of
+    /// the wait.
+    pub fn try_run<R, E: From<TwmError>>(
+        store: &mut Store<T>,
+        creator: &TensorWasmMemoryCreator<B>,
+        memory: &Memory,
+        ranges: &[AccessRange],
+        options: ScopeOptions,
+        f: impl FnOnce(&mut RunScope<'_, T, B>) -> Result<R, E>,
+    ) -> Result<R, E> {
+        match Self::run(store, creator, memory, ranges, options, f) {
+            Ok(result) => result,
+            Err(scope) => Err(scope.into()),
+        }
+    }
 }
 
 /// The open scope [`DeviceAccess::run`] lends its closure: every reading method of the scope
@@ -348,6 +366,11 @@ impl<T: 'static, B: Backend> RunScope<'_, T, B> {
     /// [`DeviceAccess::host_bytes_mut`] of the scope.
     pub fn host_bytes_mut(&mut self, i: usize) -> Result<Option<&mut [u8]>, TwmError> {
         self.scope.host_bytes_mut(i)
+    }
+
+    /// [`DeviceAccess::host_slices_mut`] of the scope.
+    pub fn host_slices_mut<P: bytemuck::Pod>(&mut self) -> Result<Option<Vec<&mut [P]>>, TwmError> {
+        self.scope.host_slices_mut()
     }
 }
 
@@ -399,6 +422,54 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
         Ok(Some(unsafe {
             std::slice::from_raw_parts_mut(ptr, range.len())
         }))
+    }
+
+    /// Every range on the host at once, as slices of `P` (bytes, `f32`, `u32`... any
+    /// [`bytemuck::Pod`] type), in the order given, for a kernel that runs on the CPU: first
+    /// waits for the stream. The ranges must not overlap ([`TwmError::OverlappingRanges`]),
+    /// and each must be aligned to `P` and a whole number of them ([`TwmError::HostView`]).
+    /// `None` for a backing the host cannot access.
+    pub fn host_slices_mut<P: bytemuck::Pod>(&mut self) -> Result<Option<Vec<&mut [P]>>, TwmError> {
+        let mut order: Vec<usize> = (0..self.entries.len()).collect();
+        order.sort_by_key(|&i| self.entries[i].range.start);
+        for pair in order.windows(2) {
+            let (a, b) = (&self.entries[pair[0]].range, &self.entries[pair[1]].range);
+            if b.start < a.end && !a.is_empty() && !b.is_empty() {
+                return Err(TwmError::OverlappingRanges {
+                    first: pair[0].min(pair[1]),
+                    second: pair[0].max(pair[1]),
+                });
+            }
+        }
+        let mut bases = Vec::with_capacity(self.entries.len());
+        for entry in &self.entries {
+            let Some(ptr) = self.memory.host_ptr(entry.range.start) else {
+                return Ok(None);
+            };
+            bases.push((ptr, entry.range.len()));
+        }
+        self.memory
+            .backend()?
+            .synchronize(&self.stream)
+            .map_err(TwmError::backend)?;
+        bases
+            .into_iter()
+            .enumerate()
+            .map(|(i, (ptr, len))| {
+                // SAFETY: as in `host_bytes_mut`: each range lies inside the memory's visible
+                // size, checked when the scope opened; the memory cannot shrink or go while the
+                // scope holds its Store; the stream was just waited for; and the ranges were
+                // checked pairwise disjoint above, so no byte is in two of these slices, and
+                // `&mut self` excludes every other view this scope lends.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+                bytemuck::try_cast_slice_mut(bytes).map_err(|e| TwmError::HostView {
+                    range: i,
+                    element: std::any::type_name::<P>(),
+                    reason: e.to_string(),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
     }
 
     /// The tenant's stream: launch the kernels that use the ranges on it.

@@ -122,6 +122,8 @@ pub struct TenantStats {
     pub memories_created: u64,
     /// Requests any budget refused.
     pub denials: u64,
+    /// Of `denials`, those by the touched budget (the cap).
+    pub touched_denials: u64,
     /// Of `denials`, those by the held budget.
     pub held_denials: u64,
     /// Of `denials`, those by the memories budget.
@@ -255,6 +257,10 @@ impl Tenant {
             live_memories: ledger.live_memories,
             memories_created: self.memories_created.load(Ordering::Acquire),
             denials: ledger.denials,
+            touched_denials: ledger
+                .denials
+                .saturating_sub(ledger.held_denials)
+                .saturating_sub(ledger.memory_denials),
             held_denials: ledger.held_denials,
             memory_denials: ledger.memory_denials,
             device_pool_bytes: ledger.device_pool_bytes,
@@ -807,11 +813,13 @@ impl TenantLimiter {
                 Ok(instance)
             }
             Err(error) => match refusal {
-                // The creator refused a memory (held or memories budget): its message reached
-                // Wasmtime as text only, so the typed denial is returned here.
-                Some(denied) if error.downcast_ref::<TwmError>().is_none() => {
-                    self.last_denial = Some(denied);
-                    Err(wasmtime::Error::new(self.tenant().denied(denied)))
+                // The creator refused a memory (a budget, an exhausted pool, the driver): its
+                // message reached Wasmtime as text only, so the typed error is returned here.
+                Some(refused) if error.downcast_ref::<TwmError>().is_none() => {
+                    if let TwmError::Denied { denied, .. } = &refused {
+                        self.last_denial = Some(*denied);
+                    }
+                    Err(wasmtime::Error::new(refused))
                 }
                 _ => Err(error),
             },

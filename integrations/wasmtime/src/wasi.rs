@@ -1,4 +1,5 @@
-//! WASI preview 1 for guests, next to the `twm` host functions (feature `wasi`).
+//! WASI preview 1 for guests, next to the `twm` host functions (**available with the feature
+//! `wasi`**).
 //!
 //! What a real toolchain produces (clang with wasi-libc, Rust's `wasm32-wasip1`) imports
 //! `wasi_snapshot_preview1`. [`add_wasi_to_linker`] adds it to a [`Linker`] whose Store data

@@ -6,7 +6,9 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use tensor_wasm_mem_core::{Budget, ErrorKind, IsolationLevel, PlanLimits, TenantBudgets};
+use tensor_wasm_mem_core::{
+    Budget, DeviceId, ErrorKind, IsolationLevel, PlanLimits, PoolConfig, SizeClass, TenantBudgets,
+};
 use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Linker, Module, Store};
 use tensor_wasm_mem_wasmtime::{
     ChargeMode, TABLE_ELEMENT_BYTES, Tenant, TenantLimiter, TenantStore, TensorWasmMemoryCreator,
@@ -408,7 +410,12 @@ fn zero_page_memories_are_charged_what_they_hold() {
 #[test]
 fn pooled_memories_hold_their_slot_and_the_held_budget_bounds_them() {
     let backend = mock();
-    let creator = pooled(&backend, 4 * PAGE, 7);
+    // Every slot may go to one tenant: the held budget alone bounds the hostile one here.
+    let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 * PAGE, 7)]))
+        .slots_per_tenant(7)
+        .build()
+        .unwrap();
     let engine = creator.engine().unwrap();
     let linker = Linker::new(&engine);
     let budgets = TenantBudgets {

@@ -1,0 +1,298 @@
+//! What an embedder meets in the first hour: every failure through the creator is a typed
+//! `TwmError` whose `kind()` tells a denial from a failure, and the defaults fit together (a
+//! pool too small for the plan's default maximum, a tenant that would take every slot).
+
+use std::sync::Arc;
+
+use tensor_wasm_mem_mock::Call;
+use tensor_wasm_mem_wasmtime::core::{ErrorKind, PoolError};
+use tensor_wasm_mem_wasmtime::prelude::*;
+
+const PAGE: usize = 64 << 10;
+
+fn store(
+    creator: &TensorWasmMemoryCreator<MockBackend>,
+    engine: &Engine,
+    tenant: &Arc<Tenant>,
+) -> Store<TenantStore<MockBackend, ()>> {
+    new_store(
+        engine,
+        TenantStore::new(creator, tenant, ChargeMode::Touched, ()),
+    )
+}
+
+fn typed(error: &wasmtime::Error) -> &TwmError {
+    error
+        .downcast_ref::<TwmError>()
+        .unwrap_or_else(|| panic!("not a TwmError: {error:#}"))
+}
+
+fn pooled(slot_bytes: usize, slots: usize) -> TensorWasmMemoryCreator<MockBackend> {
+    TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .pool(PoolConfig::new(
+            DeviceId(0),
+            [SizeClass::new(slot_bytes, slots)],
+        ))
+        .build()
+        .expect("creator")
+}
+
+#[test]
+fn an_exhausted_pool_is_a_typed_denial() {
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 2)]))
+        .slots_per_tenant(2)
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let linker = Linker::new(&engine);
+    let module = Module::new(&engine, "(module (memory 1 1))").unwrap();
+    let tenants: Vec<_> = (1..=3)
+        .map(|id| Tenant::new(id, "t", 1 << 20, IsolationLevel::StreamIsolated))
+        .collect();
+    let mut stores: Vec<_> = tenants
+        .iter()
+        .map(|t| store(&creator, &engine, t))
+        .collect();
+    instantiate(&mut stores[0], &linker, &module).unwrap();
+    instantiate(&mut stores[1], &linker, &module).unwrap();
+    let error = instantiate(&mut stores[2], &linker, &module).unwrap_err();
+    let twm = typed(&error);
+    assert!(
+        matches!(twm, TwmError::PoolExhausted { requested, device: DeviceId(0) } if *requested == PAGE as u64),
+        "{twm:?}"
+    );
+    assert_eq!(twm.kind(), ErrorKind::PoolExhausted);
+    assert!(twm.is_denial(), "the pool's size is a limit, not a failure");
+    assert_eq!(tenants[2].stats().live_bytes, 0, "nothing charged");
+    // A slot given back serves the next.
+    stores.remove(0);
+    instantiate(&mut stores[1], &linker, &module).unwrap();
+}
+
+#[test]
+fn a_memory_larger_than_every_slot_is_a_typed_limit() {
+    let creator = pooled(PAGE, 4);
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(1, "t", 1 << 20, IsolationLevel::StreamIsolated);
+    let mut store = store(&creator, &engine, &tenant);
+    let module = Module::new(&engine, "(module (memory 2 2))").unwrap();
+    let error = instantiate(&mut store, &Linker::new(&engine), &module).unwrap_err();
+    let twm = typed(&error);
+    assert!(
+        matches!(twm, TwmError::Pool(PoolError::TooLarge { .. })),
+        "{twm:?}"
+    );
+    assert!(twm.is_denial(), "{twm:?}");
+}
+
+#[test]
+fn a_driver_failure_at_allocation_is_a_typed_failure_naming_its_code() {
+    let backend = Arc::new(MockBackend::default());
+    let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(1, "t", 1 << 20, IsolationLevel::StreamIsolated);
+    let mut store = store(&creator, &engine, &tenant);
+    let module = Module::new(&engine, "(module (memory 1 1))").unwrap();
+    backend.driver().fail_call(
+        Call::AllocManaged,
+        1,
+        tensor_wasm_mem_mock::code::OUT_OF_MEMORY,
+    );
+    let error = instantiate(&mut store, &Linker::new(&engine), &module).unwrap_err();
+    let twm = typed(&error);
+    assert!(matches!(twm, TwmError::Backend { .. }), "{twm:?}");
+    assert_eq!(twm.kind(), ErrorKind::OutOfMemory);
+    assert!(!twm.is_denial(), "the driver broke: a failure");
+    let text = format!("{twm}");
+    assert!(text.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{text}");
+    assert_eq!(tenant.stats().live_bytes, 0, "nothing charged");
+}
+
+#[test]
+fn a_budget_denial_is_typed_with_its_kind() {
+    let creator = pooled(PAGE, 4);
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(1, "t", PAGE as u64, IsolationLevel::StreamIsolated);
+    let mut store = store(&creator, &engine, &tenant);
+    let module = Module::new(&engine, "(module (memory 1 1) (memory 1 1))").unwrap();
+    let error = instantiate(&mut store, &Linker::new(&engine), &module).unwrap_err();
+    let twm = typed(&error);
+    assert!(matches!(twm, TwmError::Denied { .. }), "{twm:?}");
+    assert_eq!(twm.kind(), ErrorKind::CapExceeded);
+    assert!(twm.is_denial());
+    let stats = tenant.stats();
+    assert_eq!(
+        (
+            stats.touched_denials,
+            stats.held_denials,
+            stats.memory_denials
+        ),
+        (1, 0, 0),
+        "counted per budget"
+    );
+}
+
+#[test]
+fn a_pool_too_small_for_the_default_maximum_is_fitted_to_its_slots() {
+    // The plan's default maximum is 256 MiB; the slots hold 1 MiB: a memory that declares no
+    // maximum (what clang's C guests declare) gets a slot, not a refusal.
+    let creator = pooled(1 << 20, 4);
+    assert_eq!(creator.limits().default_maximum(), 1 << 20, "said so");
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(1, "t", 1 << 20, IsolationLevel::StreamIsolated);
+    let mut store = store(&creator, &engine, &tenant);
+    let module = Module::new(&engine, "(module (memory (export \"memory\") 1))").unwrap();
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    assert_eq!(memory.grow(&mut store, 15).unwrap(), 1, "grows to the slot");
+    assert!(memory.grow(&mut store, 1).is_err(), "and no further");
+    // A plan that fits is left alone.
+    let fits = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .limits(PlanLimits::new(1 << 20).unwrap())
+        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 << 20, 2)]))
+        .build()
+        .unwrap();
+    assert_eq!(fits.limits(), PlanLimits::new(1 << 20).unwrap());
+}
+
+#[test]
+fn a_capped_tenant_cannot_take_every_slot_of_a_shared_pool_by_default() {
+    // The first hour's case: four slots of 32 MiB, a tenant capped at 8 MiB (whose default held
+    // budget would cover all four), and another tenant.
+    let creator = pooled(32 << 20, 4);
+    assert_eq!(creator.slots_per_tenant(), Some(2));
+    let engine = creator.engine().unwrap();
+    let linker = Linker::new(&engine);
+    let module = Module::new(&engine, "(module (memory 1))").unwrap();
+    let greedy = Tenant::new(1, "greedy", 8 << 20, IsolationLevel::StreamIsolated);
+    let other = Tenant::new(2, "other", 8 << 20, IsolationLevel::StreamIsolated);
+    let mut greedy_stores = Vec::new();
+    let mut refusal = None;
+    for _ in 0..4 {
+        let mut s = store(&creator, &engine, &greedy);
+        match instantiate(&mut s, &linker, &module) {
+            Ok(_) => greedy_stores.push(s),
+            Err(e) => {
+                refusal = Some(typed(&e).to_string());
+                assert!(matches!(
+                    typed(&e),
+                    TwmError::PoolShare {
+                        held: 2,
+                        share: 2,
+                        ..
+                    }
+                ));
+                assert!(typed(&e).is_denial());
+                break;
+            }
+        }
+    }
+    assert_eq!(greedy_stores.len(), 2, "{refusal:?}");
+    let mut theirs = store(&creator, &engine, &other);
+    instantiate(&mut theirs, &linker, &module).expect("the other tenant is served");
+    // Shares go back with the memories.
+    drop(greedy_stores);
+    for _ in 0..2 {
+        let mut s = store(&creator, &engine, &greedy);
+        instantiate(&mut s, &linker, &module).unwrap();
+    }
+}
+
+/// A CPU "kernel" over two float arrays of a guest, through one scope: `y = a * x + y` with
+/// typed views of both ranges at once, and an error of the kernel composed with the scope's.
+#[test]
+fn typed_host_views_of_several_ranges_in_one_scope() {
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(1, "t", 1 << 20, IsolationLevel::StreamIsolated);
+    let mut store = store(&creator, &engine, &tenant);
+    let module = Module::new(
+        &engine,
+        r#"(module (memory (export "memory") 1)
+             (func (export "y") (param i32) (result f32)
+               (f32.load (i32.add (i32.const 4096) (i32.shl (local.get 0) (i32.const 2))))))"#,
+    )
+    .unwrap();
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    let ranges = [AccessRange::read(0, 64), AccessRange::read_write(4096, 64)];
+    #[derive(Debug)]
+    enum KernelError {
+        Scope(TwmError),
+    }
+    impl From<TwmError> for KernelError {
+        fn from(e: TwmError) -> Self {
+            Self::Scope(e)
+        }
+    }
+    let sum = DeviceAccess::try_run(
+        &mut store,
+        &creator,
+        &memory,
+        &ranges,
+        ScopeOptions::default(),
+        |scope| -> Result<f32, KernelError> {
+            let mut views = scope.host_slices_mut::<f32>()?.expect("host-accessible");
+            let (x, y) = views.split_at_mut(1);
+            for (i, v) in x[0].iter_mut().enumerate() {
+                *v = i as f32;
+            }
+            for (yi, xi) in y[0].iter_mut().zip(x[0].iter()) {
+                *yi = 2.0 * xi + 1.0;
+            }
+            Ok(y[0].iter().sum())
+        },
+    )
+    .unwrap();
+    assert_eq!(sum, (0..16).map(|i| 2.0 * i as f32 + 1.0).sum::<f32>());
+    let y = instance
+        .get_typed_func::<i32, f32>(&mut store, "y")
+        .unwrap();
+    assert_eq!(
+        y.call(&mut store, 5).unwrap(),
+        11.0,
+        "the guest sees the kernel's writes"
+    );
+
+    // Overlapping ranges are refused as mutable views; a misaligned one as f32.
+    let overlap = [AccessRange::read(0, 64), AccessRange::read_write(32, 64)];
+    let KernelError::Scope(e) = DeviceAccess::try_run(
+        &mut store,
+        &creator,
+        &memory,
+        &overlap,
+        ScopeOptions::default(),
+        |scope| -> Result<(), KernelError> {
+            scope.host_slices_mut::<u8>()?;
+            Ok(())
+        },
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TwmError::OverlappingRanges {
+                first: 0,
+                second: 1
+            }
+        ),
+        "{e:?}"
+    );
+    let odd = [AccessRange::read(2, 8)];
+    let e = DeviceAccess::try_run(
+        &mut store,
+        &creator,
+        &memory,
+        &odd,
+        ScopeOptions::default(),
+        |scope| scope.host_slices_mut::<f32>().map(|_| ()),
+    )
+    .unwrap_err();
+    assert!(matches!(e, TwmError::HostView { range: 0, .. }), "{e:?}");
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+}
