@@ -86,6 +86,21 @@ fn an_endless_loop_ends_at_its_deadline() {
     assert!(is_timeout(&error));
 }
 
+/// A call that ends before its deadline is never interrupted, whatever the ticker's phase: a
+/// thousand short calls under a deadline of one tick.
+#[test]
+fn a_deadline_never_fires_early() {
+    let (engine, mut store, instance) = setup(Interruption::EPOCHS);
+    let ticker = EpochTicker::start(&engine, Duration::from_millis(1)).expect("ticker");
+    for _ in 0..1000 {
+        ticker
+            .call_within(&mut store, Duration::from_millis(1), |store| {
+                count(store, &instance, 10)
+            })
+            .expect("not interrupted before its deadline");
+    }
+}
+
 #[test]
 fn with_interruption_on_a_store_runs_until_a_call_asks_for_a_limit() {
     let (_engine, mut store, instance) = setup(Interruption::BOTH);
@@ -144,9 +159,10 @@ fn what_cannot_be_honoured_is_refused() {
 fn ticks_round_up_and_never_overflow() {
     let engine = Engine::default();
     let ticker = EpochTicker::start(&engine, Duration::from_millis(10)).expect("ticker");
+    // One more than the ticks in the duration: the next tick may come at once.
     assert_eq!(ticker.ticks_for(Duration::ZERO), 1);
-    assert_eq!(ticker.ticks_for(Duration::from_millis(10)), 1);
-    assert_eq!(ticker.ticks_for(Duration::from_millis(11)), 2);
+    assert_eq!(ticker.ticks_for(Duration::from_millis(10)), 2);
+    assert_eq!(ticker.ticks_for(Duration::from_millis(11)), 3);
     assert_eq!(
         ticker.ticks_for(Duration::MAX),
         tensor_wasm_mem_wasmtime::deadline::NO_DEADLINE

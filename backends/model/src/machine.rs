@@ -1,7 +1,11 @@
 //! The simulated machine: its state, its rules, and `DriverApi` on it.
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
+
+// The model's tables are keyed by its own handles: foldhash (hashbrown's default), not SipHash,
+// which a simulated driver call paid for on every lookup.
+use hashbrown::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;

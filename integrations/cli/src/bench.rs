@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Value, json};
-use tensor_wasm_mem_core::{DeviceId, PlanLimits, PoolConfig, SizeClass};
+use tensor_wasm_mem_core::{DeviceId, IsolationLevel, PlanLimits, PoolConfig, SizeClass};
 use tensor_wasm_mem_mock::MockBackend;
 use tensor_wasm_mem_wasmtime::deadline::{Interruption, NO_DEADLINE};
 use tensor_wasm_mem_wasmtime::wasi::{WasiP1Ctx, add_wasi_to_linker};
@@ -19,7 +19,10 @@ use tensor_wasm_mem_wasmtime::wasmtime::{
     self, Config, Engine, InstanceAllocationStrategy, InstancePre, Linker, Module,
     PoolingAllocationConfig, Store,
 };
-use tensor_wasm_mem_wasmtime::{Backing, GuardedHostCreator, TensorWasmMemoryCreator};
+use tensor_wasm_mem_wasmtime::{
+    Backing, ChargeMode, GuardedHostCreator, Tenant, TenantStore, TensorWasmMemoryCreator,
+    instantiate_pre, new_store,
+};
 
 use crate::run::Failure;
 
@@ -142,6 +145,12 @@ enum Setup {
     TwmDeviceGuarded,
     /// The same from a guarded slot pool.
     TwmDeviceGuardedPooled,
+    /// The floor: the same instantiate+call+drop of a module with no memory (a global instead),
+    /// on the pooled setup's engine.
+    NoMemoryFloor,
+    /// `TwmPooled` for a tenant: its Store made by `new_store` (the limiter installed), the
+    /// instance made by `instantiate`, the memory charged to the tenant.
+    TwmPooledTenant,
     /// `TwmFresh` with epoch interruption compiled in (what `twm run --timeout` costs).
     TwmEpochs,
     /// `TwmFresh` with fuel compiled in (what `twm run --fuel` costs).
@@ -175,6 +184,8 @@ impl Setup {
             Self::TwmGuarded => "twm_guarded",
             Self::TwmDeviceGuarded => "twm_device_guarded",
             Self::TwmDeviceGuardedPooled => "twm_device_guarded_pooled",
+            Self::NoMemoryFloor => "no_memory_floor",
+            Self::TwmPooledTenant => "twm_pooled_tenant",
             Self::TwmEpochs => "twm_checked_epochs",
             Self::TwmFuel => "twm_checked_fuel",
         }
@@ -190,6 +201,8 @@ impl Setup {
             Self::TwmGuarded,
             Self::TwmDeviceGuarded,
             Self::TwmDeviceGuardedPooled,
+            Self::NoMemoryFloor,
+            Self::TwmPooledTenant,
             Self::TwmEpochs,
             Self::TwmFuel,
         ]
@@ -216,7 +229,10 @@ impl Setup {
             Self::TwmFresh => fresh_engine(mock(), Interruption::NONE),
             Self::TwmEpochs => fresh_engine(mock(), Interruption::EPOCHS),
             Self::TwmFuel => fresh_engine(mock(), Interruption::FUEL),
-            Self::TwmPooled | Self::TwmPooledWasi => pooled_engine(mock(), slots),
+            Self::TwmPooled | Self::TwmPooledWasi | Self::NoMemoryFloor => {
+                pooled_engine(mock(), slots)
+            }
+            Self::TwmPooledTenant => pooled_creator(mock(), slots).and_then(|c| c.engine()),
             Self::TwmGuarded => GuardedHostCreator::new(PlanLimits::default()).engine(),
             Self::TwmDeviceGuarded => fresh_engine(pageable_mock(), Interruption::NONE),
             Self::TwmDeviceGuardedPooled => pooled_engine(pageable_mock(), slots),
@@ -239,16 +255,67 @@ fn fresh_engine(backend: Arc<MockBackend>, interruption: Interruption) -> wasmti
 
 /// An engine whose creator on `backend` takes memories from a pool of `slots` 1 MiB slots.
 fn pooled_engine(backend: Arc<MockBackend>, slots: usize) -> wasmtime::Result<Engine> {
+    pooled_creator(backend, slots)?.engine()
+}
+
+/// The creator of [`pooled_engine`] (a tenant may hold every slot: one tenant is measured).
+fn pooled_creator(
+    backend: Arc<MockBackend>,
+    slots: usize,
+) -> wasmtime::Result<TensorWasmMemoryCreator<MockBackend>> {
     TensorWasmMemoryCreator::builder(backend)
         .limits(PlanLimits::new(16 << 16).map_err(wasmtime::Error::new)?)
         .pool(PoolConfig::new(
             DeviceId(0),
             [SizeClass::new(16 << 16, slots)],
         ))
+        .slots_per_tenant(slots)
         .allow_untenanted()
         .build()
-        .map_err(wasmtime::Error::new)?
-        .engine()
+        .map_err(wasmtime::Error::new)
+}
+
+/// The steps of a pooled instantiation that are the pool's, in microseconds, on the mock's
+/// driver path (`DriverBackend` over the model, as cudarc and cust run it): `(acquire + release
+/// of an untouched slot, the same with the 64 KiB page its last holder touched scrubbed)`.
+fn pool_steps_us(sizes: Sizes, bar: &ProgressBar) -> Result<(f64, f64), Failure> {
+    let creator = pooled_creator(Arc::new(MockBackend::default()), 16).map_err(other)?;
+    let pool = creator.pool().ok_or_else(|| other("no pool"))?;
+    let slot = 16 << 16;
+    let untouched = median_lives(sizes, bar, || {
+        black_box(pool.acquire(slot, 0).map_err(other)?);
+        Ok(())
+    })?;
+    let scrubbed = median_lives(sizes, bar, || {
+        black_box(pool.acquire(slot, 64 << 10).map_err(other)?);
+        Ok(())
+    })?;
+    Ok((untouched, scrubbed))
+}
+
+/// The floor's module: the small module with a global where its memory was.
+const NO_MEMORY: &str = r#"(module
+  (global $g (mut i32) (i32.const 0))
+  (func (export "run") (global.set $g (i32.const 1))))"#;
+
+/// Microseconds per instantiate + call + drop of the small module for a tenant: `new_store`,
+/// `instantiate_pre`, the memory charged to it.
+fn tenant_instantiate_us(sizes: Sizes, bar: &ProgressBar) -> Result<f64, Failure> {
+    let creator = pooled_creator(Arc::new(MockBackend::default()), 16).map_err(other)?;
+    let engine = creator.engine().map_err(other)?;
+    let pre = pre_with(&Linker::new(&engine), &engine, SMALL)?;
+    let tenant = Tenant::new(1, "bench", 1 << 30, IsolationLevel::StreamIsolated);
+    median_lives(sizes, bar, || {
+        let mut store = new_store(
+            &engine,
+            TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()),
+        );
+        let instance = instantiate_pre(&mut store, &pre).map_err(other)?;
+        let run = instance
+            .get_typed_func::<(), ()>(&mut store, "run")
+            .map_err(other)?;
+        run.call(&mut store, ()).map_err(other)
+    })
 }
 
 fn pre(engine: &Engine, wat: &str) -> Result<InstancePre<()>, Failure> {
@@ -282,7 +349,14 @@ fn small_life<T: 'static>(
 
 /// Microseconds per instantiate + call + drop of `(memory 1 16)`, one Store each.
 fn instantiate_us(setup: Setup, sizes: Sizes, bar: &ProgressBar) -> Result<f64, Failure> {
+    if setup == Setup::TwmPooledTenant {
+        return tenant_instantiate_us(sizes, bar);
+    }
     let engine = setup.engine(16)?;
+    if setup == Setup::NoMemoryFloor {
+        let pre = pre(&engine, NO_MEMORY)?;
+        return median_lives(sizes, bar, || small_life(&engine, &pre, ()).map(drop));
+    }
     if setup == Setup::TwmPooledWasi {
         let mut linker = Linker::<Option<WasiP1Ctx>>::new(&engine);
         add_wasi_to_linker(&mut linker).map_err(other)?;
@@ -639,10 +713,12 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
     }
     let instantiate_setups = [
         (Setup::WasmtimeDefault, None),
+        (Setup::NoMemoryFloor, None),
         (Setup::WasmtimePooling, None),
         (Setup::TwmFresh, Some((Setup::WasmtimeDefault, 1.0))),
         (Setup::TwmPooled, Some((Setup::WasmtimePooling, 0.8))),
         (Setup::TwmPooledWasi, Some((Setup::TwmPooled, 1.1))),
+        (Setup::TwmPooledTenant, Some((Setup::NoMemoryFloor, 1.5))),
         (Setup::TwmDeviceGuarded, None),
         (
             Setup::TwmDeviceGuardedPooled,
@@ -663,6 +739,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         + 2 * sizes.grow_samples
         + loop_setups.len() * details.len() * sizes.loop_placements
         + ROUNDTRIP_SIZES.len()
+        + 2 * sizes.instantiate_batches
         + 4;
     let bar = ProgressBar::new(steps as u64);
     bar.set_style(
@@ -707,6 +784,8 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         bar.set_message(format!("resident {}", setup.key()));
         rss.push((setup, rss_mib(setup, sizes.rss_instances, &bar)?));
     }
+    bar.set_message("pool steps");
+    let (pool_untouched, pool_scrubbed) = pool_steps_us(sizes, &bar)?;
     bar.set_message("placement, 8 devices");
     let placement = placement_figures(args.quick, &bar)?;
     bar.finish_and_clear();
@@ -755,6 +834,10 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             "kernel_roundtrip_us": roundtrips.iter().map(|(name, (scope, copy))| ((*name).to_string(), json!({"twm_scope": scope, "explicit_copy": copy}))).collect::<serde_json::Map<_, _>>(),
             "rss_1000_mib": rss.iter().map(|(s, v)| (twm_key(*s).to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "placement": placement,
+            "pool_steps_us": {
+                "acquire_release_untouched": pool_untouched,
+                "acquire_release_scrub_64KiB": pool_scrubbed,
+            },
         });
         println!("{report}");
         return Ok(());
@@ -823,6 +906,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
                     get(&instantiate, Setup::WasmtimePooling)
                 }
                 Setup::TwmPooledWasi => get(&instantiate, Setup::TwmPooled),
+                Setup::TwmPooledTenant => get(&instantiate, Setup::NoMemoryFloor),
                 _ => base,
             };
             let ratio = value / base;
@@ -869,6 +953,12 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         placement["bytes_per_tenant"].as_f64().unwrap_or(f64::NAN),
         "B"
     );
+    for (step, us) in [
+        ("acquire+release untouched", pool_untouched),
+        ("acquire+release scrub 64KiB", pool_scrubbed),
+    ] {
+        println!("{:<26} {:<18} {:>9.3} {:<3}", "pool slot", step, us, "us");
+    }
     for ((growable, simd), row) in &loops {
         let base = row[0].1;
         let group = format!(

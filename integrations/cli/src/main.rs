@@ -123,7 +123,7 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => {
             let json = args.iter().any(|a| a == "--json");
-            let run = args.get(1).is_some_and(|a| a == "run");
+            let run = args.iter().any(|a| a == "run");
             if json && run && e.use_stderr() {
                 let rendered = e.render().to_string().replace(NEGATIVE, "-");
                 let first = rendered.lines().next().unwrap_or_default();
@@ -138,7 +138,10 @@ fn main() -> ExitCode {
         }
     };
     if !stdout_is_open() {
-        eprintln!("twm: stdout is closed: results would be lost");
+        let _ = writeln!(
+            std::io::stderr(),
+            "twm: stdout is closed: results would be lost"
+        );
         return ExitCode::from(1);
     }
     let result = match &cli.command {
@@ -153,7 +156,7 @@ fn main() -> ExitCode {
     };
     if let (Command::Run(args), Err(failure)) = (&cli.command, &result)
         && args.json
-        && !run::REPORTED.load(std::sync::atomic::Ordering::Acquire)
+        && !run::REPORTED.swap(true, std::sync::atomic::Ordering::AcqRel)
     {
         let report = run::early_report(
             &args.file.display().to_string(),
@@ -168,7 +171,8 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(failure) => {
             if !failure.message().is_empty() {
-                eprintln!("twm: {}", failure.message());
+                // A stderr that cannot take it changes nothing: the status says what happened.
+                let _ = writeln!(std::io::stderr(), "twm: {}", failure.message());
             }
             ExitCode::from(failure.exit_code())
         }

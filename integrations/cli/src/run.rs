@@ -22,15 +22,20 @@ use tensor_wasm_mem_wasmtime::{
 
 use crate::backend::BackendKind;
 use crate::report::{creator_json, stats_table, tenant_json};
-use crate::watchdog::{TIMEOUT_EXIT, Watchdog, tick_for};
+use crate::watchdog::{TIMEOUT_EXIT, Watchdog, tick_for, write_fd};
 
 /// The most slots `--pool` takes (each slot's records are host memory made up front).
 pub const MAX_POOL: u32 = 65_536;
 /// The most runs `--repeat` takes.
 pub const MAX_REPEAT: u32 = 1_000_000;
-/// The largest module file `twm run` reads (a larger file, or an endless one such as
-/// `/dev/zero`, is refused after this many bytes).
-pub const MAX_MODULE_BYTES: u64 = 256 << 20;
+/// The default of `--max-module-size`: the largest module file `twm run` reads (a larger file
+/// is refused before it is read, an endless one such as `/dev/zero` after this many bytes).
+pub const MAX_MODULE_BYTES: u64 = 64 << 20;
+/// The most `--max-module-size` takes.
+pub const MAX_MODULE_BYTES_LIMIT: u64 = 1 << 30;
+/// The longest error text `twm` repeats from a module's parser or compiler: an error that
+/// quotes a whole line of a hostile file is cut, not echoed.
+pub const MAX_MESSAGE_CHARS: usize = 1000;
 
 /// Whether the JSON report (`--json`) has been printed: a failure before it prints an object
 /// of its own (see `main`).
@@ -82,13 +87,16 @@ pub struct RunArgs {
     /// 1000000).
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_REPEAT)))]
     pub repeat: u32,
-    /// End each run (instantiation and call) that takes longer than DURATION (`500ms`, `10s`,
-    /// `2m`; 1ms to 24h), with exit status 124: guest code is interrupted (epoch
-    /// interruption), and a guest blocked in a host call (a WASI sleep) ends the process.
+    /// End each run (instantiation and call), and the module's compilation, that takes longer
+    /// than DURATION (`500ms`, `10s`, `2m`; 1ms to 24h), with exit status 124: guest code is
+    /// interrupted (epoch interruption); a guest blocked in a host call (a WASI sleep) or a
+    /// compilation ends the process.
     #[arg(long, value_name = "DURATION", value_parser = crate::watchdog::parse_duration)]
     pub timeout: Option<Duration>,
-    /// Give each run N units of fuel (about one a Wasm instruction); a guest that spends it
-    /// traps (exit status 3).
+    /// Give each run N units of fuel (about one a Wasm instruction, checked at function entries
+    /// and loop headers, so straight-line code may run a function body past it; host calls
+    /// are not counted: bound wall time with --timeout); a guest that spends it traps (exit
+    /// status 3).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub fuel: Option<u64>,
     /// Descriptors a WASI guest may hold open, preopens included (1 to 65536; default 256):
@@ -123,6 +131,10 @@ pub struct RunArgs {
     /// (default: what the device reports, see docs/SAFETY.md).
     #[arg(long, value_name = "BACKING")]
     pub backing: Option<tensor_wasm_mem_wasmtime::Backing>,
+    /// The largest module file to read (default 64MiB, at most 1GiB). Memory use while reading
+    /// and compiling grows with it: compilation is bounded in time by --timeout, not in memory.
+    #[arg(long, value_name = "BYTES", value_parser = parse_module_size)]
+    pub max_module_size: Option<u64>,
     /// Print one JSON object instead of plain results.
     #[arg(long)]
     pub json: bool,
@@ -282,6 +294,13 @@ impl Failure {
             Self::Timeout(format!("{what} timed out (--timeout)"))
         } else if is_out_of_fuel(error) {
             Self::Trap(format!("{what} ran out of fuel (--fuel)"))
+        } else if error
+            .downcast_ref::<tensor_wasm_mem_wasmtime::wasmtime::component::ResourceTableError>()
+            .is_some()
+        {
+            Self::Trap(format!(
+                "{what} trapped: its WASI resource table is full (--wasi-max-resources): {error:#}"
+            ))
         } else if is_trap(error) {
             Self::Trap(format!("{what} trapped: {error:#}"))
         } else {
@@ -370,22 +389,70 @@ fn show(val: &Val) -> (String, Value) {
 }
 
 /// Reads the module file, at most [`MAX_MODULE_BYTES`] of it.
-fn read_module(path: &std::path::Path) -> Result<Vec<u8>, Failure> {
+fn read_module(path: &std::path::Path, most: u64) -> Result<Vec<u8>, Failure> {
     let cannot = |e: std::io::Error| Failure::Other(format!("cannot read {}: {e}", path.display()));
+    let too_large = || {
+        Failure::Usage(format!(
+            "{}: larger than {most} bytes, the most a module may be (--max-module-size)",
+            path.display()
+        ))
+    };
+    let file = std::fs::File::open(path).map_err(cannot)?;
+    // A regular file says its size: refused before a byte is read.
+    if file.metadata().is_ok_and(|m| m.is_file() && m.len() > most) {
+        return Err(too_large());
+    }
     let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .map_err(cannot)?
-        .take(MAX_MODULE_BYTES + 1)
+    file.take(most + 1)
         .read_to_end(&mut bytes)
         .map_err(cannot)?;
-    if bytes.len() as u64 > MAX_MODULE_BYTES {
-        return Err(Failure::Usage(format!(
-            "{}: larger than {} bytes, the most a module may be",
-            path.display(),
-            MAX_MODULE_BYTES
-        )));
+    if bytes.len() as u64 > most {
+        return Err(too_large());
     }
     Ok(bytes)
+}
+
+fn parse_module_size(text: &str) -> Result<u64, String> {
+    let bytes = crate::bytes::parse_bytes(text)?;
+    if (1..=MAX_MODULE_BYTES_LIMIT).contains(&bytes) {
+        Ok(bytes)
+    } else {
+        Err(format!("{text:?} is out of range (1 byte to 1GiB)"))
+    }
+}
+
+/// `message` cut to [`MAX_MESSAGE_CHARS`] characters, its control characters shown as `?`.
+pub fn clip(message: &str) -> String {
+    let mut clipped: String = message
+        .chars()
+        .take(MAX_MESSAGE_CHARS)
+        .map(|c| if c.is_control() && c != '\n' { '?' } else { c })
+        .collect();
+    if message.chars().nth(MAX_MESSAGE_CHARS).is_some() {
+        clipped.push_str("... (cut)");
+    }
+    clipped
+}
+
+/// The soft limit on this process's open descriptors (`/proc/self/limits`), if known.
+fn open_files_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
+/// Refuses a `--wasi-max-fds` the process cannot give while keeping descriptors of its own.
+fn check_fd_limit(args: &RunArgs) -> Result<(), Failure> {
+    const KEPT: u64 = 64;
+    if let (Some(asked), Some(limit)) = (args.wasi_max_fds, open_files_limit())
+        && u64::from(asked) + KEPT > limit
+    {
+        return Err(Failure::Usage(format!(
+            "--wasi-max-fds {asked}: this process may open {limit} descriptors, and keeps {KEPT} \
+             of its own (raise the limit with ulimit -n, or ask for fewer)"
+        )));
+    }
+    Ok(())
 }
 
 /// The tenant's budgets from the command line.
@@ -466,13 +533,15 @@ impl RunLimits {
                 );
                 let watchdog = Watchdog::start(move |_| {
                     let message = format!(
-                        "timed out after {timeout:?} (the guest was in a host call, which \
-                         cannot be interrupted: the process ends)"
+                        "timed out after {timeout:?} (in a host call or compiling, which cannot \
+                         be interrupted: the process ends)"
                     );
-                    if json {
-                        println!("{}", early_report(&file, backend, TIMEOUT_EXIT, &message));
+                    // One JSON object: none if the report is already out.
+                    if json && !REPORTED.swap(true, Ordering::AcqRel) {
+                        let report = early_report(&file, backend, TIMEOUT_EXIT, &message);
+                        write_fd(1, &format!("{report}\n"));
                     }
-                    eprintln!("twm: {message}");
+                    write_fd(2, &format!("twm: {message}\n"));
                 })
                 .map_err(|e| Failure::Other(format!("cannot start the watchdog: {e}")))?;
                 Some((ticker, watchdog, timeout))
@@ -482,6 +551,18 @@ impl RunLimits {
             deadline,
             fuel: args.fuel,
         })
+    }
+
+    /// Runs `compile` with the watchdog armed for the timeout (compilation cannot be
+    /// interrupted otherwise).
+    fn compiling<R>(&self, compile: impl FnOnce() -> R) -> R {
+        let Some((ticker, watchdog, timeout)) = &self.deadline else {
+            return compile();
+        };
+        watchdog.arm(*timeout + ticker.tick() * 2 + Duration::from_millis(250));
+        let result = compile();
+        watchdog.disarm();
+        result
     }
 
     /// Runs `guest` on `store` within the deadline and the fuel.
@@ -523,13 +604,24 @@ pub fn early_report(file: &str, backend: &str, exit_code: u8, message: &str) -> 
 
 /// Runs `args` on `backend`; prints results to stdout (and stats to stderr).
 pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
-    let bytes = read_module(&args.file)?;
+    check_fd_limit(args)?;
+    let bytes = read_module(&args.file, args.max_module_size.unwrap_or(MAX_MODULE_BYTES))?;
     let creator = creator(backend, args)?;
     let engine = creator
         .engine()
         .map_err(|e| Failure::Other(format!("cannot build the engine: {e:#}")))?;
-    let module = Module::new(&engine, &bytes)
-        .map_err(|e| Failure::Other(format!("{}: {e:#}", args.file.display())))?;
+    let limits = RunLimits::start(&engine, args)?;
+    // Compilation cannot be interrupted: the watchdog bounds it by the same timeout.
+    let module = limits
+        .compiling(|| Module::new(&engine, &bytes))
+        .map_err(|e| {
+            Failure::Other(format!(
+                "{}: {}",
+                args.file.display(),
+                clip(&format!("{e:#}"))
+            ))
+        })?;
+    drop(bytes);
     let wasi = WasiSetup::parse(args)?;
     let mut linker = Linker::new(&engine);
     add_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
@@ -542,7 +634,6 @@ pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
         &[DeviceId(args.device)],
     )
     .map_err(|e| Failure::Other(e.to_string()))?;
-    let limits = RunLimits::start(&engine, args)?;
     let setup = RunSetup {
         linker: &linker,
         module: &module,
@@ -609,8 +700,10 @@ fn report<B: Backend>(
             "creator": creator_json(&creator.stats()),
             "metrics": metrics,
         });
-        REPORTED.store(true, Ordering::Release);
-        out(&report.to_string())?;
+        // One JSON object: none if the watchdog's is already out (it then ends the process).
+        if !REPORTED.swap(true, Ordering::AcqRel) {
+            out(&report.to_string())?;
+        }
     }
     outcome
 }

@@ -40,8 +40,8 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(seconds))
 }
 
-/// The epoch tick for a timeout: a tenth of it, between 1 ms and 100 ms (the deadline fires up
-/// to one tick late).
+/// The epoch tick for a timeout: a tenth of it, between 1 ms and 100 ms (the deadline fires at
+/// most one tick late, never early).
 #[must_use]
 pub fn tick_for(timeout: Duration) -> Duration {
     (timeout / 10).clamp(Duration::from_millis(1), Duration::from_millis(100))
@@ -52,9 +52,28 @@ struct Armed {
     done: bool,
 }
 
+/// How long the watchdog lets its report take before it ends the process all the same.
+const REPORT_GRACE: Duration = Duration::from_millis(200);
+
+/// Writes `text` to the process's file descriptor `fd` (1 or 2) through a descriptor of its
+/// own (`/proc/self/fd/N`, opened for appending): never through Rust's `stdout()` / `stderr()`,
+/// whose locks a guest blocked in a write may hold, and never panicking on a closed, full or
+/// broken stream.
+pub fn write_fd(fd: u8, text: &str) {
+    use std::io::Write;
+    if let Ok(mut file) = std::fs::OpenOptions::new()
+        .append(true)
+        .open(format!("/proc/self/fd/{fd}"))
+    {
+        let _ = file.write_all(text.as_bytes());
+    }
+}
+
 /// Ends the process with [`TIMEOUT_EXIT`] when a run outlives its deadline by `grace`: the
 /// engine's epoch deadline interrupts guest code, but not a guest blocked in a host call (a
-/// WASI sleep), which only this can end. Armed for each run, disarmed after it.
+/// WASI sleep), which only this can end. Armed for each run, disarmed after it. Its report
+/// is written from a thread of its own, and the process ends [`REPORT_GRACE`] later whether
+/// the report got out or not: a guest cannot hold it by holding a stream.
 pub struct Watchdog {
     state: Arc<(Mutex<Armed>, Condvar)>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -63,7 +82,8 @@ pub struct Watchdog {
 impl Watchdog {
     /// Starts the watchdog; `report` is called (with the time that passed) just before the
     /// process ends.
-    pub fn start(report: impl Fn(Duration) + Send + 'static) -> std::io::Result<Self> {
+    pub fn start(report: impl Fn(Duration) + Send + Sync + 'static) -> std::io::Result<Self> {
+        let report = Arc::new(report);
         let state = Arc::new((
             Mutex::new(Armed {
                 until: None,
@@ -81,7 +101,17 @@ impl Watchdog {
                 while !armed.done {
                     armed = match armed.until {
                         Some(until) if Instant::now() >= until => {
-                            report(started.elapsed());
+                            let elapsed = started.elapsed();
+                            let report = Arc::clone(&report);
+                            let writer = std::thread::Builder::new()
+                                .name("twm-watchdog-report".into())
+                                .spawn(move || report(elapsed));
+                            if let Ok(writer) = writer {
+                                let deadline = Instant::now() + REPORT_GRACE;
+                                while !writer.is_finished() && Instant::now() < deadline {
+                                    std::thread::sleep(Duration::from_millis(5));
+                                }
+                            }
                             std::process::exit(i32::from(TIMEOUT_EXIT));
                         }
                         Some(until) => {

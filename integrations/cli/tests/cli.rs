@@ -710,3 +710,105 @@ fn error_text_shows_minus_signs_as_given() {
     assert!(!stderr(&o).contains('\u{2212}'), "{}", stderr(&o));
     assert!(stderr(&o).contains("-3"), "{}", stderr(&o));
 }
+
+/// Findings of the review of `--timeout`: the watchdog ends the process whatever state its
+/// streams are in (a full stderr, a broken stdout), and bounds compilation too.
+#[test]
+fn the_watchdog_ends_the_run_whatever_its_streams_and_bounds_compilation() {
+    let sleep = module_file("sleep.wat", SLEEP.as_bytes());
+    let full = |args: &[&str], stdout_full: bool| {
+        let file = || std::fs::OpenOptions::new().write(true).open("/dev/full");
+        let (Ok(a), Ok(b)) = (file(), file()) else {
+            return None;
+        };
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_twm"));
+        cmd.args(args).stderr(a);
+        if stdout_full {
+            cmd.stdout(b);
+        }
+        Some(cmd.output().expect("run twm"))
+    };
+    let s = sleep.to_str().unwrap();
+    for (args, stdout_full) in [
+        (vec!["run", s, "--timeout", "300ms"], false),
+        (vec!["run", s, "--timeout", "300ms", "--json"], true),
+    ] {
+        let Some(o) = full(&args, stdout_full) else {
+            return;
+        };
+        assert_eq!(o.status.code(), Some(124), "{args:?}");
+    }
+    // A module whose compilation takes seconds (one function of 200,000 additions).
+    let body = "local.get 0 i32.const 1 i32.add local.set 0 ".repeat(200_000);
+    let bomb = module_file(
+        "bomb.wat",
+        format!("(module (func (export \"f\") (param i32) (result i32) {body} local.get 0))")
+            .as_bytes(),
+    );
+    let started = std::time::Instant::now();
+    let o = twm(&["run", bomb.to_str().unwrap(), "--timeout", "300ms"]);
+    assert_eq!(o.status.code(), Some(124), "{}", stderr(&o));
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+}
+
+#[test]
+fn a_full_wasi_resource_table_is_a_trap() {
+    let guest = module_file(
+        "open.wat",
+        br#"(module
+  (import "wasi_snapshot_preview1" "path_open"
+    (func $open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 16) "f")
+  (func (export "_start")
+    (loop $again
+      (br_if $again (i32.eqz (call $open (i32.const 3) (i32.const 0) (i32.const 16)
+        (i32.const 1) (i32.const 1) (i64.const 0x1FFFFFFF) (i64.const 0x1FFFFFFF) (i32.const 0)
+        (i32.const 8)))))))"#,
+    );
+    let dir = std::env::temp_dir().join(format!("twm-cli-table-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let spec = format!("{}::/", dir.display());
+    let o = twm(&[
+        "run",
+        guest.to_str().unwrap(),
+        "--dir",
+        &spec,
+        "--wasi-max-resources",
+        "10",
+    ]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("--wasi-max-resources"),
+        "{}",
+        stderr(&o)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_hostile_files_error_text_is_cut_not_echoed() {
+    let bad = module_file(
+        "bad.wat",
+        format!("(module {})", "x".repeat(4 << 20)).as_bytes(),
+    );
+    let o = twm(&["run", bad.to_str().unwrap(), "--json"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(o.stdout.len() < 4096, "{} bytes of JSON", o.stdout.len());
+    assert!(o.stderr.len() < 4096, "{} bytes of stderr", o.stderr.len());
+    assert!(stderr(&o).contains("(cut)"), "{}", stderr(&o));
+}
+
+#[test]
+fn more_wasi_descriptors_than_the_process_may_open_is_a_usage_error() {
+    let path = module_file("m.wat", MODULE.as_bytes());
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -n 512 && exec \"$0\" run \"$1\" --wasi-max-fds 500")
+        .arg(env!("CARGO_BIN_EXE_twm"))
+        .arg(&path)
+        .output()
+        .expect("sh");
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("ulimit -n"), "{}", stderr(&o));
+}

@@ -51,7 +51,7 @@
 
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use wasmtime::{AsContextMut, Config, Engine, Store, Trap};
 
@@ -186,13 +186,20 @@ impl EpochTicker {
                     .stopped
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner);
+                let mut next = Instant::now() + tick;
                 while !*stopped {
-                    stopped = signal
-                        .wake
-                        .wait_timeout(stopped, tick)
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .0;
+                    let now = Instant::now();
+                    if now < next {
+                        // A wait may end early (a spurious wakeup): a tick is never early.
+                        stopped = signal
+                            .wake
+                            .wait_timeout(stopped, next - now)
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .0;
+                        continue;
+                    }
                     ticking.increment_epoch();
+                    next += tick;
                 }
             })
             .map_err(|_| TwmError::Interruption("the epoch ticker's thread did not start"))?;
@@ -210,16 +217,18 @@ impl EpochTicker {
         self.tick
     }
 
-    /// Ticks in `within` (rounded up, at least one: a deadline is never already past).
+    /// The epoch ticks a deadline `within` from now is set at: `within` in ticks, rounded up,
+    /// plus one, since the next tick may come at any moment after the deadline is set. So a
+    /// deadline never fires before `within`, and at most a tick after.
     #[must_use]
     pub fn ticks_for(&self, within: Duration) -> u64 {
-        let ticks = within.as_nanos().div_ceil(self.tick.as_nanos()).max(1);
+        let ticks = within.as_nanos().div_ceil(self.tick.as_nanos()) + 1;
         u64::try_from(ticks).unwrap_or(NO_DEADLINE).min(NO_DEADLINE)
     }
 
     /// Runs `call` on `store` with a deadline `within` from now: guest code still running then
-    /// traps with [`Trap::Interrupt`] ([`is_timeout`]), up to one tick late. Afterwards the
-    /// Store has no deadline again. A Store of another engine is [`TwmError::Interruption`].
+    /// traps with [`Trap::Interrupt`] ([`is_timeout`]), never before `within`, about a tick
+    /// after at most. Afterwards the Store has no deadline again. A Store of another engine is [`TwmError::Interruption`].
     /// The engine must compile epoch checks ([`Interruption::epochs`], set by the creator that
     /// configured it): Wasmtime does not say whether it does, and without them no deadline
     /// fires.

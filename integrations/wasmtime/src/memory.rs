@@ -6,7 +6,7 @@
 //! the creator, or nobody where allowed), charge it, acquire the storage, register. What
 //! follows (growth, release) is in the `lifecycle` module.
 
-use std::collections::HashMap;
+use hashbrown::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -1,7 +1,7 @@
 //! How many of a creator's pool slots each tenant holds, and the most it may: one tenant cannot
 //! take every slot of a pool it shares.
 
-use std::collections::HashMap;
+use hashbrown::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::TwmError;
