@@ -29,6 +29,10 @@
 #define TWM_ERR_BACKEND (-5)           /* the backend (driver) failed */
 #define TWM_ERR_NOT_DEVICE_MEMORY (-6) /* no exported `memory`, or not device-visible */
 #define TWM_ERR_UNSUPPORTED (-7)       /* the memory's backing or device cannot do this */
+#define TWM_ERR_UNKNOWN_KERNEL (-8)    /* no kernel of that name or handle */
+#define TWM_ERR_BAD_ARGUMENTS (-9)     /* arguments that do not match the kernel's signature */
+#define TWM_ERR_KERNEL_FAULT (-10)     /* the kernel failed on the device */
+#define TWM_ERR_BUSY (-11)             /* the tenant has as many launches in flight as it may */
 
 /* Advice (cudaMemAdvise). */
 #define TWM_ADVICE_SET_READ_MOSTLY 0
@@ -66,6 +70,44 @@ static inline int32_t twm_prefetch(const void *ptr, size_t len, int32_t location
     return twm_prefetch_raw((uint32_t)(uintptr_t)ptr, (uint32_t)len, location);
 }
 
+/* Kernels the host registered: look one up by name, then launch it on buffers of this guest's
+ * own memory and scalars. The launch returns when the kernel is done. */
+__attribute__((import_module("twm"), import_name("kernel")))
+int32_t twm_kernel_raw(uint32_t name, uint32_t len);
+
+__attribute__((import_module("twm"), import_name("launch")))
+int32_t twm_launch_raw(int32_t kernel, uint32_t args, uint32_t nargs);
+
+/* One launch argument: a buffer (its address and bytes), or a scalar (its value, 0). */
+typedef struct {
+    uint64_t a;
+    uint64_t b;
+} twm_arg;
+
+#define TWM_BUFFER(ptr, bytes) ((twm_arg){(uint64_t)(uintptr_t)(ptr), (uint64_t)(bytes)})
+#define TWM_U32(v) ((twm_arg){(uint64_t)(uint32_t)(v), 0})
+#define TWM_U64(v) ((twm_arg){(uint64_t)(v), 0})
+static inline twm_arg TWM_F32(float v) {
+    union {
+        float f;
+        uint32_t u;
+    } bits = {v};
+    return (twm_arg){bits.u, 0};
+}
+
+/* The handle of the kernel the host registered as `name` (>= 0), or TWM_ERR_UNKNOWN_KERNEL. */
+static inline int32_t twm_kernel(const char *name, size_t len) {
+    if (len > UINT32_MAX) {
+        return TWM_ERR_OVERFLOW;
+    }
+    return twm_kernel_raw((uint32_t)(uintptr_t)name, (uint32_t)len);
+}
+
+/* Launches `kernel` with `nargs` arguments and waits for it. */
+static inline int32_t twm_launch(int32_t kernel, const twm_arg *args, uint32_t nargs) {
+    return twm_launch_raw(kernel, (uint32_t)(uintptr_t)args, nargs);
+}
+
 /* A short description of a result code. */
 static inline const char *twm_strerror(int32_t code) {
     switch (code) {
@@ -77,6 +119,10 @@ static inline const char *twm_strerror(int32_t code) {
     case TWM_ERR_BACKEND: return "backend failed";
     case TWM_ERR_NOT_DEVICE_MEMORY: return "memory is not device-visible";
     case TWM_ERR_UNSUPPORTED: return "not supported by this memory";
+    case TWM_ERR_UNKNOWN_KERNEL: return "unknown kernel";
+    case TWM_ERR_BAD_ARGUMENTS: return "arguments do not match the kernel";
+    case TWM_ERR_KERNEL_FAULT: return "the kernel failed";
+    case TWM_ERR_BUSY: return "too many launches in flight";
     default: return "unknown result";
     }
 }

@@ -122,6 +122,31 @@ pub struct SimulatedMachine {
     pub registration: bool,
 }
 
+/// The kernels a backend offers guests under `twm run --kernels builtin`: the simulated
+/// device's (`kernels::builtin`); a real driver's kernels are the embedder's own, so none.
+pub trait BuiltinKernels: tensor_wasm_mem_wasmtime::Backend + Sized {
+    /// The built-in registry, if this backend has one.
+    fn builtin_kernels() -> Option<tensor_wasm_mem_wasmtime::kernels::KernelRegistry<Self>> {
+        None
+    }
+}
+
+#[cfg(feature = "mock")]
+impl BuiltinKernels for tensor_wasm_mem_mock::MockBackend {
+    fn builtin_kernels() -> Option<tensor_wasm_mem_wasmtime::kernels::KernelRegistry<Self>> {
+        Some(tensor_wasm_mem_wasmtime::kernels::builtin())
+    }
+}
+
+#[cfg(feature = "cudarc")]
+impl BuiltinKernels for tensor_wasm_mem_wasmtime::backends::cudarc::CudarcBackend {}
+
+#[cfg(feature = "cust")]
+impl BuiltinKernels for tensor_wasm_mem_wasmtime::backends::cust::CustBackend {}
+
+#[cfg(feature = "cuda-oxide")]
+impl BuiltinKernels for tensor_wasm_mem_wasmtime::backends::cuda_oxide::CudaOxideBackend {}
+
 /// The most devices `--devices` simulates.
 pub const MAX_DEVICES: u32 = 64;
 

@@ -27,6 +27,10 @@ pub fn tenant_json(s: &TenantStats) -> Value {
         "memory_denials": s.memory_denials,
         "device_pool_bytes": s.device_pool_bytes,
         "device": s.device.0,
+        "touched_denials": s.touched_denials,
+        "launches": s.launches,
+        "refused_launches": s.refused_launches,
+        "kernel_failures": s.kernel_failures,
     })
 }
 

@@ -20,7 +20,7 @@ use tensor_wasm_mem_wasmtime::{
     add_to_linker, instantiate, new_store,
 };
 
-use crate::backend::BackendKind;
+use crate::backend::{BackendKind, BuiltinKernels};
 use crate::report::{creator_json, stats_table, tenant_json};
 use crate::watchdog::{TIMEOUT_EXIT, Watchdog, tick_for, write_fd};
 
@@ -131,6 +131,11 @@ pub struct RunArgs {
     /// (default: what the device reports, see docs/SAFETY.md).
     #[arg(long, value_name = "BACKING")]
     pub backing: Option<tensor_wasm_mem_wasmtime::Backing>,
+    /// Kernels guests may launch (`twm.kernel`, `twm.launch`): `builtin`, the simulated
+    /// device's `fill`, `increment` and `saxpy` (`--backend mock` only; see the kernels module of
+    /// tensor-wasm-mem-wasmtime). None by default.
+    #[arg(long, value_name = "SET", value_parser = ["builtin"])]
+    pub kernels: Option<String>,
     /// The largest module file to read (default 64MiB, at most 1GiB). Memory use while reading
     /// and compiling grows with it: compilation is bounded in time by --timeout, not in memory.
     #[arg(long, value_name = "BYTES", value_parser = parse_module_size)]
@@ -473,7 +478,7 @@ fn budgets(args: &RunArgs) -> TenantBudgets {
 }
 
 /// The creator `args` ask for: limits, device, backing, pool, interruption.
-fn creator<B: Backend>(
+fn creator<B: BuiltinKernels>(
     backend: Arc<B>,
     args: &RunArgs,
 ) -> Result<TensorWasmMemoryCreator<B>, Failure> {
@@ -498,6 +503,16 @@ fn creator<B: Backend>(
         });
     if let Some(backing) = args.backing {
         builder = builder.backing(backing);
+    }
+    if args.kernels.is_some() {
+        let registry = B::builtin_kernels().ok_or_else(|| {
+            Failure::Usage(format!(
+                "--kernels builtin: the {} backend has no built-in kernels (the simulated \
+                 device's are the mock backend's)",
+                args.backend
+            ))
+        })?;
+        builder = builder.kernels(registry);
     }
     if let Some(slots) = args.pool {
         let slot_bytes = usize::try_from(limits.per_memory_limit())
@@ -603,7 +618,7 @@ pub fn early_report(file: &str, backend: &str, exit_code: u8, message: &str) -> 
 }
 
 /// Runs `args` on `backend`; prints results to stdout (and stats to stderr).
-pub fn run<B: Backend>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
+pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
     check_fd_limit(args)?;
     let bytes = read_module(&args.file, args.max_module_size.unwrap_or(MAX_MODULE_BYTES))?;
     let creator = creator(backend, args)?;

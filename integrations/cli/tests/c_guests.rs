@@ -170,3 +170,27 @@ fn environment_last_value_wins_and_memory_limit_sizes_undeclared_maxima() {
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.starts_with("allocated 270 of 270 MiB"), "{out}");
 }
+
+/// A C guest launches the simulated device's `saxpy` on its own arrays (`--kernels builtin`),
+/// checks the result, and sees an aliased launch refused; the figures count both.
+#[test]
+fn a_c_guest_launches_saxpy_on_its_own_memory() {
+    let Some(saxpy) = c_guest("saxpy") else {
+        return;
+    };
+    let (code, out, err) = twm_run(&saxpy, &["--kernels", "builtin"]);
+    assert_eq!(code, 0, "stdout: {out}; stderr: {err}");
+    assert_eq!(
+        out,
+        "saxpy over 100000 floats: 0 wrong; an aliased launch: arguments do not match the kernel\n"
+    );
+    let (code, out, _) = twm_run(&saxpy, &["--kernels", "builtin", "--json"]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(v["tenant"]["launches"], 1, "{v}");
+    assert_eq!(v["tenant"]["refused_launches"], 1, "{v}");
+    // Without kernels the guest's lookup is refused, and it says so.
+    let (code, out, _) = twm_run(&saxpy, &[]);
+    assert_eq!(code, 108, "100 - TWM_ERR_UNKNOWN_KERNEL; {out}");
+    assert_eq!(out, "saxpy: unknown kernel\n");
+}

@@ -812,3 +812,47 @@ fn more_wasi_descriptors_than_the_process_may_open_is_a_usage_error() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("ulimit -n"), "{}", stderr(&o));
 }
+
+const LAUNCHER: &str = r#"(module
+  (import "twm" "kernel" (func $kernel (param i32 i32) (result i32)))
+  (import "twm" "launch" (func $launch (param i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 0) "fill")
+  ;; fill(offset, bytes) with 7: the launch's code.
+  (func (export "fill") (param $off i64) (param $len i64) (result i32)
+    (i64.store (i32.const 64) (local.get $off))
+    (i64.store (i32.const 72) (local.get $len))
+    (i64.store (i32.const 80) (i64.const 7))
+    (i64.store (i32.const 88) (i64.const 0))
+    (call $launch (call $kernel (i32.const 0) (i32.const 4)) (i32.const 64) (i32.const 2)))
+  (func (export "byte") (param i32) (result i32) (i32.load8_u (local.get 0))))"#;
+
+#[test]
+fn hostile_launches_through_twm_run_are_codes_not_crashes() {
+    let path = module_file("launch.wat", LAUNCHER.as_bytes());
+    let p = path.to_str().unwrap();
+    let launch = |off: &str, len: &str| {
+        let o = twm(&[
+            "run",
+            p,
+            "--kernels",
+            "builtin",
+            "--invoke",
+            "fill",
+            off,
+            len,
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        stdout(&o).trim().to_string()
+    };
+    assert_eq!(launch("4096", "4096"), "0");
+    assert_eq!(launch("65000", "4096"), "-1", "past the end");
+    assert_eq!(launch("8", "-1"), "-2", "a length that overflows");
+    assert_eq!(launch("-4", "8"), "-2", "an offset that wraps");
+    // The kernel ran on the guest's bytes.
+    let o = twm(&["run", p, "--kernels", "builtin", "--invoke", "byte", "100"]);
+    assert_eq!(stdout(&o).trim(), "0", "each run starts from zeros");
+    // Without --kernels, or on a backend with no built-in kernels.
+    let o = twm(&["run", p, "--invoke", "fill", "0", "8"]);
+    assert_eq!(stdout(&o).trim(), "-8");
+}

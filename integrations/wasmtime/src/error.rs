@@ -112,6 +112,10 @@ pub enum TwmError {
         /// Why (bytemuck's reason).
         reason: String,
     },
+    /// A kernel could not be registered: a signature that could not be checked, or a name
+    /// registered twice ([`KernelRegistry::register`](crate::kernels::KernelRegistry::register)).
+    #[error("kernel registry: {0}")]
+    KernelSignature(&'static str),
     /// The tenant already holds its share of a shared pool's slots
     /// ([`CreatorBuilder::slots_per_tenant`](crate::CreatorBuilder::slots_per_tenant); by
     /// default half the slots): a denial, so that one tenant cannot take every slot.
@@ -300,6 +304,7 @@ impl TwmError {
             | Self::DeviceMismatch { .. } => ErrorKind::InvalidArgument,
             Self::Unplaceable { .. } => ErrorKind::LimitExceeded,
             Self::Interruption(_) => ErrorKind::Unsupported,
+            Self::KernelSignature(_) => ErrorKind::InvalidArgument,
         }
     }
 

@@ -37,6 +37,7 @@ use wasmtime::{Caller, Extern, Linker};
 use crate::Backend;
 use crate::books::StoreBooks;
 use crate::error::TwmError;
+use crate::kernels::KernelCounters;
 use crate::memory::{MemoryView, TensorWasmMemoryCreator};
 use crate::tenancy::{ChargeMode, HasTenantLimiter, StreamId, Tenant, TenantLimiter};
 
@@ -70,6 +71,8 @@ pub struct GuestContext<B: Backend> {
     /// The Store's books, which its memories keep: the stream is recorded there while it
     /// lives, so a memory that goes first waits for it.
     store: Option<Arc<StoreBooks>>,
+    /// The tenant's launch figures (shared by all its Stores).
+    kernels: Arc<KernelCounters>,
     calls: u64,
     failed_calls: u64,
 }
@@ -95,6 +98,7 @@ impl<B: Backend> GuestContext<B> {
             devices: tenant.devices().to_vec(),
             stream: None,
             store: None,
+            kernels: Arc::clone(tenant.kernel_counters()),
             calls: 0,
             failed_calls: 0,
         }
@@ -114,6 +118,11 @@ impl<B: Backend> GuestContext<B> {
     #[must_use]
     pub fn creator(&self) -> &TensorWasmMemoryCreator<B> {
         &self.creator
+    }
+
+    /// The tenant's launch figures.
+    pub(crate) fn kernel_counters(&self) -> &Arc<KernelCounters> {
+        &self.kernels
     }
 
     /// Host calls made, and how many of them returned an error code.
@@ -270,7 +279,7 @@ impl<B: Backend, U: 'static> HasGuestContext<B> for TenantStore<B, U> {
     }
 }
 
-fn code_for(error: &TwmError) -> i32 {
+pub(crate) fn code_for(error: &TwmError) -> i32 {
     match error {
         TwmError::GuestRange(e) if e.kind() == ErrorKind::Overflow => TWM_ERR_OVERFLOW,
         TwmError::GuestRange(_) => TWM_ERR_OUT_OF_RANGE,
@@ -303,7 +312,7 @@ fn guest_args<B: Backend>(
     Ok((ptr, len, location))
 }
 
-fn guest_memory<T>(caller: &mut Caller<'_, T>) -> Result<wasmtime::Memory, i32> {
+pub(crate) fn guest_memory<T>(caller: &mut Caller<'_, T>) -> Result<wasmtime::Memory, i32> {
     match caller.get_export("memory") {
         Some(Extern::Memory(memory)) => Ok(memory),
         _ => Err(TWM_ERR_NOT_DEVICE_MEMORY),
@@ -382,10 +391,32 @@ fn finish<B: Backend, T: HasGuestContext<B>>(
     }
 }
 
-/// Adds `twm.advise` and `twm.prefetch` to `linker`.
+/// Adds `twm.advise`, `twm.prefetch`, `twm.kernel` and `twm.launch` to `linker` (the last two
+/// answer [`TWM_ERR_UNKNOWN_KERNEL`](crate::kernels::TWM_ERR_UNKNOWN_KERNEL) on a creator without
+/// kernels; see [`kernels`](crate::kernels)).
 pub fn add_to_linker<B: Backend, T: HasGuestContext<B>>(
     linker: &mut Linker<T>,
 ) -> wasmtime::Result<()> {
+    linker.func_wrap(
+        "twm",
+        "kernel",
+        |mut caller: Caller<'_, T>, ptr: i32, len: i32| -> i32 {
+            let result = crate::kernels::kernel_call(&mut caller, ptr, len);
+            let handle = result.unwrap_or(0);
+            match finish(&mut caller, "kernel", result.map(|_| ())) {
+                TWM_OK => handle,
+                code => code,
+            }
+        },
+    )?;
+    linker.func_wrap(
+        "twm",
+        "launch",
+        |mut caller: Caller<'_, T>, handle: i32, args: i32, nargs: i32| -> i32 {
+            let result = crate::kernels::launch_call(&mut caller, handle, args, nargs);
+            finish(&mut caller, "launch", result)
+        },
+    )?;
     linker.func_wrap(
         "twm",
         "advise",

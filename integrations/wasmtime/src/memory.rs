@@ -26,6 +26,7 @@ use crate::config::configure;
 use crate::deadline::Interruption;
 use crate::error::TwmError;
 use crate::guarded_region::{GuardedPool, GuardedRegion};
+use crate::kernels::KernelRegistry;
 use crate::lifecycle::{
     Held, KeptMemories, MemoryRecord, Registry, ScopedMemory, TensorWasmLinearMemory,
 };
@@ -109,6 +110,8 @@ struct CreatorInner<B: Backend> {
     interruption: Interruption,
     /// Each tenant's count of pool slots, and the most it may hold (pooled creators).
     shares: Option<Arc<PoolShares>>,
+    /// The kernels its guests may launch.
+    kernels: Option<Arc<KernelRegistry<B>>>,
     /// Live memories by base address.
     registry: Mutex<HashMap<usize, Arc<MemoryRecord<B>>>>,
     /// Memories whose storage the backend refused to release, with their charges.
@@ -180,6 +183,7 @@ pub struct CreatorBuilder<B: Backend> {
     untenanted: bool,
     interruption: Interruption,
     slots_per_tenant: Option<usize>,
+    kernels: Option<Arc<KernelRegistry<B>>>,
 }
 
 impl<B: Backend> fmt::Debug for CreatorBuilder<B> {
@@ -286,6 +290,14 @@ impl<B: Backend> CreatorBuilder<B> {
         self
     }
 
+    /// The kernels guests of this creator may launch through `twm.kernel` and `twm.launch`
+    /// (see [`kernels`](crate::kernels)); none by default.
+    #[must_use]
+    pub fn kernels(mut self, registry: KernelRegistry<B>) -> Self {
+        self.kernels = Some(Arc::new(registry));
+        self
+    }
+
     /// Builds the creator (allocating the pools' slabs, if any). A device the backend does not
     /// have is [`TwmError::UnknownDevice`].
     pub fn build(self) -> Result<TensorWasmMemoryCreator<B>, TwmError> {
@@ -339,6 +351,7 @@ impl<B: Backend> CreatorBuilder<B> {
                 untenanted: self.untenanted,
                 interruption: self.interruption,
                 shares,
+                kernels: self.kernels,
                 registry: Mutex::new(HashMap::new()),
                 kept: Arc::default(),
                 created: AtomicU64::new(0),
@@ -416,6 +429,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             untenanted: false,
             interruption: Interruption::NONE,
             slots_per_tenant: None,
+            kernels: None,
         }
     }
 
@@ -475,6 +489,12 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     #[must_use]
     pub fn interruption(&self) -> Interruption {
         self.inner.interruption
+    }
+
+    /// The kernels its guests may launch, if any.
+    #[must_use]
+    pub fn kernels(&self) -> Option<Arc<KernelRegistry<B>>> {
+        self.inner.kernels.clone()
     }
 
     /// The most slots of a pool one tenant may hold at once (`None` without a pool; see

@@ -29,6 +29,7 @@
 //! | `twm_tenant_live_memories` | gauge | tenant, tenant_id, device, isolation | memories alive now |
 //! | `twm_tenant_memories_created_total` | counter | tenant, tenant_id, device, isolation | memories ever charged |
 //! | `twm_tenant_denials_total` | counter | tenant, tenant_id, device, isolation, budget | requests refused, by budget (`touched`, `held`, `memories`) |
+//! | `twm_tenant_launches_total` | counter | tenant, tenant_id, device, isolation, outcome | kernels its guests launched ([`kernels`](crate::kernels)), by outcome (`ran`, `refused`, `failed`) |
 //! | `twm_creator_live_memories` | gauge | device | memories alive on the device |
 //! | `twm_creator_backing` | gauge | backing | 1, labelled with what the creator's memories are made of (`managed`, `guarded_pageable`, `guarded_registered`) |
 //! | `twm_creator_memories_created_total` | counter | - | memories ever made |
@@ -153,10 +154,14 @@ const COUNT_GAUGES: [(&str, &str); 8] = [
 ];
 
 /// Counters, with their help text.
-const COUNTERS: [(&str, &str); 7] = [
+const COUNTERS: [(&str, &str); 8] = [
     (
         "twm_tenant_memories_created_total",
         "Memories ever charged to the tenant.",
+    ),
+    (
+        "twm_tenant_launches_total",
+        "Kernel launches of the tenant's guests, by outcome.",
     ),
     (
         "twm_tenant_denials_total",
@@ -223,12 +228,17 @@ pub fn record_tenant(tenant: &Tenant) {
     gauge!("twm_tenant_stranded_bytes", &labels).set(s.stranded_bytes as f64);
     gauge!("twm_tenant_live_memories", &labels).set(s.live_memories as f64);
     counter!("twm_tenant_memories_created_total", &labels).absolute(s.memories_created);
-    let touched_denials = s
-        .denials
-        .saturating_sub(s.held_denials)
-        .saturating_sub(s.memory_denials);
+    for (outcome, n) in [
+        ("ran", s.launches),
+        ("refused", s.refused_launches),
+        ("failed", s.kernel_failures),
+    ] {
+        let [a, b, c, d] = labels.clone();
+        let labels = [a, b, c, d, ("outcome", outcome.to_string())];
+        counter!("twm_tenant_launches_total", &labels).absolute(n);
+    }
     for (budget, n) in [
-        ("touched", touched_denials),
+        ("touched", s.touched_denials),
         ("held", s.held_denials),
         ("memories", s.memory_denials),
     ] {

@@ -91,6 +91,7 @@ pub struct Tenant {
     name: String,
     memories_created: AtomicU64,
     devices: Vec<DeviceId>,
+    kernels: Arc<crate::kernels::KernelCounters>,
 }
 
 /// A snapshot of a tenant's figures.
@@ -137,6 +138,13 @@ pub struct TenantStats {
     pub stranded_bytes: u64,
     /// Its home device (where its memories, pool slots and stream are).
     pub device: DeviceId,
+    /// Kernels its guests launched that ran ([`kernels`](crate::kernels)).
+    pub launches: u64,
+    /// Launches refused before anything was queued (a bad argument, an unknown kernel, too
+    /// many in flight).
+    pub refused_launches: u64,
+    /// Launches whose kernel failed on the device.
+    pub kernel_failures: u64,
 }
 
 impl Tenant {
@@ -206,7 +214,13 @@ impl Tenant {
             name,
             memories_created: AtomicU64::new(0),
             devices,
+            kernels: Arc::default(),
         }
+    }
+
+    /// Its launch figures (shared by its Stores' guest contexts).
+    pub(crate) fn kernel_counters(&self) -> &Arc<crate::kernels::KernelCounters> {
+        &self.kernels
     }
 
     /// Its home device: where its memories, pool slots and guest stream are.
@@ -267,6 +281,9 @@ impl Tenant {
             table_bytes: ledger.table_bytes,
             stranded_bytes: ledger.stranded_bytes,
             device: self.device(),
+            launches: self.kernels.launches.load(Ordering::Acquire),
+            refused_launches: self.kernels.refused.load(Ordering::Acquire),
+            kernel_failures: self.kernels.failures.load(Ordering::Acquire),
         }
     }
 

@@ -7,13 +7,14 @@ use std::collections::HashMap;
 
 use tensor_wasm_mem_core::{Advice, DeviceId, Location};
 use tensor_wasm_mem_guest as guest;
+use tensor_wasm_mem_wasmtime::kernels;
 use tensor_wasm_mem_wasmtime::{
     TWM_ERR_BACKEND, TWM_ERR_NOT_DEVICE_MEMORY, TWM_ERR_OUT_OF_RANGE, TWM_ERR_OVERFLOW,
     TWM_ERR_UNKNOWN_ADVICE, TWM_ERR_UNKNOWN_DEVICE, TWM_ERR_UNSUPPORTED, TWM_OK,
 };
 
 /// The host's result codes, by their C name.
-const RESULTS: [(&str, i32); 8] = [
+const RESULTS: [(&str, i32); 12] = [
     ("TWM_OK", TWM_OK),
     ("TWM_ERR_OUT_OF_RANGE", TWM_ERR_OUT_OF_RANGE),
     ("TWM_ERR_OVERFLOW", TWM_ERR_OVERFLOW),
@@ -22,6 +23,10 @@ const RESULTS: [(&str, i32); 8] = [
     ("TWM_ERR_BACKEND", TWM_ERR_BACKEND),
     ("TWM_ERR_NOT_DEVICE_MEMORY", TWM_ERR_NOT_DEVICE_MEMORY),
     ("TWM_ERR_UNSUPPORTED", TWM_ERR_UNSUPPORTED),
+    ("TWM_ERR_UNKNOWN_KERNEL", kernels::TWM_ERR_UNKNOWN_KERNEL),
+    ("TWM_ERR_BAD_ARGUMENTS", kernels::TWM_ERR_BAD_ARGUMENTS),
+    ("TWM_ERR_KERNEL_FAULT", kernels::TWM_ERR_KERNEL_FAULT),
+    ("TWM_ERR_BUSY", kernels::TWM_ERR_BUSY),
 ];
 
 /// The host's advice codes, by their C name.
@@ -99,6 +104,10 @@ fn the_rust_guest_crate_has_the_hosts_codes() {
         guest::codes::ERR_BACKEND,
         guest::codes::ERR_NOT_DEVICE_MEMORY,
         guest::codes::ERR_UNSUPPORTED,
+        guest::codes::ERR_UNKNOWN_KERNEL,
+        guest::codes::ERR_BAD_ARGUMENTS,
+        guest::codes::ERR_KERNEL_FAULT,
+        guest::codes::ERR_BUSY,
     ];
     for ((name, host), ours) in RESULTS.into_iter().zip(crate_results) {
         assert_eq!(ours, host, "{name}");

@@ -23,6 +23,14 @@ pub mod codes {
     pub const ERR_NOT_DEVICE_MEMORY: i32 = -6;
     /// The memory's backing or device cannot do this (advice on registered host memory).
     pub const ERR_UNSUPPORTED: i32 = -7;
+    /// No kernel of that name or handle.
+    pub const ERR_UNKNOWN_KERNEL: i32 = -8;
+    /// Arguments that do not match the kernel's signature.
+    pub const ERR_BAD_ARGUMENTS: i32 = -9;
+    /// The kernel failed on the device.
+    pub const ERR_KERNEL_FAULT: i32 = -10;
+    /// The tenant has as many launches in flight as it may.
+    pub const ERR_BUSY: i32 = -11;
     /// The guest code of the host location.
     pub const LOCATION_HOST: i32 = -1;
 }
@@ -114,6 +122,14 @@ pub enum Error {
     NotDeviceMemory,
     /// The memory's backing or device cannot do this.
     Unsupported,
+    /// No kernel of that name or handle.
+    UnknownKernel,
+    /// Arguments that do not match the kernel's signature.
+    BadArguments,
+    /// The kernel failed on the device.
+    KernelFault,
+    /// The tenant has as many launches in flight as it may.
+    Busy,
     /// A code this SDK does not know (a newer host).
     Other(i32),
 }
@@ -131,6 +147,10 @@ impl Error {
             codes::ERR_BACKEND => Self::Backend,
             codes::ERR_NOT_DEVICE_MEMORY => Self::NotDeviceMemory,
             codes::ERR_UNSUPPORTED => Self::Unsupported,
+            codes::ERR_UNKNOWN_KERNEL => Self::UnknownKernel,
+            codes::ERR_BAD_ARGUMENTS => Self::BadArguments,
+            codes::ERR_KERNEL_FAULT => Self::KernelFault,
+            codes::ERR_BUSY => Self::Busy,
             other => Self::Other(other),
         })
     }
@@ -146,6 +166,10 @@ impl Error {
             Self::Backend => codes::ERR_BACKEND,
             Self::NotDeviceMemory => codes::ERR_NOT_DEVICE_MEMORY,
             Self::Unsupported => codes::ERR_UNSUPPORTED,
+            Self::UnknownKernel => codes::ERR_UNKNOWN_KERNEL,
+            Self::BadArguments => codes::ERR_BAD_ARGUMENTS,
+            Self::KernelFault => codes::ERR_KERNEL_FAULT,
+            Self::Busy => codes::ERR_BUSY,
             Self::Other(c) => c,
         }
     }
@@ -161,6 +185,10 @@ impl fmt::Display for Error {
             Self::Backend => f.write_str("backend failed"),
             Self::NotDeviceMemory => f.write_str("memory is not device-visible"),
             Self::Unsupported => f.write_str("not supported by this memory"),
+            Self::UnknownKernel => f.write_str("unknown kernel"),
+            Self::BadArguments => f.write_str("arguments do not match the kernel"),
+            Self::KernelFault => f.write_str("the kernel failed"),
+            Self::Busy => f.write_str("too many launches in flight"),
             Self::Other(c) => write!(f, "host result {c}"),
         }
     }
@@ -200,6 +228,76 @@ pub fn prefetch<T>(data: &[T], to: Location) -> Result<(), Error> {
     result(imports::prefetch(ptr, len, to.code()))
 }
 
+/// A kernel the host registered, found by [`kernel`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Kernel(i32);
+
+/// One launch argument: a buffer of this guest's memory, or a scalar (the ABI's 16 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Arg {
+    a: u64,
+    b: u64,
+}
+
+impl Arg {
+    /// A buffer the kernel reads.
+    #[must_use]
+    pub fn buffer<T>(data: &[T]) -> Self {
+        Self {
+            a: data.as_ptr() as usize as u64,
+            b: core::mem::size_of_val(data) as u64,
+        }
+    }
+
+    /// A buffer the kernel may write.
+    #[must_use]
+    pub fn buffer_mut<T>(data: &mut [T]) -> Self {
+        Self::buffer(data)
+    }
+
+    /// An unsigned 32-bit scalar.
+    #[must_use]
+    pub const fn u32(value: u32) -> Self {
+        Self {
+            a: value as u64,
+            b: 0,
+        }
+    }
+
+    /// An unsigned 64-bit scalar.
+    #[must_use]
+    pub const fn u64(value: u64) -> Self {
+        Self { a: value, b: 0 }
+    }
+
+    /// A 32-bit float scalar (its bits).
+    #[must_use]
+    pub fn f32(value: f32) -> Self {
+        Self::u32(value.to_bits())
+    }
+}
+
+/// The kernel the host registered as `name`.
+pub fn kernel(name: &str) -> Result<Kernel, Error> {
+    let (ptr, len) = range(name.as_bytes())?;
+    let handle = imports::kernel(ptr, len);
+    if handle >= 0 {
+        Ok(Kernel(handle))
+    } else {
+        Err(Error::from_code(handle).unwrap_or(Error::Other(handle)))
+    }
+}
+
+/// Launches `kernel` with `args` and waits for it. Buffers given with [`Arg::buffer_mut`]
+/// are written by the kernel: take them from `&mut` slices the guest does not touch meanwhile
+/// (the call returns when the kernel is done).
+pub fn launch(kernel: Kernel, args: &[Arg]) -> Result<(), Error> {
+    let (ptr, _) = range(args)?;
+    let n = u32::try_from(args.len()).map_err(|_| Error::Overflow)?;
+    result(imports::launch(kernel.0, ptr, n))
+}
+
 /// One call as the host would receive it: `(function, ptr, len, advice, location)`; `advice`
 /// is `-1` for `prefetch`.
 pub type Call = (&'static str, u32, u32, i32, i32);
@@ -219,6 +317,21 @@ mod imports {
         fn twm_advise(ptr: u32, len: u32, advice: i32, location: i32) -> i32;
         #[link_name = "prefetch"]
         fn twm_prefetch(ptr: u32, len: u32, location: i32) -> i32;
+        #[link_name = "kernel"]
+        fn twm_kernel(name: u32, len: u32) -> i32;
+        #[link_name = "launch"]
+        fn twm_launch(kernel: i32, args: u32, nargs: u32) -> i32;
+    }
+
+    pub(crate) fn kernel(name: u32, len: u32) -> i32 {
+        // SAFETY: the host reads `len` bytes at `name`, checked against the guest's memory.
+        unsafe { twm_kernel(name, len) }
+    }
+
+    pub(crate) fn launch(kernel: i32, args: u32, nargs: u32) -> i32 {
+        // SAFETY: the host reads and checks the arguments; buffers are the guest's own, and
+        // the call returns when the kernel is done.
+        unsafe { twm_launch(kernel, args, nargs) }
     }
 
     pub(crate) fn advise(ptr: u32, len: u32, advice: i32, location: i32) -> i32 {
@@ -266,6 +379,15 @@ mod imports {
         record(2, ptr, len, -1, location)
     }
 
+    /// No host kernels off wasm32.
+    pub(crate) fn kernel(_name: u32, _len: u32) -> i32 {
+        super::codes::ERR_UNKNOWN_KERNEL
+    }
+
+    pub(crate) fn launch(_kernel: i32, _args: u32, _nargs: u32) -> i32 {
+        super::codes::ERR_UNKNOWN_KERNEL
+    }
+
     pub(crate) fn last_call() -> Option<super::Call> {
         let name = match FUNCTION.load(Ordering::Acquire) {
             1 => "advise",
@@ -299,7 +421,7 @@ mod tests {
 
     #[test]
     fn codes_round_trip() {
-        for code in -6..=0 {
+        for code in -11..=0 {
             match Error::from_code(code) {
                 None => assert_eq!(code, codes::OK),
                 Some(e) => assert_eq!(e.code(), code),

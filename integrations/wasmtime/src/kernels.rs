@@ -1,0 +1,656 @@
+//! Kernels for guests: a registry of trusted kernels the embedder controls, and the `twm`
+//! imports through which a guest launches them on its own memory, every argument checked.
+//!
+//! The embedder registers each kernel under a name with a [`KernelSignature`] (its buffer and
+//! scalar parameters, and how its launch shape follows from them) and a [`KernelLauncher`]:
+//! the embedder's own code that launches it (a PTX or cubin function through cudarc or cust, or
+//! a simulated kernel, [`simulated`]). A guest never sees code or device pointers: it looks a
+//! kernel up by name and launches it with its own offsets.
+//!
+//! # The guest ABI (module `twm`)
+//!
+//! ```wat
+//! (import "twm" "kernel" (func (param i32 i32) (result i32)))     ;; name_ptr name_len -> handle
+//! (import "twm" "launch" (func (param i32 i32 i32) (result i32))) ;; handle args_ptr nargs
+//! ```
+//!
+//! `kernel` answers a handle (`>= 0`) for a registered name, or [`TWM_ERR_UNKNOWN_KERNEL`].
+//! `launch` reads `nargs` arguments of 16 bytes each at `args_ptr` (two little-endian `u64`s):
+//! a buffer is `(offset, bytes)` into the guest's memory, a scalar `(value, 0)` (an `f32` as its
+//! bits). Before anything is queued, every argument is checked: the count and each one's kind
+//! against the signature ([`TWM_ERR_BAD_ARGUMENTS`]), each buffer against the memory's current
+//! size ([`TWM_ERR_OUT_OF_RANGE`](crate::TWM_ERR_OUT_OF_RANGE),
+//! [`TWM_ERR_OVERFLOW`](crate::TWM_ERR_OVERFLOW)) and its length against the signature (a whole
+//! number of elements; a fixed count, or the count a scalar argument gives), and every buffer a
+//! kernel writes against every other buffer (no overlap). The buffers are then resolved to
+//! device pointers, prefetched to the memory's device where the device migrates pages, and the
+//! kernel is launched on the tenant's stream, on that device.
+//!
+//! **The memory model is synchronous:** `launch` returns when the kernel is done (the stream
+//! waited for). The guest is inside the call and its Store is held for its whole length, so no
+//! guest code runs, and the memory cannot grow, be dropped, scrubbed or handed to another
+//! tenant while the kernel may touch it; a launch on a memory that grew sees its new size. A
+//! kernel that fails (a fault: sticky for its context, as a GPU's) is
+//! [`TWM_ERR_KERNEL_FAULT`], counted in the tenant's `kernel_failures`; a tenant past its
+//! launches in flight (over all its Stores and threads) is [`TWM_ERR_BUSY`]. A bad call never
+//! traps and never touches memory outside the guest's.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use tensor_wasm_mem_core::{DeviceId, Location, Stream};
+use wasmtime::Caller;
+
+use crate::Backend;
+use crate::error::TwmError;
+use crate::guest::{GuestContext, HasGuestContext};
+use crate::memory::MemoryView;
+use crate::scope::Access;
+
+/// No kernel of that name or handle is registered.
+pub const TWM_ERR_UNKNOWN_KERNEL: i32 = -8;
+/// The arguments do not match the kernel's signature (count, kind, length), or a buffer it
+/// writes overlaps another.
+pub const TWM_ERR_BAD_ARGUMENTS: i32 = -9;
+/// The kernel failed on the device (a fault is sticky for its context).
+pub const TWM_ERR_KERNEL_FAULT: i32 = -10;
+/// The tenant has as many launches in flight as it may.
+pub const TWM_ERR_BUSY: i32 = -11;
+
+/// The most arguments a kernel takes.
+pub const MAX_KERNEL_ARGS: usize = 32;
+
+/// A scalar parameter's type: how its `u64` is read (a narrower value must fit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Scalar {
+    /// An unsigned 32-bit integer.
+    U32,
+    /// An unsigned 64-bit integer.
+    U64,
+    /// A 32-bit float, as its bits.
+    F32,
+}
+
+/// How long a buffer must be, in elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BufferLength {
+    /// Any whole number of elements.
+    Any,
+    /// Exactly this many.
+    Elements(u64),
+    /// As many as the scalar argument at this index says.
+    Arg(usize),
+}
+
+/// One parameter of a kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelParam {
+    /// A buffer in the guest's memory: how the kernel uses it, its element size in bytes, and
+    /// its length.
+    Buffer {
+        /// Read, written, or both.
+        access: Access,
+        /// Bytes per element (at least 1).
+        element_bytes: u32,
+        /// How many elements.
+        length: BufferLength,
+    },
+    /// A value.
+    Scalar(Scalar),
+}
+
+/// How a launch's grid and blocks follow from its arguments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LaunchShape {
+    /// The same grid and block for every launch.
+    Fixed {
+        /// Blocks in the grid (x, y, z).
+        grid: [u32; 3],
+        /// Threads in a block (x, y, z).
+        block: [u32; 3],
+    },
+    /// One thread per element: blocks of `block` threads, as many as `count` (the scalar
+    /// argument at that index) needs.
+    PerElement {
+        /// Threads in a block.
+        block: u32,
+        /// The index of the scalar argument that counts the elements.
+        count: usize,
+    },
+}
+
+/// A kernel's declared parameters and launch shape.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct KernelSignature {
+    /// Its parameters, in order.
+    pub params: Vec<KernelParam>,
+    /// Its launch shape.
+    pub shape: LaunchShape,
+}
+
+impl KernelSignature {
+    /// Refuses a signature that could not be checked: too many parameters, a zero element
+    /// size, or a length or count that names no scalar argument.
+    fn check(&self) -> Result<(), TwmError> {
+        let bad = |reason: &'static str| Err(TwmError::KernelSignature(reason));
+        if self.params.len() > MAX_KERNEL_ARGS {
+            return bad("more than 32 parameters");
+        }
+        let scalar = |i: usize| matches!(self.params.get(i), Some(KernelParam::Scalar(_)));
+        for p in &self.params {
+            if let KernelParam::Buffer {
+                element_bytes,
+                length,
+                ..
+            } = p
+            {
+                if *element_bytes == 0 {
+                    return bad("a buffer of zero-byte elements");
+                }
+                if let BufferLength::Arg(i) = length
+                    && !scalar(*i)
+                {
+                    return bad("a buffer length that names no scalar argument");
+                }
+            }
+        }
+        match self.shape {
+            LaunchShape::PerElement { block: 0, .. } => bad("a block of zero threads"),
+            LaunchShape::PerElement { count, .. } if !scalar(count) => {
+                bad("a launch count that names no scalar argument")
+            }
+            LaunchShape::Fixed { grid, block } if grid.contains(&0) || block.contains(&0) => {
+                bad("an empty grid or block")
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A checked launch, handed to a [`KernelLauncher`]: everything resolved, nothing queued yet.
+#[derive(Debug)]
+pub struct Launch<'a> {
+    /// The device of the guest's memory (and of the stream).
+    pub device: DeviceId,
+    /// The tenant's stream: launch on it (its context is [`Stream::context`]).
+    pub stream: &'a Stream,
+    /// One value per parameter: a buffer's device pointer, a scalar's value.
+    pub args: &'a [u64],
+    /// Each buffer parameter's `(device pointer, bytes)`, in parameter order.
+    pub buffers: &'a [(u64, u64)],
+    /// Blocks in the grid.
+    pub grid: [u32; 3],
+    /// Threads in a block.
+    pub block: [u32; 3],
+}
+
+/// The embedder's code that launches one registered kernel on a checked [`Launch`]: queue it on
+/// `launch.stream` (the layer waits for the stream after). Any function or closure of this
+/// shape is one.
+pub trait KernelLauncher<B: Backend>: Send + Sync + 'static {
+    /// Queues the kernel. An error is reported to the guest as [`TWM_ERR_KERNEL_FAULT`] and to
+    /// the tenant's figures as a kernel failure.
+    fn launch(&self, backend: &B, launch: &Launch<'_>) -> Result<(), TwmError>;
+}
+
+impl<B: Backend, F> KernelLauncher<B> for F
+where
+    F: Fn(&B, &Launch<'_>) -> Result<(), TwmError> + Send + Sync + 'static,
+{
+    fn launch(&self, backend: &B, launch: &Launch<'_>) -> Result<(), TwmError> {
+        self(backend, launch)
+    }
+}
+
+struct Entry<B: Backend> {
+    name: String,
+    signature: KernelSignature,
+    launcher: Arc<dyn KernelLauncher<B>>,
+}
+
+/// The kernels guests of a creator may launch ([`CreatorBuilder::kernels`]), and how many
+/// launches one tenant may have in flight at once.
+///
+/// [`CreatorBuilder::kernels`]: crate::CreatorBuilder::kernels
+pub struct KernelRegistry<B: Backend> {
+    entries: Vec<Entry<B>>,
+    max_in_flight: u32,
+}
+
+impl<B: Backend> fmt::Debug for KernelRegistry<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KernelRegistry")
+            .field(
+                "kernels",
+                &self.entries.iter().map(|e| &e.name).collect::<Vec<_>>(),
+            )
+            .field("max_in_flight", &self.max_in_flight)
+            .finish()
+    }
+}
+
+impl<B: Backend> Default for KernelRegistry<B> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<B: Backend> KernelRegistry<B> {
+    /// An empty registry; a tenant may have 4 launches in flight.
+    #[must_use]
+    pub fn new() -> Self {
+        Self {
+            entries: Vec::new(),
+            max_in_flight: 4,
+        }
+    }
+
+    /// At most `launches` launches of one tenant in flight at once (over all its Stores and
+    /// threads; at least 1).
+    #[must_use]
+    pub fn max_in_flight(mut self, launches: u32) -> Self {
+        self.max_in_flight = launches.max(1);
+        self
+    }
+
+    /// Registers `launcher` under `name` with `signature`. A name given twice, or a signature
+    /// that could not be checked, is [`TwmError::KernelSignature`].
+    pub fn register(
+        &mut self,
+        name: &str,
+        signature: KernelSignature,
+        launcher: impl KernelLauncher<B>,
+    ) -> Result<&mut Self, TwmError> {
+        signature.check()?;
+        if self.entries.iter().any(|e| e.name == name) {
+            return Err(TwmError::KernelSignature("a name registered twice"));
+        }
+        self.entries.push(Entry {
+            name: name.to_owned(),
+            signature,
+            launcher: Arc::new(launcher),
+        });
+        Ok(self)
+    }
+
+    /// The names registered, in handle order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.entries.iter().map(|e| e.name.as_str())
+    }
+
+    fn handle(&self, name: &[u8]) -> Option<i32> {
+        let i = self
+            .entries
+            .iter()
+            .position(|e| e.name.as_bytes() == name)?;
+        i32::try_from(i).ok()
+    }
+}
+
+/// A tenant's launch figures, shared by its Stores' guest contexts.
+#[derive(Debug, Default)]
+pub(crate) struct KernelCounters {
+    pub(crate) launches: AtomicU64,
+    pub(crate) refused: AtomicU64,
+    pub(crate) failures: AtomicU64,
+    in_flight: AtomicU32,
+}
+
+/// One launch of a tenant in flight, given back when dropped.
+struct InFlight<'a>(&'a KernelCounters);
+
+impl<'a> InFlight<'a> {
+    fn take(counters: &'a KernelCounters, most: u32) -> Result<Self, i32> {
+        let mut now = counters.in_flight.load(Ordering::Acquire);
+        loop {
+            if now >= most {
+                return Err(TWM_ERR_BUSY);
+            }
+            match counters.in_flight.compare_exchange_weak(
+                now,
+                now + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(Self(counters)),
+                Err(seen) => now = seen,
+            }
+        }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Reads `len` bytes of the guest's memory at `ptr` (unsigned 32-bit), range-checked.
+fn guest_bytes<T>(
+    caller: &Caller<'_, T>,
+    memory: &wasmtime::Memory,
+    ptr: i32,
+    len: u64,
+) -> Result<Vec<u8>, i32> {
+    let start = u64::from(ptr as u32);
+    let end = start
+        .checked_add(len)
+        .filter(|&e| e <= 1 << 32)
+        .ok_or(crate::TWM_ERR_OVERFLOW)?;
+    let data = memory.data(caller);
+    let range = usize::try_from(start).map_err(|_| crate::TWM_ERR_OUT_OF_RANGE)?
+        ..usize::try_from(end).map_err(|_| crate::TWM_ERR_OUT_OF_RANGE)?;
+    data.get(range)
+        .map(<[u8]>::to_vec)
+        .ok_or(crate::TWM_ERR_OUT_OF_RANGE)
+}
+
+/// `twm.kernel(name_ptr, name_len)`: the handle of a registered kernel.
+pub(crate) fn kernel_call<B: Backend, T: HasGuestContext<B>>(
+    caller: &mut Caller<'_, T>,
+    ptr: i32,
+    len: i32,
+) -> Result<i32, i32> {
+    let registry = caller
+        .data_mut()
+        .guest_context()
+        .creator()
+        .kernels()
+        .ok_or(TWM_ERR_UNKNOWN_KERNEL)?;
+    let memory = crate::guest::guest_memory(caller)?;
+    let name = guest_bytes(caller, &memory, ptr, u64::from(len as u32).min(256))?;
+    registry.handle(&name).ok_or(TWM_ERR_UNKNOWN_KERNEL)
+}
+
+/// The checked arguments of one launch: a value per parameter, each buffer's guest range and
+/// access, and the launch shape.
+struct Checked {
+    values: Vec<u64>,
+    ranges: Vec<(u64, u64, Access)>,
+    grid: [u32; 3],
+    block: [u32; 3],
+}
+
+/// Checks `raw` (`(a, b)` per parameter) against `signature`: kinds, scalar widths, buffer
+/// lengths, overlaps, shape. Ranges against the memory are checked when resolved.
+fn check_args(signature: &KernelSignature, raw: &[(u64, u64)]) -> Result<Checked, i32> {
+    if raw.len() != signature.params.len() {
+        return Err(TWM_ERR_BAD_ARGUMENTS);
+    }
+    let scalar = |i: usize| -> Result<u64, i32> {
+        match (signature.params.get(i), raw.get(i)) {
+            (Some(KernelParam::Scalar(_)), Some(&(v, _))) => Ok(v),
+            _ => Err(TWM_ERR_BAD_ARGUMENTS),
+        }
+    };
+    let mut values = Vec::with_capacity(raw.len());
+    let mut ranges = Vec::new();
+    for (param, &(a, b)) in signature.params.iter().zip(raw) {
+        match *param {
+            KernelParam::Scalar(ty) => {
+                let fits = match ty {
+                    Scalar::U64 => true,
+                    Scalar::U32 | Scalar::F32 => u32::try_from(a).is_ok(),
+                };
+                if b != 0 || !fits {
+                    return Err(TWM_ERR_BAD_ARGUMENTS);
+                }
+                values.push(a);
+            }
+            KernelParam::Buffer {
+                access,
+                element_bytes,
+                length,
+            } => {
+                let element = u64::from(element_bytes);
+                if b % element != 0 {
+                    return Err(TWM_ERR_BAD_ARGUMENTS);
+                }
+                let wanted = match length {
+                    BufferLength::Any => None,
+                    BufferLength::Elements(n) => Some(n),
+                    BufferLength::Arg(i) => Some(scalar(i)?),
+                };
+                if wanted.is_some_and(|n| n.checked_mul(element) != Some(b)) {
+                    return Err(TWM_ERR_BAD_ARGUMENTS);
+                }
+                values.push(0);
+                ranges.push((a, b, access));
+            }
+        }
+    }
+    for (i, &(a, n, access)) in ranges.iter().enumerate() {
+        for &(c, m, other) in &ranges[i + 1..] {
+            let overlap = n > 0 && m > 0 && a < c.saturating_add(m) && c < a.saturating_add(n);
+            if overlap && (access.writes() || other.writes()) {
+                return Err(TWM_ERR_BAD_ARGUMENTS);
+            }
+        }
+    }
+    let (grid, block) = match signature.shape {
+        LaunchShape::Fixed { grid, block } => (grid, block),
+        LaunchShape::PerElement { block, count } => {
+            let n = scalar(count)?;
+            let blocks = u32::try_from(n.div_ceil(u64::from(block)).max(1))
+                .map_err(|_| TWM_ERR_BAD_ARGUMENTS)?;
+            ([blocks, 1, 1], [block, 1, 1])
+        }
+    };
+    Ok(Checked {
+        values,
+        ranges,
+        grid,
+        block,
+    })
+}
+
+/// Reads the `nargs` 16-byte arguments at `ptr`.
+fn read_args<T>(
+    caller: &Caller<'_, T>,
+    memory: &wasmtime::Memory,
+    ptr: i32,
+    nargs: i32,
+) -> Result<Vec<(u64, u64)>, i32> {
+    let n = usize::try_from(nargs).map_err(|_| TWM_ERR_BAD_ARGUMENTS)?;
+    if n > MAX_KERNEL_ARGS {
+        return Err(TWM_ERR_BAD_ARGUMENTS);
+    }
+    let bytes = guest_bytes(caller, memory, ptr, n as u64 * 16)?;
+    Ok(bytes
+        .chunks_exact(16)
+        .map(|c| {
+            let word = |i: usize| {
+                let mut w = [0u8; 8];
+                w.copy_from_slice(&c[i..i + 8]);
+                u64::from_le_bytes(w)
+            };
+            (word(0), word(8))
+        })
+        .collect())
+}
+
+/// `twm.launch(handle, args_ptr, nargs)`: checks, resolves, launches on the tenant's stream
+/// and waits. See the [module docs](self).
+pub(crate) fn launch_call<B: Backend, T: HasGuestContext<B>>(
+    caller: &mut Caller<'_, T>,
+    handle: i32,
+    args_ptr: i32,
+    nargs: i32,
+) -> Result<(), i32> {
+    let context = caller.data_mut().guest_context();
+    let counters = Arc::clone(context.kernel_counters());
+    let registry = context.creator().kernels().ok_or(TWM_ERR_UNKNOWN_KERNEL);
+    let result =
+        registry.and_then(|r| prepare_and_launch(caller, &r, handle, args_ptr, nargs, &counters));
+    let counter = match result {
+        Ok(()) => &counters.launches,
+        Err(TWM_ERR_KERNEL_FAULT) => &counters.failures,
+        Err(_) => &counters.refused,
+    };
+    counter.fetch_add(1, Ordering::AcqRel);
+    result
+}
+
+fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
+    caller: &mut Caller<'_, T>,
+    registry: &KernelRegistry<B>,
+    handle: i32,
+    args_ptr: i32,
+    nargs: i32,
+    counters: &KernelCounters,
+) -> Result<(), i32> {
+    let entry = usize::try_from(handle)
+        .ok()
+        .and_then(|i| registry.entries.get(i))
+        .ok_or(TWM_ERR_UNKNOWN_KERNEL)?;
+    let memory = crate::guest::guest_memory(caller)?;
+    let raw = read_args(caller, &memory, args_ptr, nargs)?;
+    let mut checked = check_args(&entry.signature, &raw)?;
+    let creator = caller.data_mut().guest_context().creator().clone();
+    let view = MemoryView::of(&*caller, &memory).map_err(|e| crate::guest::code_for(&e))?;
+    let device = creator
+        .memory_device(view)
+        .map_err(|e| crate::guest::code_for(&e))?;
+    let mut buffers = Vec::with_capacity(checked.ranges.len());
+    for &(offset, len, _) in &checked.ranges {
+        let slice = creator
+            .resolve_at(view, offset, len)
+            .map_err(|e| crate::guest::code_for(&e))?;
+        buffers.push((slice.device_ptr, len));
+    }
+    let mut next = buffers.iter();
+    for (param, value) in entry.signature.params.iter().zip(&mut checked.values) {
+        if let KernelParam::Buffer { .. } = param
+            && let Some(&(ptr, _)) = next.next()
+        {
+            *value = ptr;
+        }
+    }
+    let _in_flight = InFlight::take(counters, registry.max_in_flight)?;
+    let context: &mut GuestContext<B> = caller.data_mut().guest_context();
+    let stream = context
+        .stream()
+        .map_err(|_| crate::TWM_ERR_BACKEND)?
+        .stream();
+    for &(offset, len, _) in &checked.ranges {
+        // Pages go to the device where it migrates them; elsewhere this is refused as
+        // unsupported, and the kernel reaches them where they are.
+        let _ = creator.prefetch_at(view, offset, len, Location::Device(device), stream);
+    }
+    let launch = Launch {
+        device,
+        stream,
+        args: &checked.values,
+        buffers: &buffers,
+        grid: checked.grid,
+        block: checked.block,
+    };
+    let backend = creator.backend();
+    entry
+        .launcher
+        .launch(backend, &launch)
+        .and_then(|()| backend.synchronize(stream).map_err(TwmError::backend))
+        .map_err(|e| {
+            tracing::debug!(error = %e, "twm: a guest's kernel failed");
+            TWM_ERR_KERNEL_FAULT
+        })
+}
+
+/// A [`KernelLauncher`] for a kernel of the simulated device (the mock backend): the model's
+/// `kernel` by name, its arguments made by `args` from the checked [`Launch`]. Its module is
+/// loaded (and its function found) on first use, in the stream's context.
+#[cfg(feature = "mock")]
+pub fn simulated(
+    kernel: &'static str,
+    args: impl Fn(&Launch<'_>) -> Vec<u64> + Send + Sync + 'static,
+) -> impl KernelLauncher<tensor_wasm_mem_mock::MockBackend> {
+    use std::sync::OnceLock;
+    use tensor_wasm_mem_core::{DriverApi, DriverContext};
+    let function = OnceLock::new();
+    move |backend: &tensor_wasm_mem_mock::MockBackend, launch: &Launch<'_>| {
+        let driver = backend.driver();
+        let function = match function.get() {
+            Some(f) => *f,
+            None => {
+                // Loading a module needs a context current: the stream's.
+                driver
+                    .push_current(DriverContext::from_raw(launch.stream.context()))
+                    .map_err(TwmError::backend)?;
+                let loaded = driver
+                    .load_module()
+                    .and_then(|m| driver.get_function(m, kernel));
+                driver.pop_current().map_err(TwmError::backend)?;
+                // Only a function found is kept: a failure is tried again next time.
+                let found = loaded.map_err(TwmError::backend)?;
+                *function.get_or_init(|| found)
+            }
+        };
+        // SAFETY: the guest's Store is held by the host call for the whole launch, which waits
+        // for the stream before returning: nothing else touches the buffers meanwhile, and
+        // every buffer was checked inside the guest's memory.
+        unsafe { driver.launch(launch.stream, function, &args(launch)) }.map_err(TwmError::backend)
+    }
+}
+
+/// The simulated kernels `twm run --kernels builtin` offers (mock backend): `fill(buf, value)`
+/// (bytes), `increment(buf)` (bytes), and `saxpy(a, x, y, n)`: `y[i] = a * x[i] + y[i]` over `n`
+/// `f32`s (`a` an `f32`, `x` read, `y` read and written, one thread an element).
+#[cfg(feature = "mock")]
+pub fn builtin() -> KernelRegistry<tensor_wasm_mem_mock::MockBackend> {
+    let bytes = |access| KernelParam::Buffer {
+        access,
+        element_bytes: 1,
+        length: BufferLength::Any,
+    };
+    let floats = |access| KernelParam::Buffer {
+        access,
+        element_bytes: 4,
+        length: BufferLength::Arg(3),
+    };
+    let one = LaunchShape::Fixed {
+        grid: [1, 1, 1],
+        block: [256, 1, 1],
+    };
+    let mut registry = KernelRegistry::new();
+    let registered = registry
+        .register(
+            "fill",
+            KernelSignature {
+                params: vec![bytes(Access::Write), KernelParam::Scalar(Scalar::U32)],
+                shape: one,
+            },
+            simulated("fill", |l| vec![l.args[0], l.buffers[0].1, l.args[1]]),
+        )
+        .and_then(|r| {
+            r.register(
+                "increment",
+                KernelSignature {
+                    params: vec![bytes(Access::ReadWrite)],
+                    shape: one,
+                },
+                simulated("increment", |l| vec![l.args[0], l.buffers[0].1]),
+            )
+        })
+        .and_then(|r| {
+            r.register(
+                "saxpy",
+                KernelSignature {
+                    params: vec![
+                        KernelParam::Scalar(Scalar::F32),
+                        floats(Access::Read),
+                        floats(Access::ReadWrite),
+                        KernelParam::Scalar(Scalar::U32),
+                    ],
+                    shape: LaunchShape::PerElement {
+                        block: 256,
+                        count: 3,
+                    },
+                },
+                simulated("axpy", |l| l.args.to_vec()),
+            )
+        })
+        .map(|_| ());
+    debug_assert!(registered.is_ok(), "the built-in signatures are valid");
+    registry
+}

@@ -1,0 +1,379 @@
+//! Guest-launched kernels (`kernels`): a guest launches a registered kernel on its own memory,
+//! and every hostile launch is refused with a code before anything is queued.
+
+use std::sync::{Arc, Barrier};
+
+use tensor_wasm_mem_wasmtime::kernels::{
+    self, BufferLength, KernelParam, KernelRegistry, KernelSignature, LaunchShape, Scalar,
+    TWM_ERR_BAD_ARGUMENTS, TWM_ERR_BUSY, TWM_ERR_KERNEL_FAULT, TWM_ERR_UNKNOWN_KERNEL,
+};
+use tensor_wasm_mem_wasmtime::prelude::*;
+use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Memory};
+use tensor_wasm_mem_wasmtime::{TWM_ERR_OUT_OF_RANGE, TWM_ERR_OVERFLOW};
+
+const GUEST: &str = r#"(module
+  (import "twm" "kernel" (func $kernel (param i32 i32) (result i32)))
+  (import "twm" "launch" (func $launch (param i32 i32 i32) (result i32)))
+  (memory (export "memory") 1 4)
+  (func (export "kernel") (param i32 i32) (result i32) (call $kernel (local.get 0) (local.get 1)))
+  (func (export "launch") (param i32 i32 i32) (result i32)
+    (call $launch (local.get 0) (local.get 1) (local.get 2))))"#;
+
+const NAMES: u64 = 0;
+const ARGS: u64 = 1024;
+const X: u64 = 4096;
+const Y: u64 = 8192;
+
+type Data = TenantStore<MockBackend, ()>;
+
+struct Guest {
+    store: Store<Data>,
+    instance: Instance,
+    memory: Memory,
+    tenant: Arc<Tenant>,
+}
+
+fn creator_with(registry: KernelRegistry<MockBackend>) -> TensorWasmMemoryCreator<MockBackend> {
+    TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .kernels(registry)
+        .build()
+        .unwrap()
+}
+
+fn guest_on(creator: &TensorWasmMemoryCreator<MockBackend>, tenant: &Arc<Tenant>) -> Guest {
+    let engine = creator.engine().unwrap();
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).unwrap();
+    let module = Module::new(&engine, GUEST).unwrap();
+    let mut store = new_store(
+        &engine,
+        TenantStore::new(creator, tenant, ChargeMode::Touched, ()),
+    );
+    let instance = instantiate(&mut store, &linker, &module).unwrap();
+    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    Guest {
+        store,
+        instance,
+        memory,
+        tenant: Arc::clone(tenant),
+    }
+}
+
+fn guest(creator: &TensorWasmMemoryCreator<MockBackend>) -> Guest {
+    let tenant = Tenant::new(1, "t", 1 << 20, IsolationLevel::StreamIsolated);
+    guest_on(creator, &tenant)
+}
+
+impl Guest {
+    fn kernel(&mut self, name: &str) -> i32 {
+        self.memory
+            .write(&mut self.store, NAMES as usize, name.as_bytes())
+            .unwrap();
+        self.instance
+            .get_typed_func::<(i32, i32), i32>(&mut self.store, "kernel")
+            .unwrap()
+            .call(&mut self.store, (NAMES as i32, name.len() as i32))
+            .unwrap()
+    }
+
+    /// Launches `handle` with `args` (`(a, b)` pairs) written at [`ARGS`]: the code.
+    fn launch(&mut self, handle: i32, args: &[(u64, u64)]) -> i32 {
+        let bytes: Vec<u8> = args
+            .iter()
+            .flat_map(|&(a, b)| a.to_le_bytes().into_iter().chain(b.to_le_bytes()))
+            .collect();
+        self.memory
+            .write(&mut self.store, ARGS as usize, &bytes)
+            .unwrap();
+        self.instance
+            .get_typed_func::<(i32, i32, i32), i32>(&mut self.store, "launch")
+            .unwrap()
+            .call(&mut self.store, (handle, ARGS as i32, args.len() as i32))
+            .unwrap()
+    }
+
+    fn write_floats(&mut self, at: u64, values: &[f32]) {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.memory
+            .write(&mut self.store, at as usize, &bytes)
+            .unwrap();
+    }
+
+    fn floats(&self, at: u64, n: usize) -> Vec<f32> {
+        let data = &self.memory.data(&self.store)[at as usize..at as usize + 4 * n];
+        data.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+}
+
+/// A hostile launch: what it is, the handle, the arguments, the code it must get.
+type Case = (&'static str, i32, Vec<(u64, u64)>, i32);
+
+fn saxpy_args(a: f32, x: u64, y: u64, n: u64) -> Vec<(u64, u64)> {
+    vec![(u64::from(a.to_bits()), 0), (x, 4 * n), (y, 4 * n), (n, 0)]
+}
+
+#[test]
+fn a_guest_launches_saxpy_on_its_own_memory() {
+    let creator = creator_with(kernels::builtin());
+    let mut g = guest(&creator);
+    let n = 1000;
+    let x: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    g.write_floats(X, &x);
+    g.write_floats(Y, &vec![1.0; n]);
+    let saxpy = g.kernel("saxpy");
+    assert!(saxpy >= 0, "{saxpy}");
+    assert_eq!(g.launch(saxpy, &saxpy_args(2.0, X, Y, n as u64)), 0);
+    let y = g.floats(Y, n);
+    assert!(
+        y.iter()
+            .enumerate()
+            .all(|(i, &v)| v == 2.0 * i as f32 + 1.0)
+    );
+    let stats = g.tenant.stats();
+    assert_eq!(
+        (
+            stats.launches,
+            stats.refused_launches,
+            stats.kernel_failures
+        ),
+        (1, 0, 0)
+    );
+}
+
+#[test]
+fn hostile_launch_arguments_are_refused_before_anything_is_queued() {
+    let creator = creator_with(kernels::builtin());
+    let mut g = guest(&creator);
+    let saxpy = g.kernel("saxpy");
+    let fill = g.kernel("fill");
+    g.write_floats(Y, &[5.0; 16]);
+    let page = 65_536;
+    let cases: Vec<Case> = vec![
+        (
+            "past the end",
+            fill,
+            vec![(page - 8, 16), (1, 0)],
+            TWM_ERR_OUT_OF_RANGE,
+        ),
+        (
+            "a length that overflows",
+            fill,
+            vec![(8, u64::MAX - 4), (1, 0)],
+            TWM_ERR_OVERFLOW,
+        ),
+        (
+            "an offset that wraps",
+            fill,
+            vec![(u64::MAX - 3, 8), (1, 0)],
+            TWM_ERR_OVERFLOW,
+        ),
+        (
+            "overlapping buffers one writes",
+            saxpy,
+            saxpy_args(1.0, Y, Y + 16, 16),
+            TWM_ERR_BAD_ARGUMENTS,
+        ),
+        (
+            "the same buffer read and written",
+            saxpy,
+            saxpy_args(1.0, Y, Y, 16),
+            TWM_ERR_BAD_ARGUMENTS,
+        ),
+        (
+            "too few arguments",
+            saxpy,
+            saxpy_args(1.0, X, Y, 16)[..3].to_vec(),
+            TWM_ERR_BAD_ARGUMENTS,
+        ),
+        (
+            "a buffer where a scalar goes",
+            saxpy,
+            vec![(X, 64), (X, 64), (Y, 64), (16, 0)],
+            TWM_ERR_BAD_ARGUMENTS,
+        ),
+        (
+            "a length the count does not give",
+            saxpy,
+            vec![(0, 0), (X, 64), (Y, 60), (16, 0)],
+            TWM_ERR_BAD_ARGUMENTS,
+        ),
+        (
+            "a u32 scalar past 32 bits",
+            fill,
+            vec![(X, 16), (1 << 40, 0)],
+            TWM_ERR_BAD_ARGUMENTS,
+        ),
+        ("an unknown handle", 57, vec![], TWM_ERR_UNKNOWN_KERNEL),
+        ("a negative handle", -3, vec![], TWM_ERR_UNKNOWN_KERNEL),
+    ];
+    for (what, handle, args, code) in &cases {
+        assert_eq!(g.launch(*handle, args), *code, "{what}");
+    }
+    assert_eq!(g.kernel("no such kernel"), TWM_ERR_UNKNOWN_KERNEL);
+    // More arguments than any kernel takes, and an argument array past the memory.
+    let call = |g: &mut Guest, args_ptr: i32, nargs: i32| {
+        g.instance
+            .get_typed_func::<(i32, i32, i32), i32>(&mut g.store, "launch")
+            .unwrap()
+            .call(&mut g.store, (fill, args_ptr, nargs))
+            .unwrap()
+    };
+    assert_eq!(call(&mut g, ARGS as i32, 1000), TWM_ERR_BAD_ARGUMENTS);
+    assert_eq!(call(&mut g, 65_530, 2), TWM_ERR_OUT_OF_RANGE);
+    assert_eq!(call(&mut g, -16, 2), TWM_ERR_OVERFLOW);
+    assert_eq!(g.floats(Y, 16), vec![5.0; 16], "nothing ran");
+    let stats = g.tenant.stats();
+    assert_eq!(stats.launches, 0);
+    assert_eq!(stats.refused_launches, cases.len() as u64 + 3);
+}
+
+#[test]
+fn a_launch_on_a_memory_that_grew_sees_its_new_size() {
+    let creator = creator_with(kernels::builtin());
+    let mut g = guest(&creator);
+    let fill = g.kernel("fill");
+    let past = 65_536 + 100;
+    assert_eq!(g.launch(fill, &[(past, 16), (9, 0)]), TWM_ERR_OUT_OF_RANGE);
+    g.memory.grow(&mut g.store, 1).unwrap();
+    assert_eq!(g.launch(fill, &[(past, 16), (9, 0)]), 0);
+    assert_eq!(g.memory.data(&g.store)[past as usize], 9);
+}
+
+#[test]
+fn a_launch_whose_kernel_faults_is_a_code_and_a_failure_in_the_figures() {
+    let mut registry = KernelRegistry::new();
+    // An embedder's buggy launcher: it passes a pointer past the guest's memory.
+    registry
+        .register(
+            "bad",
+            KernelSignature {
+                params: vec![KernelParam::Buffer {
+                    access: Access::Write,
+                    element_bytes: 1,
+                    length: BufferLength::Any,
+                }],
+                shape: LaunchShape::Fixed {
+                    grid: [1, 1, 1],
+                    block: [1, 1, 1],
+                },
+            },
+            kernels::simulated("fill", |l| vec![l.args[0] + (1 << 40), 16, 1]),
+        )
+        .unwrap();
+    let creator = creator_with(registry);
+    let mut g = guest(&creator);
+    let bad = g.kernel("bad");
+    assert_eq!(g.launch(bad, &[(0, 16)]), TWM_ERR_KERNEL_FAULT);
+    let stats = g.tenant.stats();
+    assert_eq!((stats.launches, stats.kernel_failures), (0, 1));
+    drop(g);
+    assert_eq!(creator.stats().live_memories, 0, "teardown after a fault");
+}
+
+#[test]
+fn launches_past_the_tenants_cap_in_flight_are_busy() {
+    let gate = Arc::new(Barrier::new(2));
+    let release = Arc::new(Barrier::new(2));
+    let mut registry = KernelRegistry::new().max_in_flight(1);
+    let (g2, r2) = (Arc::clone(&gate), Arc::clone(&release));
+    registry
+        .register(
+            "hold",
+            KernelSignature {
+                params: vec![],
+                shape: LaunchShape::Fixed {
+                    grid: [1, 1, 1],
+                    block: [1, 1, 1],
+                },
+            },
+            move |_: &MockBackend, _: &kernels::Launch<'_>| {
+                g2.wait(); // in flight
+                r2.wait(); // until the other launch was refused
+                Ok(())
+            },
+        )
+        .unwrap();
+    let creator = creator_with(registry);
+    let tenant = Tenant::new(1, "t", 1 << 20, IsolationLevel::StreamIsolated);
+    let (c1, t1) = (creator.clone(), Arc::clone(&tenant));
+    let first = std::thread::spawn(move || {
+        let mut g = guest_on(&c1, &t1);
+        let hold = g.kernel("hold");
+        g.launch(hold, &[])
+    });
+    gate.wait();
+    let mut g = guest_on(&creator, &tenant);
+    let hold = g.kernel("hold");
+    assert_eq!(g.launch(hold, &[]), TWM_ERR_BUSY);
+    release.wait();
+    assert_eq!(first.join().unwrap(), 0);
+    // In flight again: none, so the next launch runs (and holds until released).
+    let again = std::thread::spawn(move || {
+        gate.wait();
+        release.wait();
+    });
+    assert_eq!(g.launch(hold, &[]), 0);
+    again.join().unwrap();
+}
+
+#[test]
+fn launch_signatures_that_cannot_be_checked_are_refused_at_registration() {
+    let shape = LaunchShape::Fixed {
+        grid: [1, 1, 1],
+        block: [1, 1, 1],
+    };
+    let noop = |_: &MockBackend, _: &kernels::Launch<'_>| Ok(());
+    let mut registry = KernelRegistry::<MockBackend>::new();
+    for params in [
+        vec![KernelParam::Buffer {
+            access: Access::Read,
+            element_bytes: 0,
+            length: BufferLength::Any,
+        }],
+        vec![KernelParam::Buffer {
+            access: Access::Read,
+            element_bytes: 4,
+            length: BufferLength::Arg(3),
+        }],
+    ] {
+        let e = registry
+            .register("k", KernelSignature { params, shape }, noop)
+            .unwrap_err();
+        assert!(matches!(e, TwmError::KernelSignature(_)));
+    }
+    registry
+        .register(
+            "k",
+            KernelSignature {
+                params: vec![KernelParam::Scalar(Scalar::U32)],
+                shape,
+            },
+            noop,
+        )
+        .unwrap();
+    assert!(
+        registry
+            .register(
+                "k",
+                KernelSignature {
+                    params: vec![],
+                    shape
+                },
+                noop
+            )
+            .is_err(),
+        "a name registered twice"
+    );
+}
+
+#[test]
+fn without_kernels_a_launch_is_unknown() {
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .build()
+        .unwrap();
+    let mut g = guest(&creator);
+    assert_eq!(g.kernel("saxpy"), TWM_ERR_UNKNOWN_KERNEL);
+    assert_eq!(g.launch(0, &[]), TWM_ERR_UNKNOWN_KERNEL);
+}
