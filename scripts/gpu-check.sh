@@ -2,7 +2,8 @@
 # The GPU validation kit: the same tests against a real driver, in one short run.
 #
 #   scripts/gpu-check.sh build            here (cargo): release builds of the conformance suite,
-#                                         twm (cudarc) and gpu-check, copied to gpu-kit/
+#                                         the guest-launched kernels, twm (cudarc) and gpu-check,
+#                                         copied to gpu-kit/
 #   scripts/gpu-check.sh run              on the GPU machine (no cargo): runs the kit against the
 #                                         real driver and prints one short table; the full log
 #                                         goes to $OUT/gpu-check.log (or gpu-kit/out/)
@@ -28,6 +29,11 @@ build() {
         sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
     [ -n "$exe" ] || { echo "gpu-check: no conformance executable found" >&2; exit 1; }
     cp "$exe" "$kit/bin/conformance"
+    exe=$(cargo test --locked --release -q -p tensor-wasm-mem-tests --test guest_kernels --no-run \
+        --message-format=json 2>/dev/null |
+        sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
+    [ -n "$exe" ] || { echo "gpu-check: no guest_kernels executable found" >&2; exit 1; }
+    cp "$exe" "$kit/bin/guest_kernels"
     cp target/release/gpu-check "$kit/bin/gpu-check"
     cp target/release/twm "$kit/bin/twm"
     strip "$kit"/bin/* 2>/dev/null || true
@@ -72,6 +78,11 @@ run() {
             row "conformance ($backend)" "FAILED (see $log)"
         fi
     done
+    if step "guest-launched kernels" "$kit/bin/guest_kernels" --test-threads=1; then
+        row "guest-launched kernels (PTX)" "$(grep -E '^test result' "$log" | tail -n 1 | sed 's/test result: //; s/; finished.*//')"
+    else
+        row "guest-launched kernels (PTX)" "FAILED (see $log)"
+    fi
     local skipped
     skipped=$(grep -c 'skipped on this backend' "$log" || true)
     row "cases skipped (no fault knobs)" "$skipped"

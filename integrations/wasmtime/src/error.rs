@@ -112,6 +112,10 @@ pub enum TwmError {
         /// Why (bytemuck's reason).
         reason: String,
     },
+    /// An embedder's kernel launcher failed ([`KernelLauncher`](crate::kernels::KernelLauncher)):
+    /// its own words.
+    #[error("kernel launch failed: {0}")]
+    Launch(String),
     /// A kernel could not be registered: a signature that could not be checked, or a name
     /// registered twice ([`KernelRegistry::register`](crate::kernels::KernelRegistry::register)).
     #[error("kernel registry: {0}")]
@@ -305,6 +309,7 @@ impl TwmError {
             Self::Unplaceable { .. } => ErrorKind::LimitExceeded,
             Self::Interruption(_) => ErrorKind::Unsupported,
             Self::KernelSignature(_) => ErrorKind::InvalidArgument,
+            Self::Launch(_) => ErrorKind::Driver,
         }
     }
 

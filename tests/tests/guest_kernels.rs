@@ -1,0 +1,122 @@
+//! A guest launches an embedder's kernel on the real driver backends: the embedder registers
+//! `increment` with a launcher that is its own driver code (a PTX module loaded and launched
+//! through the libcuda the process loaded, on the guest's stream and context), and the guest
+//! launches it through `twm.launch` on its own memory. On a machine with a CUDA driver the PTX
+//! runs on the GPU; without one, on the simulated libcuda (whose `increment` is the model's).
+
+use std::sync::Arc;
+
+use tensor_wasm_mem_core::IsolationLevel;
+use tensor_wasm_mem_cudarc::DriverSource;
+use tensor_wasm_mem_tests::kernels::launch_increment;
+use tensor_wasm_mem_tests::sim::SIM_PATH;
+use tensor_wasm_mem_wasmtime::kernels::{
+    BufferLength, KernelParam, KernelRegistry, KernelSignature, Launch, LaunchShape,
+};
+use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module, Store};
+use tensor_wasm_mem_wasmtime::{
+    Access, Backend, ChargeMode, TWM_ERR_OUT_OF_RANGE, Tenant, TenantStore,
+    TensorWasmMemoryCreator, TwmError, add_to_linker, instantiate, new_store,
+};
+
+const GUEST: &str = r#"(module
+  (import "twm" "kernel" (func $kernel (param i32 i32) (result i32)))
+  (import "twm" "launch" (func $launch (param i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 0) "increment")
+  ;; Fills [4096, 4096 + len) with 0, 1, 2, ... and launches increment on (off, len).
+  (func (export "run") (param $off i64) (param $len i64) (result i32)
+    (local $i i32)
+    (block $done (loop $next
+      (br_if $done (i32.ge_u (local.get $i) (i32.const 4096)))
+      (i32.store8 (i32.add (i32.const 4096) (local.get $i)) (local.get $i))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br $next)))
+    (i64.store (i32.const 64) (local.get $off))
+    (i64.store (i32.const 72) (local.get $len))
+    (call $launch (call $kernel (i32.const 0) (i32.const 9)) (i32.const 64) (i32.const 1)))
+  (func (export "byte") (param i32) (result i32) (i32.load8_u (local.get 0))))"#;
+
+/// `increment(buf)`: the embedder's launcher, its own driver code on the guest's stream.
+fn registry<B: Backend>() -> KernelRegistry<B> {
+    let mut registry = KernelRegistry::new();
+    registry
+        .register(
+            "increment",
+            KernelSignature {
+                params: vec![KernelParam::Buffer {
+                    access: Access::ReadWrite,
+                    element_bytes: 1,
+                    length: BufferLength::Any,
+                }],
+                shape: LaunchShape::Fixed {
+                    grid: [1, 1, 1],
+                    block: [256, 1, 1],
+                },
+            },
+            |_: &B, launch: &Launch<'_>| {
+                let (ptr, len) = launch.buffers[0];
+                if len == 0 {
+                    return Ok(()); // no grid of zero blocks: nothing to do
+                }
+                launch_increment(ptr, len, launch.stream.raw(), launch.stream.context())
+                    .map_err(TwmError::Launch)
+            },
+        )
+        .expect("a valid signature");
+    registry
+}
+
+fn guest_launches_increment<B: Backend>(backend: B) {
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(backend))
+        .kernels(registry())
+        .build()
+        .expect("creator");
+    let engine = creator.engine().expect("engine");
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).expect("twm");
+    let module = Module::new(&engine, GUEST).expect("module");
+    let tenant = Tenant::new(1, "t", 1 << 20, IsolationLevel::StreamIsolated);
+    let mut store: Store<TenantStore<B, ()>> = new_store(
+        &engine,
+        TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()),
+    );
+    let instance = instantiate(&mut store, &linker, &module).expect("instance");
+    let run = instance
+        .get_typed_func::<(i64, i64), i32>(&mut store, "run")
+        .expect("run");
+    let byte = instance
+        .get_typed_func::<i32, i32>(&mut store, "byte")
+        .expect("byte");
+    assert_eq!(run.call(&mut store, (4096, 1024)).unwrap(), 0);
+    for i in [0, 100, 1023] {
+        assert_eq!(byte.call(&mut store, 4096 + i).unwrap(), (i + 1) & 0xff);
+    }
+    assert_eq!(
+        byte.call(&mut store, 4096 + 1024).unwrap(),
+        1024 & 0xff,
+        "untouched"
+    );
+    // Hostile launches never reach the driver.
+    assert_eq!(
+        run.call(&mut store, (65_000, 4096)).unwrap(),
+        TWM_ERR_OUT_OF_RANGE
+    );
+    assert_eq!(run.call(&mut store, (4096, 0)).unwrap(), 0, "empty");
+    assert_ne!(run.call(&mut store, (-1, 2)).unwrap(), 0);
+    assert_eq!(tenant.stats().launches, 2);
+    assert_eq!(tenant.stats().kernel_failures, 0);
+}
+
+#[test]
+fn a_guest_launches_the_embedders_cudarc_kernel() {
+    let backend = tensor_wasm_mem_cudarc::start(&DriverSource::SystemOr(SIM_PATH.into()))
+        .expect("cudarc on the driver or the simulator");
+    guest_launches_increment(backend);
+}
+
+#[test]
+fn a_guest_launches_the_embedders_kernel_on_cust() {
+    let backend = tensor_wasm_mem_cust::start().expect("cust on the driver or the simulator");
+    guest_launches_increment(backend);
+}
