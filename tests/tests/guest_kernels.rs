@@ -55,11 +55,11 @@ fn registry<B: Backend>() -> KernelRegistry<B> {
                 },
             },
             |_: &B, launch: &Launch<'_>| {
-                let (ptr, len) = launch.buffers[0];
+                let (ptr, len) = launch.buffers()[0];
                 if len == 0 {
                     return Ok(()); // no grid of zero blocks: nothing to do
                 }
-                launch_increment(ptr, len, launch.stream.raw(), launch.stream.context())
+                launch_increment(ptr, len, launch.stream().raw(), launch.stream().context())
                     .map_err(TwmError::Launch)
             },
         )

@@ -20,8 +20,8 @@ use tensor_wasm_mem_wasmtime::wasmtime::{
     PoolingAllocationConfig, Store,
 };
 use tensor_wasm_mem_wasmtime::{
-    Backing, ChargeMode, GuardedHostCreator, Tenant, TenantStore, TensorWasmMemoryCreator,
-    instantiate_pre, new_store,
+    Access, Backing, ChargeMode, GuardedHostCreator, Tenant, TenantStore, TensorWasmMemoryCreator,
+    TwmError, instantiate_pre, new_store,
 };
 
 use crate::run::Failure;
@@ -293,6 +293,91 @@ fn pool_steps_us(sizes: Sizes, bar: &ProgressBar) -> Result<(f64, f64), Failure>
     Ok((untouched, scrubbed))
 }
 
+/// The launching guest: `go(n)` launches the built-in `fill` on its first 4 KiB `n` times.
+const LAUNCHER: &str = r#"(module
+  (import "twm" "kernel" (func $kernel (param i32 i32) (result i32)))
+  (import "twm" "launch" (func $launch (param i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 0) "fill")
+  (data (i32.const 64) "\00\10\00\00\00\00\00\00\00\10\00\00\00\00\00\00")
+  (data (i32.const 80) "\07\00\00\00\00\00\00\00\00\00\00\00\00\00\00\00")
+  (func (export "go") (param $n i32) (result i32)
+    (local $k i32) (local $rc i32)
+    (local.set $k (call $kernel (i32.const 0) (i32.const 4)))
+    (block $done (loop $next
+      (br_if $done (i32.eqz (local.get $n)))
+      (local.set $rc (i32.or (local.get $rc)
+        (call $launch (local.get $k) (i32.const 64) (i32.const 2))))
+      (local.set $n (i32.sub (local.get $n) (i32.const 1)))
+      (br $next)))
+    (local.get $rc)))"#;
+
+/// Microseconds per launch of a 4 KiB `fill` on the simulated device: `(a guest's whole
+/// twm.launch of the built-in fill, the same launch of a kernel whose launcher does nothing)`.
+/// The second is the host cost of a guest launch (reading and checking the arguments,
+/// resolving, prefetching, the stream's wait, the tenant's figures); the first less the
+/// second, the driver's own launch and run.
+fn launch_us(sizes: Sizes, bar: &ProgressBar) -> Result<(f64, f64), Failure> {
+    use tensor_wasm_mem_wasmtime::add_to_linker;
+    use tensor_wasm_mem_wasmtime::kernels::{
+        BufferLength, KernelParam, KernelSignature, Launch, LaunchShape, Scalar,
+    };
+    let mut registry = tensor_wasm_mem_wasmtime::kernels::builtin();
+    registry
+        .register(
+            "noop",
+            KernelSignature {
+                params: vec![
+                    KernelParam::Buffer {
+                        access: Access::Write,
+                        element_bytes: 1,
+                        length: BufferLength::Any,
+                    },
+                    KernelParam::Scalar(Scalar::U32),
+                ],
+                shape: LaunchShape::Fixed {
+                    grid: [1, 1, 1],
+                    block: [256, 1, 1],
+                },
+            },
+            |_: &MockBackend, _: &Launch<'_>| Ok::<(), TwmError>(()),
+        )
+        .map_err(other)?;
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .kernels(registry)
+        .build()
+        .map_err(other)?;
+    let engine = creator.engine().map_err(other)?;
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).map_err(other)?;
+    let tenant = Tenant::new(1, "bench", 1 << 30, IsolationLevel::StreamIsolated);
+    let timed = |kernel: &str| -> Result<f64, Failure> {
+        let module = Module::new(
+            &engine,
+            LAUNCHER.replace("\"fill\"", &format!("{kernel:?}")),
+        )
+        .map_err(other)?;
+        let mut store = new_store(
+            &engine,
+            TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()),
+        );
+        let instance =
+            tensor_wasm_mem_wasmtime::instantiate(&mut store, &linker, &module).map_err(other)?;
+        let go = instance
+            .get_typed_func::<i32, i32>(&mut store, "go")
+            .map_err(other)?;
+        median_lives(sizes, bar, || {
+            match go.call(&mut store, 1).map_err(other)? {
+                0 => Ok(()),
+                rc => Err(other(format!("launch answered {rc}"))),
+            }
+        })
+    };
+    let fill = timed("fill")?;
+    let noop = timed("noop")?;
+    Ok((fill, noop))
+}
+
 /// The floor's module: the small module with a global where its memory was.
 const NO_MEMORY: &str = r#"(module
   (global $g (mut i32) (i32.const 0))
@@ -371,7 +456,7 @@ fn instantiate_us(setup: Setup, sizes: Sizes, bar: &ProgressBar) -> Result<f64, 
 fn median_lives(
     sizes: Sizes,
     bar: &ProgressBar,
-    once: impl Fn() -> Result<(), Failure>,
+    mut once: impl FnMut() -> Result<(), Failure>,
 ) -> Result<f64, Failure> {
     for _ in 0..200 {
         once()?;
@@ -739,7 +824,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         + 2 * sizes.grow_samples
         + loop_setups.len() * details.len() * sizes.loop_placements
         + ROUNDTRIP_SIZES.len()
-        + 2 * sizes.instantiate_batches
+        + 4 * sizes.instantiate_batches
         + 4;
     let bar = ProgressBar::new(steps as u64);
     bar.set_style(
@@ -786,6 +871,8 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
     }
     bar.set_message("pool steps");
     let (pool_untouched, pool_scrubbed) = pool_steps_us(sizes, &bar)?;
+    bar.set_message("guest launch");
+    let (launch_fill, launch_host) = launch_us(sizes, &bar)?;
     bar.set_message("placement, 8 devices");
     let placement = placement_figures(args.quick, &bar)?;
     bar.finish_and_clear();
@@ -834,6 +921,11 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             "kernel_roundtrip_us": roundtrips.iter().map(|(name, (scope, copy))| ((*name).to_string(), json!({"twm_scope": scope, "explicit_copy": copy}))).collect::<serde_json::Map<_, _>>(),
             "rss_1000_mib": rss.iter().map(|(s, v)| (twm_key(*s).to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "placement": placement,
+            "launch_us": {
+                "guest_launch_fill_4KiB": launch_fill,
+                "guest_launch_noop": launch_host,
+                "driver_fill_4KiB": launch_fill - launch_host,
+            },
             "pool_steps_us": {
                 "acquire_release_untouched": pool_untouched,
                 "acquire_release_scrub_64KiB": pool_scrubbed,
@@ -952,6 +1044,19 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         "bookkeeping",
         placement["bytes_per_tenant"].as_f64().unwrap_or(f64::NAN),
         "B"
+    );
+    let driver = launch_fill - launch_host;
+    println!(
+        "{:<26} {:<18} {:>9.3} {:<3}{:>7.2}x",
+        "launch fill 4KiB", "driver's own", driver, "us", 1.0
+    );
+    println!(
+        "{:<26} {:<18} {:>9.3} {:<3}{:>7.2}x",
+        "launch fill 4KiB",
+        "guest twm.launch",
+        launch_fill,
+        "us",
+        launch_fill / driver
     );
     for (step, us) in [
         ("acquire+release untouched", pool_untouched),

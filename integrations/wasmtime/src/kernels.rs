@@ -169,20 +169,55 @@ impl KernelSignature {
 }
 
 /// A checked launch, handed to a [`KernelLauncher`]: everything resolved, nothing queued yet.
+/// Only this layer makes one (after its checks), so a launcher may trust what it says: its
+/// pointers are the guest's own, checked, and the guest's Store is held until the stream is
+/// waited for.
 #[derive(Debug)]
 pub struct Launch<'a> {
+    device: DeviceId,
+    stream: &'a Stream,
+    args: &'a [u64],
+    buffers: &'a [(u64, u64)],
+    grid: [u32; 3],
+    block: [u32; 3],
+}
+
+impl Launch<'_> {
     /// The device of the guest's memory (and of the stream).
-    pub device: DeviceId,
+    #[must_use]
+    pub fn device(&self) -> DeviceId {
+        self.device
+    }
+
     /// The tenant's stream: launch on it (its context is [`Stream::context`]).
-    pub stream: &'a Stream,
+    #[must_use]
+    pub fn stream(&self) -> &Stream {
+        self.stream
+    }
+
     /// One value per parameter: a buffer's device pointer, a scalar's value.
-    pub args: &'a [u64],
+    #[must_use]
+    pub fn args(&self) -> &[u64] {
+        self.args
+    }
+
     /// Each buffer parameter's `(device pointer, bytes)`, in parameter order.
-    pub buffers: &'a [(u64, u64)],
+    #[must_use]
+    pub fn buffers(&self) -> &[(u64, u64)] {
+        self.buffers
+    }
+
     /// Blocks in the grid.
-    pub grid: [u32; 3],
+    #[must_use]
+    pub fn grid(&self) -> [u32; 3] {
+        self.grid
+    }
+
     /// Threads in a block.
-    pub block: [u32; 3],
+    #[must_use]
+    pub fn block(&self) -> [u32; 3] {
+        self.block
+    }
 }
 
 /// The embedder's code that launches one registered kernel on a checked [`Launch`]: queue it on
@@ -560,8 +595,14 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
 /// A [`KernelLauncher`] for a kernel of the simulated device (the mock backend): the model's
 /// `kernel` by name, its arguments made by `args` from the checked [`Launch`]. Its module is
 /// loaded (and its function found) on first use, in the stream's context.
+///
+/// # Safety
+///
+/// `args` must give the kernel only pointers and lengths within the launch's
+/// [`buffers`](Launch::buffers) (and write only through those the signature says are
+/// written): the simulated kernel runs on the memory it is given, as a GPU's would.
 #[cfg(feature = "mock")]
-pub fn simulated(
+pub unsafe fn simulated(
     kernel: &'static str,
     args: impl Fn(&Launch<'_>) -> Vec<u64> + Send + Sync + 'static,
 ) -> impl KernelLauncher<tensor_wasm_mem_mock::MockBackend> {
@@ -575,7 +616,7 @@ pub fn simulated(
             None => {
                 // Loading a module needs a context current: the stream's.
                 driver
-                    .push_current(DriverContext::from_raw(launch.stream.context()))
+                    .push_current(DriverContext::from_raw(launch.stream().context()))
                     .map_err(TwmError::backend)?;
                 let loaded = driver
                     .load_module()
@@ -587,9 +628,11 @@ pub fn simulated(
             }
         };
         // SAFETY: the guest's Store is held by the host call for the whole launch, which waits
-        // for the stream before returning: nothing else touches the buffers meanwhile, and
-        // every buffer was checked inside the guest's memory.
-        unsafe { driver.launch(launch.stream, function, &args(launch)) }.map_err(TwmError::backend)
+        // for the stream before returning: nothing else touches the buffers meanwhile; every
+        // buffer was checked inside the guest's memory, and `args` keeps to them (the caller
+        // of `simulated` promised).
+        unsafe { driver.launch(launch.stream(), function, &args(launch)) }
+            .map_err(TwmError::backend)
     }
 }
 
@@ -620,7 +663,8 @@ pub fn builtin() -> KernelRegistry<tensor_wasm_mem_mock::MockBackend> {
                 params: vec![bytes(Access::Write), KernelParam::Scalar(Scalar::U32)],
                 shape: one,
             },
-            simulated("fill", |l| vec![l.args[0], l.buffers[0].1, l.args[1]]),
+            // SAFETY: `fill` writes its one buffer: its pointer and byte length.
+            unsafe { simulated("fill", |l| vec![l.args()[0], l.buffers()[0].1, l.args()[1]]) },
         )
         .and_then(|r| {
             r.register(
@@ -629,7 +673,8 @@ pub fn builtin() -> KernelRegistry<tensor_wasm_mem_mock::MockBackend> {
                     params: vec![bytes(Access::ReadWrite)],
                     shape: one,
                 },
-                simulated("increment", |l| vec![l.args[0], l.buffers[0].1]),
+                // SAFETY: `increment` writes its one buffer: its pointer and byte length.
+                unsafe { simulated("increment", |l| vec![l.args()[0], l.buffers()[0].1]) },
             )
         })
         .and_then(|r| {
@@ -647,7 +692,9 @@ pub fn builtin() -> KernelRegistry<tensor_wasm_mem_mock::MockBackend> {
                         count: 3,
                     },
                 },
-                simulated("axpy", |l| l.args.to_vec()),
+                // SAFETY: `axpy(a, x, y, n)` reads `n` floats of `x` and writes `n` of `y`,
+                // both checked to be `n` floats long.
+                unsafe { simulated("axpy", |l| l.args().to_vec()) },
             )
         })
         .map(|_| ());

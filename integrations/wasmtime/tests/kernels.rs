@@ -259,7 +259,9 @@ fn a_launch_whose_kernel_faults_is_a_code_and_a_failure_in_the_figures() {
                     block: [1, 1, 1],
                 },
             },
-            kernels::simulated("fill", |l| vec![l.args[0] + (1 << 40), 16, 1]),
+            // SAFETY: deliberately wrong, but only past every allocation (1 TiB beyond the
+            // guest's memory): the model finds no allocation there and reports a fault.
+            unsafe { kernels::simulated("fill", |l| vec![l.args()[0] + (1 << 40), 16, 1]) },
         )
         .unwrap();
     let creator = creator_with(registry);
