@@ -61,6 +61,9 @@ pub const TWM_ERR_BUSY: i32 = -11;
 /// The most arguments a kernel takes.
 pub const MAX_KERNEL_ARGS: usize = 32;
 
+/// The longest kernel name, in bytes.
+pub const MAX_KERNEL_NAME: usize = 256;
+
 /// A scalar parameter's type: how its `u64` is read (a narrower value must fit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Scalar {
@@ -298,6 +301,9 @@ impl<B: Backend> KernelRegistry<B> {
         launcher: impl KernelLauncher<B>,
     ) -> Result<&mut Self, TwmError> {
         signature.check()?;
+        if name.is_empty() || name.len() > MAX_KERNEL_NAME {
+            return Err(TwmError::KernelSignature("a name empty or over 256 bytes"));
+        }
         if self.entries.iter().any(|e| e.name == name) {
             return Err(TwmError::KernelSignature("a name registered twice"));
         }
@@ -394,7 +400,13 @@ pub(crate) fn kernel_call<B: Backend, T: HasGuestContext<B>>(
         .kernels()
         .ok_or(TWM_ERR_UNKNOWN_KERNEL)?;
     let memory = crate::guest::guest_memory(caller)?;
-    let name = guest_bytes(caller, &memory, ptr, u64::from(len as u32).min(256))?;
+    let len = u64::from(len as u32);
+    // The whole range is checked; a name longer than any registered one is no kernel's.
+    check_guest_range(caller, &memory, u64::from(ptr as u32), len)?;
+    if len > MAX_KERNEL_NAME as u64 {
+        return Err(TWM_ERR_UNKNOWN_KERNEL);
+    }
+    let name = guest_bytes(caller, &memory, ptr, len)?;
     registry.handle(&name).ok_or(TWM_ERR_UNKNOWN_KERNEL)
 }
 
@@ -455,14 +467,6 @@ fn check_args(signature: &KernelSignature, raw: &[(u64, u64)]) -> Result<Checked
             }
         }
     }
-    for (i, &(a, n, access)) in ranges.iter().enumerate() {
-        for &(c, m, other) in &ranges[i + 1..] {
-            let overlap = n > 0 && m > 0 && a < c.saturating_add(m) && c < a.saturating_add(n);
-            if overlap && (access.writes() || other.writes()) {
-                return Err(TWM_ERR_BAD_ARGUMENTS);
-            }
-        }
-    }
     let (grid, block) = match signature.shape {
         LaunchShape::Fixed { grid, block } => (grid, block),
         LaunchShape::PerElement { block, count } => {
@@ -478,6 +482,39 @@ fn check_args(signature: &KernelSignature, raw: &[(u64, u64)]) -> Result<Checked
         grid,
         block,
     })
+}
+
+/// Checks `offset..offset + len` against the guest's memory as the other `twm` calls do: an
+/// end past the address space (2^32 for a 32-bit memory, 2^64 for a 64-bit one) is
+/// [`TWM_ERR_OVERFLOW`](crate::TWM_ERR_OVERFLOW), an end past the current size
+/// [`TWM_ERR_OUT_OF_RANGE`](crate::TWM_ERR_OUT_OF_RANGE).
+fn check_guest_range<T>(
+    caller: &Caller<'_, T>,
+    memory: &wasmtime::Memory,
+    offset: u64,
+    len: u64,
+) -> Result<(), i32> {
+    let end = offset.checked_add(len).ok_or(crate::TWM_ERR_OVERFLOW)?;
+    if !memory.ty(caller).is_64() && end > 1 << 32 {
+        return Err(crate::TWM_ERR_OVERFLOW);
+    }
+    if end > memory.data_size(caller) as u64 {
+        return Err(crate::TWM_ERR_OUT_OF_RANGE);
+    }
+    Ok(())
+}
+
+/// Refuses a launch whose buffers overlap where one of them is written.
+fn check_overlaps(ranges: &[(u64, u64, Access)]) -> Result<(), i32> {
+    for (i, &(a, n, access)) in ranges.iter().enumerate() {
+        for &(c, m, other) in &ranges[i + 1..] {
+            let overlap = n > 0 && m > 0 && a < c.saturating_add(m) && c < a.saturating_add(n);
+            if overlap && (access.writes() || other.writes()) {
+                return Err(TWM_ERR_BAD_ARGUMENTS);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Reads the `nargs` 16-byte arguments at `ptr`.
@@ -547,6 +584,10 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
     let device = creator
         .memory_device(view)
         .map_err(|e| crate::guest::code_for(&e))?;
+    for &(offset, len, _) in &checked.ranges {
+        check_guest_range(caller, &memory, offset, len)?;
+    }
+    check_overlaps(&checked.ranges)?;
     let mut buffers = Vec::with_capacity(checked.ranges.len());
     for &(offset, len, _) in &checked.ranges {
         let slice = creator
@@ -606,17 +647,25 @@ pub unsafe fn simulated(
     kernel: &'static str,
     args: impl Fn(&Launch<'_>) -> Vec<u64> + Send + Sync + 'static,
 ) -> impl KernelLauncher<tensor_wasm_mem_mock::MockBackend> {
-    use std::sync::OnceLock;
+    use std::collections::HashMap;
+    use std::sync::Mutex;
     use tensor_wasm_mem_core::{DriverApi, DriverContext};
-    let function = OnceLock::new();
+    // A module belongs to the context it was loaded in (as on a GPU): one per context.
+    let functions = Mutex::new(HashMap::new());
     move |backend: &tensor_wasm_mem_mock::MockBackend, launch: &Launch<'_>| {
         let driver = backend.driver();
-        let function = match function.get() {
-            Some(f) => *f,
+        let context = launch.stream().context();
+        let cached = functions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&context)
+            .copied();
+        let function = match cached {
+            Some(f) => f,
             None => {
                 // Loading a module needs a context current: the stream's.
                 driver
-                    .push_current(DriverContext::from_raw(launch.stream().context()))
+                    .push_current(DriverContext::from_raw(context))
                     .map_err(TwmError::backend)?;
                 let loaded = driver
                     .load_module()
@@ -624,7 +673,11 @@ pub unsafe fn simulated(
                 driver.pop_current().map_err(TwmError::backend)?;
                 // Only a function found is kept: a failure is tried again next time.
                 let found = loaded.map_err(TwmError::backend)?;
-                *function.get_or_init(|| found)
+                functions
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .insert(context, found);
+                found
             }
         };
         // SAFETY: the guest's Store is held by the host call for the whole launch, which waits

@@ -170,6 +170,18 @@ fn hostile_launch_arguments_are_refused_before_anything_is_queued() {
             TWM_ERR_OVERFLOW,
         ),
         (
+            "past 4 GiB in a 32-bit memory",
+            fill,
+            vec![(0xFFFF_FFFF, 2), (1, 0)],
+            TWM_ERR_OVERFLOW,
+        ),
+        (
+            "out of range before overlapping",
+            saxpy,
+            saxpy_args(1.0, Y, Y, 1 << 20),
+            TWM_ERR_OUT_OF_RANGE,
+        ),
+        (
             "overlapping buffers one writes",
             saxpy,
             saxpy_args(1.0, Y, Y + 16, 16),
@@ -212,6 +224,24 @@ fn hostile_launch_arguments_are_refused_before_anything_is_queued() {
         assert_eq!(g.launch(*handle, args), *code, "{what}");
     }
     assert_eq!(g.kernel("no such kernel"), TWM_ERR_UNKNOWN_KERNEL);
+    let lookup = |g: &mut Guest, ptr: i32, len: i32| {
+        g.instance
+            .get_typed_func::<(i32, i32), i32>(&mut g.store, "kernel")
+            .unwrap()
+            .call(&mut g.store, (ptr, len))
+            .unwrap()
+    };
+    assert_eq!(
+        lookup(&mut g, 0, -1),
+        TWM_ERR_OUT_OF_RANGE,
+        "a name past the memory"
+    );
+    assert_eq!(lookup(&mut g, 65_535, 2), TWM_ERR_OUT_OF_RANGE);
+    assert_eq!(
+        lookup(&mut g, 0, 4096),
+        TWM_ERR_UNKNOWN_KERNEL,
+        "longer than any name"
+    );
     // More arguments than any kernel takes, and an argument array past the memory.
     let call = |g: &mut Guest, args_ptr: i32, nargs: i32| {
         g.instance

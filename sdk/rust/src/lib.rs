@@ -232,43 +232,53 @@ pub fn prefetch<T>(data: &[T], to: Location) -> Result<(), Error> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Kernel(i32);
 
-/// One launch argument: a buffer of this guest's memory, or a scalar (the ABI's 16 bytes).
+/// One launch argument: a buffer of this guest's memory, or a scalar (the ABI's 16 bytes). It
+/// borrows its buffer for `'a`, so the buffer outlives the launch.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Arg {
+pub struct Arg<'a> {
     a: u64,
     b: u64,
+    _buffer: core::marker::PhantomData<&'a [u8]>,
 }
 
-impl Arg {
-    /// A buffer the kernel reads.
-    #[must_use]
-    pub fn buffer<T>(data: &[T]) -> Self {
+impl<'a> Arg<'a> {
+    const fn new(a: u64, b: u64) -> Self {
         Self {
-            a: data.as_ptr() as usize as u64,
-            b: core::mem::size_of_val(data) as u64,
+            a,
+            b,
+            _buffer: core::marker::PhantomData,
         }
+    }
+
+    /// A buffer the kernel only reads.
+    #[must_use]
+    pub fn buffer<T>(data: &'a [T]) -> Self {
+        Self::new(
+            data.as_ptr() as usize as u64,
+            core::mem::size_of_val(data) as u64,
+        )
     }
 
     /// A buffer the kernel may write.
     #[must_use]
-    pub fn buffer_mut<T>(data: &mut [T]) -> Self {
-        Self::buffer(data)
+    pub fn buffer_mut<T>(data: &'a mut [T]) -> Self {
+        Self::new(
+            data.as_ptr() as usize as u64,
+            core::mem::size_of_val(data) as u64,
+        )
     }
 
     /// An unsigned 32-bit scalar.
     #[must_use]
     pub const fn u32(value: u32) -> Self {
-        Self {
-            a: value as u64,
-            b: 0,
-        }
+        Self::new(value as u64, 0)
     }
 
     /// An unsigned 64-bit scalar.
     #[must_use]
     pub const fn u64(value: u64) -> Self {
-        Self { a: value, b: 0 }
+        Self::new(value, 0)
     }
 
     /// A 32-bit float scalar (its bits).
@@ -289,10 +299,15 @@ pub fn kernel(name: &str) -> Result<Kernel, Error> {
     }
 }
 
-/// Launches `kernel` with `args` and waits for it. Buffers given with [`Arg::buffer_mut`]
-/// are written by the kernel: take them from `&mut` slices the guest does not touch meanwhile
-/// (the call returns when the kernel is done).
-pub fn launch(kernel: Kernel, args: &[Arg]) -> Result<(), Error> {
+/// Launches `kernel` with `args` and waits for it (the host checks every buffer against this
+/// guest's memory and the kernel's signature before anything runs).
+///
+/// # Safety
+///
+/// Every buffer the kernel's signature says it writes must be given with [`Arg::buffer_mut`]
+/// (the host writes it while this call runs): a written buffer given as [`Arg::buffer`] would
+/// be written through a shared borrow. The SDK cannot know the host's signatures.
+pub unsafe fn launch(kernel: Kernel, args: &[Arg<'_>]) -> Result<(), Error> {
     let (ptr, _) = range(args)?;
     let n = u32::try_from(args.len()).map_err(|_| Error::Overflow)?;
     result(imports::launch(kernel.0, ptr, n))
