@@ -48,7 +48,7 @@ fn run_c_guest(name: &str, args: &[&str], cap: u64) -> Option<(i32, String)> {
         Err(e) => exit_code(&e).unwrap_or_else(|| panic!("{name} trapped: {e:#}")),
     };
     drop(store);
-    assert_eq!(tenant.stats().live_bytes, 0, "everything given back");
+    assert_eq!(tenant.stats().touched_bytes, 0, "everything given back");
     Some((
         status,
         String::from_utf8_lossy(&stdout.contents()).into_owned(),

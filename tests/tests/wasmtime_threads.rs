@@ -65,5 +65,5 @@ fn context_isolated_stores_on_two_threads_prefetch_and_leave_nothing() {
         (Some(0), Some(0)),
         "(streams, contexts) left, cross-checked against the driver"
     );
-    assert_eq!(tenant.stats().live_bytes, 0);
+    assert_eq!(tenant.stats().touched_bytes, 0);
 }

@@ -242,7 +242,7 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
     let after: Vec<_> = tenants.iter().map(|(t, _)| t.stats()).collect();
     println!(
         "every tenant back to zero once the pools are dropped: {}",
-        after.iter().all(|s| s.live_bytes == 0)
+        after.iter().all(|s| s.touched_bytes == 0)
     );
     Ok(())
 }

@@ -133,8 +133,8 @@ fn json_is_one_object() {
     let v: serde_json::Value = serde_json::from_str(&out).expect("one JSON object");
     assert_eq!(v["runs"], serde_json::json!([[1, -2]]));
     assert_eq!(v["backend"], "mock");
-    assert_eq!(v["tenant"]["live_bytes"], 0);
-    assert_eq!(v["tenant"]["peak_bytes"], 65536);
+    assert_eq!(v["tenant"]["touched_bytes"], 0);
+    assert_eq!(v["tenant"]["touched_peak_bytes"], 65536);
     let (code, out, _) = run(&["--invoke", "oob", "--json"]);
     assert_eq!(code, 3);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -554,7 +554,7 @@ fn table_growth_attacks_hold_no_more_than_the_cap_under_twm_run() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let report: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("json");
     assert_eq!(report["runs"][0][0], 0, "{report}");
-    assert_eq!(report["tenant"]["peak_bytes"], 0, "{report}");
+    assert_eq!(report["tenant"]["touched_peak_bytes"], 0, "{report}");
     assert_eq!(report["tenant"]["held_peak_bytes"], 0, "{report}");
 }
 

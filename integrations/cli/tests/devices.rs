@@ -110,18 +110,18 @@ fn run_metrics_are_prometheus_text_matching_the_stats() {
         ("isolation", "stream_isolated"),
     ];
     for (metric, key) in [
-        ("twm_tenant_touched_bytes", "live_bytes"),
-        ("twm_tenant_touched_peak_bytes", "peak_bytes"),
+        ("twm_tenant_touched_bytes", "touched_bytes"),
+        ("twm_tenant_touched_peak_bytes", "touched_peak_bytes"),
         ("twm_tenant_held_bytes", "held_bytes"),
         ("twm_tenant_held_peak_bytes", "held_peak_bytes"),
-        ("twm_tenant_cap_bytes", "cap_bytes"),
+        ("twm_tenant_touched_limit_bytes", "touched_limit_bytes"),
         ("twm_tenant_live_memories", "live_memories"),
     ] {
         let (kind, v) = value(&samples, metric, &labels);
         assert_eq!(kind, "gauge", "{metric}");
         assert_eq!(v, tenant[key].as_u64().unwrap() as f64, "{metric} vs {key}");
     }
-    assert!(tenant["peak_bytes"].as_u64().unwrap() > 0);
+    assert!(tenant["touched_peak_bytes"].as_u64().unwrap() > 0);
     assert!(tenant["held_peak_bytes"].as_u64().unwrap() > 0);
     let (kind, created) = value(&samples, "twm_tenant_memories_created_total", &labels);
     assert_eq!((kind, created), ("counter", 2.0));

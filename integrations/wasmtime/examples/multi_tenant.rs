@@ -57,7 +57,7 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         println!(
             "{}: asked for 4 pages, got {pages} (cap {} pages); prefetch -> {code}",
             tenant.name(),
-            tenant.stats().cap >> 16
+            tenant.stats().touched_limit >> 16
         );
 
         // Kernels on the first 2 KiB, through a device-access scope: it holds the Store (no
@@ -108,7 +108,7 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let s = t.stats();
         println!(
             "{:<8} {:>10} {:>10} {:>9} {:>8}",
-            s.name, s.live_bytes, s.peak_bytes, s.memories_created, s.denials
+            s.name, s.touched_bytes, s.touched_peak_bytes, s.memories_created, s.denials
         );
     }
     let stats = creator.stats();

@@ -47,8 +47,8 @@ pub use memory::{
 pub use placement::{DevicePlacement, Placement, PlacementPolicy};
 pub use scope::{Access, AccessRange, DeviceAccess, RunScope, ScopeOptions, ScopedSlice};
 pub use tenancy::{
-    ChargeMode, HasTenantLimiter, LimiterStats, TABLE_ELEMENT_BYTES, Tenant, TenantLimiter,
-    TenantStats, install_limiter, instantiate, instantiate_pre, new_store,
+    ChargeMode, HasTenantLimiter, LimiterStats, RefusedGrowth, TABLE_ELEMENT_BYTES, Tenant,
+    TenantLimiter, TenantStats, install_limiter, instantiate, instantiate_pre, new_store,
 };
 pub use tensor_wasm_mem_core::{Budget, TenantBudgets};
 
@@ -88,7 +88,6 @@ pub use tensor_wasm_mem_mock as mock;
 /// type.
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a tensor-wasm-mem backend",
-    note = "if this is `NoDefaultBackend`, several backend features are on and there is no default: name the backend's type"
 )]
 pub trait Backend:
     ManagedAllocator

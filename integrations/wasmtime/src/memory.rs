@@ -281,6 +281,21 @@ impl<B: Backend> CreatorBuilder<B> {
         self
     }
 
+    /// The preset for C guests (clang with wasi-libc declares no maximum) on a pool of `slots`
+    /// slots of `slot_bytes` each: every memory plans a slot's capacity (the per-memory limit
+    /// and the default maximum are `slot_bytes`), and one tenant holds at most half the slots.
+    /// A size the plan cannot take (0, or past 4 GiB) is [`TwmError::Plan`].
+    pub fn c_guests_on_pool(self, slots: usize, slot_bytes: usize) -> Result<Self, TwmError> {
+        let bytes = slot_bytes as u64;
+        let limits = PlanLimits::new(bytes)
+            .and_then(|l| l.with_default_maximum(bytes))
+            .map_err(TwmError::Plan)?;
+        Ok(self.limits(limits).pool(PoolConfig::new(
+            DeviceId(0),
+            [tensor_wasm_mem_core::SizeClass::new(slot_bytes, slots)],
+        )))
+    }
+
     /// The most slots of a pool one tenant may hold at once (default: half of each device's
     /// pool, at least one), so that one tenant cannot take every slot of a pool tenants share.
     /// A memory past it is refused with [`TwmError::PoolShare`]. Ignored without a pool.

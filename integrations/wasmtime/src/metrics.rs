@@ -17,7 +17,7 @@
 //!
 //! | Metric | Kind | Labels | What |
 //! |---|---|---|---|
-//! | `twm_tenant_cap_bytes` | gauge | tenant, tenant_id, device, isolation | the touched budget |
+//! | `twm_tenant_touched_limit_bytes` | gauge | tenant, tenant_id, device, isolation | the touched budget |
 //! | `twm_tenant_touched_bytes` | gauge | tenant, tenant_id, device, isolation | touched bytes charged now |
 //! | `twm_tenant_touched_peak_bytes` | gauge | tenant, tenant_id, device, isolation | the most touched at once |
 //! | `twm_tenant_held_limit_bytes` | gauge | tenant, tenant_id, device, isolation | the held budget |
@@ -69,7 +69,7 @@
 //!     tensor_wasm_mem_wasmtime::metrics::record_creator(&creator);
 //! });
 //! let page = handle.render(); // serve it on /metrics
-//! assert!(page.contains("twm_tenant_cap_bytes{"));
+//! assert!(page.contains("twm_tenant_touched_limit_bytes{"));
 //! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
 //! ```
 
@@ -79,7 +79,10 @@ use crate::{Backend, Placement, Tenant, TensorWasmMemoryCreator};
 
 /// Gauges in bytes, with their help text.
 const BYTE_GAUGES: [(&str, &str); 15] = [
-    ("twm_tenant_cap_bytes", "The tenant's touched budget."),
+    (
+        "twm_tenant_touched_limit_bytes",
+        "The tenant's touched budget (its cap).",
+    ),
     (
         "twm_tenant_touched_bytes",
         "Touched bytes charged to the tenant now.",
@@ -213,11 +216,11 @@ pub fn record_tenant(tenant: &Tenant) {
         ("isolation", s.isolation.name().to_string()),
     ];
     // An unlimited budget (`u64::MAX`) has no limit to publish.
-    if s.cap != u64::MAX {
-        gauge!("twm_tenant_cap_bytes", &labels).set(s.cap as f64);
+    if s.touched_limit != u64::MAX {
+        gauge!("twm_tenant_touched_limit_bytes", &labels).set(s.touched_limit as f64);
     }
-    gauge!("twm_tenant_touched_bytes", &labels).set(s.live_bytes as f64);
-    gauge!("twm_tenant_touched_peak_bytes", &labels).set(s.peak_bytes as f64);
+    gauge!("twm_tenant_touched_bytes", &labels).set(s.touched_bytes as f64);
+    gauge!("twm_tenant_touched_peak_bytes", &labels).set(s.touched_peak_bytes as f64);
     if s.held_limit != u64::MAX {
         gauge!("twm_tenant_held_limit_bytes", &labels).set(s.held_limit as f64);
     }

@@ -103,12 +103,12 @@ pub struct TenantStats {
     pub name: String,
     /// Its isolation level.
     pub isolation: IsolationLevel,
-    /// Its cap (the touched budget) in bytes.
-    pub cap: u64,
+    /// Its touched budget (its cap) in bytes.
+    pub touched_limit: u64,
     /// Touched bytes charged now.
-    pub live_bytes: u64,
+    pub touched_bytes: u64,
     /// The most touched bytes ever charged at once.
-    pub peak_bytes: u64,
+    pub touched_peak_bytes: u64,
     /// Its held budget in bytes.
     pub held_limit: u64,
     /// Bytes of capacity held now (memory slots or allocations, table elements, pool buffers).
@@ -116,7 +116,7 @@ pub struct TenantStats {
     /// The most bytes of capacity ever held at once.
     pub held_peak_bytes: u64,
     /// Its budget of live memories.
-    pub memory_limit: u64,
+    pub memories_limit: u64,
     /// Memories alive now (counted until their backing is freed or back in the pool).
     pub live_memories: u64,
     /// Memories ever charged.
@@ -129,9 +129,9 @@ pub struct TenantStats {
     pub held_denials: u64,
     /// Of `denials`, those by the memories budget.
     pub memory_denials: u64,
-    /// Of `live_bytes`, the bytes in the tenant's device memory pools.
+    /// Of `touched_bytes`, the bytes in the tenant's device memory pools.
     pub device_pool_bytes: u64,
-    /// Of `live_bytes` and `held_bytes`, the bytes in table elements.
+    /// Of `touched_bytes` and `held_bytes`, the bytes in table elements.
     pub table_bytes: u64,
     /// Bytes charged for good: what a backend never gave back after its owner was gone
     /// ([`Reservation::strand`]).
@@ -261,13 +261,13 @@ impl Tenant {
             id: self.context.id(),
             name: self.name.clone(),
             isolation: self.context.isolation(),
-            cap: ledger.cap,
-            live_bytes: ledger.live_bytes,
-            peak_bytes: ledger.peak_bytes,
+            touched_limit: ledger.cap,
+            touched_bytes: ledger.live_bytes,
+            touched_peak_bytes: ledger.peak_bytes,
             held_limit: ledger.held_limit,
             held_bytes: ledger.held_bytes,
             held_peak_bytes: ledger.held_peak_bytes,
-            memory_limit: ledger.memory_limit,
+            memories_limit: ledger.memory_limit,
             live_memories: ledger.live_memories,
             memories_created: self.memories_created.load(Ordering::Acquire),
             denials: ledger.denials,
@@ -358,6 +358,22 @@ struct StoreCounts {
     memories: u64,
 }
 
+/// A memory growth the limiter refused (`memory.grow` answered `-1` to the guest), as the
+/// hook of [`TenantLimiter::on_refused_growth`] sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RefusedGrowth {
+    /// The memory's size before, in bytes.
+    pub current: usize,
+    /// The size the guest asked for.
+    pub desired: usize,
+    /// The budget that refused it; `None` for a growth past the memory's capacity (its declared
+    /// maximum, or the plan's).
+    pub denial: Option<Denied>,
+}
+
+/// The host's hook on refused growths.
+type GrowthHook = Arc<dyn Fn(&RefusedGrowth) + Send + Sync>;
+
 /// A per-Store Wasmtime `ResourceLimiter` charging one [`Tenant`].
 pub struct TenantLimiter {
     books: Arc<StoreBooks>,
@@ -377,6 +393,7 @@ pub struct TenantLimiter {
     max_instances: usize,
     max_tables: usize,
     max_memories: usize,
+    on_refused_growth: Option<GrowthHook>,
 }
 
 impl fmt::Debug for TenantLimiter {
@@ -433,6 +450,30 @@ impl TenantLimiter {
             max_instances: wasmtime::DEFAULT_INSTANCE_LIMIT,
             max_tables: wasmtime::DEFAULT_TABLE_LIMIT,
             max_memories: wasmtime::DEFAULT_MEMORY_LIMIT,
+            on_refused_growth: None,
+        }
+    }
+
+    /// Calls `hook` on every memory growth this limiter refuses (the guest sees `-1`, the host
+    /// nothing else): a budget's denial, or a growth past the memory's capacity. The hook runs
+    /// inside the guest's `memory.grow`: keep it short (count, log, flag).
+    #[must_use]
+    pub fn on_refused_growth(
+        mut self,
+        hook: impl Fn(&RefusedGrowth) + Send + Sync + 'static,
+    ) -> Self {
+        self.on_refused_growth = Some(Arc::new(hook));
+        self
+    }
+
+    fn growth_refused(&mut self, current: usize, desired: usize, denial: Option<Denied>) {
+        self.denied_growths += 1;
+        if let Some(hook) = &self.on_refused_growth {
+            hook(&RefusedGrowth {
+                current,
+                desired,
+                denial,
+            });
         }
     }
 
@@ -547,7 +588,7 @@ impl TenantLimiter {
                 .map_err(|e| self.refuse(creating, TwmError::Plan(e)))?;
             return Ok(());
         }
-        self.denied_growths += 1;
+        self.growth_refused(current, desired, None);
         Err(Ok(false))
     }
 
@@ -610,7 +651,7 @@ impl ResourceLimiter for TenantLimiter {
         // growth of a zero-page memory, ours or not, is redeemed by no creator).
         if let Err(denied) = self.books.grant(bytes, creating, desired) {
             if !creating {
-                self.denied_growths += 1;
+                self.growth_refused(current, desired, Some(denied));
             }
             return self.deny(creating, denied);
         }

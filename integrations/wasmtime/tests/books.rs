@@ -81,9 +81,9 @@ fn finding_1_a_failed_table_growth_gives_back_no_grant(#[case] index: &str) {
     );
     let granted = 2 * ((1 << 20) - 1) * TABLE_ELEMENT_BYTES;
     let stats = tenant.stats();
-    assert_eq!((stats.table_bytes, stats.live_bytes), (granted, granted));
+    assert_eq!((stats.table_bytes, stats.touched_bytes), (granted, granted));
     assert_eq!(stats.held_bytes, granted);
-    assert!(stats.peak_bytes <= 32 << 20);
+    assert!(stats.touched_peak_bytes <= 32 << 20);
     let limiter = store.data().limiter().stats();
     assert_eq!(limiter.table_bytes, granted);
     // The two grown 64-bit tables' `-1` overflows `old + delta`: reported as failures with no
@@ -91,7 +91,7 @@ fn finding_1_a_failed_table_growth_gives_back_no_grant(#[case] index: &str) {
     let overflowed = if index == "i64" { 2 } else { 0 };
     assert_eq!(limiter.failed_growths, overflowed);
     drop(store);
-    assert_eq!(tenant.stats().live_bytes, 0);
+    assert_eq!(tenant.stats().touched_bytes, 0);
 }
 
 /// Finding 3: `Memory::new` on a tenant's Store never calls the creator (Wasmtime makes the
@@ -124,7 +124,7 @@ fn finding_3_an_announcement_never_outlives_its_call() {
     );
     let memory = Memory::new(&mut store, MemoryType::new(1, None)).unwrap();
     assert_eq!(
-        tenant.stats().live_bytes,
+        tenant.stats().touched_bytes,
         PAGE as u64,
         "the bypass is charged"
     );
@@ -191,12 +191,12 @@ fn finding_3_a_live_tenants_grant_is_never_taken_by_another_store() {
     Instance::new(&mut plain, &module, &[]).unwrap();
     let stats = tenant.stats();
     assert_eq!(
-        (stats.live_bytes, stats.live_memories, stats.held_bytes),
+        (stats.touched_bytes, stats.live_memories, stats.held_bytes),
         (PAGE as u64, 0, 0),
         "only its own bypass memory's touched bytes"
     );
     drop(store);
-    assert_eq!(tenant.stats().live_bytes, 0);
+    assert_eq!(tenant.stats().touched_bytes, 0);
 }
 
 /// Finding 4: a device's totals are the sum over its tenants. A memory whose free the driver
@@ -278,7 +278,7 @@ fn finding_4_device_totals_follow_the_charges() {
     drop((creator, engine, module));
     let stats = tenant.stats();
     assert_eq!(
-        (stats.live_bytes, stats.stranded_bytes),
+        (stats.touched_bytes, stats.stranded_bytes),
         (PAGE as u64, PAGE as u64)
     );
     let d = device0();
@@ -313,7 +313,11 @@ fn finding_6_tables_at_cap_0_hold_nothing() {
     assert_eq!(attack.call(&mut store, ()).unwrap(), 0);
     let stats = tenant.stats();
     assert_eq!(
-        (stats.table_bytes, stats.held_bytes, stats.peak_bytes),
+        (
+            stats.table_bytes,
+            stats.held_bytes,
+            stats.touched_peak_bytes
+        ),
         (0, 0, 0)
     );
     let ten = Module::new(&engine, "(module (table 10 funcref))").unwrap();
@@ -370,9 +374,9 @@ fn finding_7_a_store_without_its_limiter_is_refused() {
         "{e:#}"
     );
     drop(refilled);
-    assert_eq!(tenant.stats().live_bytes, 0);
+    assert_eq!(tenant.stats().touched_bytes, 0);
     assert_eq!(
-        tenant.stats().peak_bytes,
+        tenant.stats().touched_peak_bytes,
         PAGE as u64,
         "never more than it paid for"
     );
@@ -559,7 +563,7 @@ fn review_a_zero_page_growth_announces_no_creation() {
     assert!(child.unwrap_err().contains("no tenant pays"));
     let s = tenant_a.stats();
     assert_eq!(
-        (s.live_bytes, s.live_memories),
+        (s.touched_bytes, s.live_memories),
         (PAGE as u64, 0),
         "its own page only"
     );

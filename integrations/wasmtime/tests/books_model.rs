@@ -519,16 +519,23 @@ impl World {
                 "{step}: tenant {t} kept alive by nothing it holds"
             );
             let s = tenant.stats();
-            assert_eq!(s.live_bytes, self.touched(t), "{step}: tenant {t} touched");
+            assert_eq!(
+                s.touched_bytes,
+                self.touched(t),
+                "{step}: tenant {t} touched"
+            );
             assert_eq!(s.held_bytes, self.held(t), "{step}: tenant {t} held");
             assert_eq!(
                 s.live_memories,
                 self.memories(t),
                 "{step}: tenant {t} memories"
             );
-            assert!(s.peak_bytes <= CAP, "{step}: tenant {t} passed its cap");
+            assert!(
+                s.touched_peak_bytes <= CAP,
+                "{step}: tenant {t} passed its cap"
+            );
             let d = &mut devices[m.device.0 as usize];
-            *d = (d.0 + 1, d.1 + s.live_bytes, d.2 + s.held_bytes);
+            *d = (d.0 + 1, d.1 + s.touched_bytes, d.2 + s.held_bytes);
         }
         for (d, placed) in self.placement.devices().iter().enumerate() {
             assert_eq!(
@@ -599,7 +606,7 @@ impl World {
                 .sum();
             let count = stranded.iter().filter(|k| k.tenant == t).count() as u64;
             let s = tenant.stats();
-            assert_eq!(s.live_bytes, bytes, "stranded touched of tenant {t}");
+            assert_eq!(s.touched_bytes, bytes, "stranded touched of tenant {t}");
             assert_eq!(s.held_bytes, count * HELD, "stranded held of tenant {t}");
             assert_eq!(
                 s.stranded_bytes,

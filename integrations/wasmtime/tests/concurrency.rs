@@ -87,13 +87,13 @@ fn threads_and_tenants_leave_every_counter_at_zero() {
     );
     for t in &tenants {
         let s = t.stats();
-        assert_eq!((s.live_bytes, s.live_memories), (0, 0), "{}", s.name);
+        assert_eq!((s.touched_bytes, s.live_memories), (0, 0), "{}", s.name);
         assert!(
-            s.peak_bytes <= s.cap,
+            s.touched_peak_bytes <= s.touched_limit,
             "{} passed its cap: {} > {}",
             s.name,
-            s.peak_bytes,
-            s.cap
+            s.touched_peak_bytes,
+            s.touched_limit
         );
     }
     let c = creator.stats();
@@ -206,14 +206,14 @@ fn a_hostile_tenant_takes_nothing_from_the_others() {
     for t in &honest {
         let s = t.stats();
         assert_eq!(s.denials, 0, "{s:?}");
-        assert_eq!((s.live_bytes, s.held_bytes, s.live_memories), (0, 0, 0));
+        assert_eq!((s.touched_bytes, s.held_bytes, s.live_memories), (0, 0, 0));
     }
     let s = hostile.stats();
     assert!(
         s.held_denials > 0 && s.held_peak_bytes <= 32 * PAGE as u64,
         "{s:?}"
     );
-    assert_eq!((s.live_bytes, s.held_bytes, s.live_memories), (0, 0, 0));
+    assert_eq!((s.touched_bytes, s.held_bytes, s.live_memories), (0, 0, 0));
     assert_eq!(creator.stats().pool.unwrap().in_use(), 0);
     assert_eq!(backend.stats().live_streams, 0);
 }

@@ -429,7 +429,7 @@ fn device_sets_and_served_devices_are_checked() {
     let e = instantiate(&mut store, &linker, &module).unwrap_err();
     assert!(format!("{e:#}").contains("does not serve"), "{e:#}");
     assert_eq!(
-        tenant.stats().live_bytes,
+        tenant.stats().touched_bytes,
         0,
         "the refused memory's charge went back"
     );

@@ -197,12 +197,12 @@ fn every_fault_at_every_position_leaves_nothing() {
                 );
                 if busy == 0 {
                     assert_eq!(
-                        (t.live_bytes, t.held_bytes),
+                        (t.touched_bytes, t.held_bytes),
                         (0, 0),
                         "{label}: tenant charge left"
                     );
                 }
-                assert!(t.peak_bytes <= cap, "{label}: cap passed");
+                assert!(t.touched_peak_bytes <= cap, "{label}: cap passed");
             }
         }
     }

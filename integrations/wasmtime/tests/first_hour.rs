@@ -64,7 +64,7 @@ fn an_exhausted_pool_is_a_typed_denial() {
     );
     assert_eq!(twm.kind(), ErrorKind::PoolExhausted);
     assert!(twm.is_denial(), "the pool's size is a limit, not a failure");
-    assert_eq!(tenants[2].stats().live_bytes, 0, "nothing charged");
+    assert_eq!(tenants[2].stats().touched_bytes, 0, "nothing charged");
     // A slot given back serves the next.
     stores.remove(0);
     instantiate(&mut stores[1], &linker, &module).unwrap();
@@ -108,7 +108,7 @@ fn a_driver_failure_at_allocation_is_a_typed_failure_naming_its_code() {
     assert!(!twm.is_denial(), "the driver broke: a failure");
     let text = format!("{twm}");
     assert!(text.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{text}");
-    assert_eq!(tenant.stats().live_bytes, 0, "nothing charged");
+    assert_eq!(tenant.stats().touched_bytes, 0, "nothing charged");
 }
 
 #[test]
@@ -295,4 +295,63 @@ fn typed_host_views_of_several_ranges_in_one_scope() {
     .unwrap_err();
     assert!(matches!(e, TwmError::HostView { range: 0, .. }), "{e:?}");
     assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+}
+
+/// The host sees a guest's refused growth as it happens, not only in the figures after.
+#[test]
+fn a_refused_growth_reaches_the_hosts_hook() {
+    use std::sync::Mutex;
+    use tensor_wasm_mem_wasmtime::{Budget, RefusedGrowth, TenantLimiter};
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(1, "t", 2 * PAGE as u64, IsolationLevel::StreamIsolated);
+    let seen: Arc<Mutex<Vec<RefusedGrowth>>> = Arc::default();
+    let log = Arc::clone(&seen);
+    let limiter = TenantLimiter::new(Arc::clone(&tenant), ChargeMode::Touched, creator.limits())
+        .on_refused_growth(move |r| log.lock().unwrap().push(*r));
+    let mut store = new_store(&engine, TenantStore::with_limiter(&creator, limiter, ()));
+    let module = Module::new(
+        &engine,
+        r#"(module (memory (export "memory") 1 3)
+             (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
+    )
+    .unwrap();
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let grow = instance
+        .get_typed_func::<i32, i32>(&mut store, "grow")
+        .unwrap();
+    assert_eq!(grow.call(&mut store, 2).unwrap(), -1, "past the cap");
+    assert_eq!(grow.call(&mut store, 5).unwrap(), -1, "past the maximum");
+    assert_eq!(grow.call(&mut store, 1).unwrap(), 1, "within both");
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 2);
+    assert_eq!((seen[0].current, seen[0].desired), (PAGE, 3 * PAGE));
+    assert_eq!(seen[0].denial.map(|d| d.budget), Some(Budget::Touched));
+    assert_eq!(seen[1].denial, None, "a growth past the capacity");
+}
+
+#[test]
+fn the_c_guest_preset_gives_every_memory_a_slot() {
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .c_guests_on_pool(4, 8 << 20)
+        .unwrap()
+        .build()
+        .unwrap();
+    assert_eq!(creator.limits().default_maximum(), 8 << 20);
+    assert_eq!(creator.slots_per_tenant(), Some(2));
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(1, "c", 16 << 20, IsolationLevel::StreamIsolated);
+    let mut store = store(&creator, &engine, &tenant);
+    // What clang emits for a C program: a memory with no maximum.
+    let module = Module::new(&engine, "(module (memory (export \"memory\") 2))").unwrap();
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    assert_eq!(memory.grow(&mut store, 126).unwrap(), 2, "up to the slot");
+    assert!(memory.grow(&mut store, 1).is_err());
+    assert!(matches!(
+        TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default())).c_guests_on_pool(4, 0),
+        Err(TwmError::Plan(_))
+    ));
 }

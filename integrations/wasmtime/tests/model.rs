@@ -100,7 +100,7 @@ proptest! {
                 }
             }
             prop_assert_eq!(memory.data_size(&store) as u64, pages * PAGE as u64);
-            prop_assert_eq!(tenant.stats().live_bytes, pages * PAGE as u64);
+            prop_assert_eq!(tenant.stats().touched_bytes, pages * PAGE as u64);
         }
     }
 }

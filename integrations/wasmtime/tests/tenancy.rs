@@ -66,7 +66,7 @@ fn initial_size_past_the_cap_refuses_instantiation_naming_the_tenant() {
         0,
         "refused before the creator ran"
     );
-    assert_eq!(tenant.stats().live_bytes, 0);
+    assert_eq!(tenant.stats().touched_bytes, 0);
     assert_eq!(tenant.stats().denials, 1);
 
     // A plain Linker::instantiate is refused too, with the details kept by the limiter.
@@ -89,12 +89,12 @@ fn growth_past_the_cap_is_minus_one_and_the_guest_goes_on() {
     let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
     let store32 = func::<_, (i32, i32), ()>(&mut store, &instance, "store32");
     let load32 = func::<_, i32, i32>(&mut store, &instance, "load32");
-    assert_eq!(tenant.stats().live_bytes, PAGE as u64);
+    assert_eq!(tenant.stats().touched_bytes, PAGE as u64);
     assert_eq!(grow.call(&mut store, 2).unwrap(), 1);
-    assert_eq!(tenant.stats().live_bytes, 3 * PAGE as u64);
+    assert_eq!(tenant.stats().touched_bytes, 3 * PAGE as u64);
     assert_eq!(grow.call(&mut store, 1).unwrap(), -1, "past the cap");
     assert_eq!(
-        tenant.stats().live_bytes,
+        tenant.stats().touched_bytes,
         3 * PAGE as u64,
         "a denied growth charges nothing"
     );
@@ -104,13 +104,13 @@ fn growth_past_the_cap_is_minus_one_and_the_guest_goes_on() {
     assert_eq!(store.data().limiter().stats().denied_growths, 1);
     let s = tenant.stats();
     assert_eq!(
-        (s.live_memories, s.memories_created, s.peak_bytes),
+        (s.live_memories, s.memories_created, s.touched_peak_bytes),
         (1, 1, 3 * PAGE as u64)
     );
     drop(store);
     let s = tenant.stats();
     assert_eq!(
-        (s.live_bytes, s.live_memories),
+        (s.touched_bytes, s.live_memories),
         (0, 0),
         "everything back when the Store drops"
     );
@@ -134,12 +134,12 @@ fn growth_past_the_capacity_is_refunded() {
         "past the declared maximum"
     );
     assert_eq!(
-        tenant.stats().live_bytes,
+        tenant.stats().touched_bytes,
         PAGE as u64,
         "the failed growth is refunded"
     );
     assert_eq!(grow.call(&mut store, 1).unwrap(), 1);
-    assert_eq!(tenant.stats().live_bytes, 2 * PAGE as u64);
+    assert_eq!(tenant.stats().touched_bytes, 2 * PAGE as u64);
 }
 
 /// A growth beyond what a memory type can represent (reachable only with 1-byte pages) is
@@ -169,7 +169,7 @@ fn custom_page_sizes_are_refused_even_when_the_engine_allows_them() {
     assert!(text.contains("page size of 1 bytes"), "{text}");
     assert_eq!(backend.stats().live_allocations, 0, "nothing allocated");
     drop(store);
-    assert_eq!(tenant.stats().live_bytes, 0, "nothing left charged");
+    assert_eq!(tenant.stats().touched_bytes, 0, "nothing left charged");
     // Under the engine Config of our own, such a module does not even compile.
     let ours = creator.engine().unwrap();
     assert!(Module::new(&ours, "(module (memory 1 (pagesize 1)))").is_err());
@@ -215,7 +215,7 @@ fn a_start_functions_growth_from_zero_pages_is_a_growth() {
         "one page fits: the old size was 0"
     );
     let stats = tenant.stats();
-    assert_eq!((stats.live_bytes, stats.live_memories), (PAGE as u64, 1));
+    assert_eq!((stats.touched_bytes, stats.live_memories), (PAGE as u64, 1));
 }
 
 #[test]
@@ -236,8 +236,8 @@ fn two_tenants_on_one_engine_are_accounted_apart() {
     assert_eq!(grow_a.call(&mut a, 3).unwrap(), 1);
     assert_eq!(grow_b.call(&mut b, 3).unwrap(), -1, "bob's cap is his own");
     assert_eq!(grow_b.call(&mut b, 1).unwrap(), 1);
-    assert_eq!(alice.stats().live_bytes, 4 * PAGE as u64);
-    assert_eq!(bob.stats().live_bytes, 2 * PAGE as u64);
+    assert_eq!(alice.stats().touched_bytes, 4 * PAGE as u64);
+    assert_eq!(bob.stats().touched_bytes, 2 * PAGE as u64);
     // A second instance of alice's is past her cap; bob is not affected.
     let err = instantiate(&mut a, &linker, &module).unwrap_err();
     assert!(matches!(
@@ -246,10 +246,10 @@ fn two_tenants_on_one_engine_are_accounted_apart() {
     ));
     assert_eq!(bob.stats().denials, 1);
     drop(a);
-    assert_eq!(alice.stats().live_bytes, 0);
-    assert_eq!(bob.stats().live_bytes, 2 * PAGE as u64);
+    assert_eq!(alice.stats().touched_bytes, 0);
+    assert_eq!(bob.stats().touched_bytes, 2 * PAGE as u64);
     drop(b);
-    assert_eq!(bob.stats().live_bytes, 0);
+    assert_eq!(bob.stats().touched_bytes, 0);
     assert_eq!(creator.stats().pool.unwrap().in_use(), 0);
 }
 
@@ -263,11 +263,11 @@ fn capacity_mode_charges_the_whole_capacity_up_front() {
     let linker = Linker::new(&engine);
     let mut store = store_for(&creator, &engine, &tenant, ChargeMode::Capacity);
     let instance = instantiate(&mut store, &linker, &module).unwrap();
-    assert_eq!(tenant.stats().live_bytes, 4 * PAGE as u64);
+    assert_eq!(tenant.stats().touched_bytes, 4 * PAGE as u64);
     let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
     assert_eq!(grow.call(&mut store, 3).unwrap(), 1);
     assert_eq!(
-        tenant.stats().live_bytes,
+        tenant.stats().touched_bytes,
         4 * PAGE as u64,
         "growth inside the capacity is free"
     );
@@ -318,7 +318,7 @@ fn a_creator_bound_to_one_tenant_charges_it_directly() {
     let module = access_module(&engine, 1, 8);
     let mut store = Store::new(&engine, ());
     let instance = Instance::new(&mut store, &module, &[]).unwrap();
-    assert_eq!(tenant.stats().live_bytes, PAGE as u64);
+    assert_eq!(tenant.stats().touched_bytes, PAGE as u64);
     let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
     assert_eq!(grow.call(&mut store, 2).unwrap(), 1);
     assert_eq!(
@@ -329,7 +329,7 @@ fn a_creator_bound_to_one_tenant_charges_it_directly() {
     let err = Instance::new(&mut store, &module, &[]).unwrap_err();
     assert!(format!("{err:#}").contains("tenant 5"), "{err:#}");
     drop(store);
-    assert_eq!(tenant.stats().live_bytes, 0);
+    assert_eq!(tenant.stats().touched_bytes, 0);
 }
 
 #[test]
@@ -348,11 +348,11 @@ fn the_limiter_alone_works_as_store_data() {
     let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
     assert_eq!(grow.call(&mut store, 1).unwrap(), 1);
     assert_eq!(grow.call(&mut store, 1).unwrap(), -1);
-    assert_eq!(tenant.stats().live_bytes, 2 * PAGE as u64);
+    assert_eq!(tenant.stats().touched_bytes, 2 * PAGE as u64);
     // Every touched byte is held by the memory itself: nothing is left with the Store.
     assert_eq!(store.data().stats().charged_bytes, 0);
     drop(store);
-    assert_eq!(tenant.stats().live_bytes, 0);
+    assert_eq!(tenant.stats().touched_bytes, 0);
 }
 
 /// `(module (memory 0) (memory 0) ...)`: `count` zero-page memories with no maximum.
@@ -472,7 +472,7 @@ fn the_memories_budget_spans_stores() {
     );
     assert!(format!("{err:#}").contains("memories budget"), "{err:#}");
     assert_eq!(
-        t.stats().live_bytes,
+        t.stats().touched_bytes,
         2 * PAGE as u64,
         "the refused one is refunded"
     );
@@ -520,7 +520,7 @@ fn tables_are_charged_and_bounded() {
     let instance = instantiate(&mut store, &linker, &growing).unwrap();
     assert_eq!(t.stats().held_bytes, 10 * TABLE_ELEMENT_BYTES);
     assert_eq!(
-        t.stats().live_bytes,
+        t.stats().touched_bytes,
         10 * TABLE_ELEMENT_BYTES,
         "and touched"
     );
@@ -551,7 +551,7 @@ fn tables_are_charged_and_bounded() {
     );
     drop((store, store2));
     assert_eq!(t.stats().held_bytes, 0);
-    assert_eq!(t.stats().live_bytes, 0);
+    assert_eq!(t.stats().touched_bytes, 0);
     assert_eq!(small.stats().held_bytes, 0);
 }
 
@@ -609,8 +609,8 @@ fn capacity_mode_growth_from_zero_is_not_charged_twice() {
         .get(&mut store)
         .i32();
     assert_eq!(g, Some(0));
-    assert_eq!(t.stats().live_bytes, 4 * PAGE as u64);
-    assert_eq!(t.stats().peak_bytes, 4 * PAGE as u64);
+    assert_eq!(t.stats().touched_bytes, 4 * PAGE as u64);
+    assert_eq!(t.stats().touched_peak_bytes, 4 * PAGE as u64);
 }
 
 /// Attack 5: Wasmtime drops a Store's data before its memories. The tenant's charge is the
@@ -621,7 +621,7 @@ fn the_charge_outlives_the_store_data_until_the_memory_is_gone() {
     impl Drop for Witness {
         fn drop(&mut self) {
             let s = self.0.stats();
-            *self.1.lock().unwrap() = Some((s.live_bytes, s.held_bytes, s.live_memories));
+            *self.1.lock().unwrap() = Some((s.touched_bytes, s.held_bytes, s.live_memories));
         }
     }
     let backend = mock();
@@ -649,7 +649,7 @@ fn the_charge_outlives_the_store_data_until_the_memory_is_gone() {
         "while the Store data drops, the memory and its charge are still there"
     );
     let s = t.stats();
-    assert_eq!((s.live_bytes, s.held_bytes, s.live_memories), (0, 0, 0));
+    assert_eq!((s.touched_bytes, s.held_bytes, s.live_memories), (0, 0, 0));
     assert_eq!(creator.stats().pool.unwrap().in_use(), 0);
 }
 
