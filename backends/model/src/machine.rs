@@ -130,6 +130,18 @@ impl HintMaps {
         }
     }
 
+    /// Ranges held over all its maps.
+    fn ranges(&self) -> usize {
+        self.read_mostly.spans()
+            + self.preferred.spans()
+            + self.residency.spans()
+            + self
+                .accessed_by
+                .iter()
+                .map(|(_, m)| m.spans())
+                .sum::<usize>()
+    }
+
     fn at(&self, at: usize) -> Hints {
         let mut accessed_by: Vec<Location> = self
             .accessed_by
@@ -1023,6 +1035,19 @@ impl ModelDriver {
             .range(offset, 1)
             .map_err(|e| ModelError::Refused(e.into()))?;
         Ok(maps.at(base + offset))
+    }
+
+    /// Advice and residency ranges the driver tracks now, over every allocation and the system
+    /// memory (pageable memory access): what hints can make it hold.
+    #[must_use]
+    pub fn hint_ranges(&self) -> usize {
+        let state = self.state();
+        state.system.ranges()
+            + state
+                .allocations
+                .values()
+                .map(|r| r.hints.ranges())
+                .sum::<usize>()
     }
 
     /// The host ranges registered now, as `(base, len)` in address order.

@@ -9,7 +9,7 @@
 //! | `cudarc` only | `CudarcBackend` on the system's driver |
 //! | `cust` only | `CustBackend` |
 //! | `cuda-oxide` only | `CudaOxideBackend` (every operation answers `NotYetWired`) |
-//! | several | none: [`DefaultBackend`] is [`NoDefaultBackend`] (not a backend) and [`default_backend`] answers [`DefaultBackendError::Ambiguous`]; name the backend's type instead, e.g. `TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))` |
+//! | several | the first of [`ENABLED`] compiled in (cudarc, cust, mock, cuda-oxide): features only add, so code written against [`DefaultBackend`] keeps compiling when another crate turns on a second backend, and code that names a backend's type (`MockBackend`, ...) keeps that backend |
 //! | none | a compile error saying which features exist |
 //!
 //! The `twm` CLI picks with `--backend`; without it, the first of [`ENABLED`] (the one place
@@ -53,15 +53,6 @@ pub const ENABLED: &[&str] = &[
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DefaultBackendError {
-    /// Several backend features are on: there is no default; choose one by type.
-    #[error(
-        "several backends are compiled in ({enabled:?}): there is no default; build the creator \
-         with the backend's type (e.g. TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default())))"
-    )]
-    Ambiguous {
-        /// The backends compiled in.
-        enabled: &'static [&'static str],
-    },
     /// The backend did not start (no driver, no device, ...).
     #[error("the {backend} backend did not start: {source}")]
     Start {
@@ -94,17 +85,28 @@ pub fn start_cust() -> Result<tensor_wasm_mem_cust::CustBackend, DefaultBackendE
     })
 }
 
-/// What [`DefaultBackend`] is when several backend features are on: not a backend, so code that
-/// relies on a default fails to compile; name the backend's type instead.
-#[derive(Debug)]
-pub struct NoDefaultBackend {
-    _private: (),
+// The default is the first backend compiled in, in the order of [`ENABLED`]: features only
+// add, so a crate built against `DefaultBackend` keeps compiling when another crate in the same
+// build turns on a second backend (every backend implements [`crate::Backend`]).
+#[cfg(feature = "cudarc")]
+mod chosen {
+    /// The default backend of this build.
+    pub type DefaultBackend = tensor_wasm_mem_cudarc::CudarcBackend;
+    pub(super) fn start() -> Result<DefaultBackend, super::DefaultBackendError> {
+        super::start_cudarc()
+    }
 }
 
-#[cfg(all(
-    feature = "mock",
-    not(any(feature = "cudarc", feature = "cust", feature = "cuda-oxide"))
-))]
+#[cfg(all(feature = "cust", not(feature = "cudarc")))]
+mod chosen {
+    /// The default backend of this build.
+    pub type DefaultBackend = tensor_wasm_mem_cust::CustBackend;
+    pub(super) fn start() -> Result<DefaultBackend, super::DefaultBackendError> {
+        super::start_cust()
+    }
+}
+
+#[cfg(all(feature = "mock", not(any(feature = "cudarc", feature = "cust"))))]
 mod chosen {
     /// The default backend of this build.
     pub type DefaultBackend = tensor_wasm_mem_mock::MockBackend;
@@ -114,66 +116,14 @@ mod chosen {
 }
 
 #[cfg(all(
-    feature = "cudarc",
-    not(any(feature = "mock", feature = "cust", feature = "cuda-oxide"))
-))]
-mod chosen {
-    /// The default backend of this build.
-    pub type DefaultBackend = tensor_wasm_mem_cudarc::CudarcBackend;
-    pub(super) fn start() -> Result<DefaultBackend, super::DefaultBackendError> {
-        super::start_cudarc()
-    }
-}
-
-#[cfg(all(
-    feature = "cust",
-    not(any(feature = "mock", feature = "cudarc", feature = "cuda-oxide"))
-))]
-mod chosen {
-    /// The default backend of this build.
-    pub type DefaultBackend = tensor_wasm_mem_cust::CustBackend;
-    pub(super) fn start() -> Result<DefaultBackend, super::DefaultBackendError> {
-        super::start_cust()
-    }
-}
-
-#[cfg(all(
     feature = "cuda-oxide",
-    not(any(feature = "mock", feature = "cudarc", feature = "cust"))
+    not(any(feature = "cudarc", feature = "cust", feature = "mock"))
 ))]
 mod chosen {
     /// The default backend of this build.
     pub type DefaultBackend = tensor_wasm_mem_cuda_oxide::CudaOxideBackend;
     pub(super) fn start() -> Result<DefaultBackend, super::DefaultBackendError> {
         Ok(tensor_wasm_mem_cuda_oxide::CudaOxideBackend::new())
-    }
-}
-
-#[cfg(not(any(
-    all(
-        feature = "mock",
-        not(any(feature = "cudarc", feature = "cust", feature = "cuda-oxide"))
-    ),
-    all(
-        feature = "cudarc",
-        not(any(feature = "mock", feature = "cust", feature = "cuda-oxide"))
-    ),
-    all(
-        feature = "cust",
-        not(any(feature = "mock", feature = "cudarc", feature = "cuda-oxide"))
-    ),
-    all(
-        feature = "cuda-oxide",
-        not(any(feature = "mock", feature = "cudarc", feature = "cust"))
-    ),
-)))]
-mod chosen {
-    /// Several backends (or none) are compiled in: no default.
-    pub type DefaultBackend = super::NoDefaultBackend;
-    pub(super) fn start() -> Result<DefaultBackend, super::DefaultBackendError> {
-        Err(super::DefaultBackendError::Ambiguous {
-            enabled: super::ENABLED,
-        })
     }
 }
 
@@ -189,30 +139,51 @@ mod tests {
     use super::*;
 
     #[test]
-    fn exactly_one_backend_is_the_default_several_are_ambiguous() {
+    fn the_default_is_the_first_backend_in_the_documented_order() {
+        use std::any::TypeId;
+        let first = ENABLED[0];
+        let default = TypeId::of::<DefaultBackend>();
+        let named: &[(&str, TypeId)] = &[
+            #[cfg(feature = "cudarc")]
+            (
+                "cudarc",
+                TypeId::of::<tensor_wasm_mem_cudarc::CudarcBackend>(),
+            ),
+            #[cfg(feature = "cust")]
+            ("cust", TypeId::of::<tensor_wasm_mem_cust::CustBackend>()),
+            #[cfg(feature = "mock")]
+            ("mock", TypeId::of::<tensor_wasm_mem_mock::MockBackend>()),
+            #[cfg(feature = "cuda-oxide")]
+            (
+                "cuda-oxide",
+                TypeId::of::<tensor_wasm_mem_cuda_oxide::CudaOxideBackend>(),
+            ),
+        ];
+        let is: Vec<&str> = named
+            .iter()
+            .filter(|(_, id)| *id == default)
+            .map(|(name, _)| *name)
+            .collect();
+        assert_eq!(is, [first], "features on: {ENABLED:?}");
         let result = default_backend();
-        if ENABLED.len() == 1 {
-            // The real backends may not start here (no GPU); the mock and the slot always do.
-            if ENABLED == ["mock"] || ENABLED == ["cuda-oxide"] {
-                assert!(result.is_ok(), "{:?}", result.err());
-            } else {
-                assert!(!matches!(
-                    result,
-                    Err(DefaultBackendError::Ambiguous { .. })
-                ));
-            }
-        } else {
-            match result {
-                Err(DefaultBackendError::Ambiguous { enabled }) => {
-                    assert_eq!(enabled, ENABLED);
-                    let message = DefaultBackendError::Ambiguous { enabled }.to_string();
-                    assert!(
-                        message.contains("choose") || message.contains("type"),
-                        "{message}"
-                    );
-                }
-                other => panic!("several backends must have no default: {other:?}"),
-            }
+        // The real backends may not start here (no GPU); the mock and the slot always do.
+        if first == "mock" || first == "cuda-oxide" {
+            assert!(result.is_ok(), "{:?}", result.err());
+        } else if let Err(e) = result {
+            assert!(
+                matches!(&e, DefaultBackendError::Start { backend, .. } if *backend == first),
+                "{e}"
+            );
         }
+    }
+
+    // Features only add: a function written against a mock-only build's default compiles
+    // whatever else is on, because it asks only for what every backend is.
+    fn _written_for_any_default(
+        backend: Arc<DefaultBackend>,
+    ) -> crate::TensorWasmMemoryCreator<DefaultBackend> {
+        crate::TensorWasmMemoryCreator::builder(backend)
+            .build()
+            .expect("a default plan builds")
     }
 }

@@ -25,6 +25,12 @@
 //! | `-7` | [`TWM_ERR_UNSUPPORTED`] | the memory's backing or device cannot do this (advice on pinned host memory, the guarded registered backing; a prefetch to a device without concurrent managed access) |
 //!
 //! A bad call never traps and never touches memory outside the guest's.
+//!
+//! A good range is widened to whole 64 KiB blocks within the memory
+//! ([`HINT_GRANULARITY`](crate::HINT_GRANULARITY)) before it reaches the driver: hints apply to
+//! whole blocks, as a CUDA driver migrates managed pages in blocks, so a guest that advises
+//! every other byte of a memory of `n` blocks leaves the driver at most `n` ranges per kind of
+//! advice (and costs a constant per call, not one growing with its advice's fragmentation).
 
 use std::fmt;
 use std::sync::Arc;

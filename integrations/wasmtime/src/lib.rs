@@ -42,7 +42,8 @@ pub use guest::{
 };
 pub use lifecycle::TensorWasmLinearMemory;
 pub use memory::{
-    CreatorBuilder, CreatorDeviceStats, CreatorStats, GuestSlice, TensorWasmMemoryCreator,
+    CreatorBuilder, CreatorDeviceStats, CreatorStats, GuestSlice, HINT_GRANULARITY,
+    TensorWasmMemoryCreator,
 };
 pub use placement::{DevicePlacement, Placement, PlacementPolicy};
 pub use scope::{Access, AccessRange, DeviceAccess, RunScope, ScopeOptions, ScopedSlice};
@@ -86,9 +87,7 @@ pub use tensor_wasm_mem_mock as mock;
 /// Everything a backend must implement to back Wasm memories: the three core traits and device
 /// pools (which may answer `Unsupported`), on one thread-safe type. Implemented for every such
 /// type.
-#[diagnostic::on_unimplemented(
-    message = "`{Self}` is not a tensor-wasm-mem backend",
-)]
+#[diagnostic::on_unimplemented(message = "`{Self}` is not a tensor-wasm-mem backend")]
 pub trait Backend:
     ManagedAllocator
     + Advisor

@@ -672,7 +672,9 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         })
     }
 
-    /// Applies `advice` to a guest range of `memory` (checked as in [`resolve`](Self::resolve)).
+    /// Applies `advice` to a guest range of `memory` (checked as in [`resolve`](Self::resolve)),
+    /// widened to whole [`HINT_GRANULARITY`] blocks within the memory: advice is a hint, and a
+    /// guest that advises every other byte leaves at most one range per block, not millions.
     pub fn advise(
         &self,
         store: impl AsContext,
@@ -682,13 +684,14 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         advice: Advice,
     ) -> Result<(), TwmError> {
         self.with_buffer(MemoryView::of(store, memory)?, |buffer, size| {
-            let range = guest_range(offset, len, size)?;
+            let range = hint_range(guest_range(offset, len, size)?, size);
             buffer.advise(range.start, range.len(), advice)
         })
     }
 
     /// Prefetches a guest range of `memory` to `to` on `stream` (checked as in
-    /// [`resolve`](Self::resolve)).
+    /// [`resolve`](Self::resolve)), widened to whole [`HINT_GRANULARITY`] blocks within the
+    /// memory (pages migrate in blocks, not bytes).
     pub fn prefetch(
         &self,
         store: impl AsContext,
@@ -710,7 +713,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         stream: &Stream,
     ) -> Result<(), TwmError> {
         self.with_buffer(view, |buffer, size| {
-            let range = guest_range(offset, len, size)?;
+            let range = hint_range(guest_range(offset, len, size)?, size);
             buffer.prefetch(range.start, range.len(), to, stream)
         })
     }
@@ -1015,6 +1018,25 @@ pub(crate) fn guest_range(
     let offset = usize::try_from(offset).map_err(|_| overflow())?;
     let len_usize = usize::try_from(len).map_err(|_| overflow())?;
     check_range(offset, len_usize, size).map_err(TwmError::GuestRange)
+}
+
+/// The block advice and prefetches of a guest range are widened to (64 KiB, a Wasm page, and the
+/// block in which a CUDA driver migrates managed pages): a memory of `n` such blocks holds at most
+/// `n` ranges per kind of advice, whatever a guest asks.
+pub const HINT_GRANULARITY: usize = 64 * 1024;
+
+/// `range` (checked against `size`) widened to whole [`HINT_GRANULARITY`] blocks, clipped to
+/// `size`; an empty range stays empty.
+fn hint_range(range: std::ops::Range<usize>, size: usize) -> std::ops::Range<usize> {
+    if range.is_empty() {
+        return range;
+    }
+    let start = range.start - range.start % HINT_GRANULARITY;
+    let end = range
+        .end
+        .checked_next_multiple_of(HINT_GRANULARITY)
+        .map_or(size, |end| end.min(size));
+    start..end
 }
 
 // SAFETY: every memory returned is a `TensorWasmLinearMemory`, whose safety argument is on its

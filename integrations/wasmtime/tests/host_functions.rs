@@ -241,3 +241,48 @@ fn guests_without_a_device_visible_memory_get_a_code() {
     );
     assert_eq!(backend.driver().stats().calls(Operation::Advise), 0);
 }
+
+/// A guest that advises every other byte of its memory, alternating set and unset, leaves the
+/// driver at most one advice range per [`HINT_GRANULARITY`] block of the memory (not one per
+/// call), and every call succeeds.
+#[test]
+fn fragmenting_advice_is_bounded_by_the_memory_blocks() {
+    const FRAGMENTER: &str = r#"(module
+      (import "twm" "advise" (func $advise (param i32 i32 i32 i32) (result i32)))
+      (memory (export "memory") 4 4)
+      (func (export "fragment") (result i32)
+        (local $at i32) (local $codes i32)
+        (block $done (loop $next
+          (br_if $done (i32.ge_u (local.get $at) (i32.const 262144)))
+          (local.set $codes (i32.or (local.get $codes)
+            (call $advise (local.get $at) (i32.const 1)
+              (i32.and (i32.shr_u (local.get $at) (i32.const 1)) (i32.const 1))
+              (i32.const -1))))
+          (local.set $at (i32.add (local.get $at) (i32.const 2)))
+          (br $next)))
+        (local.get $codes)))"#;
+    let backend = mock();
+    let creator = fresh(&backend);
+    let engine = creator.engine().unwrap();
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).unwrap();
+    let tenant = Tenant::new(1, "guest", 1 << 20, IsolationLevel::StreamIsolated);
+    let mut store = new_store(
+        &engine,
+        TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()),
+    );
+    let module = Module::new(&engine, FRAGMENTER).unwrap();
+    let instance = instantiate(&mut store, &linker, &module).unwrap();
+    let before = backend.driver().hint_ranges();
+    let codes = func::<_, (), i32>(&mut store, &instance, "fragment")
+        .call(&mut store, ())
+        .unwrap();
+    assert_eq!(codes, TWM_OK, "every call succeeds");
+    assert_eq!(store.data().guest().calls(), (131_072, 0));
+    let blocks = 4 * PAGE / HINT_GRANULARITY;
+    let held = backend.driver().hint_ranges() - before;
+    assert!(
+        held <= blocks,
+        "{held} advice ranges for a memory of {blocks} blocks"
+    );
+}
