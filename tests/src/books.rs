@@ -11,14 +11,11 @@ use tensor_wasm_mem_wasmtime::{
 };
 
 use crate::Harness;
+use crate::runner::skip;
 
 const PAGE: u64 = 1 << 16;
 const MEMORY: &str = r#"(module (memory (export "memory") 4 4)
   (func (export "touch") (i32.store (i32.const 196600) (i32.const 7))))"#;
-
-fn skipped(case: &str, why: &str) {
-    eprintln!("conformance {case}: skipped on this backend: {why}");
-}
 
 type Data<H> = TenantStore<<H as Harness>::Backend>;
 
@@ -88,7 +85,7 @@ pub fn a_refused_free_keeps_its_charge<H: Harness>() {
     for n in 1..=10 {
         if !H::fail_nth(&backend, Operation::Free, n) {
             drop(stores);
-            return skipped("a_refused_free_keeps_its_charge", "no fault injection");
+            return skip("no fault injection");
         }
     }
     drop(stores);
@@ -131,7 +128,7 @@ pub fn a_sticky_fault_keeps_the_charge<H: Harness>() {
     .expect("scope");
     if !H::fault(&backend, scope.stream()) {
         drop(scope);
-        return skipped("a_sticky_fault_keeps_the_charge", "no simulated kernel");
+        return skip("no simulated kernel");
     }
     assert!(scope.close().is_err(), "the stray kernel faults");
     drop(store);
@@ -157,10 +154,7 @@ pub fn a_sticky_fault_keeps_the_charge<H: Harness>() {
 pub fn a_refused_unregister_keeps_its_charge<H: Harness>() {
     let backend = H::backend();
     if !backend.can_attach_host(DeviceId(0), HostAccess::Registered) {
-        return skipped(
-            "a_refused_unregister_keeps_its_charge",
-            "no host registration",
-        );
+        return skip("no host registration");
     }
     let rig = Rig::<H>::new(&backend, Backing::Guarded(HostAccess::Registered));
     let store = rig.store();
@@ -168,10 +162,7 @@ pub fn a_refused_unregister_keeps_its_charge<H: Harness>() {
         && H::fail_nth(&backend, Operation::DetachHost, 2))
     {
         drop(store);
-        return skipped(
-            "a_refused_unregister_keeps_its_charge",
-            "no fault injection",
-        );
+        return skip("no fault injection");
     }
     drop(store);
     assert_eq!(rig.creator.stats().kept_memories, 1);

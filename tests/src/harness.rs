@@ -6,6 +6,51 @@ use std::sync::Arc;
 use tensor_wasm_mem_core::{Allocation, Location, Operation, Stream};
 use tensor_wasm_mem_mock::{MockBackend, MockConfig};
 
+/// A driver call held after it took effect ([`Harness::hold_next`]): the test waits for it to
+/// be held, does what the race needs, then lets it return. Dropped, it lets the call return.
+pub struct Held {
+    wait: Box<dyn Fn(std::time::Duration) -> bool + Send + Sync>,
+    release: Box<dyn Fn() + Send + Sync>,
+}
+
+impl Held {
+    /// A hold over a backend's own controls: `wait` waits up to its limit for the call to be
+    /// held, `release` lets it go (called once; again is harmless).
+    pub fn new(
+        wait: impl Fn(std::time::Duration) -> bool + Send + Sync + 'static,
+        release: impl Fn() + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            wait: Box::new(wait),
+            release: Box::new(release),
+        }
+    }
+
+    /// Waits until the call has taken effect and is held. Panics if it was not within a minute:
+    /// a bound for a broken test, never a timing the case relies on.
+    pub fn wait_held(&self) {
+        assert!(
+            (self.wait)(std::time::Duration::from_secs(60)),
+            "the held call never took effect"
+        );
+    }
+
+    /// Lets the held call return to its caller.
+    pub fn release(self) {}
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held").finish_non_exhaustive()
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        (self.release)();
+    }
+}
+
 /// What the suite needs from a backend.
 ///
 /// Counters and fault injection are optional: a backend that has none (a real driver) returns
@@ -119,10 +164,10 @@ pub trait Harness: 'static {
         false
     }
 
-    /// Makes the next call of `op` (`PoolFree` at least) return `micros` microseconds after it
-    /// took effect; `false` if the backend cannot.
-    fn delay_next(_backend: &Self::Backend, _op: Operation, _micros: u64) -> bool {
-        false
+    /// Holds the next call of `op` (`PoolFree` at least) after it took effect, until the test
+    /// releases it ([`Held`]); `None` if the backend cannot.
+    fn hold_next(_backend: &Self::Backend, _op: Operation) -> Option<Held> {
+        None
     }
 
     /// The calling thread's driver context stack (depth, current context), where the driver has
@@ -394,9 +439,14 @@ macro_rules! mock_harness {
                 b.driver().fail_call(call, n, code::UNKNOWN);
                 true
             }
-            fn delay_next(b: &MockBackend, op: Operation, micros: u64) -> bool {
-                b.driver()
-                    .delay_next(op, std::time::Duration::from_micros(micros))
+            fn hold_next(b: &MockBackend, op: Operation) -> Option<Held> {
+                let call = tensor_wasm_mem_mock::Call::for_operation(op)?;
+                let held = Arc::new(b.driver().hold_next(call));
+                let waiting = Arc::clone(&held);
+                Some(Held::new(
+                    move |limit| waiting.wait(limit),
+                    move || held.release(),
+                ))
             }
             fn context_stack(b: &MockBackend) -> Option<(u64, u64)> {
                 Some((b.driver().context_depth() as u64, b.driver().current()))
@@ -473,6 +523,30 @@ mock_harness!(
         ..MockConfig::default()
     }
 );
+
+/// The mock backend as the suite sees a real GPU driver: work completes on its own (deferred
+/// streams, a background "device"), device pools, and none of the optional controls (no
+/// counters, no fault injection, no held calls, no hints to inspect). The cases that need one
+/// are reported as ignored: this harness is how the suite proves that a case a backend cannot
+/// run is never counted as passed.
+#[derive(Debug)]
+pub struct KnoblessMockHarness;
+
+impl Harness for KnoblessMockHarness {
+    type Backend = MockBackend;
+
+    fn backend() -> Arc<MockBackend> {
+        mock_harness_impl(MockConfig {
+            deferred_streams: true,
+            worker_interval: Some(std::time::Duration::from_micros(50)),
+            ..MockConfig::default()
+        })
+    }
+
+    fn has_device_pools(_: &MockBackend) -> bool {
+        true
+    }
+}
 
 /// Simulated device memory per device for the conformance cases.
 pub const SIM_MEMORY: u64 = 4 << 30;
@@ -701,18 +775,33 @@ macro_rules! driver_harness {
                 true
             }
 
-            fn delay_next(_: &Self::Backend, op: $crate::core::Operation, micros: u64) -> bool {
+            fn hold_next(
+                _: &Self::Backend,
+                op: $crate::core::Operation,
+            ) -> Option<$crate::harness::Held> {
                 use $crate::core::Operation;
                 let entry = match op {
                     Operation::PoolFree => "cuMemFreeAsync",
                     Operation::Free => "cuMemFree_v2",
-                    _ => return false,
+                    _ => return None,
                 };
-                let Some(sim) = $crate::sim::Sim::get() else {
-                    return false;
-                };
-                sim.delay_next(entry, micros);
-                true
+                let sim = $crate::sim::Sim::get()?;
+                sim.hold_next(entry);
+                Some($crate::harness::Held::new(
+                    move |limit| {
+                        $crate::sim::Sim::get().is_some_and(|sim| {
+                            sim.wait_held(
+                                entry,
+                                u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
+                            )
+                        })
+                    },
+                    move || {
+                        if let Some(sim) = $crate::sim::Sim::get() {
+                            sim.release_held(entry);
+                        }
+                    },
+                ))
             }
 
             fn context_stack(_: &Self::Backend) -> Option<(u64, u64)> {

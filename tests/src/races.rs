@@ -17,13 +17,10 @@ use tensor_wasm_mem_core::{
 
 use crate::Harness;
 use crate::harness::Release;
+use crate::runner::skip;
 
 const D0: DeviceId = DeviceId(0);
 const BLOCK: usize = 1 << 16;
-
-fn skipped(case: &str, why: &str) {
-    eprintln!("conformance {case}: skipped on this backend: {why}");
-}
 
 /// Drops the last handle of the backend and checks that the driver below holds nothing of it.
 fn drop_and_check_driver<H: Harness>(b: Arc<H::Backend>) {
@@ -180,7 +177,6 @@ fn shared_stream(tenant: &TenantContext) -> Stream {
 /// bookkeeping, so the cap holds. (Before the fix the late free deleted the newcomer's charge:
 /// 12,288 bytes live under an 8,192 cap.)
 pub fn device_pool_cap_holds_when_a_free_returns_late<H: Harness>() {
-    let case = "device_pool_cap_holds_when_a_free_returns_late";
     let b = H::backend();
     let tenant = Arc::new(TenantContext::new(
         TenantId(1),
@@ -188,22 +184,23 @@ pub fn device_pool_cap_holds_when_a_free_returns_late<H: Harness>() {
         IsolationLevel::Shared,
     ));
     let Some(pool) = pool_for::<H>(&b, &tenant) else {
-        return skipped(case, "no device pools");
+        return skip("no device pools");
     };
     let stream = shared_stream(&tenant);
     let first = pool.allocate(BLOCK, &stream).expect("first");
     let first_ptr = first.device_ptr();
-    if !H::delay_next(&b, Operation::PoolFree, 200_000) {
-        return skipped(case, "no way to delay a free");
-    }
+    let Some(held) = H::hold_next(&b, Operation::PoolFree) else {
+        return skip("no way to hold a free");
+    };
     let newcomer = thread::scope(|s| {
         let late = s.spawn(|| pool.free(first, &stream).expect("late free"));
-        // The free has taken effect in the driver well before it returns.
-        thread::sleep(std::time::Duration::from_millis(50));
+        // The free has taken effect in the driver; its caller is held until released below.
+        held.wait_held();
         // On an asynchronous driver the free is done when the stream gets to it: wait for it,
-        // so the block can be handed back while the free's caller still sleeps.
+        // so the block can be handed back while the free's caller is still held.
         b.synchronize(&stream).expect("synchronize");
         let newcomer = pool.allocate(BLOCK, &stream).expect("newcomer");
+        held.release();
         late.join().expect("free thread");
         newcomer
     });
@@ -240,7 +237,7 @@ pub fn device_pool_cap_holds_under_contention<H: Harness>() {
         IsolationLevel::Shared,
     ));
     let Some(pool) = pool_for::<H>(&b, &tenant) else {
-        return skipped("device_pool_cap_holds_under_contention", "no device pools");
+        return skip("no device pools");
     };
     let stream = shared_stream(&tenant);
     let held = AtomicU64::new(0);
@@ -276,7 +273,6 @@ pub fn device_pool_cap_holds_under_contention<H: Harness>() {
 /// destroyed when the backend drops; a context-isolated tenant's goes with its context, which
 /// the last user destroys all the same.
 pub fn failed_stream_destroy_stays_counted_until_drop<H: Harness>() {
-    let case = "failed_stream_destroy_stays_counted_until_drop";
     let b = H::backend();
     let tenant = TenantKey::fresh(TenantId(1));
     for level in [
@@ -288,7 +284,7 @@ pub fn failed_stream_destroy_stays_counted_until_drop<H: Harness>() {
         let (raw, context) = (stream.raw(), stream.context());
         if !H::fail_release(&b, Release::StreamDestroy, 1) {
             b.release_stream(stream).expect("release");
-            return skipped(case, "no fault injection");
+            return skip("no fault injection");
         }
         b.release_stream(stream).expect_err("injected");
         if level == IsolationLevel::StreamIsolated {
@@ -318,7 +314,6 @@ pub fn failed_stream_destroy_stays_counted_until_drop<H: Harness>() {
 /// back a failed first stream) stays counted, does not serve the tenant again, and is destroyed
 /// when the backend drops.
 pub fn failed_context_destroy_stays_counted_until_drop<H: Harness>() {
-    let case = "failed_context_destroy_stays_counted_until_drop";
     let b = H::backend();
     let level = IsolationLevel::ContextIsolated;
     let tenant = TenantKey::fresh(TenantId(1));
@@ -326,7 +321,7 @@ pub fn failed_context_destroy_stays_counted_until_drop<H: Harness>() {
     let old = stream.context();
     if !H::fail_release(&b, Release::ContextDestroy, 1) {
         b.release_stream(stream).expect("release");
-        return skipped(case, "no contexts to fail");
+        return skip("no contexts to fail");
     }
     b.release_stream(stream)
         .expect_err("the context destroy failed");
@@ -353,10 +348,9 @@ pub fn failed_context_destroy_stays_counted_until_drop<H: Harness>() {
 /// A device pool whose destroy fails (the driver refuses `cuMemPoolDestroy`, or making its
 /// device's context current fails) stays counted with its blocks, and is freed at drop.
 pub fn failed_pool_destroy_stays_counted_until_drop<H: Harness>() {
-    let case = "failed_pool_destroy_stays_counted_until_drop";
     let b = H::backend();
     if !H::has_device_pools(&b) {
-        return skipped(case, "no device pools");
+        return skip("no device pools");
     }
     let tenant = TenantKey::fresh(TenantId(1));
     let shared = Stream::new(
@@ -382,7 +376,7 @@ pub fn failed_pool_destroy_stays_counted_until_drop<H: Harness>() {
         }
     }
     if injected == 0 {
-        skipped(case, "no fault injection");
+        skip("no fault injection");
     }
     drop_and_check_driver::<H>(b);
 }
@@ -395,7 +389,7 @@ pub fn context_stack_is_left_as_it_was<H: Harness>() {
         .acquire_stream(TenantKey::fresh(TenantId(9)), IsolationLevel::Shared)
         .expect("shared");
     if !H::push_context(&b, shared.context()) {
-        return skipped("context_stack_is_left_as_it_was", "no context stack");
+        return skip("no context stack");
     }
     let before = H::context_stack(&b).expect("inspectable");
     let tenant = Arc::new(TenantContext::new(
@@ -455,10 +449,7 @@ pub fn device_pool_refuses_another_tenants_stream<H: Harness>() {
         IsolationLevel::StreamIsolated,
     ));
     let Some(pool) = pool_for::<H>(&b, &alice) else {
-        return skipped(
-            "device_pool_refuses_another_tenants_stream",
-            "no device pools",
-        );
+        return skip("no device pools");
     };
     let mallory = TenantKey::fresh(TenantId(2));
     let theirs = b

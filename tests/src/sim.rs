@@ -125,13 +125,29 @@ impl Sim {
         assert_eq!(result, 0, "fail_nth({entry_point})");
     }
 
-    /// Makes the next call of `entry_point` return only `micros` microseconds after it took
-    /// effect (with the simulator unlocked meanwhile).
-    pub fn delay_next(&self, entry_point: &str, micros: u64) {
-        let f: unsafe extern "C" fn(*const c_char, u64) -> u32 = self.f("twm_sim_delay_next");
+    /// Holds the next call of `entry_point` after it took effect (the simulator unlocked)
+    /// until [`release_held`](Self::release_held).
+    pub fn hold_next(&self, entry_point: &str) {
+        let f: unsafe extern "C" fn(*const c_char) -> u32 = self.f("twm_sim_hold_next");
         let name = CString::new(entry_point).expect("no NUL in entry point names");
         // SAFETY: `name` is a valid C string for the call.
-        assert_eq!(unsafe { f(name.as_ptr(), micros) }, 0);
+        assert_eq!(unsafe { f(name.as_ptr()) }, 0);
+    }
+
+    /// Waits until a call of `entry_point` is held; `false` if none was within `limit_ms`.
+    pub fn wait_held(&self, entry_point: &str, limit_ms: u64) -> bool {
+        let f: unsafe extern "C" fn(*const c_char, u64) -> u32 = self.f("twm_sim_wait_held");
+        let name = CString::new(entry_point).expect("no NUL in entry point names");
+        // SAFETY: `name` is a valid C string for the call.
+        unsafe { f(name.as_ptr(), limit_ms) == 0 }
+    }
+
+    /// Lets a held call of `entry_point` return.
+    pub fn release_held(&self, entry_point: &str) {
+        let f: unsafe extern "C" fn(*const c_char) -> u32 = self.f("twm_sim_release_held");
+        let name = CString::new(entry_point).expect("no NUL in entry point names");
+        // SAFETY: `name` is a valid C string for the call.
+        assert_eq!(unsafe { f(name.as_ptr()) }, 0);
     }
 
     /// The calling thread's context stack: its depth and its top (0: none current).

@@ -13,13 +13,10 @@ use tensor_wasm_mem_core::{
 };
 
 use crate::Harness;
+use crate::runner::skip;
 
 const PAGE: usize = 1 << 16;
 const D0: DeviceId = DeviceId(0);
-
-fn skipped(case: &str, why: &str) {
-    eprintln!("conformance {case}: skipped on this backend: {why}");
-}
 
 fn tenant(id: u64, cap: u64) -> Arc<TenantContext> {
     Arc::new(TenantContext::new(
@@ -274,7 +271,7 @@ pub fn free_gives_memory_back<H: Harness>() {
     }
     match H::live_allocations(&b) {
         Some(live) => assert_eq!(live, 0),
-        None => skipped("free_gives_memory_back", "no allocation counter"),
+        None => skip("no allocation counter"),
     }
 }
 
@@ -300,7 +297,7 @@ pub fn buffer_growth_never_moves_the_base<H: Harness>() {
 pub fn buffer_window_reads_zero<H: Harness>() {
     let b = H::backend();
     if !b.capabilities().host_accessible {
-        return skipped("buffer_window_reads_zero", "not host-accessible");
+        return skip("not host-accessible");
     }
     let mut buf = UnifiedBuffer::new(Arc::clone(&b), D0, 4 * PAGE, PAGE + 3).expect("buffer");
     assert!(full(&buf).iter().all(|&x| x == 0));
@@ -631,7 +628,7 @@ fn pool<H: Harness>(b: &Arc<H::Backend>, classes: &[SizeClass]) -> Arc<SlotPool<
 pub fn pool_reuse_scrubs<H: Harness>() {
     let b = H::backend();
     if !b.capabilities().host_accessible {
-        return skipped("pool_reuse_scrubs", "not host-accessible");
+        return skip("not host-accessible");
     }
     let p = pool::<H>(&b, &[SizeClass::new(4 * PAGE, 1)]);
     let mut first = p.acquire(4 * PAGE, PAGE).expect("slot");
@@ -740,10 +737,7 @@ pub fn reset_hints_restores_a_fresh_allocation<H: Harness>() {
         check_pristine::<H>(&b, &a, &[len - 1], true, &what);
     }
     if !inspected {
-        skipped(
-            "reset_hints_restores_a_fresh_allocation",
-            "hints cannot be inspected",
-        );
+        skip("hints cannot be inspected");
     }
     if host {
         assert!(
@@ -818,7 +812,7 @@ pub fn pool_reuse_resets_hints<H: Harness>() {
         "nothing hinted, nothing reset"
     );
     if !inspected {
-        skipped("pool_reuse_resets_hints", "hints cannot be inspected");
+        skip("hints cannot be inspected");
     }
     lease.release().expect("release");
     drop(p);
@@ -870,7 +864,7 @@ pub fn pool_exhaustion_is_typed<H: Harness>() {
 pub fn tenants_never_see_each_others_bytes<H: Harness>() {
     let b = H::backend();
     if !b.capabilities().host_accessible {
-        return skipped("tenants_never_see_each_others_bytes", "not host-accessible");
+        return skip("not host-accessible");
     }
     let p = pool::<H>(&b, &[SizeClass::new(2 * PAGE, 2)]);
     let (alice, bob) = (tenant(1, 4 * PAGE as u64), tenant(2, 4 * PAGE as u64));
@@ -918,7 +912,7 @@ pub fn device_slices_stay_in_the_window<H: Harness>() {
 pub fn injected_allocate_failure_rolls_back<H: Harness>() {
     let b = H::backend();
     if !H::fail_nth(&b, Operation::Allocate, 1) {
-        return skipped("injected_allocate_failure_rolls_back", "no fault injection");
+        return skip("no fault injection");
     }
     let t = tenant(1, 16 * PAGE as u64);
     let result = t
@@ -941,7 +935,7 @@ pub fn injected_zero_failure_rolls_back<H: Harness>() {
     let p = pool::<H>(&b, &[SizeClass::new(PAGE, 1)]);
     drop(p.acquire(PAGE, PAGE).expect("dirty the slot"));
     if !H::fail_nth(&b, Operation::Zero, 1) {
-        return skipped("injected_zero_failure_rolls_back", "no fault injection");
+        return skip("no fault injection");
     }
     let t = tenant(1, PAGE as u64);
     let result = t
@@ -966,7 +960,7 @@ pub fn injected_advise_failure_rolls_back<H: Harness>() {
     let b = H::backend();
     let mut buf = UnifiedBuffer::new(Arc::clone(&b), D0, PAGE, PAGE).expect("buffer");
     if !H::fail_nth(&b, Operation::Advise, 1) {
-        return skipped("injected_advise_failure_rolls_back", "no fault injection");
+        return skip("no fault injection");
     }
     let host = b.capabilities().host_accessible;
     if host {
@@ -996,7 +990,7 @@ pub fn unknown_driver_code_is_a_typed_error<H: Harness>() {
     let b = H::backend();
     let buf = UnifiedBuffer::new(Arc::clone(&b), D0, PAGE, PAGE).expect("buffer");
     if !H::fail_nth_with(&b, Operation::Advise, 1, UNKNOWN_TO_EVERY_ENUM) {
-        return skipped("unknown_driver_code_is_a_typed_error", "no fault injection");
+        return skip("no fault injection");
     }
     let err = buf
         .advise(0, PAGE, Advice::SetReadMostly)
@@ -1020,7 +1014,7 @@ pub fn injected_prefetch_failure_rolls_back<H: Harness>() {
     let lease = StreamLease::acquire(Arc::clone(&b), key(1), IsolationLevel::StreamIsolated)
         .expect("stream");
     if !H::fail_nth(&b, Operation::Prefetch, 1) {
-        return skipped("injected_prefetch_failure_rolls_back", "no fault injection");
+        return skip("no fault injection");
     }
     let err = buf
         .prefetch(0, PAGE, Location::Host, lease.stream())
@@ -1040,7 +1034,7 @@ pub fn injected_stream_failure_rolls_back<H: Harness>() {
         IsolationLevel::ContextIsolated,
     ] {
         if !H::fail_nth(&b, Operation::AcquireStream, 1) {
-            return skipped("injected_stream_failure_rolls_back", "no fault injection");
+            return skip("no fault injection");
         }
         let err = StreamLease::acquire(Arc::clone(&b), key(1), level).expect_err("injected");
         assert!(!err.kind().is_denial());
@@ -1057,7 +1051,7 @@ pub fn injected_free_failure_is_reported<H: Harness>() {
     let a = b.allocate(D0, PAGE).expect("allocate");
     if !H::fail_nth(&b, Operation::Free, 1) {
         free(&*b, a);
-        return skipped("injected_free_failure_is_reported", "no fault injection");
+        return skip("no fault injection");
     }
     // SAFETY: `a` came from `b` and is not used again.
     let err = unsafe { b.free(a) }.expect_err("injected");
@@ -1124,7 +1118,7 @@ pub fn failures_at_every_step_leave_nothing<H: Harness>() {
             // Warm the slot so the sequence scrubs it.
             drop(p.acquire(4 * PAGE, PAGE).expect("warm"));
             if !H::fail_nth(&b, op, nth) {
-                return skipped("failures_at_every_step_leave_nothing", "no fault injection");
+                return skip("no fault injection");
             }
             if let Err(kind) = instance_life::<H>(&b, &p, &t) {
                 failed_runs += 1;
@@ -1178,10 +1172,7 @@ pub fn device_pool_cap_is_the_tenant_cap<H: Harness>() {
     let b = H::backend();
     let t = tenant(1, 4 * PAGE as u64);
     let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
-        return skipped(
-            "device_pool_cap_is_the_tenant_cap",
-            "no device pools (Unsupported)",
-        );
+        return skip("no device pools (Unsupported)");
     };
     let s = shared(&t);
     let a = pool.allocate(3 * PAGE, &s).expect("under the cap");
@@ -1209,10 +1200,7 @@ pub fn device_pool_shares_the_cap_with_linear_memory<H: Harness>() {
     let b = H::backend();
     let t = tenant(1, 4 * PAGE as u64);
     let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
-        return skipped(
-            "device_pool_shares_the_cap_with_linear_memory",
-            "no device pools",
-        );
+        return skip("no device pools");
     };
     let memory = t
         .try_reserve(3 * PAGE as u64)
@@ -1236,10 +1224,7 @@ pub fn device_pool_tenants_do_not_share_a_ceiling<H: Harness>() {
     let b = H::backend();
     let (alice, bob) = (tenant(1, 2 * PAGE as u64), tenant(2, 3 * PAGE as u64));
     let Some(pa) = device_pool::<H>(&b, &alice, &DevicePoolConfig::default()) else {
-        return skipped(
-            "device_pool_tenants_do_not_share_a_ceiling",
-            "no device pools",
-        );
+        return skip("no device pools");
     };
     let pb = device_pool::<H>(&b, &bob, &DevicePoolConfig::default()).expect("pools");
     let (sa, sb) = (shared(&alice), shared(&bob));
@@ -1263,17 +1248,11 @@ pub fn device_pool_failed_allocation_leaves_no_charge<H: Harness>() {
     let b = H::backend();
     let t = tenant(1, 8 * PAGE as u64);
     let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
-        return skipped(
-            "device_pool_failed_allocation_leaves_no_charge",
-            "no device pools",
-        );
+        return skip("no device pools");
     };
     if !H::fail_nth(&b, Operation::PoolAllocate, 1) {
         drop(pool);
-        return skipped(
-            "device_pool_failed_allocation_leaves_no_charge",
-            "no fault injection",
-        );
+        return skip("no fault injection");
     }
     let s = shared(&t);
     let err = pool.allocate(PAGE, &s).expect_err("injected");
@@ -1291,7 +1270,7 @@ pub fn device_pool_drop_frees_everything<H: Harness>() {
     let b = H::backend();
     let t = tenant(1, 16 * PAGE as u64);
     let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
-        return skipped("device_pool_drop_frees_everything", "no device pools");
+        return skip("no device pools");
     };
     let s = shared(&t);
     let held: Vec<PoolAllocation> = (1..=4)
@@ -1315,14 +1294,11 @@ pub fn device_pool_memory_comes_zeroed<H: Harness>() {
         release_threshold: 16 * PAGE as u64,
     };
     let Some(pool) = device_pool::<H>(&b, &t, &config) else {
-        return skipped("device_pool_memory_comes_zeroed", "no device pools");
+        return skip("no device pools");
     };
     if !H::pool_memory_host_readable(&b) {
         drop(pool);
-        return skipped(
-            "device_pool_memory_comes_zeroed",
-            "pool memory is not host-readable",
-        );
+        return skip("pool memory is not host-readable");
     }
     let s = shared(&t);
     let read = |a: &PoolAllocation| -> Vec<u8> {
@@ -1366,10 +1342,7 @@ pub fn device_pool_driver_maximum_is_a_second_line<H: Harness>() {
         release_threshold: 0,
     };
     let Some(pool) = device_pool::<H>(&b, &t, &config) else {
-        return skipped(
-            "device_pool_driver_maximum_is_a_second_line",
-            "no device pools",
-        );
+        return skip("no device pools");
     };
     let s = shared(&t);
     let a = pool.allocate(MAX, &s).expect("up to the pool maximum");
@@ -1394,7 +1367,7 @@ pub fn device_pool_trim_gives_memory_back<H: Harness>() {
         release_threshold: 64 * PAGE as u64,
     };
     let Some(pool) = device_pool::<H>(&b, &t, &config) else {
-        return skipped("device_pool_trim_gives_memory_back", "no device pools");
+        return skip("no device pools");
     };
     let s = shared(&t);
     let a = pool.allocate(4 * PAGE, &s).expect("allocate");
@@ -1450,10 +1423,7 @@ pub fn attached_host_memory_follows_the_drivers_rules<H: Harness>() {
     let b = H::backend();
     let device = DeviceId(0);
     if !b.can_attach_host(device, HostAccess::Registered) {
-        skipped(
-            "attached_host_memory_follows_the_drivers_rules",
-            "the device cannot register host memory",
-        );
+        skip("the device cannot register host memory");
         return;
     }
     let pages = HostPages::new();
@@ -1524,10 +1494,7 @@ pub fn attached_host_memory_follows_the_drivers_rules<H: Harness>() {
 pub fn pageable_host_memory_takes_advice_and_prefetch<H: Harness>() {
     let b = H::backend();
     if !b.can_attach_host(D0, HostAccess::Pageable) {
-        skipped(
-            "pageable_host_memory_takes_advice_and_prefetch",
-            "the device has no pageable memory access",
-        );
+        skip("the device has no pageable memory access");
         return;
     }
     let pages = HostPages::new();
@@ -1575,10 +1542,7 @@ pub fn kernel_writes_land_when_the_stream_is_synchronised<H: Harness>() {
     if !unsafe { H::fill(&b, &s, a.device_ptr(), PAGE, 0xaa) } {
         b.release_stream(s).expect("release");
         free(&*b, a);
-        return skipped(
-            "kernel_writes_land_when_the_stream_is_synchronised",
-            "no simulated kernel",
-        );
+        return skip("no simulated kernel");
     }
     if H::deferred(&b) {
         assert_eq!(
@@ -1616,10 +1580,7 @@ pub fn scrub_is_ordered_after_the_tenants_pending_work<H: Harness>() {
     if !unsafe { H::fill(&b, &s, a.device_ptr(), 64, 0x11) } {
         b.release_stream(s).expect("release");
         free(&*b, a);
-        return skipped(
-            "scrub_is_ordered_after_the_tenants_pending_work",
-            "no simulated kernel",
-        );
+        return skip("no simulated kernel");
     }
     let before = H::hazards(&b);
     b.release_stream(s).expect("release"); // waits: the tenant's write lands first
@@ -1644,10 +1605,7 @@ pub fn scrub_is_ordered_after_the_tenants_pending_work<H: Harness>() {
 pub fn free_while_a_prefetch_is_queued_is_seen<H: Harness>() {
     let b = H::backend();
     let Some(start) = H::hazards(&b) else {
-        return skipped(
-            "free_while_a_prefetch_is_queued_is_seen",
-            "no driver counters",
-        );
+        return skip("no driver counters");
     };
     let s = b
         .acquire_stream(key(1), IsolationLevel::StreamIsolated)
@@ -1681,10 +1639,7 @@ pub fn free_while_a_prefetch_is_queued_is_seen<H: Harness>() {
 pub fn pool_block_is_reused_on_another_stream_only_after_an_event<H: Harness>() {
     let b = H::backend();
     if !H::has_device_pools(&b) {
-        return skipped(
-            "pool_block_is_reused_on_another_stream_only_after_an_event",
-            "no device pools",
-        );
+        return skip("no device pools");
     }
     let tenant = key(1);
     let sa = b

@@ -4,6 +4,10 @@ mod with_mock {
     tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::MockHarness);
 }
 
+mod with_knobless_mock {
+    tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::KnoblessMockHarness);
+}
+
 mod with_poisoned_mock {
     tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::PoisonedMockHarness);
 }
@@ -62,4 +66,31 @@ tensor_wasm_mem_tests::driver_harness!(
 
 mod with_four_device_worker_cust {
     tensor_wasm_mem_tests::conformance!(crate::FourDeviceWorkerCustHarness);
+}
+
+fn main() -> std::process::ExitCode {
+    use tensor_wasm_mem_tests::runner;
+    let args = libtest_mimic::Arguments::from_args();
+    let suites = vec![
+        runner::trials("with_mock", with_mock::cases()),
+        runner::trials("with_knobless_mock", with_knobless_mock::cases()),
+        runner::trials("with_poisoned_mock", with_poisoned_mock::cases()),
+        runner::trials("with_deferred_mock", with_deferred_mock::cases()),
+        runner::trials("with_worker_mock", with_worker_mock::cases()),
+        runner::trials(
+            "with_eight_device_deferred_mock",
+            with_eight_device_deferred_mock::cases(),
+        ),
+        runner::trials("with_cudarc", with_cudarc::cases()),
+        runner::trials(
+            "with_four_device_deferred_cudarc",
+            with_four_device_deferred_cudarc::cases(),
+        ),
+        runner::trials("with_cust", with_cust::cases()),
+        runner::trials(
+            "with_four_device_worker_cust",
+            with_four_device_worker_cust::cases(),
+        ),
+    ];
+    runner::run(suites, &args).exit_code()
 }

@@ -2,6 +2,8 @@
 #![deny(missing_docs)]
 
 mod error;
+mod hold;
+pub use hold::HeldCall;
 mod host;
 mod machine;
 mod ranges;
@@ -93,7 +95,7 @@ impl Default for ModelConfig {
 }
 
 /// The driver entry points the model implements, named as libcuda names them (fault injection,
-/// delays and call counts are per entry point).
+/// holds and call counts are per entry point).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Call {

@@ -299,7 +299,6 @@ struct State {
     functions: HashMap<u64, FunctionRecord>,
     next_handle: u64,
     faults: Vec<Fault>,
-    delays: Vec<(Call, Duration)>,
     /// Mappings freed while queued work still targeted them: never unmapped before the machine
     /// goes, so the address cannot be handed to a new allocation that the stale work would then
     /// write (it finds no allocation and faults, as on a GPU).
@@ -332,6 +331,8 @@ pub struct ModelDriver {
     state: Arc<Mutex<State>>,
     /// The background worker ([`ModelConfig::worker_interval`]), stopped and joined at drop.
     worker: Option<Worker>,
+    /// Calls held after they took effect, until a test releases them.
+    holds: Arc<crate::hold::Holds>,
 }
 
 /// A thread that runs one work item of every queue per interval, as a device gets to work on
@@ -751,6 +752,7 @@ impl ModelDriver {
             page: host::page_size(),
             worker,
             state,
+            holds: Arc::default(),
         }
     }
 
@@ -832,28 +834,37 @@ impl ModelDriver {
         }
     }
 
-    /// Removes every pending injected failure and delay.
+    /// Removes every pending injected failure and hold (and lets held calls return).
     pub fn clear_faults(&self) {
-        let mut state = self.state();
-        state.faults.clear();
-        state.delays.clear();
+        self.state().faults.clear();
+        self.holds.clear();
     }
 
-    /// Makes the next call of the entry point for `op` return to its caller `delay` after it
-    /// took effect, with the machine unlocked meanwhile (a slow driver, or a thread preempted
-    /// right after the call). `false` for an operation with no entry point of its own.
-    pub fn delay_next(&self, op: Operation, delay: Duration) -> bool {
-        let Some(call) = Call::for_operation(op) else {
-            return false;
-        };
-        self.delay_call(call, delay);
-        true
+    /// Holds the next call of the entry point `call` after it took effect, with the machine
+    /// unlocked (a slow driver, or a thread preempted right after the call), until
+    /// the [`HeldCall`](crate::HeldCall) is released (or dropped): races are staged by the
+    /// test, not by time.
+    pub fn hold_next(&self, call: Call) -> crate::HeldCall {
+        crate::HeldCall::new(Arc::clone(&self.holds), call)
     }
 
-    /// Makes the next call of the entry point `call` return to its caller `delay` after it took
-    /// effect, with the machine unlocked meanwhile (as [`delay_next`](Self::delay_next)).
-    pub fn delay_call(&self, call: Call, delay: Duration) {
-        self.state().delays.push((call, delay));
+    /// Holds the next call of `call` as [`hold_next`](Self::hold_next) does, until
+    /// [`release_held`](Self::release_held) (for a caller that names calls, not handles: the
+    /// simulated libcuda's controls).
+    pub fn arm_hold(&self, call: Call) {
+        self.holds.arm(call);
+    }
+
+    /// Waits until a call of `call` is held by [`hold_next`](Self::hold_next); `false` if none
+    /// was within `limit` (a bound for a broken test, never a timing the test relies on).
+    #[must_use]
+    pub fn wait_held(&self, call: Call, limit: Duration) -> bool {
+        self.holds.wait_held(call, limit)
+    }
+
+    /// Lets a held call of `call` return to its caller (or disarms a hold not reached yet).
+    pub fn release_held(&self, call: Call) {
+        self.holds.release(call);
     }
 
     /// Counts a call, answers an injected failure if one is due, and checks that the calling
@@ -882,16 +893,9 @@ impl ModelDriver {
         }
     }
 
-    /// Sleeps for the delay set for `call`, if any (called with the state unlocked).
+    /// Holds the caller while a hold is armed for `call` (called with the state unlocked).
     fn late_return(&self, call: Call) {
-        let delay = {
-            let mut state = self.state();
-            let i = state.delays.iter().position(|(c, _)| *c == call);
-            i.map(|i| state.delays.swap_remove(i).1)
-        };
-        if let Some(delay) = delay {
-            std::thread::sleep(delay);
-        }
+        self.holds.reached(call);
     }
 
     /// Runs `f` on the calling thread's context stack of this machine. A thread whose

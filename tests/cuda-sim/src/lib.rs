@@ -13,7 +13,7 @@
 //!
 //! Knobs (exported `twm_sim_*` functions, see [`SimConfig`] and [`SimStats`]): the machine's
 //! shape (devices, memory, attributes, deferred streams), failure injection by entry point (any
-//! non-zero code, including codes no CUDA enum knows), delays, call counts, hints, counters.
+//! non-zero code, including codes no CUDA enum knows), held calls, call counts, hints, counters.
 //!
 //! Built as a cdylib with SONAME `libcuda.so.1` by the tests crate's build script
 //! (`tests/build.rs`). Its file is never named `libcuda.so`
@@ -1127,7 +1127,7 @@ pub unsafe extern "C" fn twm_sim_fail_nth(name: *const c_char, nth: u64, error: 
     code::SUCCESS
 }
 
-/// Removes every pending injected failure and delay.
+/// Removes every pending injected failure and hold (held calls return).
 #[unsafe(no_mangle)]
 pub extern "C" fn twm_sim_clear_faults() {
     let mut shell = lock();
@@ -1137,24 +1137,70 @@ pub extern "C" fn twm_sim_clear_faults() {
     }
 }
 
-/// Makes the next call of the entry point `name` (one the model has: `cuMemFree_v2`,
-/// `cuMemFreeAsync`, ...) return to its caller only `micros` microseconds after it has taken
-/// effect, with the model unlocked meanwhile.
+/// The call of an entry point name, and the machine, for the hold controls.
+///
+/// # Safety
+///
+/// `name` must be a valid NUL-terminated string.
+unsafe fn held_call(name: *const c_char) -> Result<(Call, Arc<Machine>), c_uint> {
+    // SAFETY: guaranteed by the caller.
+    let call = unsafe { text(name) }.and_then(|n| Call::by_name(&n));
+    match (call, machine()) {
+        (Some(call), Some(m)) => Ok((call, m)),
+        (None, _) => Err(code::INVALID_VALUE),
+        (_, None) => Err(code::NOT_INITIALIZED),
+    }
+}
+
+/// Holds the next call of the entry point `name` (one the model has: `cuMemFree_v2`,
+/// `cuMemFreeAsync`, ...) after it has taken effect, with the model unlocked, until
+/// `twm_sim_release_held(name)`.
 ///
 /// # Safety
 ///
 /// `name` must be a valid NUL-terminated string.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn twm_sim_delay_next(name: *const c_char, micros: u64) -> c_uint {
+pub unsafe extern "C" fn twm_sim_hold_next(name: *const c_char) -> c_uint {
     // SAFETY: guaranteed by the caller.
-    let call = unsafe { text(name) }.and_then(|n| Call::by_name(&n));
-    match (call, machine()) {
-        (Some(call), Some(m)) => {
-            m.driver.delay_call(call, Duration::from_micros(micros));
+    match unsafe { held_call(name) } {
+        Ok((call, m)) => {
+            m.driver.arm_hold(call);
             code::SUCCESS
         }
-        (None, _) => code::INVALID_VALUE,
-        (_, None) => code::NOT_INITIALIZED,
+        Err(code) => code,
+    }
+}
+
+/// Waits until a call of `name` is held; `CUDA_ERROR_NOT_READY` if none was within
+/// `limit_ms` milliseconds (a bound for a broken test).
+///
+/// # Safety
+///
+/// `name` must be a valid NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn twm_sim_wait_held(name: *const c_char, limit_ms: u64) -> c_uint {
+    // SAFETY: guaranteed by the caller.
+    match unsafe { held_call(name) } {
+        Ok((call, m)) if m.driver.wait_held(call, Duration::from_millis(limit_ms)) => code::SUCCESS,
+        Ok(_) => code::NOT_READY,
+        Err(code) => code,
+    }
+}
+
+/// Lets a held call of `name` return (or disarms a hold not reached yet).
+///
+/// # Safety
+///
+/// `name` must be a valid NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn twm_sim_release_held(name: *const c_char) -> c_uint {
+    // SAFETY: guaranteed by the caller.
+    match unsafe { held_call(name) } {
+        Ok((call, m)) => {
+            m.driver.release_held(call);
+            code::SUCCESS
+        }
+        Err(code) => code,
     }
 }
 
