@@ -385,25 +385,40 @@ pub struct DriverStats {
     pub pending_releases: u64,
 }
 
-/// Resources still live when a [`DriverBackend`] dropped that it gave back then, process-wide.
-static RECLAIMED_AT_DROP: AtomicU64 = AtomicU64::new(0);
-/// Resources a dropping [`DriverBackend`] could not give back (the driver refused again).
-static UNRELEASED_AT_DROP: AtomicU64 = AtomicU64::new(0);
+/// What one [`DriverBackend`] did at its drop, readable before and after it goes (take it with
+/// [`DriverBackend::drop_report`]): a `Drop` cannot return an error, so this is where what it
+/// could not give back is reported. Clones read the same counts.
+#[derive(Clone, Debug, Default)]
+pub struct DropReport(alloc::sync::Arc<DropCounts>);
 
-/// Driver resources (allocations, streams, contexts, pools, pool blocks) that were still live
-/// when their [`DriverBackend`] dropped and that it gave back then, over the whole process: what
-/// embedders forgot to release, or what a failed release left for the drop to retry.
-#[must_use]
-pub fn reclaimed_at_drop() -> u64 {
-    RECLAIMED_AT_DROP.load(Ordering::Acquire)
+#[derive(Debug, Default)]
+struct DropCounts {
+    dropped: core::sync::atomic::AtomicBool,
+    reclaimed: AtomicU64,
+    unreleased: AtomicU64,
 }
 
-/// Driver resources that dropped [`DriverBackend`]s could not give back even at drop (the driver
-/// refused the retry as well), over the whole process. Non-zero means the driver still holds
-/// them: a real leak, reported here because a `Drop` cannot return an error.
-#[must_use]
-pub fn unreleased_at_drop() -> u64 {
-    UNRELEASED_AT_DROP.load(Ordering::Acquire)
+impl DropReport {
+    /// Whether the backend has dropped (the counts are final).
+    #[must_use]
+    pub fn dropped(&self) -> bool {
+        self.0.dropped.load(Ordering::Acquire)
+    }
+
+    /// Driver resources (allocations, streams, contexts, pools, pool blocks) still live when the
+    /// backend dropped that it gave back then: what an embedder forgot to release, or what a
+    /// failed release left for the drop to retry.
+    #[must_use]
+    pub fn reclaimed(&self) -> u64 {
+        self.0.reclaimed.load(Ordering::Acquire)
+    }
+
+    /// Driver resources the backend could not give back even at drop (the driver refused the
+    /// retry as well). Non-zero means the driver still holds them: a real leak.
+    #[must_use]
+    pub fn unreleased(&self) -> u64 {
+        self.0.unreleased.load(Ordering::Acquire)
+    }
 }
 
 /// Where a stream or pool record is in its life.
@@ -499,6 +514,7 @@ pub struct DriverBackend<D: DriverApi> {
     driver: D,
     caps: Capabilities,
     state: spin::Mutex<State>,
+    drop_report: DropReport,
 }
 
 impl<D: DriverApi + fmt::Debug> fmt::Debug for DriverBackend<D> {
@@ -534,7 +550,15 @@ impl<D: DriverApi> DriverBackend<D> {
             },
             driver,
             state: spin::Mutex::new(State::default()),
+            drop_report: DropReport::default(),
         }
+    }
+
+    /// The report of this backend's drop: what it gave back then and what the driver refused
+    /// even then, readable once it has gone.
+    #[must_use]
+    pub fn drop_report(&self) -> DropReport {
+        self.drop_report.clone()
     }
 
     /// The driver.
@@ -989,8 +1013,8 @@ unsafe impl<D: DriverApi> HostMemory for DriverBackend<D> {
 
 impl<D: DriverApi> Drop for DriverBackend<D> {
     /// Gives back everything still live, retired resources included (a retry of each release
-    /// the driver refused before), and reports the outcome in [`reclaimed_at_drop`] and
-    /// [`unreleased_at_drop`]. Streams are waited for before they are destroyed; pool blocks are
+    /// the driver refused before), and reports the outcome in its [`DropReport`]
+    /// ([`drop_report`](Self::drop_report)). Streams are waited for before they are destroyed; pool blocks are
     /// freed on their own stream while it lives (streams go after pools).
     fn drop(&mut self) {
         let driver = &self.driver;
@@ -1049,8 +1073,10 @@ impl<D: DriverApi> Drop for DriverBackend<D> {
             };
             tally(freed.is_ok());
         }
-        RECLAIMED_AT_DROP.fetch_add(reclaimed, Ordering::AcqRel);
-        UNRELEASED_AT_DROP.fetch_add(unreleased, Ordering::AcqRel);
+        let report = &self.drop_report.0;
+        report.reclaimed.fetch_add(reclaimed, Ordering::AcqRel);
+        report.unreleased.fetch_add(unreleased, Ordering::AcqRel);
+        report.dropped.store(true, Ordering::Release);
     }
 }
 

@@ -34,7 +34,7 @@ pub use buffer::{DeviceSlice, UnifiedBuffer};
 pub use device::{Advice, Capabilities, DeviceId, DeviceReport, Location, ParseNameError};
 pub use driver::{
     DeviceFacts, DriverApi, DriverBackend, DriverContext, DriverPool, DriverStats, DriverStream,
-    Refusal, reclaimed_at_drop, unreleased_at_drop,
+    DropReport, Refusal,
 };
 pub use error::{BackendError, Error, ErrorKind, ErrorType, Operation, RangeError, check_range};
 pub use host::{HostAccess, HostMemory};

@@ -2,8 +2,8 @@
 #![deny(missing_docs)]
 
 pub use tensor_wasm_mem_model::{
-    Call, Event, Function, HeldCall, Hints, Kernel, ModelConfig, ModelDriver, ModelError,
-    ModelStats, Module, code, leaked_at_drop,
+    Call, Event, Function, HeldCall, Hints, Kernel, ModelConfig, ModelDriver, ModelDropReport,
+    ModelError, ModelStats, Module, code,
 };
 
 /// The simulated device backend: the core's [`DriverBackend`] (the code the cudarc and cust

@@ -1,54 +1,62 @@
-//! The process-wide teardown counters, alone in their process (other tests would move them):
-//! `DriverBackend` counts what it gave back at drop (`reclaimed_at_drop`) and what the driver
-//! refused even then (`unreleased_at_drop`); the model counts what was still mapped when it
-//! dropped (`leaked_at_drop`).
+//! Teardown reports are per backend: `DriverBackend::drop_report` says what the backend gave back
+//! at drop (`reclaimed`) and what the driver refused even then (`unreleased`); the model's
+//! `ModelDriver::drop_report` says what was still mapped when it dropped (`leaked`). No process
+//! globals, so these run beside any other test.
 
-use tensor_wasm_mem_core::{
-    DeviceId, DriverApi, ManagedAllocator, reclaimed_at_drop, unreleased_at_drop,
-};
-use tensor_wasm_mem_mock::{Call, MockBackend, ModelDriver, code, leaked_at_drop};
+use tensor_wasm_mem_core::{DeviceId, DriverApi, ManagedAllocator};
+use tensor_wasm_mem_mock::{Call, MockBackend, ModelDriver, code};
+
+fn counts(mock: MockBackend) -> (u64, u64, u64) {
+    let (backend, model) = (mock.drop_report(), mock.driver().drop_report());
+    assert!(!backend.dropped());
+    drop(mock);
+    assert!(backend.dropped());
+    (backend.reclaimed(), backend.unreleased(), model.leaked())
+}
 
 #[test]
-fn teardown_counters_count_only_what_was_left() {
-    // A clean drop moves none of them.
-    let (reclaimed, unreleased, leaked) =
-        (reclaimed_at_drop(), unreleased_at_drop(), leaked_at_drop());
+fn a_clean_drop_reports_nothing() {
     let mock = MockBackend::default();
     let a = mock.allocate(DeviceId(0), 10).unwrap();
     // SAFETY: `a` came from `mock`.
     unsafe { mock.free(a) }.unwrap();
-    drop(mock);
-    assert_eq!(
-        (reclaimed_at_drop(), unreleased_at_drop(), leaked_at_drop()),
-        (reclaimed, unreleased, leaked)
-    );
+    assert_eq!(counts(mock), (0, 0, 0));
+}
 
-    // An allocation left alive is given back by the backend at drop: reclaimed, not leaked.
+#[test]
+fn an_allocation_left_alive_is_reclaimed_not_leaked() {
     let mock = MockBackend::default();
     let _kept = mock.allocate(DeviceId(0), 10).unwrap();
-    drop(mock);
-    assert_eq!(reclaimed_at_drop(), reclaimed + 1);
-    assert_eq!(
-        (unreleased_at_drop(), leaked_at_drop()),
-        (unreleased, leaked)
-    );
+    assert_eq!(counts(mock), (1, 0, 0));
+}
 
-    // A free the driver refuses even at drop stays unreleased; the model then unmaps it itself
-    // and counts it as leaked.
+#[test]
+fn a_free_refused_even_at_drop_is_unreleased_and_the_model_counts_it_leaked() {
     let mock = MockBackend::default();
     let _kept = mock.allocate(DeviceId(0), 10).unwrap();
     mock.driver().fail_call(Call::Free, 1, code::UNKNOWN);
-    drop(mock);
-    assert_eq!(unreleased_at_drop(), unreleased + 1);
-    assert_eq!(leaked_at_drop(), leaked + 1);
+    assert_eq!(counts(mock), (0, 1, 1));
+}
 
-    // Memory the model handed out straight through `DriverApi` and never freed: leaked.
+#[test]
+fn memory_handed_out_through_the_driver_api_and_never_freed_is_leaked() {
     let model = ModelDriver::default();
+    let report = model.drop_report();
     model
         .push_current(model.primary_context(DeviceId(0)))
         .unwrap();
     model.alloc_managed(DeviceId(0), 10).unwrap();
     model.pop_current().unwrap();
     drop(model);
-    assert_eq!(leaked_at_drop(), leaked + 2);
+    assert_eq!(report.leaked(), 1);
+}
+
+#[test]
+fn reports_are_per_backend() {
+    let (leaky, clean) = (MockBackend::default(), MockBackend::default());
+    let report = clean.drop_report();
+    let _kept = leaky.allocate(DeviceId(0), 10).unwrap();
+    drop(leaky);
+    drop(clean);
+    assert_eq!((report.reclaimed(), report.unreleased()), (0, 0));
 }

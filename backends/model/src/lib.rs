@@ -24,16 +24,21 @@ pub const MAX_DEVICES: u32 = 1024;
 /// the simulated libcuda).
 pub use tensor_wasm_mem_cuda::code;
 
-/// Allocations (managed memory and pool blocks) still mapped when their [`ModelDriver`]
-/// dropped, over the whole process: the model unmaps them (nothing is lost for real) and counts
-/// them here for leak tests. `DriverBackend` frees what it holds before its driver drops, so a
-/// non-zero count is something the backend could not give back.
-#[must_use]
-pub fn leaked_at_drop() -> u64 {
-    LEAKED_AT_DROP.load(Ordering::Acquire)
-}
+/// What one [`ModelDriver`] found at its drop, readable after it has gone (take it with
+/// [`ModelDriver::drop_report`]). Clones read the same count.
+#[derive(Clone, Debug, Default)]
+pub struct ModelDropReport(std::sync::Arc<AtomicU64>);
 
-static LEAKED_AT_DROP: AtomicU64 = AtomicU64::new(0);
+impl ModelDropReport {
+    /// Allocations (managed memory and pool blocks) still mapped when the machine dropped: it
+    /// unmaps them (nothing is lost for real) and counts them here for leak tests.
+    /// `DriverBackend` frees what it holds before its driver drops, so a non-zero count is
+    /// something the backend could not give back.
+    #[must_use]
+    pub fn leaked(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+}
 
 /// How the simulated machine looks and behaves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

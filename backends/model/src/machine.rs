@@ -20,7 +20,7 @@ mod entry;
 
 use crate::ranges::RangeMap;
 use crate::{
-    Call, Event, Function, Hints, Kernel, LEAKED_AT_DROP, ModelConfig, ModelError, ModelStats,
+    Call, Event, Function, Hints, Kernel, ModelConfig, ModelDropReport, ModelError, ModelStats,
     Module, code, host,
 };
 
@@ -333,6 +333,8 @@ pub struct ModelDriver {
     worker: Option<Worker>,
     /// Calls held after they took effect, until a test releases them.
     holds: Arc<crate::hold::Holds>,
+    /// What its drop found still mapped.
+    drop_report: ModelDropReport,
 }
 
 /// A thread that runs one work item of every queue per interval, as a device gets to work on
@@ -753,7 +755,15 @@ impl ModelDriver {
             worker,
             state,
             holds: Arc::default(),
+            drop_report: ModelDropReport::default(),
         }
+    }
+
+    /// The report of this machine's drop (what was still mapped then), readable once it has
+    /// gone.
+    #[must_use]
+    pub fn drop_report(&self) -> ModelDropReport {
+        self.drop_report.clone()
     }
 
     /// The configuration.
@@ -1952,7 +1962,7 @@ unsafe impl DriverApi for ModelDriver {
 }
 
 impl Drop for ModelDriver {
-    /// Unmaps whatever is still mapped (counted in [`leaked_at_drop`](crate::leaked_at_drop)).
+    /// Unmaps whatever is still mapped (counted in its [`ModelDropReport`]).
     fn drop(&mut self) {
         // The worker first: nothing runs behind the unmapping below.
         drop(self.worker.take());
@@ -1994,6 +2004,6 @@ impl Drop for ModelDriver {
                 }
             }
         }
-        LEAKED_AT_DROP.fetch_add(leaked, Ordering::AcqRel);
+        self.drop_report.0.fetch_add(leaked, Ordering::AcqRel);
     }
 }

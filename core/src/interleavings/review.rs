@@ -828,7 +828,7 @@ fn h2_a_refused_deferred_destroy_is_kept_counted_and_reclaimed() {
                 );
                 assert_eq!(st.release_failures, 1, "{st:?}");
                 assert!(backend.release_stream(copy2).is_err(), "no live record");
-                let before = crate::driver::reclaimed_at_drop();
+                let report = backend.drop_report();
                 let backend = Arc::into_inner(backend).expect("sole owner");
                 assert!(
                     backend.driver().lock().streams.is_empty()
@@ -837,7 +837,7 @@ fn h2_a_refused_deferred_destroy_is_kept_counted_and_reclaimed() {
                 );
                 drop(backend);
                 if level == IsolationLevel::StreamIsolated {
-                    assert!(crate::driver::reclaimed_at_drop() > before);
+                    assert!(report.reclaimed() > 0);
                 }
             });
             (vec![syncing, releasing], check as Box<dyn FnOnce()>)

@@ -62,6 +62,8 @@ pub(crate) struct GuardedRegion<B: Backend> {
     abandoned: bool,
     /// The bytes it holds: its pool slot's size, or its own reservation's.
     held: usize,
+    /// Where its creator counts regions kept mapped for the backend.
+    kept_mappings: KeptMappings,
 }
 
 impl<B: Backend> fmt::Debug for GuardedRegion<B> {
@@ -82,11 +84,11 @@ impl<B: Backend> GuardedRegion<B> {
     /// space (what Wasmtime elides checks against), nothing open yet ([`open`](Self::open)).
     pub(crate) fn new(
         backend: Arc<B>,
-        device: DeviceId,
-        access: HostAccess,
+        (device, access): (DeviceId, HostAccess),
         capacity: usize,
         reserved: usize,
         guard: usize,
+        kept_mappings: KeptMappings,
     ) -> Result<Self, TwmError> {
         let span = reserved
             .max(capacity)
@@ -100,11 +102,11 @@ impl<B: Backend> GuardedRegion<B> {
         let held = capacity.max(1).next_multiple_of(page_size());
         Ok(Self::at(
             backend,
-            device,
-            access,
+            (device, access),
             (Home::Own(mapping), base),
             (capacity, held),
             0,
+            kept_mappings,
         ))
     }
 
@@ -114,11 +116,11 @@ impl<B: Backend> GuardedRegion<B> {
     /// [`open`](Self::open).
     fn at(
         backend: Arc<B>,
-        device: DeviceId,
-        access: HostAccess,
+        (device, access): (DeviceId, HostAccess),
         (home, base): (Home<B>, usize),
         (capacity, held): (usize, usize),
         opened: usize,
+        kept_mappings: KeptMappings,
     ) -> Self {
         Self {
             backend,
@@ -138,6 +140,7 @@ impl<B: Backend> GuardedRegion<B> {
             released: false,
             abandoned: false,
             held,
+            kept_mappings,
         }
     }
 
@@ -433,7 +436,7 @@ impl<B: Backend> GuardedRegion<B> {
     /// Keeps the pages the backend still holds mapped, never reused under a device mapping:
     /// an own reservation stays mapped, a slot is withdrawn with its pool's address space kept.
     fn keep_for_the_backend(&mut self) {
-        LEAKED_MAPPINGS.fetch_add(1, Ordering::AcqRel);
+        self.kept_mappings.add();
         match &mut self.home {
             Home::Own(mapping) => mapping.keep_mapped(),
             Home::Slot { pool, .. } => pool.withdraw_held(),
@@ -458,20 +461,28 @@ impl<B: Backend> Drop for GuardedRegion<B> {
     }
 }
 
-/// Guarded reservations (own or slots) kept mapped because the backend never let go of them,
-/// process-wide.
-static LEAKED_MAPPINGS: AtomicU64 = AtomicU64::new(0);
+/// Guarded regions of one creator whose pages stayed mapped (or whose pool slot was withdrawn
+/// with its pool's address space kept) because the backend still held them when they went for
+/// good: non-zero is a driver fault to look at. A refused detach first keeps the memory, and its
+/// charge, in its creator ([`CreatorStats::kept_memories`](crate::CreatorStats::kept_memories))
+/// and is tried again; only what is still refused when the creator goes is counted here. (Slots
+/// withdrawn for a failed hint reset or a lost page protection are counted in
+/// `PoolStats::scrub_failures`.) Take it with
+/// [`TensorWasmMemoryCreator::kept_mappings`](crate::TensorWasmMemoryCreator::kept_mappings):
+/// it reads the same count after the creator has gone. Clones read the same count.
+#[derive(Clone, Debug, Default)]
+pub struct KeptMappings(Arc<AtomicU64>);
 
-/// Guarded regions whose pages stayed mapped (or whose pool slot was withdrawn with its pool's
-/// address space kept) because the backend still held them when they went for good, over the
-/// whole process: non-zero is a driver fault to look at. A refused detach first keeps the
-/// memory, and its charge, in its creator
-/// ([`CreatorStats::kept_memories`](crate::CreatorStats::kept_memories)) and is tried again;
-/// only what is still refused when the creator goes is counted here. (Slots withdrawn for a
-/// failed hint reset or a lost page protection are counted in `PoolStats::scrub_failures`.)
-#[must_use]
-pub fn guarded_mappings_kept() -> u64 {
-    LEAKED_MAPPINGS.load(Ordering::Acquire)
+impl KeptMappings {
+    /// Regions kept mapped so far.
+    #[must_use]
+    pub fn count(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+
+    fn add(&self) {
+        self.0.fetch_add(1, Ordering::AcqRel);
+    }
 }
 
 /// Bytes at the start of a guarded pool slot that are zeroed by writing rather than dropped when
@@ -499,6 +510,8 @@ pub(crate) struct GuardedPool<B: Backend> {
     /// A slot was withdrawn with chunks the backend would not detach: the pool's address space
     /// stays mapped when the pool goes.
     driver_held: AtomicBool,
+    /// Where its creator counts regions kept mapped for the backend.
+    kept_mappings: KeptMappings,
 }
 
 impl<B: Backend> fmt::Debug for GuardedPool<B> {
@@ -519,6 +532,7 @@ impl<B: Backend> GuardedPool<B> {
         device: DeviceId,
         access: HostAccess,
         config: &PoolConfig,
+        kept_mappings: KeptMappings,
     ) -> Result<Self, TwmError> {
         let page = page_size();
         // Each slot spans its reservation (at least Wasmtime's) and its guard.
@@ -537,6 +551,7 @@ impl<B: Backend> GuardedPool<B> {
             mapping,
             slots: SlotTable::new(classes, |_| 0),
             driver_held: AtomicBool::new(false),
+            kept_mappings,
         })
     }
 
@@ -571,11 +586,11 @@ impl<B: Backend> GuardedPool<B> {
         };
         Ok(GuardedRegion::at(
             Arc::clone(&self.backend),
-            self.device,
-            self.access,
+            (self.device, self.access),
             (home, base),
             (capacity, taken.layout.slot_bytes),
             taken.meta,
+            self.kept_mappings.clone(),
         ))
     }
 

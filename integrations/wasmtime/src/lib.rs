@@ -34,7 +34,7 @@ pub use backing::{Backing, ParseBackingError};
 pub use config::{BoundsStrategy, GUARDED_GUARD, GUARDED_RESERVATION, configure, engine_config};
 pub use error::TwmError;
 pub use guarded::{GUARDED_CAPABILITIES, GuardedHostCreator, GuardedHostMemory};
-pub use guarded_region::guarded_mappings_kept;
+pub use guarded_region::KeptMappings;
 pub use guest::{
     GuestContext, HasGuestContext, TWM_ERR_BACKEND, TWM_ERR_NOT_DEVICE_MEMORY,
     TWM_ERR_OUT_OF_RANGE, TWM_ERR_OVERFLOW, TWM_ERR_UNKNOWN_ADVICE, TWM_ERR_UNKNOWN_DEVICE,

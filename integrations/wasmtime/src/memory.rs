@@ -25,7 +25,7 @@ use crate::books::{self, MemoryCharge, StoreBooks};
 use crate::config::configure;
 use crate::deadline::Interruption;
 use crate::error::TwmError;
-use crate::guarded_region::{GuardedPool, GuardedRegion};
+use crate::guarded_region::{GuardedPool, GuardedRegion, KeptMappings};
 use crate::kernels::KernelRegistry;
 use crate::lifecycle::{
     Held, KeptMemories, MemoryRecord, Registry, ScopedMemory, TensorWasmLinearMemory,
@@ -116,6 +116,8 @@ struct CreatorInner<B: Backend> {
     registry: Mutex<HashMap<usize, Arc<MemoryRecord<B>>>>,
     /// Memories whose storage the backend refused to release, with their charges.
     kept: Arc<KeptMemories<B>>,
+    /// Guarded regions kept mapped for good because the backend never let go of them.
+    kept_mappings: KeptMappings,
     created: AtomicU64,
     dropped: AtomicU64,
     refused: AtomicU64,
@@ -338,6 +340,7 @@ impl<B: Backend> CreatorBuilder<B> {
             None => self.limits,
         };
         let mut pools = Vec::new();
+        let kept_mappings = KeptMappings::default();
         if let Some(config) = self.pool {
             for &device in &self.devices {
                 let config = PoolConfig {
@@ -350,7 +353,11 @@ impl<B: Backend> CreatorBuilder<B> {
                         SlotPool::new(backend, config).map_err(TwmError::from_core)?,
                     )),
                     Backing::Guarded(access) => CreatorPool::Guarded(Arc::new(GuardedPool::new(
-                        backend, device, access, &config,
+                        backend,
+                        device,
+                        access,
+                        &config,
+                        kept_mappings.clone(),
                     )?)),
                 });
             }
@@ -369,6 +376,7 @@ impl<B: Backend> CreatorBuilder<B> {
                 kernels: self.kernels,
                 registry: Mutex::new(HashMap::new()),
                 kept: Arc::default(),
+                kept_mappings,
                 created: AtomicU64::new(0),
                 dropped: AtomicU64::new(0),
                 refused: AtomicU64::new(0),
@@ -524,6 +532,14 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         let mut config = Config::new();
         self.install(&mut config);
         Engine::new(&config)
+    }
+
+    /// The count of this creator's guarded regions kept mapped for good because the backend
+    /// never let go of them ([`KeptMappings`]), readable after the creator has gone (regions kept
+    /// at the creator's own drop are counted then).
+    #[must_use]
+    pub fn kept_mappings(&self) -> KeptMappings {
+        self.inner.kept_mappings.clone()
     }
 
     /// A snapshot of the creator's figures.
@@ -877,7 +893,12 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
                 UnifiedBuffer::new(backend, device, capacity, 0).map_err(TwmError::from_core)?,
             ),
             (None, Backing::Guarded(access)) => Storage::Guarded(GuardedRegion::new(
-                backend, device, access, capacity, reserved, guard,
+                backend,
+                (device, access),
+                capacity,
+                reserved,
+                guard,
+                self.inner.kept_mappings.clone(),
             )?),
         })
     }
