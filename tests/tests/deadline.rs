@@ -86,18 +86,25 @@ fn an_endless_loop_ends_at_its_deadline() {
     assert!(is_timeout(&error));
 }
 
-/// A call that ends before its deadline is never interrupted, whatever the ticker's phase: a
-/// thousand short calls under a deadline of one tick.
+/// A deadline never fires early, whatever the ticker's phase: of a thousand short calls under a
+/// deadline of one tick, any that is interrupted (a loaded machine may preempt a call past its
+/// deadline) had run at least its deadline. No timing is asserted beyond that lower bound.
 #[test]
 fn a_deadline_never_fires_early() {
     let (engine, mut store, instance) = setup(Interruption::EPOCHS);
     let ticker = EpochTicker::start(&engine, Duration::from_millis(1)).expect("ticker");
+    let deadline = Duration::from_millis(1);
     for _ in 0..1000 {
-        ticker
-            .call_within(&mut store, Duration::from_millis(1), |store| {
-                count(store, &instance, 10)
-            })
-            .expect("not interrupted before its deadline");
+        let start = Instant::now();
+        let result = ticker.call_within(&mut store, deadline, |store| count(store, &instance, 10));
+        if let Err(error) = result {
+            let ran = start.elapsed();
+            assert!(is_timeout(&error), "{error:?}");
+            assert!(
+                ran >= deadline,
+                "interrupted after {ran:?}, before its deadline"
+            );
+        }
     }
 }
 

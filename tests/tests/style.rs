@@ -1,7 +1,7 @@
 //! Shape rules the review holds the code to, checked so they stay held: no function in the core
 //! or the Wasmtime integration is longer than 80 lines (one seam per lifecycle: a function that
 //! long is several steps that want names of their own); no crate reads a file outside its own
-//! package.
+//! package; no model file is longer than 800 lines; no race case sleeps.
 
 use std::path::{Path, PathBuf};
 
@@ -85,6 +85,33 @@ fn no_function_in_the_core_or_the_integration_is_longer_than_80_lines() {
         .flat_map(|f| long_functions(f, &std::fs::read_to_string(f).expect("read")))
         .collect();
     assert!(long.is_empty(), "functions over {LONGEST} lines: {long:#?}");
+}
+
+/// The simulated driver is split by concern: no file of the model over 800 lines.
+#[test]
+fn no_model_file_is_longer_than_800_lines() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = Vec::new();
+    rust_files(&root.join("backends/model/src"), &mut files);
+    assert!(files.len() > 5, "the sources were found");
+    let long: Vec<_> = files
+        .iter()
+        .map(|f| (f, std::fs::read_to_string(f).expect("read").lines().count()))
+        .filter(|(_, lines)| *lines > 800)
+        .collect();
+    assert!(long.is_empty(), "model files over 800 lines: {long:?}");
+}
+
+/// Races are staged by the model's holds, released by the test, never by time.
+#[test]
+fn no_race_case_sleeps() {
+    let races = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/races.rs");
+    let source = std::fs::read_to_string(races).expect("read");
+    assert!(!source.contains("sleep("), "a race case sleeps");
+    assert!(
+        source.contains("hold_next"),
+        "the checked file stages races"
+    );
 }
 
 #[test]

@@ -6,6 +6,42 @@ use std::ffi::{c_int, c_void};
 /// An opaque driver handle (`CUcontext`, `CUstream`, `CUmemoryPool`).
 pub type Handle = *mut c_void;
 
+/// `CUmemLocationType` values, and the host's ordinal in the CUDA 11 forms of advice and
+/// prefetch: the one table of them (the simulated libcuda reads it too).
+pub mod location {
+    /// `CU_MEM_LOCATION_TYPE_DEVICE`.
+    pub const DEVICE: u32 = 1;
+    /// `CU_MEM_LOCATION_TYPE_HOST`.
+    pub const HOST: u32 = 2;
+    /// `CU_MEM_LOCATION_TYPE_HOST_NUMA`.
+    pub const HOST_NUMA: u32 = 3;
+    /// `CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT`.
+    pub const HOST_NUMA_CURRENT: u32 = 4;
+    /// `CU_DEVICE_CPU`: the host, in the CUDA 11 forms of advise and prefetch.
+    pub const DEVICE_CPU: i32 = -1;
+}
+
+/// `CUdevice_attribute` values this project reads: the one table of them (the simulated
+/// libcuda answers the same numbers).
+pub mod attr {
+    /// `CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING`.
+    pub const UNIFIED_ADDRESSING: u32 = 41;
+    /// `CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR`.
+    pub const COMPUTE_CAPABILITY_MAJOR: u32 = 75;
+    /// `CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY`.
+    pub const MANAGED_MEMORY: u32 = 83;
+    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS`.
+    pub const PAGEABLE_MEMORY_ACCESS: u32 = 88;
+    /// `CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS`.
+    pub const CONCURRENT_MANAGED_ACCESS: u32 = 89;
+    /// `CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`.
+    pub const CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: u32 = 91;
+    /// `CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED`.
+    pub const HOST_REGISTER_SUPPORTED: u32 = 99;
+    /// `CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES`.
+    pub const PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES: u32 = 100;
+}
+
 /// `CUmemLocation` (CUDA 12.2+): a location type and an id.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,8 +57,14 @@ impl MemLocation {
     #[must_use]
     pub const fn of(device: Option<i32>) -> Self {
         match device {
-            Some(id) => Self { kind: 1, id },
-            None => Self { kind: 2, id: 0 },
+            Some(id) => Self {
+                kind: location::DEVICE,
+                id,
+            },
+            None => Self {
+                kind: location::HOST,
+                id: 0,
+            },
         }
     }
 }

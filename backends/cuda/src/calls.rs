@@ -18,18 +18,7 @@ const HOST_REGISTER_DEVICEMAP: u32 = 2;
 const ATTR_RELEASE_THRESHOLD: u32 = 4;
 /// `CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`.
 const ATTR_RESERVED_MEM_CURRENT: u32 = 5;
-/// `CU_DEVICE_CPU`: the host, in the CUDA 11 forms of advise and prefetch.
-const DEVICE_CPU: c_int = -1;
-
-/// Device attributes read at start-up.
-pub(crate) mod attr {
-    pub const MANAGED_MEMORY: u32 = 83;
-    pub const PAGEABLE_MEMORY_ACCESS: u32 = 88;
-    pub const CONCURRENT_MANAGED_ACCESS: u32 = 89;
-    pub const CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: u32 = 91;
-    pub const HOST_REGISTER_SUPPORTED: u32 = 99;
-    pub const PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES: u32 = 100;
-}
+use crate::api::location::DEVICE_CPU;
 
 /// A driver handle's pointer from its integer value.
 fn handle(raw: u64) -> Handle {

@@ -16,9 +16,9 @@ use tensor_wasm_mem_core::{
 };
 
 pub use api::{
-    Api, Entries, Handle, HintEntries, LoadError, MemLocation, MemPoolProps, PoolEntries,
+    Api, Entries, Handle, HintEntries, LoadError, MemLocation, MemPoolProps, PoolEntries, attr,
+    location,
 };
-use calls::attr;
 pub use error::CudaError;
 
 /// Facts about one device, read at start-up.

@@ -34,53 +34,59 @@ use tensor_wasm_mem_model::{
 pub use tensor_wasm_mem_model::code;
 pub use tensor_wasm_mem_model::shell::{SimConfig, SimHints, SimStats};
 
-/// Device attributes the shell answers (others answer 0).
-mod attr {
-    pub const UNIFIED_ADDRESSING: u32 = 41;
-    pub const COMPUTE_CAPABILITY_MAJOR: u32 = 75;
-    pub const MANAGED_MEMORY: u32 = 83;
-    pub const PAGEABLE_MEMORY_ACCESS: u32 = 88;
-    pub const CONCURRENT_MANAGED_ACCESS: u32 = 89;
-    pub const CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: u32 = 91;
-    pub const HOST_REGISTER_SUPPORTED: u32 = 99;
+// The one table of attribute numbers, location kinds and structures: backends/cuda's.
+use tensor_wasm_mem_cuda::attr;
+use tensor_wasm_mem_cuda::location::{
+    DEVICE as LOCATION_DEVICE, DEVICE_CPU as CU_DEVICE_CPU, HOST as LOCATION_HOST,
+    HOST_NUMA as LOCATION_HOST_NUMA, HOST_NUMA_CURRENT as LOCATION_HOST_NUMA_CURRENT,
+};
+pub use tensor_wasm_mem_cuda::{MemLocation, MemPoolProps};
+
+/// Every entry point of the one list (`__cuda_entries!` in backends/cuda) is exported here with
+/// the declared signature, and named in [`ENTRY_POINTS`] (so faults can be injected in it):
+/// checked when this crate compiles, so an entry point added there and not here (or with another
+/// signature) is a build error, not a test that fails at run time.
+macro_rules! exported_as_listed {
+    ($($group:ident { $($name:ident($($arg:ty),*);)* })*) => {
+        $($(
+            const _: unsafe extern "C" fn($($arg),*) -> u32 = $name;
+            const _: () = assert!(
+                listed(stringify!($name)),
+                concat!(stringify!($name), " is exported but missing from ENTRY_POINTS")
+            );
+        )*)*
+    };
 }
 
-/// `CUmemLocation` (CUDA 12.2+): a location type and an id.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MemLocation {
-    /// 1 device, 2 host, 3 host NUMA node, 4 current host NUMA node.
-    pub kind: c_uint,
-    /// Device ordinal or NUMA node.
-    pub id: c_int,
+/// Whether `name` is in [`ENTRY_POINTS`] (at compile time).
+const fn listed(name: &str) -> bool {
+    let mut i = 0;
+    while i < ENTRY_POINTS.len() {
+        let (a, b) = (ENTRY_POINTS[i].as_bytes(), name.as_bytes());
+        if a.len() == b.len() {
+            let mut j = 0;
+            while j < a.len() && a[j] == b[j] {
+                j += 1;
+            }
+            if j == a.len() {
+                return true;
+            }
+        }
+        i += 1;
+    }
+    false
 }
+tensor_wasm_mem_cuda::__cuda_entries!(exported_as_listed);
 
-const LOCATION_DEVICE: c_uint = 1;
-const LOCATION_HOST: c_uint = 2;
-const LOCATION_HOST_NUMA: c_uint = 3;
-const LOCATION_HOST_NUMA_CURRENT: c_uint = 4;
-/// `CU_DEVICE_CPU`: the host, in the CUDA 11 forms of advise and prefetch.
-const CU_DEVICE_CPU: c_int = -1;
-
-/// `CUmemPoolProps` (CUDA 12.6+ layout; `maxSize` since 12.2).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct MemPoolProps {
-    /// `CUmemAllocationType`: 1 = pinned (the only one pools take).
-    pub alloc_type: c_uint,
-    /// `CUmemAllocationHandleType`.
-    pub handle_types: c_uint,
-    /// Where the pool's memory lives.
-    pub location: MemLocation,
-    /// Windows only.
-    pub win32_security_attributes: *mut c_void,
-    /// The most the pool may reserve (0: no maximum).
-    pub max_size: usize,
-    /// Usage flags.
-    pub usage: u16,
-    /// Must be zero.
-    pub reserved: [u8; 54],
-}
+// And the advice and prefetch forms of `HintEntries`.
+const _: unsafe extern "C" fn(u64, usize, u32, MemLocation) -> u32 = cuMemAdvise_v2;
+const _: unsafe extern "C" fn(u64, usize, u32, c_int) -> u32 = cuMemAdvise;
+#[cfg(not(feature = "without-prefetch"))]
+const _: unsafe extern "C" fn(u64, usize, MemLocation, u32, tensor_wasm_mem_cuda::Handle) -> u32 =
+    cuMemPrefetchAsync_v2;
+#[cfg(not(feature = "without-prefetch"))]
+const _: unsafe extern "C" fn(u64, usize, c_int, tensor_wasm_mem_cuda::Handle) -> u32 =
+    cuMemPrefetchAsync;
 
 /// One simulated machine: the model, and what the shell keeps beside it.
 #[derive(Debug)]
