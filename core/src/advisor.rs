@@ -42,15 +42,16 @@ pub trait Advisor: ErrorType {
         stream: &Stream,
     ) -> Result<(), Self::Error>;
 
-    /// Puts `offset..offset + len` of `allocation` back the way a fresh allocation has it, for
-    /// its next holder: every advice unset (read-mostly, the preferred location, accessed-by for
-    /// the host and for every device) and no page kept resident on a device (a prefetch to the
-    /// host where the backend migrates pages, complete before this returns). The contents are
-    /// unchanged. The same range and location checks as [`advise`](Self::advise); an empty
-    /// range does nothing.
+    /// Puts the advice of `offset..offset + len` of `allocation` back the way a fresh allocation
+    /// has it, for its next holder: every advice unset (read-mostly, the preferred location,
+    /// accessed-by for the host and for every device). The contents are unchanged, and so is
+    /// where the pages are: a scrubbed slot's bytes are dead, and moving them over the link (a
+    /// prefetch back to the host) would cost the transfer for nothing; the next holder's first
+    /// touch places them. The same range and location checks as [`advise`](Self::advise); an
+    /// empty range does nothing.
     ///
-    /// The slot pool calls it before a slot whose last holder advised or prefetched any of it
-    /// reaches the next holder, so one tenant's hints never steer another's placement.
+    /// The slot pool calls it before a slot whose last holder advised any of it reaches the
+    /// next holder, so one tenant's advice never steers another's placement.
     fn reset_hints(
         &self,
         allocation: &Allocation,

@@ -271,6 +271,25 @@ pub unsafe trait ManagedAllocator: ErrorType {
         offset: usize,
         len: usize,
     ) -> Result<(), Self::Error>;
+
+    /// [`zero`](Self::zero) for a range only the host has touched since device work last did
+    /// (the slot pool's scrub of a slot no device work reached): its pages are on the host, and
+    /// a device memset would move them over the link to write zeros the next host touch moves
+    /// back. A backend whose memory the host may write while devices work writes the zeros from
+    /// the host; the default is [`zero`](Self::zero).
+    ///
+    /// # Safety
+    ///
+    /// As [`zero`](Self::zero), and no device work may be using the range.
+    unsafe fn zero_on_host(
+        &self,
+        allocation: &crate::Allocation,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), Self::Error> {
+        // SAFETY: the caller upholds `zero`'s contract.
+        unsafe { self.zero(allocation, offset, len) }
+    }
 }
 
 macro_rules! forward_allocator {
@@ -307,6 +326,15 @@ macro_rules! forward_allocator {
             ) -> Result<(), Self::Error> {
                 // SAFETY: the caller upholds `zero`'s contract, which is `T::zero`'s.
                 unsafe { T::zero(self, allocation, offset, len) }
+            }
+            unsafe fn zero_on_host(
+                &self,
+                allocation: &Allocation,
+                offset: usize,
+                len: usize,
+            ) -> Result<(), Self::Error> {
+                // SAFETY: the caller upholds the contract, which is `T::zero_on_host`'s.
+                unsafe { T::zero_on_host(self, allocation, offset, len) }
             }
         }
     )*};

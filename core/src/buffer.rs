@@ -211,6 +211,7 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
     /// `0..self.len()` without overflow.
     pub fn device_slice(&self, offset: usize, len: usize) -> Result<DeviceSlice, RangeError> {
         let range = check_range(offset, len, self.len)?;
+        self.device_touched();
         Ok(DeviceSlice {
             device_ptr: self.device_ptr() + range.start as u64,
             len,
@@ -279,15 +280,18 @@ impl<A: ManagedAllocator + Advisor> UnifiedBuffer<A> {
         stream: &Stream,
     ) -> Result<(), Error<A::Error>> {
         let range = check_range(offset, len, self.len)?;
-        self.hinted();
+        if matches!(to, Location::Device(_)) {
+            self.device_touched();
+        }
         let (allocator, allocation, base) = self.parts();
         allocator
             .prefetch(allocation, base + range.start, len, to, stream)
             .map_err(|e| Error::backend(Operation::Prefetch, e))
     }
 
-    /// A pool slot about to be advised or prefetched has its hints reset before its next holder
-    /// gets it (a fresh allocation's hints go with it when it is freed).
+    /// A pool slot about to be advised has its advice reset before its next holder gets it (a
+    /// fresh allocation's advice goes with it when it is freed). A prefetch leaves only
+    /// residency, which a scrub never moves (see [`device_slice`](Self::device_slice)).
     fn hinted(&self) {
         if let Backing::Slot(slot) = &self.backing {
             slot.hinted(|allocator, allocation, offset, len| {
@@ -298,6 +302,13 @@ impl<A: ManagedAllocator + Advisor> UnifiedBuffer<A> {
 }
 
 impl<A: ManagedAllocator> UnifiedBuffer<A> {
+    /// Device work may touch a pool slot: its scrub runs on the device, where its pages may be.
+    fn device_touched(&self) {
+        if let Backing::Slot(slot) = &self.backing {
+            slot.device_touched();
+        }
+    }
+
     /// Frees the allocation now (a pool slot goes back to its pool, which always takes it). A
     /// free the backend refuses hands the buffer back, still owning its allocation
     /// ([`Refused`]): whoever pays for the memory keeps it (and its charge) and releases it

@@ -260,9 +260,8 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
     ) -> Result<(), Self::Error>;
 
     /// The stream [`zero`](Self::zero) runs on for `device`: a non-blocking stream of its
-    /// primary context that no tenant's work is queued on. `Advisor::reset_hints` prefetches a
-    /// slot back to the host there and waits, so the reset never waits for tenants' work (as
-    /// the legacy default stream would make it wait for every shared tenant's).
+    /// primary context that no tenant's work is queued on, so a scrub never waits for tenants'
+    /// work (as the legacy default stream would make it wait for every shared tenant's).
     fn scrub_stream(&self, device: DeviceId) -> DriverStream;
 
     /// Creates a non-blocking stream in the current context.
@@ -762,6 +761,31 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         // guarantees nothing else accesses it meanwhile.
         self.in_primary(device, |d| unsafe { d.zero(device, start, len) })
     }
+
+    /// Managed memory is written from the host where every device has concurrent managed
+    /// access (the host may touch managed memory while kernels run); otherwise, and for a
+    /// driver without it, this is [`zero`](Self::zero).
+    unsafe fn zero_on_host(
+        &self,
+        allocation: &Allocation,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), D::Error> {
+        if !self.caps.concurrent_managed_access {
+            // SAFETY: the caller upholds `zero`'s contract.
+            return unsafe { self.zero(allocation, offset, len) };
+        }
+        let Checked { span, .. } = self.checked(allocation, offset, len)?;
+        if let Some((start, len)) = span {
+            // SAFETY: the range lies inside a live allocation of ours or attached host memory
+            // (checked against our table), host-accessible and mapped readable and writable;
+            // the caller guarantees nothing else, device work included, uses it meanwhile, and
+            // every device has concurrent managed access, so the host may write it while other
+            // work runs.
+            unsafe { (start as usize as *mut u8).write_bytes(0, len) };
+        }
+        Ok(())
+    }
 }
 
 impl<D: DriverApi> Advisor for DriverBackend<D> {
@@ -821,11 +845,8 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         self.in_context(using.context, |d| d.prefetch(start, len, to, using.raw()))
     }
 
-    /// Unsets every advice over the range (accessed-by for the host and each device), then,
-    /// where the allocation's device migrates pages (concurrent managed access, which a
-    /// prefetch on its stream needs), prefetches the range to the host on the device's zeroing
-    /// stream ([`DriverApi::scrub_stream`]) and waits for it. (Pages a tenant prefetched to a
-    /// *peer* device are not brought back where the allocation's own device cannot prefetch.)
+    /// Unsets every advice over the range (accessed-by for the host and each device). No page
+    /// moves: residency stays where it is.
     fn reset_hints(
         &self,
         allocation: &Allocation,
@@ -838,7 +859,6 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
             return Ok(());
         };
         let devices = self.driver.device_count();
-        let migrates = self.driver.device_facts(device).concurrent_managed_access;
         // Accessed-by advice on pageable host memory names only devices that reach it (a
         // device without pageable memory access refuses it there).
         let advisable = |other: u32| {
@@ -848,7 +868,8 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
                     .device_facts(DeviceId(other))
                     .pageable_memory_access
         };
-        let scrub = self.driver.scrub_stream(device);
+        // Residency is left where the pages are: prefetching dead bytes back to the host would
+        // move them over the link for nothing (the next touch places them).
         self.in_primary(device, |d| {
             d.advise(start, len, Advice::UnsetReadMostly)?;
             d.advise(start, len, Advice::UnsetPreferredLocation)?;
@@ -856,10 +877,6 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
             for other in (0..devices).filter(|&o| advisable(o)) {
                 let peer = Location::Device(DeviceId(other));
                 d.advise(start, len, Advice::UnsetAccessedBy(peer))?;
-            }
-            if migrates {
-                d.prefetch(start, len, Location::Host, scrub)?;
-                d.synchronize(scrub)?;
             }
             Ok(())
         })

@@ -235,19 +235,17 @@ pub struct HintState {
     pub preferred: Option<Location>,
     /// Accessed-by locations, in ascending order (the host first).
     pub accessed_by: Vec<Location>,
-    /// Where the address was last prefetched to (`None`: never, or reset).
+    /// Where the address was last placed by device work or a prefetch (`None`: never).
+    /// Residency is where the pages are, not a hint: a reset leaves it.
     pub resident: Option<Location>,
 }
 
 impl HintState {
-    /// What a fresh allocation has: no advice, and no page kept on a device (never prefetched,
-    /// or prefetched back to the host).
+    /// What a fresh allocation has: no advice. (Where its pages are is not a hint: a reset
+    /// leaves them where they are, and a scrub never moves them.)
     #[must_use]
     pub fn is_pristine(&self) -> bool {
-        !self.read_mostly
-            && self.preferred.is_none()
-            && self.accessed_by.is_empty()
-            && matches!(self.resident, None | Some(Location::Host))
+        !self.read_mostly && self.preferred.is_none() && self.accessed_by.is_empty()
     }
 
     /// From the simulated libcuda's answer.

@@ -645,14 +645,13 @@ pub fn pool_reuse_scrubs<H: Harness>() {
 }
 
 /// What a tenant can leave behind on its memory besides bytes: each advice that sets
-/// something, and a prefetch to device 0 (where concurrent managed access allows one).
+/// something. (Where its pages are is not left to reset: a scrub leaves them where they are.)
 enum Leftover {
     Advice(Advice),
-    PrefetchToDevice,
 }
 
-fn leftovers(concurrent: bool) -> Vec<Leftover> {
-    let mut all: Vec<Leftover> = [
+fn leftovers() -> Vec<Leftover> {
+    [
         Advice::SetReadMostly,
         Advice::SetPreferredLocation(Location::Host),
         Advice::SetPreferredLocation(Location::Device(D0)),
@@ -661,18 +660,13 @@ fn leftovers(concurrent: bool) -> Vec<Leftover> {
     ]
     .into_iter()
     .map(Leftover::Advice)
-    .collect();
-    if concurrent {
-        all.push(Leftover::PrefetchToDevice);
-    }
-    all
+    .collect()
 }
 
 impl std::fmt::Display for Leftover {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Advice(a) => write!(f, "{a}"),
-            Self::PrefetchToDevice => f.write_str("prefetch to device 0"),
         }
     }
 }
@@ -699,7 +693,7 @@ fn check_pristine<H: Harness>(
     true
 }
 
-/// `reset_hints` puts each advice and a prefetch's residency back as a fresh allocation has
+/// `reset_hints` puts each advice back as a fresh allocation has
 /// them, over exactly the range, and keeps the bytes; it checks ranges as `advise` does.
 pub fn reset_hints_restores_a_fresh_allocation<H: Harness>() {
     let b = H::backend();
@@ -711,14 +705,9 @@ pub fn reset_hints_restores_a_fresh_allocation<H: Harness>() {
         host_fill(&a, 0, len, 0x5a);
     }
     let mut inspected = false;
-    for leftover in leftovers(b.capabilities().concurrent_managed_access) {
+    for leftover in leftovers() {
         match leftover {
             Leftover::Advice(advice) => b.advise(&a, 0, len, advice).expect("advise"),
-            Leftover::PrefetchToDevice => {
-                b.prefetch(&a, 0, len, Location::Device(D0), lease.stream())
-                    .expect("prefetch");
-                b.synchronize(lease.stream()).expect("synchronize");
-            }
         }
         let what = format!("after {leftover}");
         inspected |= check_pristine::<H>(&b, &a, &[0, len - 1], false, &what);
@@ -758,7 +747,7 @@ pub fn reset_hints_restores_a_fresh_allocation<H: Harness>() {
     assert_no_leaks::<H>(&b);
 }
 
-/// Attack: a tenant sets each advice (or prefetches) on its pooled memory and lets it go; the
+/// Attack: a tenant sets each advice on its pooled memory and lets it go; the
 /// next holder of the same slot finds it as a fresh allocation has it.
 pub fn pool_reuse_resets_hints<H: Harness>() {
     let b = H::backend();
@@ -766,17 +755,11 @@ pub fn pool_reuse_resets_hints<H: Harness>() {
     let lease = StreamLease::acquire(&*b, key(1), IsolationLevel::StreamIsolated).expect("stream");
     let mut inspected = false;
     let mut resets = 0;
-    for leftover in leftovers(b.capabilities().concurrent_managed_access) {
+    for leftover in leftovers() {
         let mut first = p.acquire(4 * PAGE, PAGE).expect("slot");
         first.grow_to(3 * PAGE).expect("grow");
         match leftover {
             Leftover::Advice(advice) => first.advise(0, 3 * PAGE, advice).expect("advise"),
-            Leftover::PrefetchToDevice => {
-                first
-                    .prefetch(0, 3 * PAGE, Location::Device(D0), lease.stream())
-                    .expect("prefetch");
-                b.synchronize(lease.stream()).expect("synchronize");
-            }
         }
         let base = first.as_ptr() as usize - p.slab().as_ptr() as usize;
         let offsets = [base, base + 3 * PAGE - 1];
@@ -928,12 +911,16 @@ pub fn injected_allocate_failure_rolls_back<H: Harness>() {
     assert_no_leaks::<H>(&b);
 }
 
-/// An injected zeroing failure while a slot is scrubbed: nothing handed out, the slot stays in
-/// the pool, the tenant charge undone; the next try scrubs and succeeds.
+/// An injected zeroing failure while a slot is scrubbed on the device: nothing handed out, the
+/// slot stays in the pool, the tenant charge undone; the next try scrubs and succeeds.
 pub fn injected_zero_failure_rolls_back<H: Harness>() {
     let b = H::backend();
     let p = pool::<H>(&b, &[SizeClass::new(PAGE, 1)]);
-    drop(p.acquire(PAGE, PAGE).expect("dirty the slot"));
+    let dirty = p.acquire(PAGE, PAGE).expect("dirty the slot");
+    // A device pointer into it was handed out: device work may have touched it, so its scrub
+    // runs on the device (where the injected failure is).
+    dirty.device_slice(0, PAGE).expect("device slice");
+    drop(dirty);
     if !H::fail_nth(&b, Operation::Zero, 1) {
         return skip("no fault injection");
     }

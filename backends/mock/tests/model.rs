@@ -636,9 +636,13 @@ fn hints_and_residency_are_tracked_per_range() {
     assert_eq!(model.hints(&a, 3 * PAGE).unwrap().preferred_location, None);
     assert_eq!(model.residency(&a, 0).unwrap(), Some(d0));
     assert_eq!(model.residency(&a, PAGE).unwrap(), None);
+    let moved = model.stats().migrated_to_device_bytes;
+    assert_eq!(moved, PAGE as u64, "the prefetch moved its page");
     mock.reset_hints(&a, 0, 4 * PAGE).unwrap();
     assert_eq!(model.hints(&a, PAGE).unwrap(), Default::default());
-    assert_eq!(model.residency(&a, 0).unwrap(), Some(Location::Host));
+    // A reset leaves the pages where they are: nothing crosses the link.
+    assert_eq!(model.residency(&a, 0).unwrap(), Some(d0));
+    assert_eq!(model.stats().migrated_to_host_bytes, 0);
     assert_eq!(
         mock.advise(&a, 4 * PAGE, 1, Advice::SetReadMostly)
             .unwrap_err()

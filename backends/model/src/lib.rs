@@ -457,6 +457,13 @@ pub struct ModelStats {
     pub registered_bytes: u64,
     /// Unregistrations of a range that queued work still targets.
     pub unregisters_over_pending_work: u64,
+    /// Bytes of managed memory moved from the host to a device: by a prefetch to a device, or
+    /// by device work (a memset, a kernel) on pages that were on the host (pages never placed
+    /// are on the host: the model cannot see host touches).
+    pub migrated_to_device_bytes: u64,
+    /// Bytes of managed memory moved to the host (or between devices, counted here too): by a
+    /// prefetch to the host of pages on a device.
+    pub migrated_to_host_bytes: u64,
 }
 
 impl ModelStats {

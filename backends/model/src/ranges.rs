@@ -61,6 +61,39 @@ impl<V: Clone + PartialEq> RangeMap<V> {
         }
     }
 
+    /// Bytes of `range` whose value satisfies `keep` (`None`: no value set there), in
+    /// O(log n + k) for the k spans it covers.
+    pub(crate) fn bytes_where(
+        &self,
+        range: Range<usize>,
+        keep: impl Fn(Option<&V>) -> bool,
+    ) -> usize {
+        let mut counted = 0;
+        let mut at = range.start;
+        let first = self
+            .spans
+            .range(..range.start)
+            .next_back()
+            .filter(|(_, (end, _))| *end > range.start);
+        for (&s, (e, v)) in first
+            .into_iter()
+            .chain(self.spans.range(range.start..range.end))
+        {
+            let (s, e) = (s.max(range.start), (*e).min(range.end));
+            if s > at && keep(None) {
+                counted += s - at;
+            }
+            if keep(Some(v)) {
+                counted += e - s;
+            }
+            at = e;
+        }
+        if range.end > at && keep(None) {
+            counted += range.end - at;
+        }
+        counted
+    }
+
     /// Number of spans.
     pub(crate) fn spans(&self) -> usize {
         self.spans.len()
@@ -139,6 +172,18 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn bytes_where_counts_spans_and_gaps() {
+        let mut m = RangeMap::new();
+        m.set(10..20, Some('a'));
+        m.set(30..40, Some('b'));
+        assert_eq!(m.bytes_where(0..50, |v| v.is_none()), 30);
+        assert_eq!(m.bytes_where(0..50, |v| v == Some(&'a')), 10);
+        assert_eq!(m.bytes_where(15..35, |v| v != Some(&'b')), 15);
+        assert_eq!(m.bytes_where(12..18, |v| v == Some(&'a')), 6);
+        assert_eq!(m.bytes_where(40..40, |_| true), 0);
     }
 
     #[test]

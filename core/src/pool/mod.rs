@@ -47,8 +47,13 @@ pub use slots::{Returned, SlotId, SlotTable, Taken};
 struct Dirt {
     /// Bytes from its start that may be non-zero.
     dirty: usize,
-    /// Bytes from its start that may carry advice or residency (0: none).
+    /// Bytes from its start that may carry advice (0: none).
     hinted: usize,
+    /// Device work may have touched it (a device pointer was resolved, or it was prefetched to
+    /// a device): its pages may be on the device, and it is zeroed there. Otherwise only the
+    /// host touched it, and it is zeroed on the host, where its pages are: no page crosses the
+    /// link for a scrub.
+    device: bool,
 }
 
 /// Resets advice and residency over a range of the slab: [`Advisor::reset_hints`] of the
@@ -90,6 +95,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
         let slots = SlotTable::new(layout, |c| Dirt {
             dirty: if zeroed { 0 } else { c.slot_bytes },
             hinted: 0,
+            device: false,
         });
         Ok(Self {
             allocator,
@@ -148,6 +154,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
             offset,
             high_water: visible,
             hinted: AtomicBool::new(false),
+            device: AtomicBool::new(false),
             withdrawn: false,
         };
         Ok(UnifiedBuffer::from_slot(slot, capacity, visible))
@@ -157,7 +164,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
     /// zeroing, which may itself move pages). A failure hands nothing out: the slot goes back
     /// free, still dirty (a failed zeroing) or still hinted, and is scrubbed again next time.
     fn prepare(&self, slot: SlotId, offset: usize, dirt: Dirt) -> Result<(), Error<A::Error>> {
-        if let Err(e) = self.zero(offset, dirt.dirty) {
+        if let Err(e) = self.zero(offset, dirt) {
             self.slots.refuse(slot, dirt, 0);
             return Err(e);
         }
@@ -175,15 +182,26 @@ impl<A: ManagedAllocator> SlotPool<A> {
         Ok(())
     }
 
-    /// Zeroes the first `dirty` bytes of the slot at `offset`.
-    fn zero(&self, offset: usize, dirty: usize) -> Result<(), Error<A::Error>> {
+    /// Zeroes the first `dirt.dirty` bytes of the slot at `offset` where its pages are: on
+    /// the device (the allocator's zeroing, a device memset) if device work may have touched it,
+    /// from the host ([`ManagedAllocator::zero_on_host`]) if only the host did. No page crosses
+    /// the link for a scrub.
+    fn zero(&self, offset: usize, dirt: Dirt) -> Result<(), Error<A::Error>> {
+        let dirty = dirt.dirty;
         if dirty == 0 {
             return Ok(());
         }
-        // SAFETY: the slab is live (owned by `self`), and the slot `offset..offset + dirty`
-        // was just taken off the free list, so no holder can access it.
-        unsafe { self.allocator.zero(self.slab(), offset, dirty) }
-            .map_err(|e| Error::backend(Operation::Zero, e))
+        let slab = self.slab();
+        let zeroed = if dirt.device {
+            // SAFETY: the slab is live (owned by `self`), and the slot `offset..offset + dirty`
+            // was just taken off the free list, so no holder can access it.
+            unsafe { self.allocator.zero(slab, offset, dirty) }
+        } else {
+            // SAFETY: as above, and no device work touched the slot since its last scrub
+            // (`dirt.device` is false), so none uses it.
+            unsafe { self.allocator.zero_on_host(slab, offset, dirty) }
+        };
+        zeroed.map_err(|e| Error::backend(Operation::Zero, e))
     }
 
     /// Resets the hints of the first `hinted` bytes of the slot at `offset`.
@@ -202,11 +220,18 @@ impl<A: ManagedAllocator> SlotPool<A> {
 
     /// A slot comes back dirty to its high-water mark (and hinted to it, if its holder
     /// hinted); a reset that failed before keeps its own extent.
-    fn release(&self, slot: SlotId, slot_bytes: usize, high_water: usize, hinted: bool) {
+    fn release(
+        &self,
+        slot: SlotId,
+        slot_bytes: usize,
+        high_water: usize,
+        (hinted, device): (bool, bool),
+    ) {
         let high_water = high_water.min(slot_bytes);
         let dirt = Dirt {
             dirty: high_water,
             hinted: if hinted { high_water } else { 0 },
+            device,
         };
         self.slots.give_back(slot, dirt, Returned::default());
     }
@@ -231,8 +256,10 @@ pub(crate) struct PoolSlot<A: ManagedAllocator> {
     slot_bytes: usize,
     offset: usize,
     high_water: usize,
-    /// The holder advised or prefetched (some of) the slot: its hints are reset before reuse.
+    /// The holder advised (some of) the slot: its hints are reset before reuse.
     hinted: AtomicBool,
+    /// Device work may have touched the slot: it is zeroed on the device.
+    device: AtomicBool,
     /// Given up: it leaves the pool for good instead of going back.
     withdrawn: bool,
 }
@@ -266,6 +293,12 @@ impl<A: ManagedAllocator> PoolSlot<A> {
         }
     }
 
+    /// Records that device work may touch the slot (a device pointer into it was handed out, or
+    /// it is prefetched to a device): its scrub runs on the device, where its pages may be.
+    pub(crate) fn device_touched(&self) {
+        self.device.store(true, Ordering::Release);
+    }
+
     /// Records that the holder may have touched `0..bytes`.
     pub(crate) fn touch(&mut self, bytes: usize) {
         self.high_water = self.high_water.max(bytes);
@@ -287,9 +320,9 @@ impl<A: ManagedAllocator> Drop for PoolSlot<A> {
         if self.withdrawn {
             return self.pool.slots.withdraw();
         }
-        let hinted = *self.hinted.get_mut();
+        let touched = (*self.hinted.get_mut(), *self.device.get_mut());
         self.pool
-            .release(self.id, self.slot_bytes, self.high_water, hinted);
+            .release(self.id, self.slot_bytes, self.high_water, touched);
     }
 }
 

@@ -116,6 +116,9 @@ impl State {
             Work::Signal { event, generation } => self.signal(event, generation),
             Work::PoolFree { ptr } => self.release_pool_block(ptr),
             Work::Memset { start, end, value } => {
+                if let Some(device) = self.queue_device(queue) {
+                    self.place(start, end, Location::Device(DeviceId(device)));
+                }
                 if self.containing(start, end).is_some() {
                     let (ptr, len) = (start as *mut u8, end - start);
                     if value == 0 {
@@ -129,16 +132,7 @@ impl State {
                     }
                 }
             }
-            Work::Prefetch { start, end, to } => {
-                if let Some((base, record)) = self.containing_mut(start, end) {
-                    record
-                        .hints
-                        .residency
-                        .set(start - base..end - base, Some(to));
-                } else if self.pageable {
-                    self.system.residency.set(start..end, Some(to));
-                }
-            }
+            Work::Prefetch { start, end, to } => self.place(start, end, to),
             Work::Kernel { kernel, args } => {
                 let device = self
                     .queue_context(queue)
@@ -154,6 +148,11 @@ impl State {
                     self.fault(queue);
                     return true;
                 }
+                if let Some(device) = device {
+                    for (s, e) in work.spans() {
+                        self.place(s, e, Location::Device(DeviceId(device)));
+                    }
+                }
                 // SAFETY: every range the kernel touches lies inside a live mapping of ours, a
                 // registered host range (pinned: mapped readable and writable while registered,
                 // by `cuMemHostRegister`'s own check), or host memory found readable and writable
@@ -164,6 +163,56 @@ impl State {
         }
         self.stats.work_completed += 1;
         true
+    }
+
+    /// The device `queue`'s work runs on.
+    fn queue_device(&self, queue: Queue) -> Option<u32> {
+        self.queue_context(queue)
+            .and_then(|c| self.contexts.get(&c))
+            .map(|c| c.device)
+    }
+
+    /// Pages of managed memory (or of pageable system memory) in `start..end` are now at `to`:
+    /// a prefetch, or device work touching them. What was elsewhere moved, and is counted (pages
+    /// never placed are on the host). Device pool blocks and registered host memory never
+    /// move.
+    pub(super) fn place(&mut self, start: usize, end: usize, to: Location) {
+        if start >= end {
+            return;
+        }
+        let pageable = self.pageable
+            && self
+                .registered
+                .range(..end)
+                .next_back()
+                .is_none_or(|(&base, r)| base + r.len <= start);
+        let (moved, residency) = match self.containing_mut(start, end) {
+            Some((base, record)) if record.pool.is_none() => {
+                let range = start - base..end - base;
+                let map = &mut record.hints.residency;
+                let moved = map.bytes_where(range.clone(), |at| {
+                    at.copied().unwrap_or(Location::Host) != to
+                });
+                map.set(range, Some(to));
+                (moved, true)
+            }
+            Some(_) => (0, false),
+            None if pageable => {
+                let map = &mut self.system.residency;
+                let moved =
+                    map.bytes_where(start..end, |at| at.copied().unwrap_or(Location::Host) != to);
+                map.set(start..end, Some(to));
+                (moved, true)
+            }
+            None => (0, false),
+        };
+        if residency {
+            let moved = moved as u64;
+            match to {
+                Location::Device(_) => self.stats.migrated_to_device_bytes += moved,
+                Location::Host => self.stats.migrated_to_host_bytes += moved,
+            }
+        }
     }
 
     /// A kernel on `queue` hit an illegal address: its context is poisoned and the work queued
