@@ -42,6 +42,81 @@ DONE:
 }
 "#;
 
+/// `y[i] = a * x[i] + y[i]` over `n` floats, one thread per element: the `saxpy` a C guest
+/// launches (tests/guests/saxpy.c), as the embedder's own PTX.
+pub const AXPY_PTX: &str = r#"
+.version 7.0
+.target sm_75
+.address_size 64
+
+.visible .entry axpy(
+    .param .f32 a,
+    .param .u64 x,
+    .param .u64 y,
+    .param .u64 n
+)
+{
+    .reg .pred  %p<2>;
+    .reg .f32   %f<5>;
+    .reg .b32   %r<5>;
+    .reg .b64   %rd<9>;
+
+    ld.param.f32        %f1, [a];
+    ld.param.u64        %rd1, [x];
+    ld.param.u64        %rd2, [y];
+    ld.param.u64        %rd3, [n];
+    mov.u32             %r1, %ctaid.x;
+    mov.u32             %r2, %ntid.x;
+    mov.u32             %r3, %tid.x;
+    mad.lo.s32          %r4, %r1, %r2, %r3;
+    cvt.u64.u32         %rd4, %r4;
+    setp.ge.u64         %p1, %rd4, %rd3;
+    @%p1 bra            DONE;
+    cvta.to.global.u64  %rd5, %rd1;
+    cvta.to.global.u64  %rd6, %rd2;
+    shl.b64             %rd7, %rd4, 2;
+    add.s64             %rd8, %rd5, %rd7;
+    ld.global.f32       %f2, [%rd8];
+    add.s64             %rd8, %rd6, %rd7;
+    ld.global.f32       %f3, [%rd8];
+    fma.rn.f32          %f4, %f1, %f2, %f3;
+    st.global.f32       [%rd8], %f4;
+DONE:
+    ret;
+}
+"#;
+
+/// Launches `axpy(a, x, y, n)` over `n` floats at device pointers `x` and `y`, ordered on
+/// `stream` of `context`, and waits (as [`launch_increment`]).
+pub fn launch_axpy(
+    a: f32,
+    (x, y): (u64, u64),
+    n: u64,
+    (stream, context): (u64, u64),
+) -> Result<(), String> {
+    let ptx = CString::new(AXPY_PTX).map_err(|e| e.to_string())?;
+    let (mut a, mut x, mut y, mut count) = (a, x, y, n);
+    let mut params = [
+        (&raw mut a).cast::<c_void>(),
+        (&raw mut x).cast::<c_void>(),
+        (&raw mut y).cast::<c_void>(),
+        (&raw mut count).cast::<c_void>(),
+    ];
+    let launch = Launch {
+        image: &ptx,
+        name: c"axpy",
+        blocks: u32::try_from(n.div_ceil(256)).map_err(|e| e.to_string())?,
+        threads: 256,
+        stream,
+        context,
+        wait: true,
+    };
+    // SAFETY: the kernel takes an f32 and three u64 parameters, passed by address; `x` and `y`
+    // hold `n` floats each inside the guest's live memory (resolved and checked by the creator);
+    // the stream is live.
+    unsafe { launch.run(&mut params) }
+}
+
 type Handle = *mut c_void;
 
 /// The entry points the launcher and the event helper call, with raw-integer results (cudarc's enum-typed

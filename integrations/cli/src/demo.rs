@@ -1,7 +1,8 @@
 //! `twm demo`: several tenants with caps and isolation levels on pooled managed memory, placed
 //! across the devices (`--devices N` simulates N); guests fill their memory, a host-side "kernel"
-//! reads and writes guest data through a device-access scope (`DeviceAccess`), and the figures
-//! are printed, per tenant and per device.
+//! reads and writes guest data through a device-access scope (`DeviceAccess`), a guest launches
+//! a kernel on its own memory (`twm.launch`, where the backend has built-in kernels), and the
+//! figures are printed, per tenant and per device.
 
 use std::sync::Arc;
 
@@ -15,7 +16,7 @@ use tensor_wasm_mem_wasmtime::{
     TenantBudgets, TenantStore, TensorWasmMemoryCreator, add_to_linker, instantiate, new_store,
 };
 
-use crate::backend::BackendKind;
+use crate::backend::{BackendKind, BuiltinKernels};
 use crate::bytes::format_bytes;
 use crate::report::{occupancy_table, stats_table};
 use crate::run::Failure;
@@ -48,6 +49,48 @@ const GUEST: &str = r#"(module
       (local.set $i (i32.add (local.get $i) (i32.const 1)))
       (br $next)))
     (local.get $acc)))"#;
+
+/// A guest that launches the host's `saxpy` on its own arrays through `twm.launch`: fills
+/// `x[i] = i` and `y[i] = 1` over `n` floats, launches `y = 2x + y`, and counts the wrong results
+/// (a negative result is the `twm` code of a refused launch).
+const LAUNCHING_GUEST: &str = r#"(module
+  (import "twm" "kernel" (func $kernel (param i32 i32) (result i32)))
+  (import "twm" "launch" (func $launch (param i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 0) "saxpy")
+  (func $x (param $i i32) (result i32) (i32.add (i32.const 4096) (i32.shl (local.get $i) (i32.const 2))))
+  (func $y (param $i i32) (result i32) (i32.add (i32.const 8192) (i32.shl (local.get $i) (i32.const 2))))
+  (func (export "saxpy") (param $n i32) (result i32)
+    (local $i i32) (local $k i32) (local $rc i32) (local $wrong i32) (local $bytes i64)
+    (block $d (loop $l
+      (br_if $d (i32.ge_u (local.get $i) (local.get $n)))
+      (f32.store (call $x (local.get $i)) (f32.convert_i32_u (local.get $i)))
+      (f32.store (call $y (local.get $i)) (f32.const 1))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br $l)))
+    (local.set $k (call $kernel (i32.const 0) (i32.const 5)))
+    (if (i32.lt_s (local.get $k) (i32.const 0)) (then (return (local.get $k))))
+    ;; Arguments at 64, a pair each: (a, 0), (x, bytes), (y, bytes), (n, 0).
+    (local.set $bytes (i64.extend_i32_u (i32.shl (local.get $n) (i32.const 2))))
+    (i64.store (i32.const 64) (i64.extend_i32_u (i32.reinterpret_f32 (f32.const 2))))
+    (i64.store (i32.const 72) (i64.const 0))
+    (i64.store (i32.const 80) (i64.const 4096))
+    (i64.store (i32.const 88) (local.get $bytes))
+    (i64.store (i32.const 96) (i64.const 8192))
+    (i64.store (i32.const 104) (local.get $bytes))
+    (i64.store (i32.const 112) (i64.extend_i32_u (local.get $n)))
+    (i64.store (i32.const 120) (i64.const 0))
+    (local.set $rc (call $launch (local.get $k) (i32.const 64) (i32.const 4)))
+    (if (i32.ne (local.get $rc) (i32.const 0)) (then (return (local.get $rc))))
+    (local.set $i (i32.const 0))
+    (block $d (loop $l
+      (br_if $d (i32.ge_u (local.get $i) (local.get $n)))
+      (if (f32.ne (f32.load (call $y (local.get $i)))
+                  (f32.add (f32.mul (f32.const 2) (f32.convert_i32_u (local.get $i))) (f32.const 1)))
+        (then (local.set $wrong (i32.add (local.get $wrong) (i32.const 1)))))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br $l)))
+    (local.get $wrong)))"#;
 
 /// `twm demo` arguments.
 #[derive(Debug, clap::Args)]
@@ -82,16 +125,18 @@ fn kernel(bytes: &mut [u8]) -> u32 {
     sum
 }
 
-pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
+pub fn demo<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(), Failure> {
     let other = |e: &dyn std::fmt::Display| Failure::Other(e.to_string());
     let devices = backend.device_count();
     let placement =
         Placement::for_backend(&*backend, PlacementPolicy::RoundRobin).map_err(|e| other(&e))?;
-    let creator = TensorWasmMemoryCreator::builder(backend)
+    let mut builder = TensorWasmMemoryCreator::builder(backend)
         .all_devices()
-        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(64 << 16, 6)]))
-        .build()
-        .map_err(|e| other(&e))?;
+        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(64 << 16, 6)]));
+    if let Some(kernels) = B::builtin_kernels() {
+        builder = builder.kernels(kernels);
+    }
+    let creator = builder.build().map_err(|e| other(&e))?;
     let engine = creator.engine().map_err(|e| other(&e))?;
     let module = Module::new(&engine, GUEST).map_err(|e| other(&e))?;
     let mut linker = Linker::new(&engine);
@@ -231,6 +276,9 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
             }
         }
     }
+    if let Some((tenant, _)) = tenants.first() {
+        guest_launch(&creator, &engine, tenant)?;
+    }
     let stats: Vec<_> = tenants.iter().map(|(t, _)| t.stats()).collect();
     println!(
         "\n(each tenant still holds {} of kernel scratch in its device pool)\n{}",
@@ -244,5 +292,54 @@ pub fn demo<B: Backend>(backend: Arc<B>) -> Result<(), Failure> {
         "every tenant back to zero once the pools are dropped: {}",
         after.iter().all(|s| s.touched_bytes == 0)
     );
+    Ok(())
+}
+
+/// A guest of `tenant` launches the built-in `saxpy` on its own memory through `twm.launch`
+/// (checked against its memory and the kernel's signature, run on the tenant's stream), and
+/// checks every element itself.
+fn guest_launch<B: Backend>(
+    creator: &TensorWasmMemoryCreator<B>,
+    engine: &tensor_wasm_mem_wasmtime::wasmtime::Engine,
+    tenant: &Arc<tensor_wasm_mem_wasmtime::Tenant>,
+) -> Result<(), Failure> {
+    let other = |e: &dyn std::fmt::Display| Failure::Other(e.to_string());
+    if creator.kernels().is_none() {
+        println!(
+            "\n(guest-launched kernels: this backend has no built-in kernels; an embedder registers its own)"
+        );
+        return Ok(());
+    }
+    let module = Module::new(engine, LAUNCHING_GUEST).map_err(|e| other(&e))?;
+    let mut linker = Linker::new(engine);
+    add_to_linker(&mut linker).map_err(|e| other(&e))?;
+    let mut store = new_store(
+        engine,
+        TenantStore::new(creator, tenant, ChargeMode::Touched, ()),
+    );
+    let instance = instantiate(&mut store, &linker, &module).map_err(|e| other(&e))?;
+    let saxpy = instance
+        .get_typed_func::<i32, i32>(&mut store, "saxpy")
+        .map_err(|e| other(&e))?;
+    let n = 1024;
+    let wrong = saxpy.call(&mut store, n).map_err(|e| other(&e))?;
+    drop(store);
+    println!(
+        "\nguest-launched kernel: {}'s guest ran saxpy (y = 2x + y) over {n} floats of its own \
+         memory on device {}: {}; launches {}",
+        tenant.name(),
+        tenant.device().0,
+        match wrong {
+            0 => "0 wrong".to_string(),
+            w if w > 0 => format!("{w} WRONG"),
+            code => format!("refused ({code})"),
+        },
+        tenant.stats().launches
+    );
+    if wrong != 0 {
+        return Err(Failure::Other(
+            "the guest-launched kernel went wrong".into(),
+        ));
+    }
     Ok(())
 }

@@ -249,6 +249,10 @@ fn demo_runs_and_balances() {
         "{out}"
     );
     assert!(out.contains("in pools"), "{out}");
+    assert!(
+        out.contains("guest-launched kernel: alice's guest ran saxpy (y = 2x + y) over 1024 floats of its own memory on device 0: 0 wrong; launches 1"),
+        "{out}"
+    );
 }
 
 #[test]

@@ -409,3 +409,70 @@ fn without_kernels_a_launch_is_unknown() {
     assert_eq!(g.kernel("saxpy"), TWM_ERR_UNKNOWN_KERNEL);
     assert_eq!(g.launch(0, &[]), TWM_ERR_UNKNOWN_KERNEL);
 }
+
+/// A creator of `registry` on a pool of one slot, over a machine whose streams complete work
+/// only when the device gets to it (a background "device"), as on a GPU.
+fn pooled_creator_with(
+    registry: KernelRegistry<MockBackend>,
+) -> (Arc<MockBackend>, TensorWasmMemoryCreator<MockBackend>) {
+    let backend = Arc::new(tensor_wasm_mem_wasmtime::mock::with_config(
+        tensor_wasm_mem_wasmtime::mock::MockConfig {
+            deferred_streams: true,
+            worker_interval: Some(std::time::Duration::from_micros(50)),
+            ..tensor_wasm_mem_wasmtime::mock::MockConfig::default()
+        },
+    ));
+    let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 << 16, 1)]))
+        .kernels(registry)
+        .build()
+        .unwrap();
+    (backend, creator)
+}
+
+/// A launch on a memory whose slot was reused: the next tenant in the same slot launches on its
+/// own, scrubbed bytes (never the last tenant's), checked against its own size; and the first
+/// tenant's launches, dropped with its Store right after, left nothing queued for the scrub or
+/// the free to race.
+#[test]
+fn a_launch_on_a_reused_slot_and_launches_right_before_the_store_drops() {
+    let (backend, creator) = pooled_creator_with(kernels::builtin());
+    let mut a = guest(&creator);
+    let base = a.memory.data_ptr(&a.store) as usize;
+    let fill = a.kernel("fill");
+    for _ in 0..8 {
+        assert_eq!(a.launch(fill, &[(X, 4096), (0xAB, 0)]), 0);
+    }
+    assert_eq!(a.memory.data(&a.store)[X as usize], 0xAB);
+    // The Store goes at once after its last launch: every launch was done before its call
+    // returned, so nothing is pending when the memory is scrubbed and handed on.
+    drop(a);
+    let stats = backend.driver().stats();
+    assert_eq!(
+        (
+            stats.scrubs_over_pending_work,
+            stats.frees_over_pending_work
+        ),
+        (0, 0)
+    );
+    let b_tenant = Tenant::new(2, "b", 1 << 20, IsolationLevel::StreamIsolated);
+    let mut b = guest_on(&creator, &b_tenant);
+    assert_eq!(b.memory.data_ptr(&b.store) as usize, base, "the same slot");
+    assert!(
+        b.memory.data(&b.store)[X as usize..X as usize + 4096]
+            .iter()
+            .all(|&x| x == 0),
+        "scrubbed before the next tenant"
+    );
+    // B's launches are checked against B's memory (one page), not the slot's capacity.
+    let fill = b.kernel("fill");
+    assert_eq!(b.launch(fill, &[(65_536, 1), (1, 0)]), TWM_ERR_OUT_OF_RANGE);
+    let saxpy = b.kernel("saxpy");
+    b.write_floats(Y, &[1.0; 16]);
+    assert_eq!(b.launch(saxpy, &saxpy_args(3.0, X, Y, 16)), 0);
+    assert_eq!(b.floats(Y, 16), vec![1.0; 16], "x read as zeros: 3 * 0 + 1");
+    let stats = b_tenant.stats();
+    assert_eq!((stats.launches, stats.refused_launches), (1, 1));
+    drop(b);
+    assert_eq!(backend.driver().stats().scrubs_over_pending_work, 0);
+}
