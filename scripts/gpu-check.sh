@@ -34,6 +34,8 @@ build() {
         sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
     [ -n "$exe" ] || { echo "gpu-check: no guest_kernels executable found" >&2; exit 1; }
     cp "$exe" "$kit/bin/guest_kernels"
+    cargo build --locked --release -q -p tensor-wasm-mem-tests --example scope_cudarc
+    cp target/release/examples/scope_cudarc "$kit/bin/scope_cudarc"
     # The C guest the guest-launched kernels run (the GPU machine has no compiler): built here.
     mkdir -p "$kit/guests"
     clang --target=wasm32-wasi -O2 -Wall -Werror -I sdk/c -o "$kit/guests/saxpy.wasm" \
@@ -87,6 +89,11 @@ run() {
         row "guest-launched kernels (PTX)" "$(grep -E '^test result' "$log" | tail -n 1 | sed 's/test result: //; s/; finished.*//')"
     else
         row "guest-launched kernels (PTX)" "FAILED (see $log)"
+    fi
+    if step "cudarc interop" "$kit/bin/scope_cudarc"; then
+        row "cudarc's types over a scope" "$(grep -E '^cudarc launched' "$log" | tail -n 1)"
+    else
+        row "cudarc's types over a scope" "FAILED (see $log)"
     fi
     if step "twm probe" "$kit/bin/twm" probe --backend cudarc; then
         row "twm probe --backend cudarc" "$(grep -E '^driver ' "$log" | tail -n 1 | sed 's/^driver *//')"

@@ -233,3 +233,56 @@ fn a_c_guest_launches_saxpy_on_cust() {
     let backend = tensor_wasm_mem_cust::start().expect("cust on the driver or the simulator");
     expect_saxpy_output(c_saxpy_on(backend));
 }
+
+/// cudarc's view of a scope refuses, typed, what cudarc cannot borrow: a read-only range for
+/// writing, a range that is not whole elements, a context-isolated tenant's own context.
+#[test]
+fn cudarc_interop_refuses_what_it_cannot_borrow() {
+    use tensor_wasm_mem_wasmtime::interop::cudarc::CudarcScope;
+    use tensor_wasm_mem_wasmtime::{AccessRange, DeviceAccess};
+    let backend = tensor_wasm_mem_cudarc::start(&DriverSource::SystemOr(SIM_PATH.into()))
+        .expect("cudarc on the driver or the simulator");
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(backend))
+        .build()
+        .expect("creator");
+    let engine = creator.engine().expect("engine");
+    let module = Module::new(&engine, r#"(module (memory (export "memory") 1))"#).unwrap();
+    for isolation in [
+        IsolationLevel::StreamIsolated,
+        IsolationLevel::ContextIsolated,
+    ] {
+        let tenant = Tenant::new(1, "t", 1 << 20, isolation);
+        let mut store = new_store(
+            &engine,
+            TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()),
+        );
+        let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+        let memory = instance.get_memory(&mut store, "memory").unwrap();
+        let scope = DeviceAccess::open(
+            &mut store,
+            &creator,
+            &memory,
+            &[AccessRange::read(0, 64), AccessRange::read_write(64, 6)],
+        )
+        .unwrap();
+        match CudarcScope::new(&scope) {
+            Ok(cuda) => {
+                assert_eq!(isolation, IsolationLevel::StreamIsolated);
+                let read_only = cuda.slice_mut::<f32>(0).expect("range 0");
+                assert!(matches!(read_only, Err(TwmError::Interop(_))));
+                let ragged = cuda.slice_mut::<f32>(1).expect("range 1");
+                assert!(matches!(ragged, Err(TwmError::Interop(_))), "6 bytes");
+                let bytes = cuda.slice_mut::<u8>(1).expect("range 1").expect("6 bytes");
+                assert_eq!(bytes.get().len(), 6);
+                assert!(cuda.slice::<u8>(2).is_none(), "no third range");
+            }
+            Err(e) => {
+                assert_eq!(isolation, IsolationLevel::ContextIsolated, "{e}");
+                assert!(matches!(e, TwmError::Interop(_)), "{e}");
+            }
+        }
+        scope.close().unwrap();
+        drop(store);
+    }
+    assert_eq!(creator.stats().live_memories, 0);
+}

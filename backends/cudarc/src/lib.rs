@@ -10,6 +10,9 @@ use cudarc::driver::sys;
 use tensor_wasm_mem_core::DriverBackend;
 use tensor_wasm_mem_cuda::{Api, CudaDriver, LoadError};
 
+/// The cudarc crate this backend loads the driver with (for embedders whose kernels are
+/// written with it: the same version, so its types are the embedder's).
+pub use cudarc;
 pub use error::CudarcError;
 /// A driver call that failed.
 pub use tensor_wasm_mem_cuda::CudaError as DriverError;

@@ -240,6 +240,10 @@ pub enum TwmError {
         /// Its home device.
         device: DeviceId,
     },
+    /// A library's own types could not be made over an open scope (see
+    /// [`interop`](crate::interop)): why.
+    #[error("interop: {0}")]
+    Interop(String),
     /// A time or work limit could not be set up (see [`deadline`](crate::deadline)).
     #[error("interruption: {0}")]
     Interruption(&'static str),
@@ -310,6 +314,7 @@ impl TwmError {
             Self::Interruption(_) => ErrorKind::Unsupported,
             Self::KernelSignature(_) => ErrorKind::InvalidArgument,
             Self::Launch(_) => ErrorKind::Driver,
+            Self::Interop(_) => ErrorKind::Unsupported,
         }
     }
 

@@ -12,6 +12,7 @@ mod guarded;
 mod guarded_region;
 pub mod guest;
 mod host_mapping;
+pub mod interop;
 pub mod kernels;
 mod lifecycle;
 mod memory;

@@ -1,0 +1,180 @@
+//! A driver library's own types over an open device-access scope, for an embedder whose kernels
+//! are written with that library.
+//!
+//! # cudarc (feature `cudarc`)
+//!
+//! `cudarc::CudarcScope::new` borrows an open [`DeviceAccess`](crate::DeviceAccess): cudarc's context for the
+//! scope's device (its primary context, retained by cudarc and released when dropped), the
+//! tenant's stream as a *borrowed* `CudaStream` (dropping it destroys nothing), and each range as
+//! a `CudaSlice` that cudarc never frees (a `cudarc::GuestCudaSlice`, tied to the scope's
+//! borrow, so none outlives the scope; writing needs a range opened for writing). Launch with
+//! cudarc's own API (`launch_builder`) on that stream; the scope's close waits for it.
+//!
+//! Where cudarc cannot borrow what the scope holds, the answer is a typed
+//! [`TwmError::Interop`](crate::TwmError::Interop): a context-isolated tenant's stream lives in a context of the tenant's
+//! own, which cudarc can only take ownership of (`CudaContext::from_raw_context` destroys it on
+//! drop), so those tenants launch with raw driver calls on [`DeviceAccess::stream`](crate::DeviceAccess::stream) instead.
+//!
+//! The layer's own driver calls keep to raw integers; what cudarc's calls return is cudarc's
+//! `DriverError`, as for any cudarc program.
+//!
+//! # cust
+//!
+//! cust 0.3 has no way to borrow a stream or memory it did not create (`Stream` and
+//! `DeviceBuffer` own and destroy theirs), so there is no cust view: a cust embedder launches
+//! with the scope's raw stream and device pointers (see `tests/tests/guest_kernels.rs`).
+
+#[cfg(feature = "cudarc")]
+pub mod cudarc {
+    //! cudarc's types over an open scope (see the [module docs](super)).
+
+    use std::marker::PhantomData;
+    use std::mem::ManuallyDrop;
+    use std::sync::Arc;
+
+    use tensor_wasm_mem_cudarc::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
+
+    use crate::{Access, Backend, DeviceAccess, TwmError};
+
+    /// cudarc's context and the tenant's stream, borrowed from an open scope for `'a`.
+    #[derive(Debug)]
+    pub struct CudarcScope<'a> {
+        context: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        slices: Vec<(u64, u64, Access)>,
+        _scope: PhantomData<&'a ()>,
+    }
+
+    impl<'a> CudarcScope<'a> {
+        /// cudarc's view of `scope`: its device's context (as cudarc's `CudaContext`, which
+        /// binds it to the calling thread: cudarc's rule, and the calling thread's current
+        /// context afterwards), the tenant's stream (borrowed) and its ranges.
+        ///
+        /// A context-isolated tenant's scope is [`TwmError::Interop`] (see the module docs).
+        pub fn new<T: 'static, B: Backend>(
+            scope: &'a DeviceAccess<'_, T, B>,
+        ) -> Result<Self, TwmError> {
+            let ordinal = scope.device().0 as usize;
+            let context = CudaContext::new(ordinal)
+                .map_err(|e| TwmError::Interop(format!("cudarc context: {e:?}")))?;
+            let raw_context = context.cu_ctx() as usize as u64;
+            if scope.stream().context() != raw_context {
+                return Err(TwmError::Interop(
+                    "the tenant's stream is in a context of its own (context isolation), which \
+                     cudarc cannot borrow: launch on DeviceAccess::stream with raw driver calls"
+                        .into(),
+                ));
+            }
+            let raw_stream = scope.stream().raw() as usize as *mut _;
+            // SAFETY: the stream is the tenant's live stream in `context` (checked just now);
+            // the scope keeps it alive for `'a` (it is released after the scope closes, which
+            // needs this borrow to have ended), and every `Arc` of the wrapper is dropped with
+            // `Self`, whose lifetime is the borrow's. Work submitted through cudarc is ordered on
+            // that same stream, and the scope's close waits for it.
+            let stream = unsafe { context.wrap_borrowed_stream(raw_stream) };
+            let slices = scope
+                .slices()
+                .map(|s| (s.device_ptr(), s.len() as u64, s.access()))
+                .collect();
+            Ok(Self {
+                context,
+                stream,
+                slices,
+                _scope: PhantomData,
+            })
+        }
+
+        /// cudarc's context of the scope's device.
+        #[must_use]
+        pub fn context(&self) -> &Arc<CudaContext> {
+            &self.context
+        }
+
+        /// The tenant's stream, borrowed: launch on it.
+        #[must_use]
+        pub fn stream(&self) -> &Arc<CudaStream> {
+            &self.stream
+        }
+
+        /// Range `i` of the scope as a `CudaSlice<E>` of `len / size_of::<E>()` elements (the
+        /// range's length must be a multiple), for reading; `None` for no such range.
+        pub fn slice<E: DeviceRepr>(
+            &self,
+            i: usize,
+        ) -> Option<Result<GuestCudaSlice<'_, E>, TwmError>> {
+            self.view(i, false)
+        }
+
+        /// Range `i` as [`slice`](Self::slice) does, for writing: a range opened write or
+        /// read-write ([`Access`]); a read-only one is [`TwmError::Interop`].
+        pub fn slice_mut<E: DeviceRepr>(
+            &self,
+            i: usize,
+        ) -> Option<Result<GuestCudaSlice<'_, E>, TwmError>> {
+            self.view(i, true)
+        }
+
+        fn view<E: DeviceRepr>(
+            &self,
+            i: usize,
+            write: bool,
+        ) -> Option<Result<GuestCudaSlice<'_, E>, TwmError>> {
+            let &(ptr, bytes, access) = self.slices.get(i)?;
+            Some((|| {
+                if write && access == Access::Read {
+                    return Err(TwmError::Interop(format!("range {i} was opened read-only")));
+                }
+                let size = std::mem::size_of::<E>() as u64;
+                if size == 0 || bytes % size != 0 {
+                    return Err(TwmError::Interop(format!(
+                        "range {i} ({bytes} bytes) is not a whole number of {size}-byte elements"
+                    )));
+                }
+                let len = usize::try_from(bytes / size)
+                    .map_err(|_| TwmError::Interop(format!("range {i} is too long")))?;
+                // SAFETY: `ptr..ptr + bytes` is a checked range of the guest's live memory, valid
+                // for the scope's borrow (which the returned value keeps); `E: DeviceRepr` is
+                // plain data, and every byte pattern of guest memory is what the guest wrote. The
+                // slice is never freed by cudarc: `GuestCudaSlice` leaks it when dropped.
+                let slice = unsafe { self.stream.upgrade_device_ptr::<E>(ptr, len) };
+                Ok(GuestCudaSlice {
+                    slice: ManuallyDrop::new(slice),
+                    writable: write,
+                    _scope: PhantomData,
+                })
+            })())
+        }
+    }
+
+    /// A range of guest memory as cudarc's `CudaSlice<E>`, valid while its scope is open, never
+    /// freed by cudarc (the guest's memory is the layer's). Pass `&*slice` (or `&mut *slice`
+    /// for a writable one) to cudarc's launch builder.
+    #[derive(Debug)]
+    pub struct GuestCudaSlice<'a, E> {
+        slice: ManuallyDrop<CudaSlice<E>>,
+        writable: bool,
+        _scope: PhantomData<&'a ()>,
+    }
+
+    impl<E> GuestCudaSlice<'_, E> {
+        /// The slice, for cudarc calls that read it.
+        #[must_use]
+        pub fn get(&self) -> &CudaSlice<E> {
+            &self.slice
+        }
+
+        /// The slice, for cudarc calls that write it: `None` for a read-only range.
+        pub fn get_mut(&mut self) -> Option<&mut CudaSlice<E>> {
+            self.writable.then_some(&mut *self.slice)
+        }
+    }
+
+    impl<E> Drop for GuestCudaSlice<'_, E> {
+        fn drop(&mut self) {
+            // SAFETY: taken once, here, and never used again.
+            let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+            // The device pointer is the guest's memory: never freed by cudarc.
+            let _ = slice.leak();
+        }
+    }
+}
