@@ -58,7 +58,15 @@ const LOOP_BYTES: u32 = 16 << 20;
 
 /// A guest that fills its first `n` bytes and sums them back, over 64 MiB plus a page.
 const ROUNDTRIP: &str = r#"(module
+  (import "twm" "kernel" (func $kernel (param i32 i32) (result i32)))
+  (import "twm" "launch" (func $launch (param i32 i32 i32) (result i32)))
   (memory (export "memory") 1025 1025)
+  (data (i32.const 67108928) "increment")
+  ;; Launches the built-in increment on its first $n bytes (arguments past 64 MiB).
+  (func (export "launch") (param $n i32) (result i32)
+    (i64.store (i32.const 67108864) (i64.const 0))
+    (i64.store (i32.const 67108872) (i64.extend_i32_u (local.get $n)))
+    (call $launch (call $kernel (i32.const 67108928) (i32.const 9)) (i32.const 67108864) (i32.const 1)))
   (func (export "fill") (param $n i32) (local $i i32)
     (loop $next
       (i32.store8 (local.get $i) (local.get $i))
@@ -605,28 +613,36 @@ fn guest_loop_ms(
     Ok(per_placement.iter_mut().map(|p| median(p)).collect())
 }
 
-/// Microseconds for one round trip over `bytes`: the guest fills them, a kernel halves every
-/// byte, the guest sums them. `(through a device-access scope, with an explicit copy out to a
-/// separate buffer and back)`: what zero-copy saves against a runtime that must copy. On the
-/// mock the kernel runs on the CPU and the scope's prefetch and wait are host-side bookkeeping,
-/// so the figures measure the scope's host overhead against two copies, not a GPU.
-fn kernel_roundtrip_us(bytes: u32, sizes: Sizes, bar: &ProgressBar) -> Result<(f64, f64), Failure> {
+/// Microseconds for one round trip over `bytes`: the guest fills them, a kernel adds one to
+/// every byte, the guest sums them. `(through a device-access scope, with an explicit copy out
+/// to a separate buffer and back, the guest launching the kernel itself with twm.launch)`: what
+/// zero-copy saves against a runtime that must copy. On the mock the kernel runs on the CPU and
+/// the prefetches and waits are host-side bookkeeping, so the figures measure the layer's host
+/// overhead against two copies, not a GPU.
+fn kernel_roundtrip_us(
+    bytes: u32,
+    sizes: Sizes,
+    bar: &ProgressBar,
+) -> Result<(f64, f64, f64), Failure> {
     use tensor_wasm_mem_core::IsolationLevel;
     use tensor_wasm_mem_wasmtime::{
         AccessRange, ChargeMode, DeviceAccess, Tenant, TenantStore, instantiate, new_store,
     };
-    let halve = |b: &mut [u8]| b.iter_mut().for_each(|x| *x /= 2);
+    let increment = |b: &mut [u8]| b.iter_mut().for_each(|x| *x = x.wrapping_add(1));
     let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .kernels(tensor_wasm_mem_wasmtime::kernels::builtin())
         .build()
         .map_err(other)?;
     let engine = creator.engine().map_err(other)?;
     let module = Module::new(&engine, ROUNDTRIP).map_err(other)?;
+    let mut linker = Linker::new(&engine);
+    tensor_wasm_mem_wasmtime::add_to_linker(&mut linker).map_err(other)?;
     let tenant = Tenant::new(1, "bench", u64::MAX, IsolationLevel::StreamIsolated);
     let mut store = new_store(
         &engine,
         TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()),
     );
-    let instance = instantiate(&mut store, &Linker::new(&engine), &module).map_err(other)?;
+    let instance = instantiate(&mut store, &linker, &module).map_err(other)?;
     let memory = instance
         .get_memory(&mut store, "memory")
         .ok_or_else(|| other("no memory"))?;
@@ -636,10 +652,13 @@ fn kernel_roundtrip_us(bytes: u32, sizes: Sizes, bar: &ProgressBar) -> Result<(f
     let sum = instance
         .get_typed_func::<i32, i32>(&mut store, "sum")
         .map_err(other)?;
+    let launch = instance
+        .get_typed_func::<i32, i32>(&mut store, "launch")
+        .map_err(other)?;
     let n = bytes as i32;
     let len = bytes as usize;
     let samples = sizes.loop_samples.max(3);
-    let (mut scoped, mut copied) = (Vec::new(), Vec::new());
+    let (mut scoped, mut copied, mut launched) = (Vec::new(), Vec::new(), Vec::new());
     let mut sums = Vec::new();
     // The "device" buffer of the copying runtime, allocated once (as it would be).
     let mut device = vec![0u8; len];
@@ -650,7 +669,7 @@ fn kernel_roundtrip_us(bytes: u32, sizes: Sizes, bar: &ProgressBar) -> Result<(f
             let ranges = [AccessRange::read_write(0, u64::from(bytes))];
             let mut scope =
                 DeviceAccess::open(&mut store, &creator, &memory, &ranges).map_err(other)?;
-            halve(
+            increment(
                 scope
                     .host_bytes_mut(0)
                     .map_err(other)?
@@ -664,16 +683,29 @@ fn kernel_roundtrip_us(bytes: u32, sizes: Sizes, bar: &ProgressBar) -> Result<(f
         let start = Instant::now();
         fill.call(&mut store, n).map_err(other)?;
         device.copy_from_slice(&memory.data(&store)[..len]);
-        halve(black_box(&mut device));
+        increment(black_box(&mut device));
         memory.data_mut(&mut store)[..len].copy_from_slice(&device);
         sums.push(sum.call(&mut store, n).map_err(other)?);
         copied.push(start.elapsed().as_secs_f64() * 1e6);
+
+        let start = Instant::now();
+        fill.call(&mut store, n).map_err(other)?;
+        match launch.call(&mut store, n).map_err(other)? {
+            0 => {}
+            rc => return Err(other(format!("the guest's launch answered {rc}"))),
+        }
+        sums.push(sum.call(&mut store, n).map_err(other)?);
+        launched.push(start.elapsed().as_secs_f64() * 1e6);
     }
     if sums.windows(2).any(|w| w[0] != w[1]) {
         return Err(other("the two round trips disagree"));
     }
     bar.inc(1);
-    Ok((median(&mut scoped), median(&mut copied)))
+    Ok((
+        median(&mut scoped),
+        median(&mut copied),
+        median(&mut launched),
+    ))
 }
 
 fn resident_bytes() -> u64 {
@@ -918,7 +950,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             },
             "device_guarded_backing": backing.name(),
             "guest_loop_detail_ms": detail,
-            "kernel_roundtrip_us": roundtrips.iter().map(|(name, (scope, copy))| ((*name).to_string(), json!({"twm_scope": scope, "explicit_copy": copy}))).collect::<serde_json::Map<_, _>>(),
+            "kernel_roundtrip_us": roundtrips.iter().map(|(name, (scope, copy, guest))| ((*name).to_string(), json!({"twm_scope": scope, "explicit_copy": copy, "twm_guest_launch": guest}))).collect::<serde_json::Map<_, _>>(),
             "rss_1000_mib": rss.iter().map(|(s, v)| (twm_key(*s).to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "placement": placement,
             "launch_us": {
@@ -1016,9 +1048,13 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             );
         }
     }
-    for (name, (scope, copy)) in &roundtrips {
+    for (name, (scope, copy, guest)) in &roundtrips {
         let group = format!("kernel round trip {name}");
-        for (key, value) in [("explicit_copy", copy), ("twm_scope", scope)] {
+        for (key, value) in [
+            ("explicit_copy", copy),
+            ("twm_scope", scope),
+            ("twm_guest_launch", guest),
+        ] {
             println!(
                 "{:<26} {:<18} {:>9.3} {:<3}{:>7.2}x",
                 group,
