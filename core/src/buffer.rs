@@ -164,6 +164,8 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
 
     /// The base address as a device pointer.
     pub fn device_ptr(&self) -> u64 {
+        // A device pointer handed out: device work may touch the slot (scrubbed on the device).
+        self.device_touched();
         self.as_ptr() as usize as u64
     }
 

@@ -115,7 +115,9 @@ impl Holds {
 
 /// A hold armed by [`ModelDriver::hold_next`](crate::ModelDriver::hold_next): wait for the call
 /// to be held, then release it. Dropping it releases the call too, so a failing test never
-/// leaves a thread parked in the driver.
+/// leaves a thread parked in the driver. Holds are matched by entry point, not by caller: arm
+/// one hold per entry point at a time, and never make the held call on the thread that must
+/// release it (it would wait for itself).
 #[derive(Debug)]
 #[must_use = "the call is released when this is dropped"]
 pub struct HeldCall {

@@ -50,10 +50,8 @@ impl<V: Clone + PartialEq> RangeMap<V> {
             if value.as_ref() == Some(&v) {
                 end = end.max(e);
             } else if e > end {
+                // Reaches past the end (or starts there) with another value: keep its tail.
                 self.spans.insert(end, (e, v));
-            } else if s == end {
-                // Touches the end with another value: keep it whole.
-                self.spans.insert(s, (e, v));
             }
         }
         if let Some(v) = value {

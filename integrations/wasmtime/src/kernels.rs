@@ -623,14 +623,14 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
         block: checked.block,
     };
     let backend = creator.backend();
-    entry
-        .launcher
-        .launch(backend, &launch)
-        .and_then(|()| backend.synchronize(stream).map_err(TwmError::backend))
-        .map_err(|e| {
-            tracing::debug!(error = %e, "twm: a guest's kernel failed");
-            TWM_ERR_KERNEL_FAULT
-        })
+    let launched = entry.launcher.launch(backend, &launch);
+    // The stream is waited for whatever the launcher answered: a launcher that queued work and
+    // then failed must not let the guest run (or its memory go) while that work still writes.
+    let waited = backend.synchronize(stream).map_err(TwmError::backend);
+    launched.and(waited).map_err(|e| {
+        tracing::debug!(error = %e, "twm: a guest's kernel failed");
+        TWM_ERR_KERNEL_FAULT
+    })
 }
 
 /// A [`KernelLauncher`] for a kernel of the simulated device (the mock backend): the model's

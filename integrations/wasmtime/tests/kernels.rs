@@ -476,3 +476,54 @@ fn a_launch_on_a_reused_slot_and_launches_right_before_the_store_drops() {
     drop(b);
     assert_eq!(backend.driver().stats().scrubs_over_pending_work, 0);
 }
+
+/// A launcher that queues work and then fails: the launch is a failure for the guest, and the
+/// stream is waited for all the same, so nothing it queued still runs when the guest resumes
+/// (or its memory goes).
+#[test]
+fn a_launcher_that_queues_work_then_fails_is_waited_for() {
+    let backend = Arc::new(tensor_wasm_mem_wasmtime::mock::with_config(
+        tensor_wasm_mem_wasmtime::mock::MockConfig {
+            deferred_streams: true,
+            ..tensor_wasm_mem_wasmtime::mock::MockConfig::default()
+        },
+    ));
+    let mut registry = KernelRegistry::new();
+    registry
+        .register(
+            "half_done",
+            KernelSignature {
+                params: vec![KernelParam::Buffer {
+                    access: Access::Write,
+                    element_bytes: 1,
+                    length: BufferLength::Any,
+                }],
+                shape: LaunchShape::Fixed {
+                    grid: [1, 1, 1],
+                    block: [1, 1, 1],
+                },
+            },
+            |b: &MockBackend, l: &kernels::Launch<'_>| {
+                let (ptr, len) = l.buffers()[0];
+                // SAFETY: the launch's own checked buffer, written by a fill on its stream.
+                unsafe { b.driver().enqueue_fill(l.stream(), ptr, len as usize, 0x42) }
+                    .map_err(TwmError::from_backend)?;
+                Err(TwmError::Launch("failed after queueing".into()))
+            },
+        )
+        .unwrap();
+    let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .kernels(registry)
+        .build()
+        .unwrap();
+    let mut g = guest(&creator);
+    let k = g.kernel("half_done");
+    assert_eq!(g.launch(k, &[(X, 256)]), TWM_ERR_KERNEL_FAULT);
+    assert_eq!(
+        backend.driver().pending_work(),
+        0,
+        "the stream was waited for"
+    );
+    assert_eq!(g.memory.data(&g.store)[X as usize + 255], 0x42);
+    assert_eq!(g.tenant.stats().kernel_failures, 1);
+}
