@@ -81,7 +81,9 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         ],
     )?;
     {
-        let cuda = CudarcScope::new(&scope)?;
+        // SAFETY: nothing cudarc makes here (module, function, launch, views) outlives this
+        // block, which ends before the scope closes.
+        let cuda = unsafe { CudarcScope::new(&scope) }?;
         let ptx = cuda.context().load_module(Ptx::from_src(AXPY_PTX))?;
         let axpy = ptx.load_function("axpy")?;
         let x = cuda.slice::<f32>(0).ok_or("range 0")??;
@@ -90,7 +92,8 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let mut launch = cuda.stream().launch_builder(&axpy);
         launch.arg(&a);
         launch.arg(x.get());
-        launch.arg(y.get_mut().ok_or("writable")?);
+        let mut y = y.view_mut().ok_or("writable")?;
+        launch.arg(&mut y);
         launch.arg(&n);
         // SAFETY: `axpy(a, x, y, n)` reads `n` floats of `x` and writes `n` of `y`: both ranges
         // are exactly that long, inside the guest's memory, opened for that access; the scope

@@ -265,15 +265,22 @@ fn cudarc_interop_refuses_what_it_cannot_borrow() {
             &[AccessRange::read(0, 64), AccessRange::read_write(64, 6)],
         )
         .unwrap();
-        match CudarcScope::new(&scope) {
+        // SAFETY: nothing cudarc makes from it outlives this match, before the close.
+        match unsafe { CudarcScope::new(&scope) } {
             Ok(cuda) => {
                 assert_eq!(isolation, IsolationLevel::StreamIsolated);
                 let read_only = cuda.slice_mut::<f32>(0).expect("range 0");
                 assert!(matches!(read_only, Err(TwmError::Interop(_))));
                 let ragged = cuda.slice_mut::<f32>(1).expect("range 1");
                 assert!(matches!(ragged, Err(TwmError::Interop(_))), "6 bytes");
-                let bytes = cuda.slice_mut::<u8>(1).expect("range 1").expect("6 bytes");
+                let mut bytes = cuda.slice_mut::<u8>(1).expect("range 1").expect("6 bytes");
                 assert_eq!(bytes.get().len(), 6);
+                assert!(bytes.view_mut().is_some());
+                let mut read = cuda.slice::<u8>(0).expect("range 0").expect("64 bytes");
+                assert!(
+                    read.view_mut().is_none(),
+                    "a read-only range has no mutable view"
+                );
                 assert!(cuda.slice::<u8>(2).is_none(), "no third range");
             }
             Err(e) => {

@@ -3,7 +3,8 @@
 //!
 //! # cudarc (feature `cudarc`)
 //!
-//! `cudarc::CudarcScope::new` borrows an open [`DeviceAccess`](crate::DeviceAccess): cudarc's context for the
+//! `cudarc::CudarcScope::new` (unsafe: cudarc hands the stream out as an `Arc`, which a caller
+//! could clone past the scope) borrows an open [`DeviceAccess`](crate::DeviceAccess): cudarc's context for the
 //! scope's device (its primary context, retained by cudarc and released when dropped), the
 //! tenant's stream as a *borrowed* `CudaStream` (dropping it destroys nothing), and each range as
 //! a `CudaSlice` that cudarc never frees (a `cudarc::GuestCudaSlice`, tied to the scope's
@@ -32,7 +33,9 @@ pub mod cudarc {
     use std::mem::ManuallyDrop;
     use std::sync::Arc;
 
-    use tensor_wasm_mem_cudarc::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
+    use tensor_wasm_mem_cudarc::cudarc::driver::{
+        CudaContext, CudaSlice, CudaStream, CudaViewMut, DeviceRepr,
+    };
 
     use crate::{Access, Backend, DeviceAccess, TwmError};
 
@@ -51,7 +54,16 @@ pub mod cudarc {
         /// context afterwards), the tenant's stream (borrowed) and its ranges.
         ///
         /// A context-isolated tenant's scope is [`TwmError::Interop`] (see the module docs).
-        pub fn new<T: 'static, B: Backend>(
+        ///
+        /// # Safety
+        ///
+        /// cudarc's API takes the stream as an `Arc` (its launch builder needs `&Arc`), and an
+        /// `Arc` can be cloned past any borrow: the caller keeps no clone of
+        /// [`stream`](Self::stream), nor anything cudarc made from it or from the slices
+        /// (events, views, launch arguments), past the scope's close. After the close the
+        /// tenant's stream is released and its handle is stale (the driver may hand the same
+        /// value to another tenant's stream).
+        pub unsafe fn new<T: 'static, B: Backend>(
             scope: &'a DeviceAccess<'_, T, B>,
         ) -> Result<Self, TwmError> {
             let ordinal = scope.device().0 as usize;
@@ -147,8 +159,11 @@ pub mod cudarc {
     }
 
     /// A range of guest memory as cudarc's `CudaSlice<E>`, valid while its scope is open, never
-    /// freed by cudarc (the guest's memory is the layer's). Pass `&*slice` (or `&mut *slice`
-    /// for a writable one) to cudarc's launch builder.
+    /// freed by cudarc (the guest's memory is the layer's). Pass [`get`](Self::get) to cudarc's
+    /// launch builder for a kernel that reads it, `&mut` [`view_mut`](Self::view_mut) for one
+    /// that writes it. The slice itself is never handed out mutably: a `&mut CudaSlice` could
+    /// be swapped for another, and the guest's memory would then escape the scope as a slice
+    /// cudarc frees.
     #[derive(Debug)]
     pub struct GuestCudaSlice<'a, E> {
         slice: ManuallyDrop<CudaSlice<E>>,
@@ -163,9 +178,14 @@ pub mod cudarc {
             &self.slice
         }
 
-        /// The slice, for cudarc calls that write it: `None` for a read-only range.
-        pub fn get_mut(&mut self) -> Option<&mut CudaSlice<E>> {
-            self.writable.then_some(&mut *self.slice)
+        /// A mutable view of the slice, for cudarc calls that write it (a kernel argument,
+        /// `memcpy_htod`): `None` for a read-only range.
+        pub fn view_mut(&mut self) -> Option<CudaViewMut<'_, E>> {
+            if self.writable {
+                Some(self.slice.as_view_mut())
+            } else {
+                None
+            }
         }
     }
 
