@@ -41,6 +41,10 @@ pub const MAX_MESSAGE_CHARS: usize = 1000;
 /// of its own (see `main`).
 pub static REPORTED: AtomicBool = AtomicBool::new(false);
 
+/// The results of the runs completed so far (`--repeat`), for the watchdog's report: a run
+/// that times out in a host call still reports the runs before it.
+static COMPLETED: std::sync::Mutex<Vec<Value>> = std::sync::Mutex::new(Vec::new());
+
 /// `twm run` arguments.
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
@@ -553,7 +557,13 @@ impl RunLimits {
                     );
                     // One JSON object: none if the report is already out.
                     if json && !REPORTED.swap(true, Ordering::AcqRel) {
-                        let report = early_report(&file, backend, TIMEOUT_EXIT, &message);
+                        // Held only to push a completed run, never across a guest call.
+                        let runs = COMPLETED
+                            .lock()
+                            .map(|runs| runs.clone())
+                            .unwrap_or_default();
+                        let report =
+                            early_report(&file, backend, TIMEOUT_EXIT, &message).with_runs(runs);
                         write_fd(1, &format!("{report}\n"));
                     }
                     write_fd(2, &format!("twm: {message}\n"));
@@ -601,6 +611,18 @@ impl RunLimits {
             None => timed(store),
         }
         .map_err(|e| Failure::Other(format!("{e:#}")))
+    }
+}
+
+/// A report's runs, set after the fact.
+trait WithRuns {
+    fn with_runs(self, runs: Vec<Value>) -> Self;
+}
+
+impl WithRuns for Value {
+    fn with_runs(mut self, runs: Vec<Value>) -> Self {
+        self["runs"] = Value::Array(runs);
+        self
     }
 }
 
@@ -675,6 +697,9 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
                 outcome = Err(failure);
                 break;
             }
+        }
+        if let (Some(last), Ok(mut completed)) = (runs.last(), COMPLETED.lock()) {
+            completed.push(last.clone());
         }
     }
     drop(limits);

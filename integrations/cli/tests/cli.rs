@@ -631,6 +631,49 @@ fn timeout_ends_an_endless_loop_and_a_long_sleep_with_status_124() {
     );
 }
 
+/// A WASI guest whose first run creates `marker` in its preopened directory and returns; a later
+/// run finds it there and sleeps for 10^5 seconds in `poll_oneoff`.
+const SLEEP_ON_SECOND_RUN: &str = r#"(module
+  (import "wasi_snapshot_preview1" "path_open"
+    (func $open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "poll_oneoff"
+    (func $poll (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 200) "marker")
+  (func (export "_start")
+    ;; O_CREAT | O_EXCL: succeeds only when the marker is not there yet.
+    (if (i32.eqz (call $open (i32.const 3) (i32.const 0) (i32.const 200) (i32.const 6)
+                   (i32.const 5) (i64.const 64) (i64.const 0) (i32.const 0) (i32.const 300)))
+      (then (return)))
+    (i32.store (i32.const 16) (i32.const 1))
+    (i64.store (i32.const 24) (i64.const 100000000000000))
+    (drop (call $poll (i32.const 0) (i32.const 64) (i32.const 1) (i32.const 128)))))"#;
+
+/// The watchdog's JSON report keeps the runs completed before the one it ended.
+#[test]
+fn a_timed_out_repeat_reports_the_runs_before_it() {
+    let guest = module_file("sleep2.wat", SLEEP_ON_SECOND_RUN.as_bytes());
+    let dir = std::env::temp_dir().join(format!("twm-cli-marker-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let o = twm(&[
+        "run",
+        guest.to_str().unwrap(),
+        "--dir",
+        dir.to_str().unwrap(),
+        "--repeat",
+        "3",
+        "--timeout",
+        "300ms",
+        "--json",
+    ]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(o.status.code(), Some(124), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("one object");
+    assert_eq!(v["error"]["exit_code"], 124, "{v}");
+    assert_eq!(v["runs"].as_array().map(Vec::len), Some(1), "{v}");
+}
+
 #[test]
 fn fuel_ends_a_loop_as_a_trap() {
     let spin = module_file("spin.wat", SPIN.as_bytes());
