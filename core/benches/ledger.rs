@@ -4,10 +4,10 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use tensor_wasm_mem_core::{IsolationLevel, TenantContext, TenantId};
+use tensor_wasm_mem_core::{IsolationLevel, TenantId, TenantLedger};
 
 fn ledger(c: &mut Criterion) {
-    let tenant = Arc::new(TenantContext::new(
+    let tenant = Arc::new(TenantLedger::new(
         TenantId(1),
         1 << 30,
         IsolationLevel::StreamIsolated,

@@ -32,7 +32,7 @@ use crate::driver::{
 };
 use crate::error::{BackendError, ErrorKind};
 use crate::isolation::IsolationLevel;
-use crate::ledger::{TenantContext, TenantId, TenantKey};
+use crate::ledger::{TenantId, TenantKey, TenantLedger};
 use crate::pools::{DevicePoolConfig, TenantDevicePool};
 use crate::stream::{DEFAULT_STREAM, Stream, StreamProvider};
 
@@ -524,7 +524,7 @@ type Body<'a> = Box<dyn FnOnce() + Send + 'a>;
 /// A device pool of `tenant` on device 0 of `backend`.
 fn pool_of(
     backend: &Arc<DriverBackend<Fake>>,
-    tenant: &Arc<TenantContext>,
+    tenant: &Arc<TenantLedger>,
 ) -> TenantDevicePool<Arc<DriverBackend<Fake>>> {
     TenantDevicePool::new(
         Arc::clone(backend),
@@ -612,7 +612,7 @@ fn overlapping_users_share_one_context_under_every_interleaving() {
 fn a_pool_free_racing_an_allocation_keeps_the_ledger_exact() {
     let runs = Scheduler::explore(|| {
         let backend = Arc::new(DriverBackend::new(Fake::default()));
-        let tenant = Arc::new(TenantContext::new(
+        let tenant = Arc::new(TenantLedger::new(
             TenantId(1),
             2 * BLOCK as u64,
             IsolationLevel::Shared,
@@ -657,7 +657,7 @@ fn a_pool_free_racing_an_allocation_keeps_the_ledger_exact() {
 #[test]
 fn releasing_the_shared_stream_waits_for_it() {
     let backend = DriverBackend::new(Fake::default());
-    let tenant = TenantContext::new(TenantId(1), u64::MAX, IsolationLevel::Shared);
+    let tenant = TenantLedger::new(TenantId(1), u64::MAX, IsolationLevel::Shared);
     let shared = backend
         .acquire_stream(tenant.key(), IsolationLevel::Shared)
         .expect("stream");
@@ -671,7 +671,7 @@ fn releasing_the_shared_stream_waits_for_it() {
 #[test]
 fn teardown_is_ordered_on_the_stream_that_used_the_memory() {
     let backend = Arc::new(DriverBackend::new(Fake::default()));
-    let tenant = Arc::new(TenantContext::new(
+    let tenant = Arc::new(TenantLedger::new(
         TenantId(1),
         u64::MAX,
         IsolationLevel::ContextIsolated,

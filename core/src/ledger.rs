@@ -12,9 +12,9 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use tensor_wasm_mem_core::{IsolationLevel, TenantContext, TenantId};
+//! use tensor_wasm_mem_core::{IsolationLevel, TenantLedger, TenantId};
 //!
-//! let tenant = Arc::new(TenantContext::new(TenantId(1), 1 << 20, IsolationLevel::default()));
+//! let tenant = Arc::new(TenantLedger::new(TenantId(1), 1 << 20, IsolationLevel::default()));
 //! let a = tenant.try_reserve(768 << 10).unwrap();
 //! assert!(tenant.try_reserve(512 << 10).is_err()); // would pass the 1 MiB cap: denied
 //! drop(a);
@@ -38,16 +38,16 @@ use crate::plan::DEFAULT_MAX_BYTES;
 pub struct TenantId(pub u64);
 
 /// Identifies one tenant object in a backend's tables: its [`TenantId`] and a serial number
-/// unique in the process, minted by [`TenantKey::fresh`] (each [`TenantContext`] mints its own).
+/// unique in the process, minted by [`TenantKey::fresh`] (each [`TenantLedger`] mints its own).
 ///
 /// Two tenants made with the same id get different keys, so they never share an isolated context,
 /// a stream or a pool, and cannot release each other's: identity cannot collide by accident.
 ///
 /// ```
-/// use tensor_wasm_mem_core::{IsolationLevel, TenantContext, TenantId};
+/// use tensor_wasm_mem_core::{IsolationLevel, TenantLedger, TenantId};
 ///
-/// let a = TenantContext::new(TenantId(7), 1 << 20, IsolationLevel::ContextIsolated);
-/// let b = TenantContext::new(TenantId(7), 1 << 20, IsolationLevel::ContextIsolated);
+/// let a = TenantLedger::new(TenantId(7), 1 << 20, IsolationLevel::ContextIsolated);
+/// let b = TenantLedger::new(TenantId(7), 1 << 20, IsolationLevel::ContextIsolated);
 /// assert_eq!(a.key().id(), b.key().id());
 /// assert_ne!(a.key(), b.key());
 /// ```
@@ -371,7 +371,7 @@ pub struct LedgerStats {
 }
 
 /// Running totals of many tenants' ledgers: the members (tenants made with
-/// [`TenantContext::in_group`] on it and not yet dropped), their committed caps (each member's
+/// [`TenantLedger::in_group`] on it and not yet dropped), their committed caps (each member's
 /// touched budget, from its creation until the ledger itself drops, whoever holds it last), and
 /// the touched and held bytes they have charged now, kept as they charge and uncharge (one
 /// atomic add each), so a group's figures cost one load however many tenants it has. What
@@ -415,6 +415,13 @@ impl LedgerGroup {
     }
 }
 
+/// The former name of [`TenantLedger`] (it is the tenant's books, not a CUDA context).
+#[deprecated(
+    since = "0.1.0",
+    note = "renamed TenantLedger: the tenant's books, not a CUDA context"
+)]
+pub type TenantContext = TenantLedger;
+
 /// A tenant: an identity, hard budgets ([`TenantBudgets`]), an isolation level, and the ledger
 /// that enforces them.
 ///
@@ -422,7 +429,7 @@ impl LedgerGroup {
 /// its limit. A reservation that counts against two budgets ([`Purpose::DevicePool`]) takes the
 /// first, then the second, and gives the first back if the second refuses.
 #[derive(Debug)]
-pub struct TenantContext {
+pub struct TenantLedger {
     key: TenantKey,
     isolation: IsolationLevel,
     touched: Meter,
@@ -437,7 +444,7 @@ pub struct TenantContext {
     group: Option<Arc<LedgerGroup>>,
 }
 
-impl TenantContext {
+impl TenantLedger {
     /// A tenant with a cap of `cap_bytes` (`u64::MAX` for none) at `isolation`, the other
     /// budgets at their defaults for that cap ([`TenantBudgets::for_cap`]), and a fresh
     /// [`TenantKey`].
@@ -669,7 +676,7 @@ impl TenantContext {
     }
 }
 
-impl Drop for TenantContext {
+impl Drop for TenantLedger {
     /// Leaves the group: the cap is no longer committed there, and what the tenant still has
     /// charged (only stranded bytes can be: every other reservation keeps the tenant alive)
     /// leaves the group's totals with it, so a group's totals are always the sum over its
@@ -692,7 +699,7 @@ impl Drop for TenantContext {
 #[derive(Debug)]
 #[must_use = "dropping a reservation gives its bytes back at once"]
 pub struct Reservation {
-    tenant: Arc<TenantContext>,
+    tenant: Arc<TenantLedger>,
     bytes: u64,
     purpose: Purpose,
 }
@@ -737,7 +744,7 @@ impl Reservation {
 
     /// The tenant charged.
     #[must_use]
-    pub fn tenant(&self) -> &Arc<TenantContext> {
+    pub fn tenant(&self) -> &Arc<TenantLedger> {
         &self.tenant
     }
 
@@ -771,8 +778,8 @@ mod tests {
     use alloc::string::ToString;
     use alloc::vec::Vec;
 
-    fn tenant(cap: u64) -> Arc<TenantContext> {
-        Arc::new(TenantContext::new(
+    fn tenant(cap: u64) -> Arc<TenantLedger> {
+        Arc::new(TenantLedger::new(
             TenantId(7),
             cap,
             IsolationLevel::StreamIsolated,
@@ -783,13 +790,13 @@ mod tests {
     fn a_group_sums_its_tenants_as_they_charge() {
         let group = Arc::new(LedgerGroup::default());
         let budgets = TenantBudgets::for_cap(100);
-        let a = Arc::new(TenantContext::in_group(
+        let a = Arc::new(TenantLedger::in_group(
             TenantId(1),
             budgets,
             IsolationLevel::default(),
             Arc::clone(&group),
         ));
-        let b = Arc::new(TenantContext::in_group(
+        let b = Arc::new(TenantLedger::in_group(
             TenantId(2),
             budgets,
             IsolationLevel::default(),
@@ -904,7 +911,7 @@ mod tests {
             held_bytes: 1000,
             memories: 2,
         };
-        let t = Arc::new(TenantContext::with_budgets(
+        let t = Arc::new(TenantLedger::with_budgets(
             TenantId(3),
             budgets,
             IsolationLevel::Shared,
@@ -1047,7 +1054,7 @@ mod model {
         #![proptest_config(ProptestConfig::with_cases(512))]
         #[test]
         fn ledger_matches_the_model(cap in 0u64..1000, ops in proptest::collection::vec(op(), 1..60)) {
-            let t = Arc::new(TenantContext::new(TenantId(1), cap, IsolationLevel::Shared));
+            let t = Arc::new(TenantLedger::new(TenantId(1), cap, IsolationLevel::Shared));
             // The model: the bytes and purpose of each live reservation, and the counters.
             let mut held: Vec<(Reservation, u64, bool)> = Vec::new();
             let (mut peak, mut denials, mut granted) = (0u64, 0u64, 0u64);

@@ -39,9 +39,11 @@ pub use driver::{
 pub use error::{BackendError, Error, ErrorKind, ErrorType, Operation, RangeError, check_range};
 pub use host::{HostAccess, HostMemory};
 pub use isolation::IsolationLevel;
+#[allow(deprecated)]
+pub use ledger::TenantContext;
 pub use ledger::{
-    Budget, Denied, LedgerGroup, LedgerStats, Purpose, Reservation, TenantBudgets, TenantContext,
-    TenantId, TenantKey,
+    Budget, Denied, LedgerGroup, LedgerStats, Purpose, Reservation, TenantBudgets, TenantId,
+    TenantKey, TenantLedger,
 };
 pub use plan::{
     DEFAULT_MAX_BYTES, HARD_MAX_LINEAR_MEMORY_BYTES, MemoryPlan, MemoryType, PlanError, PlanLimits,

@@ -8,7 +8,7 @@ use hashbrown::HashMap;
 use crate::device::DeviceId;
 use crate::error::{Error, ErrorType, Operation};
 use crate::isolation::IsolationLevel;
-use crate::ledger::{Purpose, Reservation, TenantContext, TenantId, TenantKey};
+use crate::ledger::{Purpose, Reservation, TenantId, TenantKey, TenantLedger};
 use crate::stream::{DEFAULT_STREAM, Stream};
 
 /// How to make a device memory pool.
@@ -223,7 +223,7 @@ forward_pools!(&T, alloc::boxed::Box<T>, alloc::sync::Arc<T>);
 /// tensors a kernel writes). Drivers offer stream-ordered memory pools for that, but a pool's
 /// "release threshold" only says how much *freed* memory the pool keeps: it is no ceiling.
 /// [`TenantDevicePool`] is the ceiling: every byte is charged to the tenant's one
-/// [`TenantContext`] ledger (the same cap as its linear memories, [`Purpose::DevicePool`]) before
+/// [`TenantLedger`] ledger (the same cap as its linear memories, [`Purpose::DevicePool`]) before
 /// the driver is asked, and given back when freed. The driver's own pool maximum
 /// ([`DevicePoolConfig::max_bytes`], `CUmemPoolProps.maxSize` where the driver has it) is a second
 /// line behind the ledger.
@@ -241,7 +241,7 @@ forward_pools!(&T, alloc::boxed::Box<T>, alloc::sync::Arc<T>);
 /// was made on), destroys the pool and gives every byte back to the ledger.
 pub struct TenantDevicePool<P: DevicePools> {
     backend: P,
-    tenant: Arc<TenantContext>,
+    tenant: Arc<TenantLedger>,
     pool: Option<PoolHandle>,
     /// device pointer -> the ledger charge for it
     live: spin::Mutex<HashMap<u64, Reservation>>,
@@ -261,7 +261,7 @@ impl<P: DevicePools> TenantDevicePool<P> {
     /// Makes a pool for `tenant` on `device`.
     pub fn new(
         backend: P,
-        tenant: Arc<TenantContext>,
+        tenant: Arc<TenantLedger>,
         device: DeviceId,
         config: &DevicePoolConfig,
     ) -> Result<Self, Error<P::Error>> {
@@ -282,7 +282,7 @@ impl<P: DevicePools> TenantDevicePool<P> {
     }
 
     /// The tenant.
-    pub fn tenant(&self) -> &Arc<TenantContext> {
+    pub fn tenant(&self) -> &Arc<TenantLedger> {
         &self.tenant
     }
 
@@ -459,10 +459,8 @@ mod tests {
     }
 
     /// A tenant with a cap of 100 bytes, its shared stream, and its pool on `backend`.
-    fn tenant_pool(
-        backend: &Counting,
-    ) -> (Arc<TenantContext>, Stream, TenantDevicePool<&Counting>) {
-        let tenant = Arc::new(TenantContext::new(TenantId(4), 100, IsolationLevel::Shared));
+    fn tenant_pool(backend: &Counting) -> (Arc<TenantLedger>, Stream, TenantDevicePool<&Counting>) {
+        let tenant = Arc::new(TenantLedger::new(TenantId(4), 100, IsolationLevel::Shared));
         let stream = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
         let pool = TenantDevicePool::new(
             backend,

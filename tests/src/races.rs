@@ -11,8 +11,8 @@ use std::thread;
 
 use tensor_wasm_mem_core::{
     Advisor, Allocation, BackendError, DeviceId, DevicePoolConfig, DevicePools, Error, ErrorKind,
-    IsolationLevel, ManagedAllocator, Operation, Stream, StreamProvider, TenantContext,
-    TenantDevicePool, TenantId, TenantKey,
+    IsolationLevel, ManagedAllocator, Operation, Stream, StreamProvider, TenantDevicePool,
+    TenantId, TenantKey, TenantLedger,
 };
 
 use crate::Harness;
@@ -120,8 +120,8 @@ pub fn context_storm_keeps_every_stream_usable<H: Harness>() {
 pub fn tenants_sharing_an_id_are_isolated<H: Harness>() {
     let b = H::backend();
     let level = IsolationLevel::ContextIsolated;
-    let alice = TenantContext::new(TenantId(5), 1 << 20, level);
-    let mallory = TenantContext::new(TenantId(5), 1 << 20, level);
+    let alice = TenantLedger::new(TenantId(5), 1 << 20, level);
+    let mallory = TenantLedger::new(TenantId(5), 1 << 20, level);
     let a = b.acquire_stream(alice.key(), level).expect("alice");
     let m = b.acquire_stream(mallory.key(), level).expect("mallory");
     assert_eq!(a.tenant(), m.tenant(), "the same id");
@@ -150,7 +150,7 @@ pub fn tenants_sharing_an_id_are_isolated<H: Harness>() {
 
 fn pool_for<H: Harness>(
     b: &Arc<H::Backend>,
-    tenant: &Arc<TenantContext>,
+    tenant: &Arc<TenantLedger>,
 ) -> Option<TenantDevicePool<Arc<H::Backend>>> {
     if !H::has_device_pools(b) {
         return None;
@@ -163,7 +163,7 @@ fn pool_for<H: Harness>(
     Some(TenantDevicePool::new(Arc::clone(b), Arc::clone(tenant), D0, &config).expect("pool"))
 }
 
-fn shared_stream(tenant: &TenantContext) -> Stream {
+fn shared_stream(tenant: &TenantLedger) -> Stream {
     Stream::new(
         tensor_wasm_mem_core::DEFAULT_STREAM,
         0,
@@ -178,7 +178,7 @@ fn shared_stream(tenant: &TenantContext) -> Stream {
 /// 12,288 bytes live under an 8,192 cap.)
 pub fn device_pool_cap_holds_when_a_free_returns_late<H: Harness>() {
     let b = H::backend();
-    let tenant = Arc::new(TenantContext::new(
+    let tenant = Arc::new(TenantLedger::new(
         TenantId(1),
         2 * BLOCK as u64,
         IsolationLevel::Shared,
@@ -231,7 +231,7 @@ pub fn device_pool_cap_holds_when_a_free_returns_late<H: Harness>() {
 pub fn device_pool_cap_holds_under_contention<H: Harness>() {
     let cycles = H::rounds(3000);
     let b = H::backend();
-    let tenant = Arc::new(TenantContext::new(
+    let tenant = Arc::new(TenantLedger::new(
         TenantId(1),
         2 * BLOCK as u64,
         IsolationLevel::Shared,
@@ -392,7 +392,7 @@ pub fn context_stack_is_left_as_it_was<H: Harness>() {
         return skip("no context stack");
     }
     let before = H::context_stack(&b).expect("inspectable");
-    let tenant = Arc::new(TenantContext::new(
+    let tenant = Arc::new(TenantLedger::new(
         TenantId(1),
         u64::MAX,
         IsolationLevel::ContextIsolated,
@@ -443,7 +443,7 @@ pub fn context_stack_is_left_as_it_was<H: Harness>() {
 /// ordered on a stream the pool's tenant does not own, in another tenant's context).
 pub fn device_pool_refuses_another_tenants_stream<H: Harness>() {
     let b = H::backend();
-    let alice = Arc::new(TenantContext::new(
+    let alice = Arc::new(TenantLedger::new(
         TenantId(1),
         u64::MAX,
         IsolationLevel::StreamIsolated,

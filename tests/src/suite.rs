@@ -9,7 +9,7 @@ use tensor_wasm_mem_core::{
     Advice, Advisor, Allocation, BackendError, DeviceId, DevicePoolConfig, DevicePools, Error,
     ErrorKind, HostAccess, HostMemory, IsolationLevel, Location, MIN_ALIGN, ManagedAllocator,
     Operation, PoolAllocation, PoolConfig, PoolError, SizeClass, SlotPool, Stream, StreamLease,
-    StreamProvider, TenantContext, TenantDevicePool, TenantId, TenantKey, UnifiedBuffer,
+    StreamProvider, TenantDevicePool, TenantId, TenantKey, TenantLedger, UnifiedBuffer,
 };
 
 use crate::Harness;
@@ -18,8 +18,8 @@ use crate::runner::skip;
 const PAGE: usize = 1 << 16;
 const D0: DeviceId = DeviceId(0);
 
-fn tenant(id: u64, cap: u64) -> Arc<TenantContext> {
-    Arc::new(TenantContext::new(
+fn tenant(id: u64, cap: u64) -> Arc<TenantLedger> {
+    Arc::new(TenantLedger::new(
         TenantId(id),
         cap,
         IsolationLevel::StreamIsolated,
@@ -1053,7 +1053,7 @@ pub fn injected_free_failure_is_reported<H: Harness>() {
 fn instance_life<H: Harness>(
     b: &Arc<H::Backend>,
     p: &Arc<SlotPool<Arc<H::Backend>>>,
-    t: &Arc<TenantContext>,
+    t: &Arc<TenantLedger>,
 ) -> Result<(), ErrorKind> {
     let mut charge = t.try_reserve(PAGE as u64).map_err(|e| e.kind())?;
     let mut memory = p.acquire(4 * PAGE, PAGE).map_err(|e| e.kind())?;
@@ -1097,7 +1097,7 @@ pub fn failures_at_every_step_leave_nothing<H: Harness>() {
         for nth in 1..=3 {
             let b = H::backend();
             let p = pool::<H>(&b, &[SizeClass::new(4 * PAGE, 2)]);
-            let t = Arc::new(TenantContext::new(
+            let t = Arc::new(TenantLedger::new(
                 TenantId(1),
                 16 * PAGE as u64,
                 IsolationLevel::ContextIsolated,
@@ -1131,7 +1131,7 @@ pub fn failures_at_every_step_leave_nothing<H: Harness>() {
 /// `Unsupported`) when the backend has no pools.
 fn device_pool<H: Harness>(
     b: &Arc<H::Backend>,
-    tenant: &Arc<TenantContext>,
+    tenant: &Arc<TenantLedger>,
     config: &DevicePoolConfig,
 ) -> Option<TenantDevicePool<Arc<H::Backend>>> {
     let made = TenantDevicePool::new(Arc::clone(b), Arc::clone(tenant), D0, config);
@@ -1144,7 +1144,7 @@ fn device_pool<H: Harness>(
     }
 }
 
-fn shared(tenant: &TenantContext) -> Stream {
+fn shared(tenant: &TenantLedger) -> Stream {
     Stream::new(
         tensor_wasm_mem_core::DEFAULT_STREAM,
         0,

@@ -89,7 +89,7 @@ fn r2_pool_teardown_racing_stream_release() {
     let worst = Arc::new(Mutex::new(String::new()));
     let runs = Scheduler::explore(|| {
         let backend = Arc::new(DriverBackend::new(Fake::default()));
-        let tenant = Arc::new(TenantContext::new(
+        let tenant = Arc::new(TenantLedger::new(
             TenantId(1),
             u64::MAX,
             IsolationLevel::ContextIsolated,
@@ -324,7 +324,7 @@ fn r6_refused_pool_free_racing_destroy_forgets_the_block() {
 #[test]
 fn r7_a_refused_teardown_free_retried_by_the_destroy_charges_exactly() {
     let backend = Arc::new(DriverBackend::new(Fake::default()));
-    let tenant = Arc::new(TenantContext::new(
+    let tenant = Arc::new(TenantLedger::new(
         TenantId(1),
         u64::MAX,
         IsolationLevel::Shared,
@@ -389,7 +389,7 @@ fn r8_synchronize_racing_release_pushes_a_dead_context() {
 #[test]
 fn r9_teardown_frees_on_another_tenants_stream_after_handle_reuse() {
     let backend = Arc::new(DriverBackend::new(fake_with(|s| s.reuse_streams = true)));
-    let a = Arc::new(TenantContext::new(
+    let a = Arc::new(TenantLedger::new(
         TenantId(1),
         u64::MAX,
         IsolationLevel::StreamIsolated,
@@ -426,12 +426,12 @@ fn r9_teardown_frees_on_another_tenants_stream_after_handle_reuse() {
 #[test]
 fn r10_pool_accepts_another_tenants_stream() {
     let backend = Arc::new(DriverBackend::new(Fake::default()));
-    let a = Arc::new(TenantContext::new(
+    let a = Arc::new(TenantLedger::new(
         TenantId(7),
         u64::MAX,
         IsolationLevel::ContextIsolated,
     ));
-    let b = Arc::new(TenantContext::new(
+    let b = Arc::new(TenantLedger::new(
         TenantId(7),
         u64::MAX,
         IsolationLevel::ContextIsolated,
@@ -455,7 +455,7 @@ fn r10_pool_accepts_another_tenants_stream() {
 /// Two pools of one tenant, each with a block allocated on the tenant's stream `s`.
 struct TwoPools {
     backend: Arc<DriverBackend<Fake>>,
-    tenant: Arc<TenantContext>,
+    tenant: Arc<TenantLedger>,
     first: TenantDevicePool<Arc<DriverBackend<Fake>>>,
     second: TenantDevicePool<Arc<DriverBackend<Fake>>>,
     s: Stream,
@@ -463,7 +463,7 @@ struct TwoPools {
 
 fn two_pools(level: IsolationLevel) -> TwoPools {
     let backend = Arc::new(DriverBackend::new(Fake::default()));
-    let tenant = Arc::new(TenantContext::new(TenantId(1), u64::MAX, level));
+    let tenant = Arc::new(TenantLedger::new(TenantId(1), u64::MAX, level));
     let pool = || pool_of(&backend, &tenant);
     let (first, second) = (pool(), pool());
     let s = backend.acquire_stream(tenant.key(), level).expect("stream");
@@ -608,7 +608,7 @@ fn s2_release_returns_before_waiting_when_a_teardown_uses_the_stream() {
 #[test]
 fn s3_a_partly_successful_destroy_retry_never_undercharges_the_tenant() {
     let backend = Arc::new(DriverBackend::new(Fake::default()));
-    let tenant = Arc::new(TenantContext::new(
+    let tenant = Arc::new(TenantLedger::new(
         TenantId(1),
         u64::MAX,
         IsolationLevel::Shared,
@@ -647,7 +647,7 @@ fn s3_a_partly_successful_destroy_retry_never_undercharges_the_tenant() {
 #[test]
 fn s3b_a_refused_pool_destroy_never_undercharges_the_tenant() {
     let backend = Arc::new(DriverBackend::new(Fake::default()));
-    let tenant = Arc::new(TenantContext::new(
+    let tenant = Arc::new(TenantLedger::new(
         TenantId(1),
         u64::MAX,
         IsolationLevel::Shared,
@@ -738,7 +738,7 @@ fn s4_an_allocation_finishing_into_a_retired_pool_is_returned_already_freed() {
 fn h1_use_release_and_teardown_of_one_stream_under_every_schedule() {
     let runs = Scheduler::explore(|| {
         let backend = Arc::new(DriverBackend::new(Fake::default()));
-        let tenant = Arc::new(TenantContext::new(
+        let tenant = Arc::new(TenantLedger::new(
             TenantId(1),
             u64::MAX,
             IsolationLevel::ContextIsolated,

@@ -332,7 +332,7 @@ mod tests {
     use crate::doc_support::HeapAllocator;
     use crate::mocks::{MockBackend, MockError};
     use crate::{
-        Advice, Capabilities, IsolationLevel, Location, Stream, TenantContext, TenantId, TenantKey,
+        Advice, Capabilities, IsolationLevel, Location, Stream, TenantId, TenantKey, TenantLedger,
     };
     use crate::{DeviceId, ErrorKind};
     use alloc::vec::Vec;
@@ -640,7 +640,7 @@ mod tests {
         let config = PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 1)]);
         let pool = Arc::new(SlotPool::new(mock, config).unwrap());
         drop(pool.acquire(PAGE, PAGE).unwrap()); // dirty to one page
-        let tenant = Arc::new(TenantContext::new(
+        let tenant = Arc::new(TenantLedger::new(
             TenantId(3),
             PAGE as u64,
             IsolationLevel::Shared,

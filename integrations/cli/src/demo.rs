@@ -174,12 +174,12 @@ pub fn demo<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(), Failure>
             DEFAULT_STREAM,
             0,
             IsolationLevel::Shared,
-            tenant.context().key(),
+            tenant.ledger().key(),
         )
         .on_device(tenant.device());
         match TenantDevicePool::new(
             std::sync::Arc::clone(creator.backend()),
-            std::sync::Arc::clone(tenant.context()),
+            std::sync::Arc::clone(tenant.ledger()),
             tenant.device(),
             &pool_config,
         ) {
@@ -221,7 +221,7 @@ pub fn demo<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(), Failure>
             let checksum = instance
                 .get_typed_func::<(), i32>(&mut store, "checksum")
                 .map_err(|e| other(&e))?;
-            let seed = tenant.context().id().0 as i32;
+            let seed = tenant.ledger().id().0 as i32;
             let device = tenant.device().0 as i32;
             let got = fill
                 .call(&mut store, (seed, *pages, device))
@@ -261,8 +261,8 @@ pub fn demo<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(), Failure>
                 round,
                 tenant.name(),
                 tenant.device().0,
-                tenant.context().isolation().name(),
-                format_bytes(tenant.context().cap()),
+                tenant.ledger().isolation().name(),
+                format_bytes(tenant.ledger().cap()),
                 format_bytes(*pages as u64 * 65536),
                 format_bytes(got as u64 * 65536),
                 before as u32,

@@ -63,7 +63,7 @@ impl MemoryCharge {
             ChargeMode::Capacity => capacity,
         };
         let mut touched =
-            granted.unwrap_or_else(|| tenant.context().empty_reservation(Purpose::LinearMemory));
+            granted.unwrap_or_else(|| tenant.ledger().empty_reservation(Purpose::LinearMemory));
         let missing = owed.saturating_sub(touched.bytes());
         if missing > 0 {
             touched
@@ -119,7 +119,7 @@ impl MemoryCharge {
         }
         let mut grant = grant.unwrap_or_else(|| {
             self.tenant
-                .context()
+                .ledger()
                 .empty_reservation(Purpose::LinearMemory)
         });
         let missing = extra.saturating_sub(grant.bytes());
@@ -180,7 +180,7 @@ pub(crate) struct StoreBooks {
 
 impl StoreBooks {
     pub(crate) fn new(tenant: Arc<Tenant>, mode: ChargeMode) -> Arc<Self> {
-        let context = tenant.context();
+        let context = tenant.ledger();
         Arc::new(Self {
             tables: Mutex::new(context.empty_reservation(Purpose::Table)),
             settled: Mutex::new(context.empty_reservation(Purpose::LinearMemory)),
@@ -232,7 +232,7 @@ impl StoreBooks {
         self.settle();
         let grant = self
             .tenant
-            .context()
+            .ledger()
             .try_reserve_for(bytes, Purpose::LinearMemory)?;
         let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
         *lock(&self.open) = Some(OpenGrant { ticket, grant });

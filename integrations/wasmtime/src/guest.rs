@@ -99,8 +99,8 @@ impl<B: Backend> GuestContext<B> {
     pub fn new(creator: TensorWasmMemoryCreator<B>, tenant: &Tenant) -> Self {
         Self {
             creator,
-            tenant: tenant.context().key(),
-            isolation: tenant.context().isolation(),
+            tenant: tenant.ledger().key(),
+            isolation: tenant.ledger().isolation(),
             devices: tenant.devices().to_vec(),
             stream: None,
             store: None,

@@ -765,7 +765,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             isolation =
                 charge
                     .as_ref()
-                    .map_or("untenanted", |c| c.tenant().context().isolation().name()),
+                    .map_or("untenanted", |c| c.tenant().ledger().isolation().name()),
             device = device.0,
             initial = sizes.initial,
             capacity = sizes.capacity,

@@ -6,9 +6,9 @@
 //! budgets) of the tenants placed there, plus the new one's, fit in its capacity (by default its
 //! memory as the driver reports it; an embedder may overcommit by giving more, since managed
 //! memory is demand-paged). What a tenant committed goes back when its ledger drops (the last
-//! of the [`Tenant`], its device pools and any clone of its [`TenantContext`]).
+//! of the [`Tenant`], its device pools and any clone of its [`TenantLedger`]).
 //!
-//! [`TenantContext`]: tensor_wasm_mem_core::TenantContext A device can be marked unavailable (drained, or failed): it takes no new
+//! [`TenantLedger`]: tensor_wasm_mem_core::TenantLedger A device can be marked unavailable (drained, or failed): it takes no new
 //! tenant, and its tenants go on as they can.
 
 use std::fmt;

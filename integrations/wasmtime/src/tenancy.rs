@@ -51,7 +51,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use tensor_wasm_mem_core::{
     Denied, DeviceId, IsolationLevel, LedgerGroup, MemoryPlan, PlanLimits, Purpose, Reservation,
-    Stream, TenantBudgets, TenantContext, TenantId, TenantKey,
+    Stream, TenantBudgets, TenantId, TenantKey, TenantLedger,
 };
 use wasmtime::{
     AsContextMut, Instance, InstancePre, Linker, Module, ResourceLimiter, ResourcesRequired, Store,
@@ -77,7 +77,7 @@ pub enum ChargeMode {
     Capacity,
 }
 
-/// A tenant: its ledger ([`TenantContext`]), a name for errors and reports, memory counts, and
+/// A tenant: its ledger ([`TenantLedger`]), a name for errors and reports, memory counts, and
 /// the devices it is bound to.
 ///
 /// A tenant is bound to one device or a set of them (device 0 unless made with
@@ -87,7 +87,7 @@ pub enum ChargeMode {
 /// ([`may_use`](Self::may_use)), and no other.
 #[derive(Debug)]
 pub struct Tenant {
-    context: Arc<TenantContext>,
+    context: Arc<TenantLedger>,
     name: String,
     memories_created: AtomicU64,
     devices: Vec<DeviceId>,
@@ -206,8 +206,8 @@ impl Tenant {
         group: Option<Arc<LedgerGroup>>,
     ) -> Self {
         let context = match group {
-            Some(group) => TenantContext::in_group(TenantId(id), budgets, isolation, group),
-            None => TenantContext::with_budgets(TenantId(id), budgets, isolation),
+            Some(group) => TenantLedger::in_group(TenantId(id), budgets, isolation, group),
+            None => TenantLedger::with_budgets(TenantId(id), budgets, isolation),
         };
         Self {
             context: Arc::new(context),
@@ -241,9 +241,19 @@ impl Tenant {
         self.devices.contains(&device)
     }
 
-    /// The ledger.
+    /// The tenant's books: its budgets, reservations and figures.
     #[must_use]
-    pub fn context(&self) -> &Arc<TenantContext> {
+    pub fn ledger(&self) -> &Arc<TenantLedger> {
+        &self.context
+    }
+
+    /// The former name of [`ledger`](Self::ledger).
+    #[deprecated(
+        since = "0.1.0",
+        note = "renamed ledger(): the tenant's books, not a CUDA context"
+    )]
+    #[must_use]
+    pub fn context(&self) -> &Arc<TenantLedger> {
         &self.context
     }
 

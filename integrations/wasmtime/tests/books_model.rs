@@ -463,14 +463,14 @@ impl World {
         if m.pool.is_none() {
             let pool = TenantDevicePool::new(
                 Arc::clone(&backend),
-                Arc::clone(tenant.context()),
+                Arc::clone(tenant.ledger()),
                 m.device,
                 &DevicePoolConfig::default(),
             )
             .unwrap();
             let lease = StreamLease::acquire_on(
                 backend,
-                tenant.context().key(),
+                tenant.ledger().key(),
                 IsolationLevel::StreamIsolated,
                 m.device,
             )

@@ -471,7 +471,7 @@ fn a_commitment_lasts_as_long_as_the_ledger_not_the_tenant() {
     };
     let pool = TenantDevicePool::new(
         Arc::clone(&backend),
-        Arc::clone(tenant.context()),
+        Arc::clone(tenant.ledger()),
         device,
         &config,
     )
@@ -480,7 +480,7 @@ fn a_commitment_lasts_as_long_as_the_ledger_not_the_tenant() {
         DEFAULT_STREAM,
         0,
         IsolationLevel::Shared,
-        tenant.context().key(),
+        tenant.ledger().key(),
     )
     .on_device(device);
     let buffer = pool.allocate(64 << 10, &shared).unwrap();

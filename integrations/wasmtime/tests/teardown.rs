@@ -130,7 +130,7 @@ fn the_model_shows_a_scrub_that_runs_before_the_tenants_work() {
     let rig = rig();
     let (a, memory) = rig.tenant(1, IsolationLevel::StreamIsolated);
     let tenant_key = Tenant::new(1, "t1", 0, IsolationLevel::StreamIsolated)
-        .context()
+        .ledger()
         .key();
     let own = StreamLease::acquire(
         Arc::clone(&rig.backend),

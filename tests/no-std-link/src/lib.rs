@@ -8,7 +8,7 @@ use core::panic::PanicInfo;
 use core::sync::atomic::{AtomicUsize, Ordering};
 
 use tensor_wasm_mem_core::{
-    IsolationLevel, MemoryPlan, MemoryType, PlanLimits, TenantContext, TenantId,
+    IsolationLevel, MemoryPlan, MemoryType, PlanLimits, TenantLedger, TenantId,
 };
 
 /// A bump allocator over a static arena: enough to prove linking, never meant to run long.
@@ -52,7 +52,7 @@ pub extern "C" fn twm_no_std_smoke(pages: u64) -> u64 {
     let Ok(plan) = MemoryPlan::new(&MemoryType::wasm32(pages, None), &PlanLimits::default()) else {
         return 0;
     };
-    let tenant = alloc::sync::Arc::new(TenantContext::new(
+    let tenant = alloc::sync::Arc::new(TenantLedger::new(
         TenantId(1),
         plan.capacity_bytes(),
         IsolationLevel::default(),
