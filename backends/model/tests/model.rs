@@ -7,7 +7,16 @@ use tensor_wasm_mem_core::{
     ErrorKind, IsolationLevel, Location, ManagedAllocator, Operation, StreamProvider, TenantId,
     TenantKey,
 };
-use tensor_wasm_mem_mock::{Call, MockBackend, MockConfig, ModelError, code, with_config};
+use tensor_wasm_mem_model::{Call, ModelConfig as MockConfig, ModelDriver, ModelError, code};
+
+/// The model under the core's `DriverBackend` (what the mock crate calls `MockBackend`).
+type MockBackend = tensor_wasm_mem_core::DriverBackend<ModelDriver>;
+
+/// A backend over a fresh machine as `config` describes.
+fn with_config(config: MockConfig) -> MockBackend {
+    MockBackend::new(ModelDriver::new(config))
+}
+
 
 const PAGE: usize = 1 << 16;
 
@@ -29,9 +38,8 @@ fn read(a: &Allocation, offset: usize) -> u8 {
 }
 
 #[test]
-fn the_mock_is_driver_backend_over_the_model() {
-    let mock: tensor_wasm_mem_core::DriverBackend<tensor_wasm_mem_mock::ModelDriver> =
-        MockBackend::default();
+fn fresh_memory_is_zero_unless_poisoned_and_every_push_is_popped() {
+    let mock = MockBackend::default();
     assert!(
         mock.capabilities().comes_zeroed,
         "the model's fresh memory is zero"
@@ -896,7 +904,7 @@ fn a_worker_completes_work_no_one_waits_for() {
 /// refused (`CUDA_ERROR_INVALID_VALUE`), not applied to part of it.
 #[test]
 fn a_range_starting_below_an_allocation_is_refused() {
-    let model = tensor_wasm_mem_mock::ModelDriver::default();
+    let model = ModelDriver::default();
     let primary = model.primary_context(DeviceId(0));
     model.push_current(primary).unwrap();
     let p = model.alloc_managed(DeviceId(0), 2 * PAGE).unwrap();

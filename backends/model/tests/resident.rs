@@ -2,7 +2,10 @@
 //! other test allocates while the resident size is read.
 
 use tensor_wasm_mem_core::{DeviceId, UnifiedBuffer};
-use tensor_wasm_mem_mock::MockBackend;
+use tensor_wasm_mem_model::ModelDriver;
+
+/// The model under the core's `DriverBackend`.
+type MockBackend = tensor_wasm_mem_core::DriverBackend<ModelDriver>;
 
 /// Resident bytes of this process, from `/proc/self/statm`.
 fn resident_bytes() -> u64 {

@@ -4,7 +4,10 @@
 //! globals, so these run beside any other test.
 
 use tensor_wasm_mem_core::{DeviceId, DriverApi, ManagedAllocator};
-use tensor_wasm_mem_mock::{Call, MockBackend, ModelDriver, code};
+use tensor_wasm_mem_model::{Call, ModelDriver, code};
+
+/// The model under the core's `DriverBackend` (what the mock crate calls `MockBackend`).
+type MockBackend = tensor_wasm_mem_core::DriverBackend<ModelDriver>;
 
 fn counts(mock: MockBackend) -> (u64, u64, u64) {
     let (backend, model) = (mock.drop_report(), mock.driver().drop_report());
