@@ -554,8 +554,8 @@ mod tests {
         let second = pool.acquire(PAGE, PAGE).unwrap();
         second.advise(8, 16, Advice::SetReadMostly).unwrap();
         let stream = Stream::new(
-            0,
-            0,
+            crate::DriverStream::DEFAULT,
+            crate::DriverContext::from_raw(0),
             IsolationLevel::Shared,
             crate::TenantKey::fresh(TenantId(0)),
         );

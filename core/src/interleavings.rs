@@ -618,17 +618,32 @@ fn a_pool_free_racing_an_allocation_keeps_the_ledger_exact() {
             IsolationLevel::Shared,
         ));
         let pool = Arc::new(pool_of(&backend, &tenant));
-        let stream = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
+        let stream = Stream::new(
+            crate::DriverStream::DEFAULT,
+            crate::DriverContext::from_raw(0),
+            IsolationLevel::Shared,
+            tenant.key(),
+        );
         let first = pool.allocate(BLOCK, &stream).expect("first");
         let kept = Arc::new(Mutex::new(Vec::new()));
         let freeing: Body<'_> = {
             let pool = Arc::clone(&pool);
-            let stream = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
+            let stream = Stream::new(
+                crate::DriverStream::DEFAULT,
+                crate::DriverContext::from_raw(0),
+                IsolationLevel::Shared,
+                tenant.key(),
+            );
             Box::new(move || pool.free(first, &stream).expect("free"))
         };
         let allocating: Body<'_> = {
             let (pool, kept) = (Arc::clone(&pool), Arc::clone(&kept));
-            let stream = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
+            let stream = Stream::new(
+                crate::DriverStream::DEFAULT,
+                crate::DriverContext::from_raw(0),
+                IsolationLevel::Shared,
+                tenant.key(),
+            );
             Box::new(move || {
                 if let Ok(a) = pool.allocate(BLOCK, &stream) {
                     kept.lock().unwrap().push(a);

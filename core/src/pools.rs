@@ -6,10 +6,11 @@ use core::fmt;
 use hashbrown::HashMap;
 
 use crate::device::DeviceId;
+use crate::driver::{DriverContext, DriverPool, DriverStream};
 use crate::error::{Error, ErrorType, Operation};
 use crate::isolation::IsolationLevel;
 use crate::ledger::{Purpose, Reservation, TenantId, TenantKey, TenantLedger};
-use crate::stream::{DEFAULT_STREAM, Stream};
+use crate::stream::Stream;
 
 /// How to make a device memory pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -21,10 +22,11 @@ pub struct DevicePoolConfig {
     pub release_threshold: u64,
 }
 
-/// A pool handle: the backend's raw value, its device and tenant. Not `Clone`: destroyed once.
+/// A pool handle: the backend's pool (a typed driver handle), its device and tenant. Not
+/// `Clone`: destroyed once.
 #[derive(Debug, PartialEq, Eq)]
 pub struct PoolHandle {
-    raw: u64,
+    pool: DriverPool,
     device: DeviceId,
     tenant: TenantKey,
 }
@@ -32,18 +34,24 @@ pub struct PoolHandle {
 impl PoolHandle {
     /// Builds a handle (for backends).
     #[must_use]
-    pub const fn new(raw: u64, device: DeviceId, tenant: TenantKey) -> Self {
+    pub const fn new(pool: DriverPool, device: DeviceId, tenant: TenantKey) -> Self {
         Self {
-            raw,
+            pool,
             device,
             tenant,
         }
     }
 
-    /// The backend's raw pool value.
+    /// The driver pool.
+    #[must_use]
+    pub const fn driver_pool(&self) -> DriverPool {
+        self.pool
+    }
+
+    /// The pool's value for a foreign call (`CUmemoryPool` as an integer).
     #[must_use]
     pub const fn raw(&self) -> u64 {
-        self.raw
+        self.pool.raw()
     }
 
     /// The device.
@@ -162,8 +170,14 @@ pub trait DevicePools: ErrorType {
         pool: &PoolHandle,
         allocation: PoolAllocation,
     ) -> Result<(), Self::Error> {
-        let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, pool.tenant_key())
-            .on_device(pool.device());
+        // The device's default stream; a backend that knows its contexts names the right one.
+        let shared = Stream::new(
+            DriverStream::DEFAULT,
+            DriverContext::from_raw(0),
+            IsolationLevel::Shared,
+            pool.tenant_key(),
+        )
+        .on_device(pool.device());
         self.pool_free(pool, allocation, &shared)
     }
 }
@@ -416,7 +430,11 @@ mod tests {
             device: DeviceId,
             _: &DevicePoolConfig,
         ) -> Result<PoolHandle, Failed> {
-            Ok(PoolHandle::new(1, device, tenant))
+            Ok(PoolHandle::new(
+                crate::DriverPool::from_raw(1),
+                device,
+                tenant,
+            ))
         }
         fn pool_allocate(
             &self,
@@ -461,7 +479,12 @@ mod tests {
     /// A tenant with a cap of 100 bytes, its shared stream, and its pool on `backend`.
     fn tenant_pool(backend: &Counting) -> (Arc<TenantLedger>, Stream, TenantDevicePool<&Counting>) {
         let tenant = Arc::new(TenantLedger::new(TenantId(4), 100, IsolationLevel::Shared));
-        let stream = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
+        let stream = Stream::new(
+            crate::DriverStream::DEFAULT,
+            crate::DriverContext::from_raw(0),
+            IsolationLevel::Shared,
+            tenant.key(),
+        );
         let pool = TenantDevicePool::new(
             backend,
             Arc::clone(&tenant),

@@ -1,6 +1,7 @@
 //! The [`StreamProvider`] trait: which stream (and context) an instance's GPU work goes to.
 
 use crate::device::DeviceId;
+use crate::driver::{DriverContext, DriverStream};
 use crate::error::ErrorType;
 use crate::isolation::IsolationLevel;
 use crate::ledger::{TenantId, TenantKey};
@@ -8,13 +9,14 @@ use crate::ledger::{TenantId, TenantKey};
 /// The raw value of the shared (default) stream.
 pub const DEFAULT_STREAM: u64 = 0;
 
-/// A stream handle: the backend's raw stream and context values plus what it was made for.
+/// A stream handle: the backend's stream and its context (typed driver handles) plus what it
+/// was made for.
 ///
 /// Not `Clone`: [`StreamProvider::release_stream`] takes it by value.
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub struct Stream {
-    raw: u64,
-    context: u64,
+    stream: DriverStream,
+    context: DriverContext,
     level: IsolationLevel,
     tenant: TenantKey,
     device: DeviceId,
@@ -23,14 +25,31 @@ pub struct Stream {
 impl Stream {
     /// Builds a handle (for backends), on device 0 (see [`on_device`](Self::on_device)).
     #[must_use]
-    pub const fn new(raw: u64, context: u64, level: IsolationLevel, tenant: TenantKey) -> Self {
+    pub const fn new(
+        stream: DriverStream,
+        context: DriverContext,
+        level: IsolationLevel,
+        tenant: TenantKey,
+    ) -> Self {
         Self {
-            raw,
+            stream,
             context,
             level,
             tenant,
             device: DeviceId(0),
         }
+    }
+
+    /// The driver stream.
+    #[must_use]
+    pub const fn driver_stream(&self) -> DriverStream {
+        self.stream
+    }
+
+    /// The driver context the stream lives in.
+    #[must_use]
+    pub const fn driver_context(&self) -> DriverContext {
+        self.context
     }
 
     /// The same handle, on `device` (for backends).
@@ -45,17 +64,17 @@ impl Stream {
         self.device
     }
 
-    /// The backend's raw stream value (`CUstream` as an integer; [`DEFAULT_STREAM`] is the default
-    /// stream).
+    /// The stream's value for a foreign call (`CUstream` as an integer; [`DEFAULT_STREAM`] is
+    /// the default stream): what an embedder's own driver code launches on.
     #[must_use]
     pub const fn raw(&self) -> u64 {
-        self.raw
+        self.stream.raw()
     }
 
-    /// The backend's raw context value.
+    /// The context's value for a foreign call (`CUcontext` as an integer).
     #[must_use]
     pub const fn context(&self) -> u64 {
-        self.context
+        self.context.raw()
     }
 
     /// The isolation level it was acquired for.
@@ -239,7 +258,14 @@ mod tests {
         let mut mock = MockBackend::new();
         mock.expect_acquire_stream_on()
             .withf(|_, _, device| *device == DeviceId(0))
-            .returning(|tenant, level, _| Ok(Stream::new(42, 7, level, tenant)));
+            .returning(|tenant, level, _| {
+                Ok(Stream::new(
+                    crate::DriverStream::from_raw(42),
+                    crate::DriverContext::from_raw(7),
+                    level,
+                    tenant,
+                ))
+            });
         mock.expect_release_stream()
             .withf(|s| s.raw() == 42 && s.tenant() == TenantId(5))
             .times(2)

@@ -134,7 +134,7 @@ pub fn tenants_sharing_an_id_are_isolated<H: Harness>() {
         assert_eq!(live, 2);
     }
     // Mallory names Alice's stream with her own identity: refused.
-    let forged = Stream::new(a.raw(), a.context(), level, mallory.key());
+    let forged = Stream::new(a.driver_stream(), a.driver_context(), level, mallory.key());
     let err = b.synchronize(&forged).expect_err("not mallory's stream");
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
     let err = b.release_stream(forged).expect_err("not mallory's stream");
@@ -165,8 +165,8 @@ fn pool_for<H: Harness>(
 
 fn shared_stream(tenant: &TenantLedger) -> Stream {
     Stream::new(
-        tensor_wasm_mem_core::DEFAULT_STREAM,
-        0,
+        tensor_wasm_mem_core::DriverStream::DEFAULT,
+        tensor_wasm_mem_core::DriverContext::from_raw(0),
         IsolationLevel::Shared,
         tenant.key(),
     )
@@ -281,7 +281,7 @@ pub fn failed_stream_destroy_stays_counted_until_drop<H: Harness>() {
     ] {
         let streams_before = H::live_streams(&b);
         let stream = b.acquire_stream(tenant, level).expect("stream");
-        let (raw, context) = (stream.raw(), stream.context());
+        let (raw, context) = (stream.driver_stream(), stream.driver_context());
         if !H::fail_release(&b, Release::StreamDestroy, 1) {
             b.release_stream(stream).expect("release");
             return skip("no fault injection");
@@ -354,8 +354,8 @@ pub fn failed_pool_destroy_stays_counted_until_drop<H: Harness>() {
     }
     let tenant = TenantKey::fresh(TenantId(1));
     let shared = Stream::new(
-        tensor_wasm_mem_core::DEFAULT_STREAM,
-        0,
+        tensor_wasm_mem_core::DriverStream::DEFAULT,
+        tensor_wasm_mem_core::DriverContext::from_raw(0),
         IsolationLevel::Shared,
         tenant,
     );

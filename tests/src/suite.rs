@@ -606,14 +606,19 @@ pub fn unknown_streams_are_refused<H: Harness>() {
     let s = b
         .acquire_stream(key(1), IsolationLevel::StreamIsolated)
         .expect("stream");
-    let (raw, context) = (s.raw(), s.context());
+    let (raw, context) = (s.driver_stream(), s.driver_context());
     b.release_stream(s).expect("release");
     let stale = Stream::new(raw, context, IsolationLevel::StreamIsolated, key(1));
     let err = b.synchronize(&stale).expect_err("released stream");
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
     let err = b.release_stream(stale).expect_err("released twice");
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
-    let forged = Stream::new(0xdead_beef, context, IsolationLevel::StreamIsolated, key(1));
+    let forged = Stream::new(
+        tensor_wasm_mem_core::DriverStream::from_raw(0xdead_beef),
+        context,
+        IsolationLevel::StreamIsolated,
+        key(1),
+    );
     assert!(b.release_stream(forged).is_err(), "forged handle");
     assert_no_leaks::<H>(&b);
 }
@@ -1146,8 +1151,8 @@ fn device_pool<H: Harness>(
 
 fn shared(tenant: &TenantLedger) -> Stream {
     Stream::new(
-        tensor_wasm_mem_core::DEFAULT_STREAM,
-        0,
+        tensor_wasm_mem_core::DriverStream::DEFAULT,
+        tensor_wasm_mem_core::DriverContext::from_raw(0),
         IsolationLevel::Shared,
         tenant.key(),
     )

@@ -46,7 +46,12 @@ fn every_other_operation() {
     // The slot never hands out memory, so these operations get a handle from elsewhere; the slot
     // must refuse without touching it.
     let heap = HeapAllocator::new();
-    let stream = Stream::new(0, 0, IsolationLevel::Shared, TenantKey::fresh(TenantId(1)));
+    let stream = Stream::new(
+        tensor_wasm_mem_core::DriverStream::DEFAULT,
+        tensor_wasm_mem_core::DriverContext::from_raw(0),
+        IsolationLevel::Shared,
+        TenantKey::fresh(TenantId(1)),
+    );
     let a = heap.allocate(DeviceId(0), 4096).unwrap();
     // SAFETY: the slot does not touch the memory (it refuses), and `a` stays live.
     assert_not_yet(unsafe { slot.zero(&a, 0, 16) }, Operation::Zero);
@@ -121,8 +126,17 @@ fn device_pools_are_unsupported() {
         )
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unsupported);
-    let pool = PoolHandle::new(1, DeviceId(0), TenantKey::fresh(TenantId(1)));
-    let stream = Stream::new(0, 0, IsolationLevel::Shared, TenantKey::fresh(TenantId(1)));
+    let pool = PoolHandle::new(
+        tensor_wasm_mem_core::DriverPool::from_raw(1),
+        DeviceId(0),
+        TenantKey::fresh(TenantId(1)),
+    );
+    let stream = Stream::new(
+        tensor_wasm_mem_core::DriverStream::DEFAULT,
+        tensor_wasm_mem_core::DriverContext::from_raw(0),
+        IsolationLevel::Shared,
+        TenantKey::fresh(TenantId(1)),
+    );
     assert_eq!(
         slot.pool_allocate(&pool, 64, &stream).unwrap_err().kind(),
         ErrorKind::Unsupported

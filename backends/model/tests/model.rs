@@ -17,7 +17,6 @@ fn with_config(config: MockConfig) -> MockBackend {
     MockBackend::new(ModelDriver::new(config))
 }
 
-
 const PAGE: usize = 1 << 16;
 
 fn deferred() -> MockBackend {
@@ -343,12 +342,8 @@ fn a_destroyed_context_finishes_its_work_before_a_waiter_elsewhere_goes_on() {
     driver.push_current(context).unwrap();
     let raw = driver.stream_create().unwrap();
     driver.pop_current().unwrap();
-    let theirs = tensor_wasm_mem_core::Stream::new(
-        raw.raw(),
-        context.raw(),
-        IsolationLevel::ContextIsolated,
-        key(2),
-    );
+    let theirs =
+        tensor_wasm_mem_core::Stream::new(raw, context, IsolationLevel::ContextIsolated, key(2));
     // SAFETY: no reference to the bytes while the kernels can run.
     unsafe { driver.enqueue_fill(&theirs, mem.device_ptr(), 4, 1) }.unwrap();
     let event = driver.event_create().unwrap();

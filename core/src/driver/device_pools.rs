@@ -71,7 +71,7 @@ impl<D: DriverApi> DriverBackend<D> {
     /// Starts a use of a pool handle of ours (live; device and tenant must match).
     fn pool_use(&self, pool: &PoolHandle) -> Result<PoolUse<'_, D>, Refusal> {
         let mut state = self.state.lock();
-        match state.pools.get_mut(&DriverPool::from_raw(pool.raw())) {
+        match state.pools.get_mut(&pool.driver_pool()) {
             Some(r)
                 if r.life == Life::Live
                     && r.device == pool.device()
@@ -80,7 +80,7 @@ impl<D: DriverApi> DriverBackend<D> {
                 r.busy += 1;
                 Ok(PoolUse {
                     backend: self,
-                    raw: DriverPool::from_raw(pool.raw()),
+                    raw: pool.driver_pool(),
                 })
             }
             _ => Err(Refusal::UnknownPool { raw: pool.raw() }),
@@ -151,7 +151,7 @@ impl<D: DriverApi> DriverBackend<D> {
         let mut state = self.state.lock();
         let r = state
             .pools
-            .get_mut(&DriverPool::from_raw(pool.raw()))
+            .get_mut(&pool.driver_pool())
             .ok_or(Refusal::UnknownPool { raw: pool.raw() })?;
         match r.live.get(&ptr) {
             Some(&b) if b.len == len => {
@@ -179,7 +179,7 @@ impl<D: DriverApi> DriverBackend<D> {
             }
             Err(e) => {
                 // Still the pool's (whose record the caller's use keeps): freed at teardown.
-                if let Some(r) = state.pools.get_mut(&DriverPool::from_raw(pool.raw())) {
+                if let Some(r) = state.pools.get_mut(&pool.driver_pool()) {
                     r.live.insert(ptr, block);
                     r.live_bytes += block.len as u64;
                 }
@@ -230,7 +230,7 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
             },
         );
         state.stats.live_pools += 1;
-        Ok(PoolHandle::new(raw.raw(), device, tenant))
+        Ok(PoolHandle::new(raw, device, tenant))
     }
 
     fn pool_allocate(
@@ -246,7 +246,7 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         let using = self.stream_use(stream)?;
         Self::check_pool_stream(pool, stream, using.device, using.tenant)?;
         let ptr = self.in_context(using.context, |d| {
-            d.pool_alloc(DriverPool::from_raw(pool.raw()), bytes, using.raw())
+            d.pool_alloc(pool.driver_pool(), bytes, using.raw())
         })?;
         let block = PoolBlock {
             len: bytes,
@@ -257,7 +257,7 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         let mut state = self.state.lock();
         // The pool's record stays while this call holds its use.
         let mut retired = false;
-        if let Some(r) = state.pools.get_mut(&DriverPool::from_raw(pool.raw())) {
+        if let Some(r) = state.pools.get_mut(&pool.driver_pool()) {
             r.live.insert(ptr, block);
             r.live_bytes += bytes as u64;
             r.peak_bytes = r.peak_bytes.max(r.live_bytes);
@@ -302,19 +302,17 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
     fn trim_pool(&self, pool: &PoolHandle, keep_bytes: u64) -> Result<(), D::Error> {
         let _pool_use = self.pool_use(pool)?;
         self.in_primary(pool.device(), |d| {
-            d.pool_trim(DriverPool::from_raw(pool.raw()), keep_bytes)
+            d.pool_trim(pool.driver_pool(), keep_bytes)
         })
     }
 
     fn pool_stats(&self, pool: &PoolHandle) -> Result<DevicePoolStats, D::Error> {
         let _pool_use = self.pool_use(pool)?;
-        let reserved = self.in_primary(pool.device(), |d| {
-            d.pool_reserved(DriverPool::from_raw(pool.raw()))
-        })?;
+        let reserved = self.in_primary(pool.device(), |d| d.pool_reserved(pool.driver_pool()))?;
         let state = self.state.lock();
         let r = state
             .pools
-            .get(&DriverPool::from_raw(pool.raw()))
+            .get(&pool.driver_pool())
             .ok_or(Refusal::UnknownPool { raw: pool.raw() })?;
         Ok(DevicePoolStats {
             live_bytes: r.live_bytes,
@@ -329,25 +327,19 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         // by its last user; an idle one leaves the table now.
         let record = {
             let mut state = self.state.lock();
-            let Some(r) = state
-                .pools
-                .get_mut(&DriverPool::from_raw(pool.raw()))
-                .filter(|r| {
-                    r.life == Life::Live
-                        && r.device == pool.device()
-                        && r.tenant == pool.tenant_key()
-                })
-            else {
+            let Some(r) = state.pools.get_mut(&pool.driver_pool()).filter(|r| {
+                r.life == Life::Live && r.device == pool.device() && r.tenant == pool.tenant_key()
+            }) else {
                 return Err(Refusal::UnknownPool { raw: pool.raw() }.into());
             };
             if r.busy > 0 {
                 r.life = Life::Releasing;
                 return Ok(());
             }
-            state.pools.remove(&DriverPool::from_raw(pool.raw()))
+            state.pools.remove(&pool.driver_pool())
         };
         match record {
-            Some(record) => self.release_pool(DriverPool::from_raw(pool.raw()), record),
+            Some(record) => self.release_pool(pool.driver_pool(), record),
             None => Ok(()),
         }
     }

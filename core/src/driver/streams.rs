@@ -12,7 +12,7 @@ use crate::device::DeviceId;
 use crate::driver::{DriverApi, DriverBackend, DriverContext, DriverStream, Life, Refusal};
 use crate::isolation::IsolationLevel;
 use crate::ledger::TenantKey;
-use crate::stream::{DEFAULT_STREAM, Stream, StreamProvider};
+use crate::stream::{Stream, StreamProvider};
 
 /// A stream of ours.
 #[derive(Debug)]
@@ -70,7 +70,7 @@ impl<D: DriverApi> DriverBackend<D> {
     /// Starts a use of a stream handle of ours: checked against its live record (tenant,
     /// context and level must match), or the shared default stream.
     pub(super) fn stream_use(&self, stream: &Stream) -> Result<StreamUse<'_, D>, Refusal> {
-        let raw = DriverStream::from_raw(stream.raw());
+        let raw = stream.driver_stream();
         if raw == DriverStream::DEFAULT {
             let device = stream.device();
             if stream.is_shared() && device.0 < self.driver.device_count() {
@@ -308,7 +308,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
             IsolationLevel::Shared => {
                 let primary = self.driver.primary_context(device);
                 return Ok(
-                    Stream::new(DEFAULT_STREAM, primary.raw(), level, tenant).on_device(device)
+                    Stream::new(DriverStream::DEFAULT, primary, level, tenant).on_device(device)
                 );
             }
             IsolationLevel::StreamIsolated => self.driver.primary_context(device),
@@ -330,7 +330,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
                 // ours is under `raw`: releases take their record out before destroying.
                 state.streams.insert(raw, record);
                 state.stats.live_streams += 1;
-                Ok(Stream::new(raw.raw(), context.raw(), level, tenant).on_device(device))
+                Ok(Stream::new(raw, context, level, tenant).on_device(device))
             }
             Err(e) => {
                 if level == IsolationLevel::ContextIsolated {
@@ -344,7 +344,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
     }
 
     fn release_stream(&self, stream: Stream) -> Result<(), D::Error> {
-        let raw = DriverStream::from_raw(stream.raw());
+        let raw = stream.driver_stream();
         if raw == DriverStream::DEFAULT {
             // Nothing to destroy, but the tenant's work on the shared stream must be done
             // before its memory is scrubbed or freed (on the device's non-blocking zeroing

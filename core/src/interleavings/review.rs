@@ -20,7 +20,12 @@ fn assert_no_bad_schedule(case: &str, runs: usize, bad: &AtomicUsize, worst: &Mu
 /// A body that synchronises a copy of `s` (a caller holding the same handle as the one that
 /// releases it), its answer ignored.
 fn synchronizing_a_copy(backend: &Arc<DriverBackend<Fake>>, s: &Stream) -> Body<'static> {
-    let copy = Stream::new(s.raw(), s.context(), s.level(), s.tenant_key());
+    let copy = Stream::new(
+        s.driver_stream(),
+        s.driver_context(),
+        s.level(),
+        s.tenant_key(),
+    );
     let backend = Arc::clone(backend);
     Box::new(move || {
         let _ = backend.synchronize(&copy);
@@ -44,7 +49,12 @@ fn r1_forged_level_destroys_a_context_under_a_live_stream() {
         .acquire_stream(t, IsolationLevel::ContextIsolated)
         .unwrap();
     let si = b.acquire_stream(t, IsolationLevel::StreamIsolated).unwrap();
-    let forged = Stream::new(si.raw(), si.context(), IsolationLevel::ContextIsolated, t);
+    let forged = Stream::new(
+        si.driver_stream(),
+        si.driver_context(),
+        IsolationLevel::ContextIsolated,
+        t,
+    );
     let err = b.release_stream(forged).expect_err("a relabelled handle");
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
     let alive = b.driver().lock().contexts.contains(&ci.context());
@@ -68,7 +78,12 @@ fn r1b_forged_level_leaks_the_context() {
     let ci = b
         .acquire_stream(t, IsolationLevel::ContextIsolated)
         .unwrap();
-    let forged = Stream::new(ci.raw(), ci.context(), IsolationLevel::StreamIsolated, t);
+    let forged = Stream::new(
+        ci.driver_stream(),
+        ci.driver_context(),
+        IsolationLevel::StreamIsolated,
+        t,
+    );
     assert!(b.release_stream(forged).is_err(), "a relabelled handle");
     b.release_stream(ci).unwrap();
     let s = b.stats();
@@ -235,8 +250,13 @@ fn r5_pool_allocate_in_flight_during_destroy() {
         let pool = backend
             .create_pool(t, DeviceId(0), &DevicePoolConfig::default())
             .unwrap();
-        let forged = PoolHandle::new(pool.raw(), pool.device(), t);
-        let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, t);
+        let forged = PoolHandle::new(pool.driver_pool(), pool.device(), t);
+        let shared = Stream::new(
+            crate::DriverStream::DEFAULT,
+            crate::DriverContext::from_raw(0),
+            IsolationLevel::Shared,
+            t,
+        );
         let allocating: Body<'_> = {
             let backend = Arc::clone(&backend);
             Box::new(move || {
@@ -281,14 +301,19 @@ fn r6_refused_pool_free_racing_destroy_forgets_the_block() {
         let pool = backend
             .create_pool(t, DeviceId(0), &DevicePoolConfig::default())
             .unwrap();
-        let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, t);
+        let shared = Stream::new(
+            crate::DriverStream::DEFAULT,
+            crate::DriverContext::from_raw(0),
+            IsolationLevel::Shared,
+            t,
+        );
         let block = backend.pool_allocate(&pool, BLOCK, &shared).unwrap();
         backend
             .driver()
             .lock()
             .fail_pool_free
             .insert(block.device_ptr());
-        let forged = PoolHandle::new(pool.raw(), pool.device(), t);
+        let forged = PoolHandle::new(pool.driver_pool(), pool.device(), t);
         let freeing: Body<'_> = {
             let backend = Arc::clone(&backend);
             Box::new(move || {
@@ -330,7 +355,12 @@ fn r7_a_refused_teardown_free_retried_by_the_destroy_charges_exactly() {
         IsolationLevel::Shared,
     ));
     let pool = pool_of(&backend, &tenant);
-    let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
+    let shared = Stream::new(
+        crate::DriverStream::DEFAULT,
+        crate::DriverContext::from_raw(0),
+        IsolationLevel::Shared,
+        tenant.key(),
+    );
     let a = pool.allocate(BLOCK, &shared).unwrap();
     let b2 = pool.allocate(BLOCK, &shared).unwrap();
     backend.driver().lock().fail_pool_free_call = Some(2);
@@ -614,7 +644,12 @@ fn s3_a_partly_successful_destroy_retry_never_undercharges_the_tenant() {
         IsolationLevel::Shared,
     ));
     let pool = pool_of(&backend, &tenant);
-    let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
+    let shared = Stream::new(
+        crate::DriverStream::DEFAULT,
+        crate::DriverContext::from_raw(0),
+        IsolationLevel::Shared,
+        tenant.key(),
+    );
     let _unfreed = (
         pool.allocate(BLOCK, &shared).unwrap(),
         pool.allocate(BLOCK, &shared).unwrap(),
@@ -653,7 +688,12 @@ fn s3b_a_refused_pool_destroy_never_undercharges_the_tenant() {
         IsolationLevel::Shared,
     ));
     let pool = pool_of(&backend, &tenant);
-    let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, tenant.key());
+    let shared = Stream::new(
+        crate::DriverStream::DEFAULT,
+        crate::DriverContext::from_raw(0),
+        IsolationLevel::Shared,
+        tenant.key(),
+    );
     let _unfreed = pool.allocate(BLOCK, &shared).unwrap();
     {
         let mut d = backend.driver().lock();
@@ -688,8 +728,13 @@ fn s4_an_allocation_finishing_into_a_retired_pool_is_returned_already_freed() {
         let pool = backend
             .create_pool(t, DeviceId(0), &DevicePoolConfig::default())
             .unwrap();
-        let forged = PoolHandle::new(pool.raw(), pool.device(), t);
-        let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, t);
+        let forged = PoolHandle::new(pool.driver_pool(), pool.device(), t);
+        let shared = Stream::new(
+            crate::DriverStream::DEFAULT,
+            crate::DriverContext::from_raw(0),
+            IsolationLevel::Shared,
+            t,
+        );
         let got = Arc::new(Mutex::new(None));
         let allocating: Body<'_> = {
             let (backend, got) = (Arc::clone(&backend), Arc::clone(&got));
@@ -806,7 +851,7 @@ fn h2_a_refused_deferred_destroy_is_kept_counted_and_reclaimed() {
                 .lock()
                 .fail_stream_destroy_once
                 .insert(s.raw());
-            let copy2 = Stream::new(s.raw(), s.context(), s.level(), t);
+            let copy2 = Stream::new(s.driver_stream(), s.driver_context(), s.level(), t);
             let syncing = synchronizing_a_copy(&backend, &s);
             let releasing: Body<'_> = {
                 let backend = Arc::clone(&backend);
@@ -859,10 +904,15 @@ fn h3_teardown_free_and_free_of_one_block_racing_a_destroy() {
             let pool = backend
                 .create_pool(t, DeviceId(0), &DevicePoolConfig::default())
                 .unwrap();
-            let shared = Stream::new(DEFAULT_STREAM, 0, IsolationLevel::Shared, t);
+            let shared = Stream::new(
+                crate::DriverStream::DEFAULT,
+                crate::DriverContext::from_raw(0),
+                IsolationLevel::Shared,
+                t,
+            );
             let x = backend.pool_allocate(&pool, BLOCK, &shared).unwrap();
             backend.driver().lock().fail_pool_free_call = fail;
-            let (ptr, raw) = (x.device_ptr(), pool.raw());
+            let (ptr, raw) = (x.device_ptr(), pool.driver_pool());
             let f1 = PoolHandle::new(raw, DeviceId(0), t);
             let f2 = PoolHandle::new(raw, DeviceId(0), t);
             let tearing: Body<'_> = {

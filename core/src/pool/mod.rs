@@ -522,7 +522,12 @@ mod tests {
         let mut hinted = pool.acquire(8 * PAGE, PAGE).unwrap(); // slot 1
         hinted.grow_to(2 * PAGE).unwrap();
         hinted.advise(0, PAGE, Advice::SetReadMostly).unwrap();
-        let stream = Stream::new(1, 0, IsolationLevel::Shared, TenantKey::fresh(TenantId(1)));
+        let stream = Stream::new(
+            crate::DriverStream::from_raw(1),
+            crate::DriverContext::from_raw(0),
+            IsolationLevel::Shared,
+            TenantKey::fresh(TenantId(1)),
+        );
         hinted
             .prefetch(PAGE, PAGE, Location::Device(DeviceId(0)), &stream)
             .unwrap();

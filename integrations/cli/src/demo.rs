@@ -7,8 +7,8 @@
 use std::sync::Arc;
 
 use tensor_wasm_mem_core::{
-    DEFAULT_STREAM, DeviceId, DevicePoolConfig, ErrorKind, IsolationLevel, PoolConfig, SizeClass,
-    Stream, TenantDevicePool,
+    DeviceId, DevicePoolConfig, ErrorKind, IsolationLevel, PoolConfig, SizeClass, Stream,
+    TenantDevicePool,
 };
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
 use tensor_wasm_mem_wasmtime::{
@@ -171,8 +171,8 @@ pub fn demo<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(), Failure>
     let mut scratch = Vec::new();
     for (tenant, _) in &tenants {
         let shared = Stream::new(
-            DEFAULT_STREAM,
-            0,
+            tensor_wasm_mem_core::DriverStream::DEFAULT,
+            tensor_wasm_mem_core::DriverContext::from_raw(0),
             IsolationLevel::Shared,
             tenant.ledger().key(),
         )

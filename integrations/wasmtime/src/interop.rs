@@ -57,12 +57,16 @@ pub mod cudarc {
         ///
         /// # Safety
         ///
-        /// cudarc's API takes the stream as an `Arc` (its launch builder needs `&Arc`), and an
-        /// `Arc` can be cloned past any borrow: the caller keeps no clone of
-        /// [`stream`](Self::stream), nor anything cudarc made from it or from the slices
-        /// (events, views, launch arguments), past the scope's close. After the close the
-        /// tenant's stream is released and its handle is stale (the driver may hand the same
-        /// value to another tenant's stream).
+        /// cudarc's API lets its values be used beyond what a borrow can hold, so the caller
+        /// promises two things:
+        /// - every cudarc operation on the slices and views (kernel launches, copies, memsets)
+        ///   is queued on [`stream`](Self::stream): the scope's close waits for that stream
+        ///   only, and work on any other stream could still write the guest's memory after the
+        ///   close (under the host's view of it, or in the next tenant's slot);
+        /// - no clone of [`stream`](Self::stream) (an `Arc`, as cudarc's launch builder needs),
+        ///   nor anything cudarc made from it or from the slices (events, views, owned copies),
+        ///   is kept past the scope's close: the tenant's stream is then released, and its handle
+        ///   stale (the driver may hand the same value to another tenant's stream).
         pub unsafe fn new<T: 'static, B: Backend>(
             scope: &'a DeviceAccess<'_, T, B>,
         ) -> Result<Self, TwmError> {
@@ -77,6 +81,12 @@ pub mod cudarc {
                         .into(),
                 ));
             }
+            // Everything cudarc makes here runs on the one stream the scope waits for: no event
+            // tracking (cudarc's own ordering across streams) is needed, and without it making a
+            // slice calls nothing that could fail (cudarc unwraps its event creation).
+            // SAFETY: only this `CudaContext` value is affected (every cudarc object made from
+            // it), and by the contract above all its work is on the tenant's one stream.
+            unsafe { context.disable_event_tracking() };
             let raw_stream = scope.stream().raw() as usize as *mut _;
             // SAFETY: the stream is the tenant's live stream in `context` (checked just now);
             // the scope keeps it alive for `'a` (it is released after the scope closes, which
@@ -140,6 +150,12 @@ pub mod cudarc {
                 if size == 0 || bytes % size != 0 {
                     return Err(TwmError::Interop(format!(
                         "range {i} ({bytes} bytes) is not a whole number of {size}-byte elements"
+                    )));
+                }
+                let align = std::mem::align_of::<E>() as u64;
+                if ptr % align != 0 {
+                    return Err(TwmError::Interop(format!(
+                        "range {i} starts at an address not aligned to {align} bytes"
                     )));
                 }
                 let len = usize::try_from(bytes / size)

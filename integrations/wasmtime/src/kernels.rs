@@ -415,6 +415,9 @@ pub(crate) fn kernel_call<B: Backend, T: HasGuestContext<B>>(
 struct Checked {
     values: Vec<u64>,
     ranges: Vec<(u64, u64, Access)>,
+    /// Each buffer's element size: its offset must be a multiple (a misaligned element makes
+    /// a correct kernel fault, and a fault is sticky for its context's every tenant).
+    elements: Vec<u64>,
     grid: [u32; 3],
     block: [u32; 3],
 }
@@ -433,6 +436,7 @@ fn check_args(signature: &KernelSignature, raw: &[(u64, u64)]) -> Result<Checked
     };
     let mut values = Vec::with_capacity(raw.len());
     let mut ranges = Vec::new();
+    let mut elements = Vec::new();
     for (param, &(a, b)) in signature.params.iter().zip(raw) {
         match *param {
             KernelParam::Scalar(ty) => {
@@ -464,6 +468,7 @@ fn check_args(signature: &KernelSignature, raw: &[(u64, u64)]) -> Result<Checked
                 }
                 values.push(0);
                 ranges.push((a, b, access));
+                elements.push(element);
             }
         }
     }
@@ -479,6 +484,7 @@ fn check_args(signature: &KernelSignature, raw: &[(u64, u64)]) -> Result<Checked
     Ok(Checked {
         values,
         ranges,
+        elements,
         grid,
         block,
     })
@@ -584,10 +590,7 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
     let device = creator
         .memory_device(view)
         .map_err(|e| crate::guest::code_for(&e))?;
-    for &(offset, len, _) in &checked.ranges {
-        check_guest_range(caller, &memory, offset, len)?;
-    }
-    check_overlaps(&checked.ranges)?;
+    check_buffers(caller, &memory, &checked)?;
     let mut buffers = Vec::with_capacity(checked.ranges.len());
     for &(offset, len, _) in &checked.ranges {
         let slice = creator
@@ -609,6 +612,15 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
         .stream()
         .map_err(|_| crate::TWM_ERR_BACKEND)?
         .stream();
+    if stream.device() != device {
+        // A memory made where its Store named no tenant (the creator's default device) while
+        // the guest's tenant lives elsewhere: no stream of the tenant orders work on it (as the
+        // device-access scope refuses it).
+        return Err(crate::guest::code_for(&TwmError::DeviceMismatch {
+            memory: device,
+            stream: stream.device(),
+        }));
+    }
     for &(offset, len, _) in &checked.ranges {
         // Pages go to the device where it migrates them; elsewhere this is refused as
         // unsupported, and the kernel reaches them where they are.
@@ -623,14 +635,68 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
         block: checked.block,
     };
     let backend = creator.backend();
+    // The stream is waited for whatever the launcher does: answers an error after queueing
+    // work, or panics (the guard waits while unwinding, before the in-flight count goes): the
+    // guest never runs, nor its memory goes, while work it launched still writes.
+    let wait = WaitOnDrop {
+        backend: &**backend,
+        stream,
+    };
     let launched = entry.launcher.launch(backend, &launch);
-    // The stream is waited for whatever the launcher answered: a launcher that queued work and
-    // then failed must not let the guest run (or its memory go) while that work still writes.
-    let waited = backend.synchronize(stream).map_err(TwmError::backend);
+    let waited = wait.now();
     launched.and(waited).map_err(|e| {
         tracing::debug!(error = %e, "twm: a guest's kernel failed");
         TWM_ERR_KERNEL_FAULT
     })
+}
+
+/// Checks the launch's buffers against the guest's memory as it is now (range, overflow), their
+/// alignment, and the overlaps the signature forbids.
+fn check_buffers<T>(
+    caller: &Caller<'_, T>,
+    memory: &wasmtime::Memory,
+    checked: &Checked,
+) -> Result<(), i32> {
+    for &(offset, len, _) in &checked.ranges {
+        check_guest_range(caller, memory, offset, len)?;
+    }
+    // Whole elements at aligned offsets (memories start page-aligned, so the device address is
+    // aligned too): a misaligned load would fault a correct kernel, for the whole context.
+    if checked
+        .ranges
+        .iter()
+        .zip(&checked.elements)
+        .any(|(&(offset, _, _), &element)| offset % element != 0)
+    {
+        return Err(TWM_ERR_BAD_ARGUMENTS);
+    }
+    check_overlaps(&checked.ranges)
+}
+
+/// Waits for a stream when dropped (a launcher's panic unwinding), or [`now`](Self::now).
+struct WaitOnDrop<'a, B: Backend> {
+    backend: &'a B,
+    stream: &'a Stream,
+}
+
+impl<B: Backend> WaitOnDrop<'_, B> {
+    /// Waits now, with the driver's answer.
+    fn now(self) -> Result<(), TwmError> {
+        let waited = self
+            .backend
+            .synchronize(self.stream)
+            .map_err(TwmError::backend);
+        std::mem::forget(self);
+        waited
+    }
+}
+
+impl<B: Backend> Drop for WaitOnDrop<'_, B> {
+    fn drop(&mut self) {
+        if let Err(e) = self.backend.synchronize(self.stream) {
+            tracing::warn!(error = %e, "twm: waiting for a guest's stream after a launcher's panic failed");
+        }
+    }
 }
 
 /// A [`KernelLauncher`] for a kernel of the simulated device (the mock backend): the model's

@@ -50,8 +50,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use tensor_wasm_mem_core::{
-    Denied, DeviceId, IsolationLevel, LedgerGroup, MemoryPlan, PlanLimits, Purpose, Reservation,
-    Stream, TenantBudgets, TenantId, TenantKey, TenantLedger,
+    Denied, DeviceId, DriverContext, DriverStream, IsolationLevel, LedgerGroup, MemoryPlan,
+    PlanLimits, Purpose, Reservation, Stream, TenantBudgets, TenantId, TenantKey, TenantLedger,
 };
 use wasmtime::{
     AsContextMut, Instance, InstancePre, Linker, Module, ResourceLimiter, ResourcesRequired, Store,
@@ -324,8 +324,8 @@ impl Tenant {
 /// What names a stream to its backend (a [`Stream`] is a handle that cannot be copied).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct StreamId {
-    raw: u64,
-    context: u64,
+    stream: DriverStream,
+    context: DriverContext,
     level: IsolationLevel,
     tenant: TenantKey,
     device: DeviceId,
@@ -334,8 +334,8 @@ pub(crate) struct StreamId {
 impl StreamId {
     pub(crate) fn of(stream: &Stream) -> Self {
         Self {
-            raw: stream.raw(),
-            context: stream.context(),
+            stream: stream.driver_stream(),
+            context: stream.driver_context(),
             level: stream.level(),
             tenant: stream.tenant_key(),
             device: stream.device(),
@@ -344,7 +344,7 @@ impl StreamId {
 
     /// A handle to the same stream, for a wait (the backend refuses it if the stream is gone).
     pub(crate) fn handle(self) -> Stream {
-        Stream::new(self.raw, self.context, self.level, self.tenant).on_device(self.device)
+        Stream::new(self.stream, self.context, self.level, self.tenant).on_device(self.device)
     }
 }
 

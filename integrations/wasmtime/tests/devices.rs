@@ -458,7 +458,7 @@ fn device_sets_and_served_devices_are_checked() {
 
 #[test]
 fn a_commitment_lasts_as_long_as_the_ledger_not_the_tenant() {
-    use tensor_wasm_mem_core::{DEFAULT_STREAM, DevicePoolConfig, Stream, TenantDevicePool};
+    use tensor_wasm_mem_core::{DevicePoolConfig, Stream, TenantDevicePool};
     let backend = machine(2);
     let placement = Placement::for_backend(&*backend, PlacementPolicy::RoundRobin).unwrap();
     let tenant = placement
@@ -477,8 +477,8 @@ fn a_commitment_lasts_as_long_as_the_ledger_not_the_tenant() {
     )
     .unwrap();
     let shared = Stream::new(
-        DEFAULT_STREAM,
-        0,
+        tensor_wasm_mem_core::DriverStream::DEFAULT,
+        tensor_wasm_mem_core::DriverContext::from_raw(0),
         IsolationLevel::Shared,
         tenant.ledger().key(),
     )

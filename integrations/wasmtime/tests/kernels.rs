@@ -527,3 +527,74 @@ fn a_launcher_that_queues_work_then_fails_is_waited_for() {
     assert_eq!(g.memory.data(&g.store)[X as usize + 255], 0x42);
     assert_eq!(g.tenant.stats().kernel_failures, 1);
 }
+
+/// A buffer at an offset that is not a whole number of its elements is refused: a misaligned
+/// element would make a correct kernel fault, and a fault is sticky for every tenant of the
+/// context.
+#[test]
+fn a_launch_with_a_misaligned_buffer_is_refused() {
+    let creator = creator_with(kernels::builtin());
+    let mut g = guest(&creator);
+    let saxpy = g.kernel("saxpy");
+    assert_eq!(
+        g.launch(saxpy, &saxpy_args(2.0, X + 1, Y, 16)),
+        TWM_ERR_BAD_ARGUMENTS
+    );
+    assert_eq!(
+        g.launch(saxpy, &saxpy_args(2.0, X, Y + 2, 16)),
+        TWM_ERR_BAD_ARGUMENTS
+    );
+    assert_eq!(g.launch(saxpy, &saxpy_args(2.0, X, Y, 16)), 0);
+    let stats = g.tenant.stats();
+    assert_eq!((stats.launches, stats.refused_launches), (1, 2));
+}
+
+/// A launcher that queues work and then panics: the stream is waited for while the panic
+/// unwinds, so nothing it queued still runs when the embedder catches it.
+#[test]
+fn a_launcher_that_panics_after_queueing_is_waited_for() {
+    let backend = Arc::new(tensor_wasm_mem_wasmtime::mock::with_config(
+        tensor_wasm_mem_wasmtime::mock::MockConfig {
+            deferred_streams: true,
+            ..tensor_wasm_mem_wasmtime::mock::MockConfig::default()
+        },
+    ));
+    let mut registry = KernelRegistry::new();
+    registry
+        .register(
+            "panics",
+            KernelSignature {
+                params: vec![KernelParam::Buffer {
+                    access: Access::Write,
+                    element_bytes: 1,
+                    length: BufferLength::Any,
+                }],
+                shape: LaunchShape::Fixed {
+                    grid: [1, 1, 1],
+                    block: [1, 1, 1],
+                },
+            },
+            |b: &MockBackend, l: &kernels::Launch<'_>| {
+                let (ptr, len) = l.buffers()[0];
+                // SAFETY: the launch's own checked buffer, written by a fill on its stream.
+                unsafe { b.driver().enqueue_fill(l.stream(), ptr, len as usize, 0x24) }
+                    .map_err(TwmError::from_backend)?;
+                panic!("the embedder's launcher panics after queueing");
+            },
+        )
+        .unwrap();
+    let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .kernels(registry)
+        .build()
+        .unwrap();
+    let mut g = guest(&creator);
+    let k = g.kernel("panics");
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| g.launch(k, &[(X, 64)])));
+    assert!(caught.is_err(), "the panic reaches the embedder");
+    assert_eq!(
+        backend.driver().pending_work(),
+        0,
+        "waited for while unwinding"
+    );
+    assert_eq!(g.memory.data(&g.store)[X as usize + 63], 0x24);
+}
