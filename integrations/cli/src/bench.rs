@@ -460,6 +460,52 @@ fn instantiate_us(setup: Setup, sizes: Sizes, bar: &ProgressBar) -> Result<f64, 
     median_lives(sizes, bar, || small_life(&engine, &pre, ()).map(drop))
 }
 
+/// Thread counts of the threaded instantiation row.
+const THREADS: [usize; 4] = [1, 2, 8, 32];
+
+/// The setups of the threaded instantiation row.
+const THREADED_SETUPS: [Setup; 2] = [Setup::WasmtimePooling, Setup::TwmPooled];
+
+/// Microseconds of CPU per instantiate + call + drop of `(memory 1 16)` with `threads` threads
+/// instantiating at once on one engine (a pool of `threads * 2` slots for the pooled setups):
+/// the wall time of `threads * lives` lives times the cores that could run them (the fewer of
+/// the threads and the machine's cores), divided by the lives. With no contention this is the
+/// single thread's figure; what it gains above that is what the threads cost each other.
+fn threaded_instantiate_us(
+    setup: Setup,
+    threads: usize,
+    sizes: Sizes,
+    bar: &ProgressBar,
+) -> Result<f64, Failure> {
+    let engine = setup.engine(threads * 2)?;
+    let pre = pre(&engine, SMALL)?;
+    let lives = (sizes.instantiate_iters / 4 / threads).max(200);
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let mut samples = Vec::new();
+    for _ in 0..3 {
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        for _ in 0..lives {
+                            small_life(&engine, &pre, ())?;
+                        }
+                        Ok::<(), Failure>(())
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .try_for_each(|w| w.join().map_err(|_| other("a bench thread panicked"))?)
+        })?;
+        let cpu = start.elapsed().as_secs_f64() * threads.min(cores) as f64;
+        samples.push(cpu * 1e6 / (threads * lives) as f64);
+    }
+    bar.inc(1);
+    Ok(median(&mut samples))
+}
+
 /// Microseconds per call of `once`: warmed up, then the median over batches.
 fn median_lives(
     sizes: Sizes,
@@ -857,7 +903,8 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         + loop_setups.len() * details.len() * sizes.loop_placements
         + ROUNDTRIP_SIZES.len()
         + 4 * sizes.instantiate_batches
-        + 4;
+        + 4
+        + THREADED_SETUPS.len() * THREADS.len();
     let bar = ProgressBar::new(steps as u64);
     bar.set_style(
         ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len}")
@@ -905,6 +952,17 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
     let (pool_untouched, pool_scrubbed) = pool_steps_us(sizes, &bar)?;
     bar.set_message("guest launch");
     let (launch_fill, launch_host) = launch_us(sizes, &bar)?;
+    let mut threaded = Vec::new();
+    for setup in THREADED_SETUPS {
+        for threads in THREADS {
+            bar.set_message(format!("{} x{threads} threads", setup.key()));
+            threaded.push((
+                setup,
+                threads,
+                threaded_instantiate_us(setup, threads, sizes, &bar)?,
+            ));
+        }
+    }
     bar.set_message("placement, 8 devices");
     let placement = placement_figures(args.quick, &bar)?;
     bar.finish_and_clear();
@@ -958,6 +1016,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
                 "guest_launch_noop": launch_host,
                 "driver_fill_4KiB": launch_fill - launch_host,
             },
+            "instantiate_threads_cpu_us": THREADED_SETUPS.iter().map(|&s| (s.key().to_string(), json!(threaded.iter().filter(|(k, _, _)| *k == s).map(|(_, t, v)| (t.to_string(), json!(v))).collect::<serde_json::Map<_, _>>()))).collect::<serde_json::Map<_, _>>(),
             "pool_steps_us": {
                 "acquire_release_untouched": pool_untouched,
                 "acquire_release_scrub_64KiB": pool_scrubbed,
@@ -1047,6 +1106,20 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
                 ))
             );
         }
+    }
+    for &(setup, threads, us) in &threaded {
+        let single = threaded
+            .iter()
+            .find(|(s, t, _)| *s == setup && *t == 1)
+            .map_or(f64::NAN, |x| x.2);
+        println!(
+            "{:<26} {:<18} {:>9.3} {:<3}{:>7.2}x",
+            format!("instantiate x{threads} thr (cpu)"),
+            setup.key(),
+            us,
+            "us",
+            us / single
+        );
     }
     for (name, (scope, copy, guest)) in &roundtrips {
         let group = format!("kernel round trip {name}");
