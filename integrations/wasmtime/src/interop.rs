@@ -128,7 +128,9 @@ pub mod cudarc {
         }
 
         /// Range `i` as [`slice`](Self::slice) does, for writing: a range opened write or
-        /// read-write ([`Access`]); a read-only one is [`TwmError::Interop`].
+        /// read-write ([`Access`]); a read-only one is [`TwmError::Interop`]. Two calls give two
+        /// writable views of one range, as two kernels may write one buffer: ordering them is
+        /// the stream's (both on [`stream`](Self::stream)), not the borrow checker's.
         pub fn slice_mut<E: DeviceRepr>(
             &self,
             i: usize,
