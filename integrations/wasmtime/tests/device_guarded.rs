@@ -14,10 +14,10 @@ use tensor_wasm_mem_core::{
     TenantId, TenantKey,
 };
 use tensor_wasm_mem_mock::{MockBackend, MockConfig};
-use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Linker, Memory, Store};
+use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Memory, Store};
 use tensor_wasm_mem_wasmtime::{
-    AccessRange, Backing, BoundsStrategy, ChargeMode, DeviceAccess, Tenant, TenantStore,
-    TensorWasmMemoryCreator, TwmError, instantiate, new_store,
+    AccessRange, Backing, BoundsStrategy, DeviceAccess, TenantStore, TensorWasmMemoryCreator,
+    TwmError,
 };
 
 type Data = TenantStore<MockBackend>;
@@ -62,27 +62,6 @@ fn pooled_creator(
         .allow_untenanted()
         .build()
         .expect("pooled creator")
-}
-
-fn tenant_store(
-    creator: &TensorWasmMemoryCreator<MockBackend>,
-    id: u64,
-) -> (Store<Data>, Instance, Memory) {
-    let engine = creator.engine().unwrap();
-    let tenant = Tenant::new(
-        id,
-        format!("t{id}"),
-        16 * PAGE as u64,
-        IsolationLevel::StreamIsolated,
-    );
-    let mut store = new_store(
-        &engine,
-        TenantStore::new(creator, &tenant, ChargeMode::Touched, ()),
-    );
-    let module = access_module(&engine, 1, 4);
-    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
-    let memory = instance.get_memory(&mut store, "memory").unwrap();
-    (store, instance, memory)
 }
 
 #[test]

@@ -480,8 +480,13 @@ fn a_launch_on_a_reused_slot_and_launches_right_before_the_store_drops() {
 /// A launcher that queues work and then fails: the launch is a failure for the guest, and the
 /// stream is waited for all the same, so nothing it queued still runs when the guest resumes
 /// (or its memory goes).
-#[test]
-fn a_launcher_that_queues_work_then_fails_is_waited_for() {
+/// A creator over a mock whose streams complete work only when waited for, with one kernel,
+/// `queues`: its launcher fills the launch's one buffer with `byte` on the launch's stream, then
+/// answers what `after` answers (or panics in it).
+fn queueing_launcher(
+    byte: u8,
+    after: fn() -> Result<(), TwmError>,
+) -> (Arc<MockBackend>, TensorWasmMemoryCreator<MockBackend>) {
     let backend = Arc::new(tensor_wasm_mem_wasmtime::mock::with_config(
         tensor_wasm_mem_wasmtime::mock::MockConfig {
             deferred_streams: true,
@@ -491,7 +496,7 @@ fn a_launcher_that_queues_work_then_fails_is_waited_for() {
     let mut registry = KernelRegistry::new();
     registry
         .register(
-            "half_done",
+            "queues",
             KernelSignature {
                 params: vec![KernelParam::Buffer {
                     access: Access::Write,
@@ -503,12 +508,12 @@ fn a_launcher_that_queues_work_then_fails_is_waited_for() {
                     block: [1, 1, 1],
                 },
             },
-            |b: &MockBackend, l: &kernels::Launch<'_>| {
+            move |b: &MockBackend, l: &kernels::Launch<'_>| {
                 let (ptr, len) = l.buffers()[0];
                 // SAFETY: the launch's own checked buffer, written by a fill on its stream.
-                unsafe { b.driver().enqueue_fill(l.stream(), ptr, len as usize, 0x42) }
+                unsafe { b.driver().enqueue_fill(l.stream(), ptr, len as usize, byte) }
                     .map_err(TwmError::from_backend)?;
-                Err(TwmError::Launch("failed after queueing".into()))
+                after()
             },
         )
         .unwrap();
@@ -516,8 +521,16 @@ fn a_launcher_that_queues_work_then_fails_is_waited_for() {
         .kernels(registry)
         .build()
         .unwrap();
+    (backend, creator)
+}
+
+#[test]
+fn a_launcher_that_queues_work_then_fails_is_waited_for() {
+    let (backend, creator) = queueing_launcher(0x42, || {
+        Err(TwmError::Launch("failed after queueing".into()))
+    });
     let mut g = guest(&creator);
-    let k = g.kernel("half_done");
+    let k = g.kernel("queues");
     assert_eq!(g.launch(k, &[(X, 256)]), TWM_ERR_KERNEL_FAULT);
     assert_eq!(
         backend.driver().pending_work(),
@@ -553,42 +566,11 @@ fn a_launch_with_a_misaligned_buffer_is_refused() {
 /// unwinds, so nothing it queued still runs when the embedder catches it.
 #[test]
 fn a_launcher_that_panics_after_queueing_is_waited_for() {
-    let backend = Arc::new(tensor_wasm_mem_wasmtime::mock::with_config(
-        tensor_wasm_mem_wasmtime::mock::MockConfig {
-            deferred_streams: true,
-            ..tensor_wasm_mem_wasmtime::mock::MockConfig::default()
-        },
-    ));
-    let mut registry = KernelRegistry::new();
-    registry
-        .register(
-            "panics",
-            KernelSignature {
-                params: vec![KernelParam::Buffer {
-                    access: Access::Write,
-                    element_bytes: 1,
-                    length: BufferLength::Any,
-                }],
-                shape: LaunchShape::Fixed {
-                    grid: [1, 1, 1],
-                    block: [1, 1, 1],
-                },
-            },
-            |b: &MockBackend, l: &kernels::Launch<'_>| {
-                let (ptr, len) = l.buffers()[0];
-                // SAFETY: the launch's own checked buffer, written by a fill on its stream.
-                unsafe { b.driver().enqueue_fill(l.stream(), ptr, len as usize, 0x24) }
-                    .map_err(TwmError::from_backend)?;
-                panic!("the embedder's launcher panics after queueing");
-            },
-        )
-        .unwrap();
-    let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
-        .kernels(registry)
-        .build()
-        .unwrap();
+    let (backend, creator) = queueing_launcher(0x24, || {
+        panic!("the embedder's launcher panics after queueing")
+    });
     let mut g = guest(&creator);
-    let k = g.kernel("panics");
+    let k = g.kernel("queues");
     let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| g.launch(k, &[(X, 64)])));
     assert!(caught.is_err(), "the panic reaches the embedder");
     assert_eq!(

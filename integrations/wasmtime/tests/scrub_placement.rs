@@ -8,33 +8,9 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use tensor_wasm_mem_core::{Advice, IsolationLevel};
+use tensor_wasm_mem_core::Advice;
 use tensor_wasm_mem_mock::MockBackend;
-use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Linker, Memory, Store};
 use tensor_wasm_mem_wasmtime::*;
-
-type Data = TenantStore<MockBackend>;
-
-fn tenant_store(
-    creator: &TensorWasmMemoryCreator<MockBackend>,
-    id: u64,
-) -> (Store<Data>, Instance, Memory) {
-    let engine = creator.engine().unwrap();
-    let tenant = Tenant::new(
-        id,
-        format!("t{id}"),
-        16 * PAGE as u64,
-        IsolationLevel::StreamIsolated,
-    );
-    let mut store = new_store(
-        &engine,
-        TenantStore::new(creator, &tenant, ChargeMode::Touched, ()),
-    );
-    let module = access_module(&engine, 1, 4);
-    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
-    let memory = instance.get_memory(&mut store, "memory").unwrap();
-    (store, instance, memory)
-}
 
 /// Bytes moved each way so far.
 fn migrated(backend: &MockBackend) -> (u64, u64) {

@@ -6,9 +6,11 @@ use std::sync::Arc;
 use tensor_wasm_mem_core::{DeviceId, IsolationLevel, PoolConfig, SizeClass};
 use tensor_wasm_mem_mock::MockBackend;
 use tensor_wasm_mem_wasmtime::wasmtime::{
-    Engine, Instance, Module, Store, Trap, TypedFunc, WasmParams, WasmResults,
+    Engine, Instance, Linker, Memory, Module, Store, Trap, TypedFunc, WasmParams, WasmResults,
 };
-use tensor_wasm_mem_wasmtime::{Tenant, TensorWasmMemoryCreator};
+use tensor_wasm_mem_wasmtime::{
+    ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, instantiate, new_store,
+};
 
 pub const PAGE: usize = 65536;
 
@@ -100,4 +102,27 @@ pub fn func<T, P: WasmParams, R: WasmResults>(
 
 pub fn is_oob(error: &tensor_wasm_mem_wasmtime::wasmtime::Error) -> bool {
     error.downcast_ref::<Trap>() == Some(&Trap::MemoryOutOfBounds)
+}
+
+/// A Store of tenant `id` (a 16-page cap, stream isolation) holding an instance of
+/// [`access_module`] `(memory 1 4)`, and its memory.
+pub fn tenant_store(
+    creator: &TensorWasmMemoryCreator<MockBackend>,
+    id: u64,
+) -> (Store<TenantStore<MockBackend>>, Instance, Memory) {
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(
+        id,
+        format!("t{id}"),
+        16 * PAGE as u64,
+        IsolationLevel::StreamIsolated,
+    );
+    let mut store = new_store(
+        &engine,
+        TenantStore::new(creator, &tenant, ChargeMode::Touched, ()),
+    );
+    let module = access_module(&engine, 1, 4);
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    (store, instance, memory)
 }
