@@ -41,9 +41,16 @@ pub const MAX_MESSAGE_CHARS: usize = 1000;
 /// of its own (see `main`).
 pub static REPORTED: AtomicBool = AtomicBool::new(false);
 
-/// The results of the runs completed so far (`--repeat`), for the watchdog's report: a run
-/// that times out in a host call still reports the runs before it.
+/// The results of the runs completed so far (`--repeat`): the report's `runs`, and the
+/// watchdog's (a run that times out in a host call still reports the runs before it). Held only
+/// to add a run or read them, never across a guest call.
 static COMPLETED: std::sync::Mutex<Vec<Value>> = std::sync::Mutex::new(Vec::new());
+
+fn completed() -> std::sync::MutexGuard<'static, Vec<Value>> {
+    COMPLETED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// `twm run` arguments.
 #[derive(Debug, clap::Args)]
@@ -557,13 +564,8 @@ impl RunLimits {
                     );
                     // One JSON object: none if the report is already out.
                     if json && !REPORTED.swap(true, Ordering::AcqRel) {
-                        // Held only to push a completed run, never across a guest call.
-                        let runs = COMPLETED
-                            .lock()
-                            .map(|runs| runs.clone())
-                            .unwrap_or_default();
-                        let report =
-                            early_report(&file, backend, TIMEOUT_EXIT, &message).with_runs(runs);
+                        let mut report = early_report(&file, backend, TIMEOUT_EXIT, &message);
+                        report["runs"] = Value::Array(completed().clone());
                         write_fd(1, &format!("{report}\n"));
                     }
                     write_fd(2, &format!("twm: {message}\n"));
@@ -611,18 +613,6 @@ impl RunLimits {
             None => timed(store),
         }
         .map_err(|e| Failure::Other(format!("{e:#}")))
-    }
-}
-
-/// A report's runs, set after the fact.
-trait WithRuns {
-    fn with_runs(self, runs: Vec<Value>) -> Self;
-}
-
-impl WithRuns for Value {
-    fn with_runs(mut self, runs: Vec<Value>) -> Self {
-        self["runs"] = Value::Array(runs);
-        self
     }
 }
 
@@ -679,7 +669,6 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
         wasi: &wasi,
         limits: &limits,
     };
-    let mut runs = Vec::new();
     let mut outcome = Ok(());
     for _ in 0..args.repeat {
         match run_once(&engine, &setup, args) {
@@ -689,20 +678,19 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
                         out(text)?;
                     }
                 }
-                runs.push(Value::Array(results.into_iter().map(|(_, v)| v).collect()));
+                let run = Value::Array(results.into_iter().map(|(_, v)| v).collect());
+                completed().push(run);
             }
             // A guest that ends with status 0 ran to completion.
-            Err(Failure::Exit(0)) => runs.push(Value::Array(Vec::new())),
+            Err(Failure::Exit(0)) => completed().push(Value::Array(Vec::new())),
             Err(failure) => {
                 outcome = Err(failure);
                 break;
             }
         }
-        if let (Some(last), Ok(mut completed)) = (runs.last(), COMPLETED.lock()) {
-            completed.push(last.clone());
-        }
     }
     drop(limits);
+    let runs = std::mem::take(&mut *completed());
     report(args, &tenant, &creator, runs, outcome)
 }
 
