@@ -143,36 +143,45 @@ pub mod cudarc {
             i: usize,
             write: bool,
         ) -> Option<Result<GuestCudaSlice<'_, E>, TwmError>> {
-            let &(ptr, bytes, access) = self.slices.get(i)?;
-            Some((|| {
-                if write && access == Access::Read {
-                    return Err(TwmError::Interop(format!("range {i} was opened read-only")));
-                }
-                let size = std::mem::size_of::<E>() as u64;
-                if size == 0 || bytes % size != 0 {
-                    return Err(TwmError::Interop(format!(
-                        "range {i} ({bytes} bytes) is not a whole number of {size}-byte elements"
-                    )));
-                }
-                let align = std::mem::align_of::<E>() as u64;
-                if ptr % align != 0 {
-                    return Err(TwmError::Interop(format!(
-                        "range {i} starts at an address not aligned to {align} bytes"
-                    )));
-                }
-                let len = usize::try_from(bytes / size)
-                    .map_err(|_| TwmError::Interop(format!("range {i} is too long")))?;
-                // SAFETY: `ptr..ptr + bytes` is a checked range of the guest's live memory, valid
-                // for the scope's borrow (which the returned value keeps); `E: DeviceRepr` is
-                // plain data, and every byte pattern of guest memory is what the guest wrote. The
-                // slice is never freed by cudarc: `GuestCudaSlice` leaks it when dropped.
-                let slice = unsafe { self.stream.upgrade_device_ptr::<E>(ptr, len) };
-                Ok(GuestCudaSlice {
-                    slice: ManuallyDrop::new(slice),
-                    writable: write,
-                    _scope: PhantomData,
-                })
-            })())
+            let &range = self.slices.get(i)?;
+            Some(self.upgrade(i, range, write))
+        }
+
+        /// Range `i`, `(ptr, bytes, access)`, as a `CudaSlice<E>`, checked for `write`, whole
+        /// elements and alignment.
+        fn upgrade<E: DeviceRepr>(
+            &self,
+            i: usize,
+            (ptr, bytes, access): (u64, u64, Access),
+            write: bool,
+        ) -> Result<GuestCudaSlice<'_, E>, TwmError> {
+            if write && access == Access::Read {
+                return Err(TwmError::Interop(format!("range {i} was opened read-only")));
+            }
+            let size = std::mem::size_of::<E>() as u64;
+            if size == 0 || bytes % size != 0 {
+                return Err(TwmError::Interop(format!(
+                    "range {i} ({bytes} bytes) is not a whole number of {size}-byte elements"
+                )));
+            }
+            let align = std::mem::align_of::<E>() as u64;
+            if ptr % align != 0 {
+                return Err(TwmError::Interop(format!(
+                    "range {i} starts at an address not aligned to {align} bytes"
+                )));
+            }
+            let len = usize::try_from(bytes / size)
+                .map_err(|_| TwmError::Interop(format!("range {i} is too long")))?;
+            // SAFETY: `ptr..ptr + bytes` is a checked range of the guest's live memory, valid
+            // for the scope's borrow (which the returned value keeps); `E: DeviceRepr` is
+            // plain data, and every byte pattern of guest memory is what the guest wrote. The
+            // slice is never freed by cudarc: `GuestCudaSlice` leaks it when dropped.
+            let slice = unsafe { self.stream.upgrade_device_ptr::<E>(ptr, len) };
+            Ok(GuestCudaSlice {
+                slice: ManuallyDrop::new(slice),
+                writable: write,
+                _scope: PhantomData,
+            })
         }
     }
 
