@@ -213,7 +213,7 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
     /// `0..self.len()` without overflow.
     pub fn device_slice(&self, offset: usize, len: usize) -> Result<DeviceSlice, RangeError> {
         let range = check_range(offset, len, self.len)?;
-        self.device_touched();
+        // `device_ptr` marks the slot as device-touched.
         Ok(DeviceSlice {
             device_ptr: self.device_ptr() + range.start as u64,
             len,

@@ -122,3 +122,49 @@ fn build(name: &str) -> Option<PathBuf> {
     );
     Some(wasm)
 }
+
+/// Runs the WASI command `wasm` (its `_start`) for `tenant` on `creator`, with the `twm` and
+/// WASI imports, `argv`, `env` and its stdout captured: its exit status and stdout. A trap that
+/// is not an exit panics.
+pub fn run_command<B: tensor_wasm_mem_wasmtime::Backend>(
+    creator: &tensor_wasm_mem_wasmtime::TensorWasmMemoryCreator<B>,
+    wasm: &Path,
+    tenant: &std::sync::Arc<tensor_wasm_mem_wasmtime::Tenant>,
+    argv: &[&str],
+    env: &[(&str, &str)],
+) -> (i32, String) {
+    use tensor_wasm_mem_wasmtime::wasi::wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+    use tensor_wasm_mem_wasmtime::wasi::{WasiCtxBuilder, add_wasi_to_linker, exit_code};
+    use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
+    use tensor_wasm_mem_wasmtime::{
+        ChargeMode, TenantStore, add_to_linker, instantiate, new_store,
+    };
+    let engine = creator.engine().expect("engine");
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).expect("twm");
+    add_wasi_to_linker(&mut linker).expect("wasi");
+    let module = Module::from_file(&engine, wasm).expect("module");
+    let stdout = MemoryOutputPipe::new(1 << 20);
+    let mut wasi = WasiCtxBuilder::new();
+    wasi.args(argv).stdout(stdout.clone());
+    for (key, value) in env {
+        wasi.env(key, value);
+    }
+    let mut store = new_store(
+        &engine,
+        TenantStore::new(creator, tenant, ChargeMode::Touched, wasi.build_p1()),
+    );
+    let instance = instantiate(&mut store, &linker, &module).expect("instance");
+    let start = instance
+        .get_typed_func::<(), ()>(&mut store, "_start")
+        .expect("a command module");
+    let status = match start.call(&mut store, ()) {
+        Ok(()) => 0,
+        Err(e) => exit_code(&e).unwrap_or_else(|| panic!("{} trapped: {e:#}", wasm.display())),
+    };
+    drop(store);
+    (
+        status,
+        String::from_utf8_lossy(&stdout.contents()).into_owned(),
+    )
+}

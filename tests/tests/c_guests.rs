@@ -7,13 +7,8 @@ use std::sync::Arc;
 
 use tensor_wasm_mem_core::IsolationLevel;
 use tensor_wasm_mem_mock::MockBackend;
-use tensor_wasm_mem_tests::guests::c_guest;
-use tensor_wasm_mem_wasmtime::wasi::wasmtime_wasi::p2::pipe::MemoryOutputPipe;
-use tensor_wasm_mem_wasmtime::wasi::{WasiCtxBuilder, add_wasi_to_linker, exit_code};
-use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
-use tensor_wasm_mem_wasmtime::{
-    ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, add_to_linker, instantiate, new_store,
-};
+use tensor_wasm_mem_tests::guests::{c_guest, run_command};
+use tensor_wasm_mem_wasmtime::{Tenant, TensorWasmMemoryCreator};
 
 /// Runs `_start` of the C guest `name` for a tenant with `cap`: (exit status, stdout).
 fn run_c_guest(name: &str, args: &[&str], cap: u64) -> Option<(i32, String)> {
@@ -21,38 +16,18 @@ fn run_c_guest(name: &str, args: &[&str], cap: u64) -> Option<(i32, String)> {
     let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
         .build()
         .expect("creator");
-    let engine = creator.engine().expect("engine");
-    let mut linker = Linker::new(&engine);
-    add_to_linker(&mut linker).expect("twm");
-    add_wasi_to_linker(&mut linker).expect("wasi");
-    let module = Module::from_file(&engine, &wasm).expect("module");
     let tenant = Tenant::new(1, name, cap, IsolationLevel::StreamIsolated);
-    let stdout = MemoryOutputPipe::new(1 << 20);
     let mut argv = vec![name];
     argv.extend_from_slice(args);
-    let wasi = WasiCtxBuilder::new()
-        .args(&argv)
-        .env("TWM_GREETING", "from the library")
-        .stdout(stdout.clone())
-        .build_p1();
-    let mut store = new_store(
-        &engine,
-        TenantStore::new(&creator, &tenant, ChargeMode::Touched, wasi),
+    let ran = run_command(
+        &creator,
+        &wasm,
+        &tenant,
+        &argv,
+        &[("TWM_GREETING", "from the library")],
     );
-    let instance = instantiate(&mut store, &linker, &module).expect("instance");
-    let start = instance
-        .get_typed_func::<(), ()>(&mut store, "_start")
-        .expect("a command module");
-    let status = match start.call(&mut store, ()) {
-        Ok(()) => 0,
-        Err(e) => exit_code(&e).unwrap_or_else(|| panic!("{name} trapped: {e:#}")),
-    };
-    drop(store);
     assert_eq!(tenant.stats().touched_bytes, 0, "everything given back");
-    Some((
-        status,
-        String::from_utf8_lossy(&stdout.contents()).into_owned(),
-    ))
+    Some(ran)
 }
 
 #[test]

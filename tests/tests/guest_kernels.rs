@@ -8,14 +8,12 @@ use std::sync::Arc;
 
 use tensor_wasm_mem_core::IsolationLevel;
 use tensor_wasm_mem_cudarc::DriverSource;
-use tensor_wasm_mem_tests::guests::c_guest;
+use tensor_wasm_mem_tests::guests::{c_guest, run_command};
 use tensor_wasm_mem_tests::kernels::{launch_axpy, launch_increment};
 use tensor_wasm_mem_tests::sim::SIM_PATH;
 use tensor_wasm_mem_wasmtime::kernels::{
     BufferLength, KernelParam, KernelRegistry, KernelSignature, Launch, LaunchShape, Scalar,
 };
-use tensor_wasm_mem_wasmtime::wasi::wasmtime_wasi::p2::pipe::MemoryOutputPipe;
-use tensor_wasm_mem_wasmtime::wasi::{WasiCtxBuilder, add_wasi_to_linker, exit_code};
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module, Store};
 use tensor_wasm_mem_wasmtime::{
     Access, Backend, ChargeMode, TWM_ERR_OUT_OF_RANGE, Tenant, TenantStore,
@@ -171,30 +169,8 @@ fn c_saxpy_on<B: Backend>(backend: B) -> Option<(i32, String)> {
         .kernels(saxpy_registry())
         .build()
         .expect("creator");
-    let engine = creator.engine().expect("engine");
-    let mut linker = Linker::new(&engine);
-    add_to_linker(&mut linker).expect("twm");
-    add_wasi_to_linker(&mut linker).expect("wasi");
-    let module = Module::from_file(&engine, &wasm).expect("module");
     let tenant = Tenant::new(1, "saxpy", 64 << 20, IsolationLevel::StreamIsolated);
-    let stdout = MemoryOutputPipe::new(1 << 16);
-    let wasi = WasiCtxBuilder::new()
-        .args(&["saxpy"])
-        .stdout(stdout.clone())
-        .build_p1();
-    let mut store = new_store(
-        &engine,
-        TenantStore::new(&creator, &tenant, ChargeMode::Touched, wasi),
-    );
-    let instance = instantiate(&mut store, &linker, &module).expect("instance");
-    let start = instance
-        .get_typed_func::<(), ()>(&mut store, "_start")
-        .expect("a command module");
-    let status = match start.call(&mut store, ()) {
-        Ok(()) => 0,
-        Err(e) => exit_code(&e).unwrap_or_else(|| panic!("saxpy trapped: {e:#}")),
-    };
-    drop(store);
+    let ran = run_command(&creator, &wasm, &tenant, &["saxpy"], &[]);
     let stats = tenant.stats();
     assert_eq!(
         (
@@ -204,10 +180,7 @@ fn c_saxpy_on<B: Backend>(backend: B) -> Option<(i32, String)> {
         ),
         (1, 1, 0)
     );
-    Some((
-        status,
-        String::from_utf8_lossy(&stdout.contents()).into_owned(),
-    ))
+    Some(ran)
 }
 
 fn expect_saxpy_output(result: Option<(i32, String)>) {
