@@ -141,6 +141,10 @@ pub struct Allocation {
     ptr: NonNull<u8>,
     len: usize,
     device: DeviceId,
+    /// The [`DriverBackend`](crate::DriverBackend) recovery generation it was made in (0
+    /// elsewhere): an address a reset gave back and the driver handed out again is never taken
+    /// for the old allocation.
+    generation: u64,
 }
 
 // SAFETY: an `Allocation` is an address and a length; it grants no access by itself (every
@@ -161,7 +165,36 @@ impl Allocation {
     /// non-zero.
     #[must_use]
     pub const unsafe fn from_raw_parts(ptr: NonNull<u8>, len: usize, device: DeviceId) -> Self {
-        Self { ptr, len, device }
+        Self {
+            ptr,
+            len,
+            device,
+            generation: 0,
+        }
+    }
+
+    /// [`from_raw_parts`](Self::from_raw_parts) in a driver backend's recovery `generation`.
+    ///
+    /// # Safety
+    ///
+    /// As for [`from_raw_parts`](Self::from_raw_parts).
+    pub(crate) const unsafe fn from_raw_parts_in(
+        ptr: NonNull<u8>,
+        len: usize,
+        device: DeviceId,
+        generation: u64,
+    ) -> Self {
+        Self {
+            ptr,
+            len,
+            device,
+            generation,
+        }
+    }
+
+    /// The recovery generation it was made in.
+    pub(crate) const fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// Takes the handle apart (for `free` implementations).
@@ -233,6 +266,29 @@ pub unsafe trait ManagedAllocator: ErrorType {
     fn device_report(&self, device: DeviceId) -> Option<crate::DeviceReport> {
         (device.0 < self.device_count())
             .then(|| crate::DeviceReport::from_capabilities(device, &self.capabilities()))
+    }
+
+    /// `device`'s fault record: whether it is fenced after a kernel fault in its primary
+    /// context, and its faults and recoveries so far. A backend without driver contexts never
+    /// fences (the default: healthy, nothing counted).
+    fn device_health(&self, device: DeviceId) -> crate::DeviceHealth {
+        let _ = device;
+        crate::DeviceHealth::default()
+    }
+
+    /// Whether `device` is fenced: it refuses new work (typed
+    /// [`ErrorKind::ContextLost`](crate::ErrorKind::ContextLost)) until
+    /// [`recover_device`](Self::recover_device) succeeds.
+    fn device_fenced(&self, device: DeviceId) -> bool {
+        self.device_health(device).fenced
+    }
+
+    /// Recovers a fenced `device` (a driver backend resets its primary context: see
+    /// [`DriverBackend::recover`](crate::DriverBackend::recover)); `Ok(None)` where there was
+    /// nothing to recover (the default).
+    fn recover_device(&self, device: DeviceId) -> Result<Option<crate::Recovery>, Self::Error> {
+        let _ = device;
+        Ok(None)
     }
 
     /// Whether `device` can access memory resident on another device, `peer`, directly (peer
@@ -307,6 +363,18 @@ macro_rules! forward_allocator {
             }
             fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> bool {
                 T::can_access_peer(self, device, peer)
+            }
+            fn device_health(&self, device: DeviceId) -> crate::DeviceHealth {
+                T::device_health(self, device)
+            }
+            fn device_fenced(&self, device: DeviceId) -> bool {
+                T::device_fenced(self, device)
+            }
+            fn recover_device(
+                &self,
+                device: DeviceId,
+            ) -> Result<Option<crate::Recovery>, Self::Error> {
+                T::recover_device(self, device)
             }
             fn allocate(&self, device: DeviceId, bytes: usize) -> Result<Allocation, Self::Error> {
                 T::allocate(self, device, bytes)

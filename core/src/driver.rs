@@ -18,7 +18,10 @@ use crate::ledger::TenantKey;
 use crate::stream::Stream;
 
 mod device_pools;
+mod recovery;
 mod streams;
+
+pub use recovery::{DeviceHealth, Recovery};
 
 /// What [`DriverBackend`] refuses before calling the driver.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -82,6 +85,44 @@ pub enum Refusal {
         /// Its base address.
         address: u64,
     },
+    /// The device is fenced: a kernel faulted in its primary context, and it takes no new work
+    /// until it is recovered.
+    #[error(
+        "{device} is fenced after a kernel fault in its primary context: it takes no new work until it is recovered"
+    )]
+    DeviceFenced {
+        /// The device.
+        device: DeviceId,
+    },
+    /// A recovery of a fenced device waits for what of ours still lives in its primary context.
+    #[error(
+        "{device} cannot be recovered yet: {allocations} allocations, {streams} streams and {pools} pools in its primary context are still in use"
+    )]
+    StillInUse {
+        /// The device.
+        device: DeviceId,
+        /// Allocations (and registered host ranges) not given up.
+        allocations: u64,
+        /// Streams handed out, or in a call.
+        streams: u64,
+        /// Pools in service, or in a call.
+        pools: u64,
+    },
+    /// Another call is recovering the device now.
+    #[error("{device} is being recovered by another call")]
+    Recovering {
+        /// The device.
+        device: DeviceId,
+    },
+    /// An allocation a recovery's reset destroyed: only its free is left to do.
+    #[error("the allocation at {address:#x} was destroyed by a recovery of its device")]
+    LostInRecovery {
+        /// Its base address.
+        address: u64,
+    },
+    /// The driver cannot reset a device's primary context.
+    #[error("this driver cannot reset a device's primary context")]
+    NoContextReset,
     /// The device cannot do this.
     #[error("{device} does not support {what}")]
     Unsupported {
@@ -98,9 +139,14 @@ impl Refusal {
     pub const fn kind(&self) -> ErrorKind {
         match self {
             Self::Range(e) => e.kind(),
-            Self::Unsupported { .. } | Self::NoDevicePools | Self::NoHostRegistration => {
-                ErrorKind::Unsupported
-            }
+            Self::Unsupported { .. }
+            | Self::NoDevicePools
+            | Self::NoHostRegistration
+            | Self::NoContextReset => ErrorKind::Unsupported,
+            Self::DeviceFenced { .. }
+            | Self::StillInUse { .. }
+            | Self::Recovering { .. }
+            | Self::LostInRecovery { .. } => ErrorKind::ContextLost,
             Self::UnknownPool { .. }
             | Self::ZeroSize
             | Self::InvalidDevice { .. }
@@ -347,6 +393,20 @@ pub unsafe trait DriverApi: Send + Sync + 'static {
         let _ = pool;
         Err(Refusal::NoDevicePools.into())
     }
+
+    /// Resets `device`'s primary context (`cuDevicePrimaryCtxReset_v2`), which destroys every
+    /// allocation, stream, pool, event, module and registration made in it and clears a sticky
+    /// fault, then makes again what the driver value keeps there for itself (its
+    /// [`scrub_stream`](Self::scrub_stream)). The context's handle stays valid (a reset does
+    /// not release it). Drivers that cannot keep this default.
+    ///
+    /// # Safety
+    ///
+    /// Nothing made in the context may be used afterwards, and no thread may have it current.
+    unsafe fn reset_primary_context(&self, device: DeviceId) -> Result<(), Self::Error> {
+        let _ = device;
+        Err(Refusal::NoContextReset.into())
+    }
 }
 
 /// Counters of a [`DriverBackend`].
@@ -382,6 +442,37 @@ pub struct DriverStats {
     /// Streams, contexts and pools now retired (handed to no one) but still held by the driver
     /// after a failed release: they are tried again at drop.
     pub pending_releases: u64,
+    /// Contexts seen lost to a kernel fault (sticky), primary and per-tenant alike.
+    pub faults: u64,
+    /// Devices fenced now (a fault in the primary context, not recovered yet).
+    pub fenced_devices: u64,
+    /// Primary contexts reset by [`DriverBackend::recover`].
+    pub recoveries: u64,
+    /// Allocations a recovery destroyed whose owners have not freed them yet (no driver
+    /// resource: their frees succeed without a driver call).
+    pub lost_allocations: u64,
+    /// Bytes in them.
+    pub lost_bytes: u64,
+}
+
+impl DriverStats {
+    /// Counts an attached host range in or out of the figures.
+    fn count_host(&mut self, access: HostAccess, len: usize, attached: bool) {
+        let registered = if access == HostAccess::Registered {
+            len as u64
+        } else {
+            0
+        };
+        if attached {
+            self.attached_host_ranges += 1;
+            self.attached_host_bytes += len as u64;
+            self.registered_host_bytes += registered;
+        } else {
+            self.attached_host_ranges -= 1;
+            self.attached_host_bytes -= len as u64;
+            self.registered_host_bytes -= registered;
+        }
+    }
 }
 
 /// What one [`DriverBackend`] did at its drop, readable before and after it goes (take it with
@@ -439,6 +530,10 @@ struct AllocationRecord {
     device: DeviceId,
     /// `None`: managed memory from `alloc_managed`; `Some`: attached host memory.
     host: Option<HostAccess>,
+    /// The recovery generation it was made in.
+    generation: u64,
+    /// Its owner gave it up (its free or detach was refused): a recovery need not wait for it.
+    abandoned: bool,
 }
 
 #[derive(Debug, Default)]
@@ -450,6 +545,12 @@ struct State {
     retired_contexts: Vec<DriverContext>,
     pools: HashMap<DriverPool, device_pools::PoolRecord>,
     stats: DriverStats,
+    /// Per device: its fault record.
+    devices: Vec<DeviceHealth>,
+    /// Allocations a recovery destroyed, by address and generation, until their owners free them.
+    lost: HashMap<(u64, u64), recovery::LostRecord>,
+    /// Recoveries so far: the generation new allocations are made in.
+    generation: u64,
 }
 
 impl State {
@@ -514,6 +615,9 @@ pub struct DriverBackend<D: DriverApi> {
     caps: Capabilities,
     state: spin::Mutex<State>,
     drop_report: DropReport,
+    /// Devices fenced now, and lost records held: read without the lock, so that a backend
+    /// that never saw a fault pays nothing for the checks on its hot paths.
+    faulted: recovery::Faulted,
 }
 
 impl<D: DriverApi + fmt::Debug> fmt::Debug for DriverBackend<D> {
@@ -547,9 +651,13 @@ impl<D: DriverApi> DriverBackend<D> {
                 concurrent_managed_access: concurrent,
                 pageable_memory_access: pageable,
             },
+            state: spin::Mutex::new(State {
+                devices: alloc::vec![DeviceHealth::default(); driver.device_count() as usize],
+                ..State::default()
+            }),
             driver,
-            state: spin::Mutex::new(State::default()),
             drop_report: DropReport::default(),
+            faulted: recovery::Faulted::default(),
         }
     }
 
@@ -580,6 +688,9 @@ impl<D: DriverApi> DriverBackend<D> {
         let (result, popped) = with_context(&self.driver, context, f);
         if !popped {
             self.state.lock().release_failed(false);
+        }
+        if let Err(e) = &result {
+            self.note_fault(context, e);
         }
         result
     }
@@ -619,9 +730,27 @@ impl<D: DriverApi> DriverBackend<D> {
         len: usize,
     ) -> Result<Checked, Refusal> {
         let address = allocation.device_ptr();
-        let (device, host) = match self.state.lock().allocations.get(&address) {
-            Some(r) if r.len == allocation.len() => (r.device, r.host),
-            _ => return Err(Refusal::UnknownAllocation { address }),
+        let (device, host) = {
+            let state = self.state.lock();
+            match state.allocations.get(&address) {
+                Some(r)
+                    if r.len == allocation.len()
+                        && r.generation == allocation.generation()
+                        && state
+                            .devices
+                            .get(r.device.0 as usize)
+                            .is_some_and(|h| h.fenced) =>
+                {
+                    return Err(Refusal::DeviceFenced { device: r.device });
+                }
+                Some(r) if r.len == allocation.len() && r.generation == allocation.generation() => {
+                    (r.device, r.host)
+                }
+                _ if state.lost.contains_key(&(address, allocation.generation())) => {
+                    return Err(Refusal::LostInRecovery { address });
+                }
+                _ => return Err(Refusal::UnknownAllocation { address }),
+            }
         };
         let range = allocation.range(offset, len)?;
         let span = (!range.is_empty()).then(|| (address + range.start as u64, range.len()));
@@ -663,6 +792,14 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         self.driver.device_count()
     }
 
+    fn device_health(&self, device: DeviceId) -> DeviceHealth {
+        self.health(device)
+    }
+
+    fn recover_device(&self, device: DeviceId) -> Result<Option<Recovery>, D::Error> {
+        self.recover(device)
+    }
+
     fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> bool {
         device != peer
             && self.check_device(device).is_ok()
@@ -690,36 +827,48 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         if bytes == 0 {
             return Err(Refusal::ZeroSize.into());
         }
-        self.check_device(device)?;
+        self.check_usable(device)?;
         let address = self.in_primary(device, |d| d.alloc_managed(device, bytes))?;
         let Some(ptr) = core::ptr::NonNull::new(address as usize as *mut u8) else {
             return Err(Refusal::UnknownAllocation { address }.into());
         };
         let mut state = self.state.lock();
+        let generation = state.generation;
         state.allocations.insert(
             address,
             AllocationRecord {
                 len: bytes,
                 device,
                 host: None,
+                generation,
+                abandoned: false,
             },
         );
         state.stats.live_allocations += 1;
         state.stats.live_bytes += bytes as u64;
         // SAFETY: the `DriverApi` contract: a fresh managed allocation of `bytes` bytes.
-        Ok(unsafe { Allocation::from_raw_parts(ptr, bytes, device) })
+        Ok(unsafe { Allocation::from_raw_parts_in(ptr, bytes, device, generation) })
     }
 
     unsafe fn free(&self, allocation: Allocation) -> Result<(), Refused<Allocation, D::Error>> {
+        if self.take_lost(&allocation, false) {
+            // A recovery's reset destroyed it: nothing is left for the driver to do.
+            return Ok(());
+        }
         let address = allocation.device_ptr();
         // The record leaves the table before the driver frees: once freed, the driver may hand
         // the same address to another thread's `allocate` at once, whose record this call must
         // not touch. It goes back if the driver refuses.
-        let record = match self.take_record(address, allocation.len(), false) {
+        let record = match self.take_record(&allocation, false) {
             Ok(record) => record,
             Err(refusal) => return Err(refused(allocation, refusal.into())),
         };
         let device = record.device;
+        if self.is_fenced(device) {
+            // Not sent to a lost context: given up, kept for the recovery's reset.
+            self.give_back_record(address, record);
+            return Err(refused(allocation, Refusal::DeviceFenced { device }.into()));
+        }
         // SAFETY: `address` is the base of a live allocation of ours (its record was in the
         // table), and the caller guarantees it is not used afterwards.
         match self.in_primary(device, |d| unsafe { d.free(address) }) {
@@ -730,9 +879,7 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
                 Ok(())
             }
             Err(e) => {
-                let mut state = self.state.lock();
-                state.allocations.insert(address, record);
-                state.release_failed(false);
+                self.give_back_record(address, record);
                 Err(refused(allocation, e))
             }
         }
@@ -897,13 +1044,19 @@ impl<D: DriverApi> DriverBackend<D> {
     /// as it was and the refusal says why.
     fn take_record(
         &self,
-        address: u64,
-        len: usize,
+        allocation: &Allocation,
         host: bool,
     ) -> Result<AllocationRecord, Refusal> {
+        let (address, len) = (allocation.device_ptr(), allocation.len());
         let mut state = self.state.lock();
         match state.allocations.remove(&address) {
-            Some(r) if r.len == len && r.host.is_some() == host => Ok(r),
+            Some(r)
+                if r.len == len
+                    && r.host.is_some() == host
+                    && r.generation == allocation.generation() =>
+            {
+                Ok(r)
+            }
             Some(r) => {
                 let attached = r.host.is_some() && !host;
                 state.allocations.insert(address, r);
@@ -917,22 +1070,18 @@ impl<D: DriverApi> DriverBackend<D> {
         }
     }
 
-    /// Counts an attached range in or out of the figures.
-    fn count_host(stats: &mut DriverStats, access: HostAccess, len: usize, attached: bool) {
-        let registered = if access == HostAccess::Registered {
-            len as u64
-        } else {
-            0
-        };
-        if attached {
-            stats.attached_host_ranges += 1;
-            stats.attached_host_bytes += len as u64;
-            stats.registered_host_bytes += registered;
-        } else {
-            stats.attached_host_ranges -= 1;
-            stats.attached_host_bytes -= len as u64;
-            stats.registered_host_bytes -= registered;
-        }
+    /// A record whose release was refused (by the driver, or by the fence) goes back to the
+    /// table, given up by its owner: counted, and no reason for a recovery to wait.
+    fn give_back_record(&self, address: u64, record: AllocationRecord) {
+        let mut state = self.state.lock();
+        state.allocations.insert(
+            address,
+            AllocationRecord {
+                abandoned: true,
+                ..record
+            },
+        );
+        state.release_failed(false);
     }
 }
 
@@ -963,7 +1112,7 @@ unsafe impl<D: DriverApi> HostMemory for DriverBackend<D> {
         if len == 0 {
             return Err(Refusal::ZeroSize.into());
         }
-        self.check_device(device)?;
+        self.check_usable(device)?;
         if !self.can_attach_host(device, access) {
             return Err(Refusal::Unsupported {
                 device,
@@ -975,55 +1124,71 @@ unsafe impl<D: DriverApi> HostMemory for DriverBackend<D> {
             .into());
         }
         let address = ptr.as_ptr() as usize as u64;
-        let record = AllocationRecord {
-            len,
-            device,
-            host: Some(access),
-        };
         // The record goes in first (a second attach of the same base is refused), and leaves
         // again if the driver refuses the registration.
-        {
+        let generation = {
             let mut state = self.state.lock();
             if state.allocations.contains_key(&address) {
                 return Err(Refusal::AlreadyAttached { address }.into());
             }
-            state.allocations.insert(address, record);
-        }
+            let generation = state.generation;
+            state.allocations.insert(
+                address,
+                AllocationRecord {
+                    len,
+                    device,
+                    host: Some(access),
+                    generation,
+                    abandoned: false,
+                },
+            );
+            generation
+        };
         if access == HostAccess::Registered
             && let Err(e) = self.in_primary(device, |d| d.host_register(address, len))
         {
             self.state.lock().allocations.remove(&address);
             return Err(e);
         }
-        Self::count_host(&mut self.state.lock().stats, access, len, true);
+        self.state.lock().stats.count_host(access, len, true);
         // SAFETY: the caller guarantees host memory mapped readable and writable for `len`
         // bytes, page-aligned (so at least `MIN_ALIGN`), owned by the caller until detached.
-        Ok(unsafe { Allocation::from_raw_parts(ptr, len, device) })
+        Ok(unsafe { Allocation::from_raw_parts_in(ptr, len, device, generation) })
     }
 
     unsafe fn detach_host(
         &self,
         allocation: Allocation,
     ) -> Result<(), Refused<Allocation, D::Error>> {
+        if self.take_lost(&allocation, true) {
+            // A recovery's reset dropped its registration: the host pages are the caller's.
+            return Ok(());
+        }
         let address = allocation.device_ptr();
-        let record = match self.take_record(address, allocation.len(), true) {
+        let record = match self.take_record(&allocation, true) {
             Ok(record) => record,
             Err(refusal) => return Err(refused(allocation, refusal.into())),
         };
         let access = record.host.unwrap_or(HostAccess::Pageable);
+        if access == HostAccess::Registered && self.is_fenced(record.device) {
+            let device = record.device;
+            self.give_back_record(address, record);
+            return Err(refused(allocation, Refusal::DeviceFenced { device }.into()));
+        }
         if access == HostAccess::Registered {
             // SAFETY: a range this backend registered (its record was in the table); the
             // caller guarantees no device work uses it any more.
             let unregistered =
                 self.in_primary(record.device, |d| unsafe { d.host_unregister(address) });
             if let Err(e) = unregistered {
-                let mut state = self.state.lock();
-                state.allocations.insert(address, record);
-                state.release_failed(false);
+                self.give_back_record(address, record);
                 return Err(refused(allocation, e));
             }
         }
-        Self::count_host(&mut self.state.lock().stats, access, record.len, false);
+        self.state
+            .lock()
+            .stats
+            .count_host(access, record.len, false);
         Ok(())
     }
 }

@@ -36,6 +36,10 @@ pub enum ErrorKind {
     NoDevice,
     /// The driver reported an error.
     Driver,
+    /// A kernel faulted and the driver context it ran in is lost (a sticky error:
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS` and its kin): the state that lived there is gone, and its
+    /// device is fenced (refusing new work) until it is recovered.
+    ContextLost,
     /// An invariant of the caller was broken (for example a handle from another backend).
     Other,
 }
@@ -57,6 +61,7 @@ impl ErrorKind {
             Self::DriverUnavailable => "driver_unavailable",
             Self::NoDevice => "no_device",
             Self::Driver => "driver",
+            Self::ContextLost => "context_lost",
             Self::Other => "other",
         }
     }
@@ -154,6 +159,8 @@ pub enum Operation {
     AttachHost,
     /// `HostMemory::detach_host`.
     DetachHost,
+    /// `ManagedAllocator::recover_device`.
+    RecoverDevice,
 }
 
 impl Operation {
@@ -178,6 +185,7 @@ impl Operation {
             Self::PoolStats => "pool_stats",
             Self::AttachHost => "attach_host",
             Self::DetachHost => "detach_host",
+            Self::RecoverDevice => "recover_device",
         }
     }
 }

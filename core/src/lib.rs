@@ -33,8 +33,8 @@ pub use allocator::{Allocation, MIN_ALIGN, ManagedAllocator, Refused};
 pub use buffer::{DeviceSlice, UnifiedBuffer};
 pub use device::{Advice, Capabilities, DeviceId, DeviceReport, Location, ParseNameError};
 pub use driver::{
-    DeviceFacts, DriverApi, DriverBackend, DriverContext, DriverPool, DriverStats, DriverStream,
-    DropReport, Refusal,
+    DeviceFacts, DeviceHealth, DriverApi, DriverBackend, DriverContext, DriverPool, DriverStats,
+    DriverStream, DropReport, Recovery, Refusal,
 };
 pub use error::{BackendError, Error, ErrorKind, ErrorType, Operation, RangeError, check_range};
 pub use host::{HostAccess, HostMemory};

@@ -686,6 +686,7 @@ macro_rules! driver_harness {
                     Operation::PoolFree => "cuMemFreeAsync",
                     Operation::AttachHost => "cuMemHostRegister_v2",
                     Operation::DetachHost => "cuMemHostUnregister",
+                    Operation::RecoverDevice => "cuDevicePrimaryCtxReset_v2",
                     _ => return false,
                 };
                 let Some(sim) = $crate::sim::Sim::get() else {

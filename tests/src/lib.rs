@@ -22,6 +22,7 @@ pub mod guests;
 pub mod harness;
 pub mod kernels;
 pub mod races;
+pub mod recovery;
 pub mod runner;
 pub mod sim;
 pub mod suite;
@@ -38,6 +39,30 @@ macro_rules! conformance {
         /// Every conformance case on this harness, by name (run by [`runner`]).
         pub fn cases() -> ::std::vec::Vec<$crate::runner::Case> {
             ::std::vec![
+                (
+                    "recover_after_a_fault_in_shared_work",
+                    $crate::recovery::recover_after_a_fault_in_shared_work::<$harness> as fn()
+                ),
+                (
+                    "recover_after_a_fault_in_stream_isolated_work",
+                    $crate::recovery::recover_after_a_fault_in_stream_isolated_work::<$harness>
+                        as fn()
+                ),
+                (
+                    "recover_a_context_isolated_fault_is_the_tenants_alone",
+                    $crate::recovery::recover_a_context_isolated_fault_is_the_tenants_alone::<
+                        $harness,
+                    > as fn()
+                ),
+                (
+                    "recover_through_a_second_fault_and_a_refused_reset",
+                    $crate::recovery::recover_through_a_second_fault_and_a_refused_reset::<$harness>
+                        as fn()
+                ),
+                (
+                    "recover_one_device_of_two",
+                    $crate::recovery::recover_one_device_of_two::<$harness> as fn()
+                ),
                 (
                     "capabilities_are_honest",
                     $crate::suite::capabilities_are_honest::<$harness> as fn()

@@ -52,7 +52,7 @@ fn all_advice(location: Location) -> [Advice; 6] {
     ]
 }
 
-fn assert_no_leaks<H: Harness>(backend: &H::Backend) {
+pub(crate) fn assert_no_leaks<H: Harness>(backend: &H::Backend) {
     if let Some(live) = H::live_allocations(backend) {
         assert_eq!(live, 0, "allocations leaked");
     }
@@ -1302,7 +1302,10 @@ pub fn device_pool_memory_comes_zeroed<H: Harness>() {
         }
         out
     };
+    // The zero fill is ordered on the stream: the host reads after waiting for it (a device with
+    // work of its own, the worker harnesses, may not have run it yet).
     let a = pool.allocate(2 * PAGE, &s).expect("allocate");
+    b.synchronize(&s).expect("wait for the fill");
     assert!(
         read(&a).iter().all(|&x| x == 0),
         "a fresh block comes zeroed"
@@ -1311,6 +1314,7 @@ pub fn device_pool_memory_comes_zeroed<H: Harness>() {
     unsafe { (a.device_ptr() as *mut u8).write_bytes(0xff, a.len()) };
     pool.free(a, &s).expect("free");
     let again = pool.allocate(2 * PAGE, &s).expect("reuse");
+    b.synchronize(&s).expect("wait for the fill");
     assert!(
         read(&again).iter().all(|&x| x == 0),
         "a reused block comes zeroed"

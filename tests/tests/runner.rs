@@ -9,7 +9,10 @@ mod knobless {
 }
 
 mod full {
-    tensor_wasm_mem_tests::conformance!(tensor_wasm_mem_tests::harness::MockHarness);
+    // Several devices, so the cases about one device of many run too.
+    tensor_wasm_mem_tests::conformance!(
+        tensor_wasm_mem_tests::harness::EightDeviceDeferredMockHarness
+    );
 }
 
 fn only(cases: Vec<runner::Case>, names: &[&str]) -> Vec<runner::Case> {

@@ -106,6 +106,7 @@ macro_rules! __cuda_entries {
             cuDeviceCanAccessPeer(*mut ::std::ffi::c_int, ::std::ffi::c_int, ::std::ffi::c_int);
             cuDevicePrimaryCtxRetain(*mut $crate::Handle, ::std::ffi::c_int);
             cuDevicePrimaryCtxRelease_v2(::std::ffi::c_int);
+            cuDevicePrimaryCtxReset_v2(::std::ffi::c_int);
             cuMemGetInfo_v2(*mut usize, *mut usize);
             cuCtxPushCurrent_v2($crate::Handle);
             cuCtxPopCurrent_v2(*mut $crate::Handle);

@@ -123,6 +123,18 @@ impl Api {
         })
     }
 
+    /// `cuDevicePrimaryCtxReset_v2`.
+    ///
+    /// # Safety
+    ///
+    /// Nothing made in the device's primary context is used afterwards.
+    pub(crate) unsafe fn primary_context_reset(&self, device: c_int) -> Result<(), CudaError> {
+        // SAFETY: by the caller's contract; the call takes a device ordinal only.
+        check("cuDevicePrimaryCtxReset_v2", unsafe {
+            (self.entries.cuDevicePrimaryCtxReset_v2)(device)
+        })
+    }
+
     /// `cuMemGetInfo_v2`: `(free, total)` bytes of the current context's device.
     pub(crate) fn mem_get_info(&self) -> Result<(u64, u64), CudaError> {
         let (mut free, mut total) = (0usize, 0usize);

@@ -36,6 +36,20 @@ pub const HOST_MEMORY_ALREADY_REGISTERED: u32 = 712;
 pub const HOST_MEMORY_NOT_REGISTERED: u32 = 713;
 /// `CUDA_ERROR_ILLEGAL_ADDRESS`: sticky for the context, as on a GPU.
 pub const ILLEGAL_ADDRESS: u32 = 700;
+/// `CUDA_ERROR_ASSERT`: a device-side assert; sticky.
+pub const ASSERT: u32 = 710;
+/// `CUDA_ERROR_HARDWARE_STACK_ERROR`: sticky.
+pub const HARDWARE_STACK_ERROR: u32 = 714;
+/// `CUDA_ERROR_ILLEGAL_INSTRUCTION`: sticky.
+pub const ILLEGAL_INSTRUCTION: u32 = 715;
+/// `CUDA_ERROR_MISALIGNED_ADDRESS`: sticky.
+pub const MISALIGNED_ADDRESS: u32 = 716;
+/// `CUDA_ERROR_INVALID_ADDRESS_SPACE`: sticky.
+pub const INVALID_ADDRESS_SPACE: u32 = 717;
+/// `CUDA_ERROR_INVALID_PC`: sticky.
+pub const INVALID_PC: u32 = 718;
+/// `CUDA_ERROR_LAUNCH_FAILED`: an exception while a kernel ran; sticky.
+pub const LAUNCH_FAILED: u32 = 719;
 /// `CUDA_ERROR_NOT_READY`.
 pub const NOT_READY: u32 = 600;
 /// `CUDA_ERROR_NOT_SUPPORTED`.
@@ -85,6 +99,22 @@ pub fn describe(code: u32) -> Option<(&'static core::ffi::CStr, &'static core::f
             c"pointer does not correspond to a registered memory region",
         ),
         NOT_SUPPORTED => (c"CUDA_ERROR_NOT_SUPPORTED", c"operation not supported"),
+        ASSERT => (c"CUDA_ERROR_ASSERT", c"device-side assert triggered"),
+        HARDWARE_STACK_ERROR => (
+            c"CUDA_ERROR_HARDWARE_STACK_ERROR",
+            c"an illegal memory access was encountered on the hardware stack",
+        ),
+        ILLEGAL_INSTRUCTION => (
+            c"CUDA_ERROR_ILLEGAL_INSTRUCTION",
+            c"an illegal instruction was encountered",
+        ),
+        MISALIGNED_ADDRESS => (c"CUDA_ERROR_MISALIGNED_ADDRESS", c"misaligned address"),
+        INVALID_ADDRESS_SPACE => (
+            c"CUDA_ERROR_INVALID_ADDRESS_SPACE",
+            c"operation not supported on global/shared address space",
+        ),
+        INVALID_PC => (c"CUDA_ERROR_INVALID_PC", c"invalid program counter"),
+        LAUNCH_FAILED => (c"CUDA_ERROR_LAUNCH_FAILED", c"unspecified launch failure"),
         UNKNOWN => (c"CUDA_ERROR_UNKNOWN", c"unknown error"),
         _ => return None,
     })
@@ -97,8 +127,11 @@ pub fn name(code: u32) -> Option<&'static str> {
 }
 
 /// The [`ErrorKind`](tensor_wasm_mem_core::ErrorKind) of a code: out of memory, an invalid
-/// argument (value, device, context, handle), no device, unsupported; any other code (one this
-/// table does not name included) is a driver failure.
+/// argument (value, device, context, handle), no device, unsupported, a context lost to a
+/// kernel fault (the sticky codes: an illegal address, a misaligned address, an illegal
+/// instruction, a hardware stack error, an invalid address space or program counter, a failed
+/// launch, a device-side assert); any other code (one this table does not name included) is a
+/// driver failure.
 #[must_use]
 pub const fn kind(code: u32) -> tensor_wasm_mem_core::ErrorKind {
     use tensor_wasm_mem_core::ErrorKind;
@@ -109,6 +142,14 @@ pub const fn kind(code: u32) -> tensor_wasm_mem_core::ErrorKind {
         }
         NO_DEVICE => ErrorKind::NoDevice,
         NOT_SUPPORTED => ErrorKind::Unsupported,
+        ILLEGAL_ADDRESS
+        | ASSERT
+        | HARDWARE_STACK_ERROR
+        | ILLEGAL_INSTRUCTION
+        | MISALIGNED_ADDRESS
+        | INVALID_ADDRESS_SPACE
+        | INVALID_PC
+        | LAUNCH_FAILED => ErrorKind::ContextLost,
         _ => ErrorKind::Driver,
     }
 }
@@ -123,6 +164,9 @@ mod tests {
     fn codes_map_to_kinds_and_names() {
         assert_eq!(kind(OUT_OF_MEMORY), ErrorKind::OutOfMemory);
         assert_eq!(kind(INVALID_VALUE), ErrorKind::InvalidArgument);
+        for sticky in [ILLEGAL_ADDRESS, LAUNCH_FAILED, MISALIGNED_ADDRESS, ASSERT] {
+            assert_eq!(kind(sticky), ErrorKind::ContextLost, "{sticky}");
+        }
         assert_eq!(kind(INVALID_HANDLE), ErrorKind::InvalidArgument);
         assert_eq!(kind(NO_DEVICE), ErrorKind::NoDevice);
         assert_eq!(kind(NOT_SUPPORTED), ErrorKind::Unsupported);

@@ -9,6 +9,7 @@ mod error;
 use std::ffi::c_int;
 use std::fmt;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tensor_wasm_mem_core::{
     Advice, BackendError, DeviceFacts, DeviceId, DriverApi, DriverContext, DriverPool,
@@ -46,8 +47,14 @@ struct Device {
     peers: Vec<bool>,
     cu: c_int,
     primary: DriverContext,
-    /// The stream zeroing runs on.
-    scrub_stream: DriverStream,
+    /// The stream zeroing runs on (its raw handle: made again after a reset of the context).
+    scrub_stream: AtomicU64,
+}
+
+impl Device {
+    fn scrub_stream(&self) -> DriverStream {
+        DriverStream::from_raw(self.scrub_stream.load(Ordering::Acquire))
+    }
 }
 
 /// Why start-up stopped before a device table existed.
@@ -140,7 +147,7 @@ impl<E> CudaDriver<E> {
                 peers: Vec::new(),
                 cu,
                 primary,
-                scrub_stream,
+                scrub_stream: AtomicU64::new(scrub_stream.raw()),
             });
         }
         // Peer access, asked once: a pair the driver cannot answer for is taken as no access.
@@ -198,7 +205,7 @@ impl<E> Drop for CudaDriver<E> {
         for d in &self.devices {
             let _ = self
                 .api
-                .in_context(d.primary, || self.api.stream_destroy(d.scrub_stream));
+                .in_context(d.primary, || self.api.stream_destroy(d.scrub_stream()));
             let _ = self.api.primary_context_release(d.cu);
         }
     }
@@ -280,7 +287,7 @@ where
     }
 
     unsafe fn zero(&self, device: DeviceId, ptr: u64, len: usize) -> Result<(), E> {
-        let stream = self.get(device)?.scrub_stream;
+        let stream = self.get(device)?.scrub_stream();
         // SAFETY: guaranteed by the caller (the `DriverApi::zero` contract: the range is inside
         // a live allocation, the device's primary context is current, whose stream this is).
         Ok(unsafe { self.api.zero(ptr, len, stream) }?)
@@ -297,7 +304,19 @@ where
 
     fn scrub_stream(&self, device: DeviceId) -> DriverStream {
         self.get(device)
-            .map_or(DriverStream::DEFAULT, |d| d.scrub_stream)
+            .map_or(DriverStream::DEFAULT, Device::scrub_stream)
+    }
+
+    unsafe fn reset_primary_context(&self, device: DeviceId) -> Result<(), E> {
+        let d = self.get(device)?;
+        // SAFETY: by the caller's contract, nothing made in the context is used afterwards; the
+        // zeroing stream the reset destroys is made again below before any zeroing.
+        unsafe { self.api.primary_context_reset(d.cu) }?;
+        let stream = self
+            .api
+            .in_context(d.primary, || self.api.stream_create())?;
+        d.scrub_stream.store(stream.raw(), Ordering::Release);
+        Ok(())
     }
 
     fn stream_create(&self) -> Result<DriverStream, E> {

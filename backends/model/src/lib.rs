@@ -15,7 +15,7 @@ use std::time::Duration;
 use tensor_wasm_mem_core::{Location, Operation};
 
 pub use error::ModelError;
-pub use machine::ModelDriver;
+pub use machine::{ModelDriver, ResetReport};
 
 /// The most devices a simulated machine has (a larger `device_count` is taken as this many).
 pub const MAX_DEVICES: u32 = 1024;
@@ -164,11 +164,13 @@ pub enum Call {
     HostRegister,
     /// `cuMemHostUnregister`.
     HostUnregister,
+    /// `cuDevicePrimaryCtxReset_v2`.
+    PrimaryCtxReset,
 }
 
 impl Call {
     /// Every entry point, in declaration order.
-    pub const ALL: [Self; 30] = [
+    pub const ALL: [Self; 31] = [
         Self::CtxPush,
         Self::CtxPop,
         Self::CtxCreate,
@@ -199,6 +201,7 @@ impl Call {
         Self::MemGetInfo,
         Self::HostRegister,
         Self::HostUnregister,
+        Self::PrimaryCtxReset,
     ];
 
     /// The libcuda entry point's name.
@@ -235,6 +238,7 @@ impl Call {
             Self::MemGetInfo => "cuMemGetInfo_v2",
             Self::HostRegister => "cuMemHostRegister_v2",
             Self::HostUnregister => "cuMemHostUnregister",
+            Self::PrimaryCtxReset => "cuDevicePrimaryCtxReset_v2",
         }
     }
 
@@ -261,6 +265,7 @@ impl Call {
             Operation::PoolStats => Self::PoolReserved,
             Operation::AttachHost => Self::HostRegister,
             Operation::DetachHost => Self::HostUnregister,
+            Operation::RecoverDevice => Self::PrimaryCtxReset,
             _ => return None,
         })
     }
@@ -449,6 +454,8 @@ pub struct ModelStats {
     /// Kernels that touched memory outside every live allocation when they ran (an illegal
     /// address: their context is poisoned, sticky, as on a GPU).
     pub kernel_faults: u64,
+    /// Primary contexts reset (`cuDevicePrimaryCtxReset`).
+    pub primary_resets: u64,
     /// Events alive.
     pub live_events: u64,
     /// Host ranges registered with `cuMemHostRegister` and not unregistered.

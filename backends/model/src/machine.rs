@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 // The model's tables are keyed by its own handles: foldhash (hashbrown's default), not SipHash,
 // which a simulated driver call paid for on every lookup.
-use hashbrown::{HashMap, HashSet};
+use hashbrown::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -19,8 +19,11 @@ use tensor_wasm_mem_cuda::CudaError;
 mod api;
 mod control;
 mod entry;
+mod reset;
 mod state;
 mod work;
+
+pub use reset::ResetReport;
 
 use crate::ranges::RangeMap;
 use crate::{
@@ -299,7 +302,8 @@ struct State {
     pools: HashMap<u64, Pool>,
     queues: HashMap<Queue, VecDeque<Work>>,
     events: HashMap<u64, EventRecord>,
-    modules: HashSet<u64>,
+    /// Loaded modules, and the context each was loaded in.
+    modules: HashMap<u64, u64>,
     functions: HashMap<u64, FunctionRecord>,
     next_handle: u64,
     faults: Vec<Fault>,

@@ -391,7 +391,7 @@ fn a_kernel_fault_poisons_its_context_only() {
     unsafe { mock.driver().enqueue_fill(&bad, a.device_ptr(), 4, 9) }.unwrap();
     let err = mock.synchronize(&bad).unwrap_err();
     assert_eq!(err.code(), Some(code::ILLEGAL_ADDRESS));
-    assert_eq!(err.kind(), ErrorKind::Driver);
+    assert_eq!(err.kind(), ErrorKind::ContextLost);
     assert!(
         err.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
         "{err}"

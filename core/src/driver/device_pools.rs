@@ -30,6 +30,13 @@ pub(super) struct PoolRecord {
     life: Life,
 }
 
+impl PoolRecord {
+    /// Retired after a refused destroy, and in no call: a reset of its device may take it.
+    pub(super) fn is_retired_and_idle(&self) -> bool {
+        self.life == Life::Failed && self.busy == 0
+    }
+}
+
 /// A live allocation from a device pool: its length, and the stream it was allocated on (the
 /// stream its work is ordered on, so its free at teardown is ordered after that work), named by
 /// handle, tenant and context so that a handle value reused by another stream never matches.
@@ -212,7 +219,7 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         device: DeviceId,
         config: &DevicePoolConfig,
     ) -> Result<PoolHandle, D::Error> {
-        self.check_device(device)?;
+        self.check_usable(device)?;
         let raw = self.in_primary(device, |d| {
             d.pool_create(device, config.max_bytes, config.release_threshold)
         })?;

@@ -38,6 +38,8 @@ pub(super) struct StreamRecord {
 pub(super) struct TenantContextEntry {
     pub(super) context: Option<DriverContext>,
     pub(super) users: u64,
+    /// A kernel fault poisoned it (counted once): it goes with the tenant's last stream.
+    pub(super) lost: bool,
 }
 
 /// One driver call's use of a stream: the stream cannot be destroyed until it is dropped.
@@ -303,7 +305,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
         level: IsolationLevel,
         device: DeviceId,
     ) -> Result<Stream, D::Error> {
-        self.check_device(device)?;
+        self.check_usable(device)?;
         let context = match level {
             IsolationLevel::Shared => {
                 let primary = self.driver.primary_context(device);

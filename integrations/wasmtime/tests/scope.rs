@@ -261,7 +261,7 @@ fn a_kernel_fault_is_typed_and_stays_with_the_tenants_context() {
     unsafe { backend.driver().enqueue_fill(scope.stream(), 64, 64, 1) }.unwrap(); // the launch succeeds
     let err = scope.close().unwrap_err();
     assert!(matches!(err, TwmError::Backend { .. }), "{err}");
-    assert_eq!(err.kind(), tensor_wasm_mem_core::ErrorKind::Driver);
+    assert_eq!(err.kind(), tensor_wasm_mem_core::ErrorKind::ContextLost);
     assert!(
         err.to_string().contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
         "{err}"

@@ -451,6 +451,18 @@ entry! {
 }
 
 entry! {
+    /// `cuDevicePrimaryCtxReset_v2`: the model's reset of the device's primary context (what a
+    /// real reset destroys, destroyed; its sticky fault cleared; the handle kept).
+    fn cuDevicePrimaryCtxReset_v2(device: c_int) |m| {
+        let d = m.device(device)?;
+        // SAFETY: the caller's contract (as libcuda's): nothing made in the context is used
+        // afterwards.
+        unsafe { m.driver.reset_primary(d) }.map_err(code_of)?;
+        Ok(())
+    }
+}
+
+entry! {
     /// `cuDevicePrimaryCtxRelease_v2`.
     fn cuDevicePrimaryCtxRelease_v2(device: c_int) |m| {
         let d = m.device(device)?;
@@ -907,6 +919,7 @@ const ENTRY_POINTS: &[&str] = &[
     "cuMemGetInfo_v2",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
+    "cuDevicePrimaryCtxReset_v2",
     "cuCtxSetCurrent",
     "cuCtxGetCurrent",
     "cuCtxPushCurrent_v2",

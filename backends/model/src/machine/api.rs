@@ -399,6 +399,11 @@ unsafe impl DriverApi for ModelDriver {
         Ok(())
     }
 
+    unsafe fn reset_primary_context(&self, device: DeviceId) -> Result<(), ModelError> {
+        // SAFETY: the caller's contract is the reset's.
+        unsafe { self.reset_primary(device) }.map(|_| ())
+    }
+
     fn pool_create(
         &self,
         device: DeviceId,

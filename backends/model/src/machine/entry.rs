@@ -156,7 +156,7 @@ impl ModelDriver {
     /// `cuModuleUnload`: its functions go with it.
     pub fn unload_module(&self, module: Module) -> Result<(), ModelError> {
         let mut state = self.state();
-        if !state.modules.remove(&module.raw()) {
+        if state.modules.remove(&module.raw()).is_none() {
             return Err(error(Call::ModuleLoad, code::INVALID_HANDLE));
         }
         state.functions.retain(|_, f| f.module != module.raw());

@@ -9,7 +9,8 @@ impl ModelDriver {
         let mut state = self.state();
         self.enter(&mut state, Call::ModuleLoad, true)?;
         let handle = state.handle();
-        state.modules.insert(handle);
+        let context = self.current();
+        state.modules.insert(handle, context);
         Ok(Module(handle))
     }
 
@@ -17,7 +18,7 @@ impl ModelDriver {
     pub fn get_function(&self, module: Module, name: &str) -> Result<Function, ModelError> {
         let mut state = self.state();
         self.enter(&mut state, Call::ModuleGetFunction, true)?;
-        if !state.modules.contains(&module.0) {
+        if !state.modules.contains_key(&module.0) {
             return Err(error(Call::ModuleGetFunction, code::INVALID_HANDLE));
         }
         let kernel =

@@ -1,0 +1,322 @@
+//! Faults and recovery of a [`DriverBackend`]: a device whose primary context a kernel poisoned
+//! is fenced, and recovered with a reset of that context once nothing of ours there is in use.
+//!
+//! A sticky fault (`CUDA_ERROR_ILLEGAL_ADDRESS` and its kin, [`ErrorKind::ContextLost`]) makes
+//! every later call in its context fail. Seen in a device's primary context (where every
+//! managed allocation, pool, scrub and the shared and stream-isolated tenants' streams live),
+//! it **fences** the device: no new allocation, stream, pool or host attachment there, no
+//! advice, prefetch or zeroing, and frees are not sent to the driver (refused, so the owner
+//! keeps the allocation and, in the Wasmtime integration, its charge). Seen in a
+//! context-isolated tenant's own context, it is that tenant's alone: the context goes with the
+//! tenant's last stream, as before, and nothing else is fenced.
+//!
+//! [`DriverBackend::recover`] resets the primary context (`cuDevicePrimaryCtxReset`) once
+//! nothing of ours in it is in use: every allocation there given up (its free was refused, by
+//! the fence or by the driver), no stream of it or pool on the device handed out. What the reset
+//! destroyed leaves the tables: streams and pools outright, allocations as *lost* records keyed
+//! by their address and generation, so the owner's later `free` (or `detach_host`) succeeds
+//! without a driver call and an address the driver hands out again after the reset is never
+//! mistaken for the old allocation. The device then takes work again.
+
+use core::sync::atomic::{AtomicU64, Ordering};
+
+use crate::allocator::Allocation;
+use crate::device::DeviceId;
+use crate::driver::{DriverApi, DriverBackend, Life, Refusal, State};
+use crate::error::{BackendError, ErrorKind};
+use crate::host::HostAccess;
+
+/// A device's fault record in a [`DriverBackend`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceHealth {
+    /// Fenced: its primary context faulted and has not been reset yet.
+    pub fenced: bool,
+    /// A recovery is resetting it now.
+    pub resetting: bool,
+    /// Faults seen in its primary context (each fences it once).
+    pub faults: u64,
+    /// Resets of its primary context that succeeded.
+    pub recoveries: u64,
+}
+
+/// What one [`DriverBackend::recover`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Recovery {
+    /// The device whose primary context was reset.
+    pub device: DeviceId,
+    /// Allocations (and registered host ranges) the reset destroyed: their owners' later frees
+    /// succeed without a driver call.
+    pub allocations: u64,
+    /// Bytes in them.
+    pub bytes: u64,
+    /// Retired streams (destroys the driver had refused) the reset destroyed.
+    pub streams: u64,
+    /// Retired pools the reset destroyed.
+    pub pools: u64,
+}
+
+/// Lock-free counts that let the hot paths skip the fault checks when nothing ever faulted.
+#[derive(Debug, Default)]
+pub(super) struct Faulted {
+    /// Devices fenced now.
+    fenced: AtomicU64,
+    /// Lost records held.
+    lost: AtomicU64,
+}
+
+/// An allocation a reset destroyed, until its owner frees it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct LostRecord {
+    pub(super) len: usize,
+    pub(super) host: Option<HostAccess>,
+}
+
+/// What of ours in a device's primary context is still in use (a recovery waits for none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct InUse {
+    allocations: u64,
+    streams: u64,
+    pools: u64,
+}
+
+impl State {
+    /// What of ours in `device`'s primary context is in use: allocations not given up (pageable
+    /// host ranges are the host's and survive a reset), streams handed out or in a call, pools
+    /// in service or in a call.
+    fn in_use_on(&self, device: DeviceId, primary: crate::driver::DriverContext) -> InUse {
+        InUse {
+            allocations: self
+                .allocations
+                .values()
+                .filter(|r| r.device == device && r.host != Some(HostAccess::Pageable))
+                .filter(|r| !r.abandoned)
+                .count() as u64,
+            streams: self
+                .streams
+                .values()
+                .filter(|r| r.context == primary && (r.life != Life::Failed || r.busy > 0))
+                .count() as u64,
+            pools: self
+                .pools
+                .values()
+                .filter(|r| r.device == device && !r.is_retired_and_idle())
+                .count() as u64,
+        }
+    }
+
+    /// Takes out of the tables what a reset of `device`'s primary context destroyed (checked
+    /// to be in use by no one): allocations become lost records.
+    fn forget_reset(
+        &mut self,
+        device: DeviceId,
+        primary: crate::driver::DriverContext,
+    ) -> Recovery {
+        let mut recovery = Recovery {
+            device,
+            allocations: 0,
+            bytes: 0,
+            streams: 0,
+            pools: 0,
+        };
+        let gone: alloc::vec::Vec<u64> = self
+            .allocations
+            .iter()
+            .filter(|(_, r)| r.device == device && r.host != Some(HostAccess::Pageable))
+            .map(|(&a, _)| a)
+            .collect();
+        for address in gone {
+            let Some(record) = self.allocations.remove(&address) else {
+                continue;
+            };
+            match record.host {
+                None => {
+                    self.stats.live_allocations -= 1;
+                    self.stats.live_bytes -= record.len as u64;
+                }
+                Some(access) => self.stats.count_host(access, record.len, false),
+            }
+            self.lost.insert(
+                (address, record.generation),
+                LostRecord {
+                    len: record.len,
+                    host: record.host,
+                },
+            );
+            self.stats.lost_allocations += 1;
+            self.stats.lost_bytes += record.len as u64;
+            recovery.allocations += 1;
+            recovery.bytes += record.len as u64;
+        }
+        let before = self.streams.len();
+        self.streams.retain(|_, r| r.context != primary);
+        recovery.streams = (before - self.streams.len()) as u64;
+        self.stats.live_streams -= recovery.streams;
+        let before = self.pools.len();
+        let mut blocks = 0;
+        self.pools.retain(|_, r| {
+            let keep = r.device != device;
+            if !keep {
+                blocks += r.live.len() as u64;
+            }
+            keep
+        });
+        recovery.pools = (before - self.pools.len()) as u64;
+        self.stats.live_pools -= recovery.pools;
+        self.stats.live_pool_allocations -= blocks;
+        self.stats.pending_releases = self
+            .stats
+            .pending_releases
+            .saturating_sub(recovery.streams + recovery.pools);
+        recovery
+    }
+}
+
+impl<D: DriverApi> DriverBackend<D> {
+    /// `device`'s fault record (a device it does not have: healthy, nothing counted).
+    pub(super) fn health(&self, device: DeviceId) -> DeviceHealth {
+        self.state
+            .lock()
+            .devices
+            .get(device.0 as usize)
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// Whether `device` is fenced (its primary context faulted and is not reset yet).
+    pub(super) fn is_fenced(&self, device: DeviceId) -> bool {
+        if self.faulted.fenced.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        self.state
+            .lock()
+            .devices
+            .get(device.0 as usize)
+            .is_some_and(|h| h.fenced)
+    }
+
+    /// [`check_device`](Self::check_device), and refused while the device is fenced: the start
+    /// of anything new there.
+    pub(super) fn check_usable(&self, device: DeviceId) -> Result<(), Refusal> {
+        self.check_device(device)?;
+        if self.is_fenced(device) {
+            return Err(Refusal::DeviceFenced { device });
+        }
+        Ok(())
+    }
+
+    /// A driver call in `context` answered `error`: if it is a sticky fault and `context` is a
+    /// device's primary context, the device is fenced (counted once per fault).
+    pub(super) fn note_fault(&self, context: crate::driver::DriverContext, error: &D::Error) {
+        if error.kind() != ErrorKind::ContextLost {
+            return;
+        }
+        let count = self.driver.device_count();
+        let device = (0..count)
+            .map(DeviceId)
+            .find(|&d| self.driver.primary_context(d) == context);
+        let mut state = self.state.lock();
+        let State {
+            devices,
+            contexts,
+            stats,
+            ..
+        } = &mut *state;
+        match device {
+            Some(device) => {
+                if let Some(health) = devices.get_mut(device.0 as usize)
+                    && !health.fenced
+                {
+                    health.fenced = true;
+                    health.faults += 1;
+                    stats.faults += 1;
+                    stats.fenced_devices += 1;
+                    self.faulted.fenced.fetch_add(1, Ordering::AcqRel);
+                }
+            }
+            // A context-isolated tenant's own context: that tenant's alone (it goes with the
+            // tenant's last stream).
+            None => {
+                if let Some(entry) = contexts.values_mut().find(|e| e.context == Some(context))
+                    && !entry.lost
+                {
+                    entry.lost = true;
+                    stats.faults += 1;
+                }
+            }
+        }
+    }
+
+    /// A lost allocation's record (destroyed by a reset), taken out if `allocation` names it:
+    /// its free or detach then succeeds without a driver call.
+    pub(super) fn take_lost(&self, allocation: &Allocation, host: bool) -> bool {
+        if self.faulted.lost.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let key = (allocation.device_ptr(), allocation.generation());
+        let mut state = self.state.lock();
+        match state.lost.get(&key) {
+            Some(r) if r.len == allocation.len() && r.host.is_some() == host => {
+                state.lost.remove(&key);
+                state.stats.lost_allocations -= 1;
+                state.stats.lost_bytes -= allocation.len() as u64;
+                self.faulted.lost.fetch_sub(1, Ordering::AcqRel);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Recovers a fenced `device`: resets its primary context (`cuDevicePrimaryCtxReset`),
+    /// takes what the reset destroyed out of the tables (allocations become lost records, see
+    /// the [module docs](self)), and lifts the fence. `Ok(None)` for a device that is not fenced.
+    ///
+    /// Refused with [`Refusal::StillInUse`] while anything of ours in the context is in use (an
+    /// allocation not given up, a stream or pool handed out, a call using one): the owners
+    /// release them first (their frees are refused while the device is fenced, which gives them
+    /// up); with [`Refusal::Recovering`] while another call recovers it. If the reset fails the
+    /// device stays fenced, and a later call tries again.
+    pub fn recover(&self, device: DeviceId) -> Result<Option<Recovery>, D::Error> {
+        self.check_device(device)?;
+        let primary = self.driver.primary_context(device);
+        {
+            let mut state = self.state.lock();
+            let health = state.devices[device.0 as usize];
+            if !health.fenced {
+                return Ok(None);
+            }
+            if health.resetting {
+                return Err(Refusal::Recovering { device }.into());
+            }
+            let in_use = state.in_use_on(device, primary);
+            if in_use != InUse::default() {
+                return Err(Refusal::StillInUse {
+                    device,
+                    allocations: in_use.allocations,
+                    streams: in_use.streams,
+                    pools: in_use.pools,
+                }
+                .into());
+            }
+            state.devices[device.0 as usize].resetting = true;
+        }
+        // SAFETY: nothing of ours in the context is in use (checked above, and the fence keeps
+        // anything new from starting there): every allocation in it was given up by a free
+        // whose caller promised not to use it again, and no stream or pool is handed out.
+        let reset = unsafe { self.driver.reset_primary_context(device) };
+        let mut state = self.state.lock();
+        state.devices[device.0 as usize].resetting = false;
+        reset?;
+        let recovery = state.forget_reset(device, primary);
+        self.faulted
+            .lost
+            .fetch_add(recovery.allocations, Ordering::AcqRel);
+        self.faulted.fenced.fetch_sub(1, Ordering::AcqRel);
+        state.generation += 1;
+        let health = &mut state.devices[device.0 as usize];
+        health.fenced = false;
+        health.recoveries += 1;
+        state.stats.fenced_devices -= 1;
+        state.stats.recoveries += 1;
+        Ok(Some(recovery))
+    }
+}

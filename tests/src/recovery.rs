@@ -1,0 +1,229 @@
+//! Recovery from a sticky fault: a kernel that faults in a device's primary context fences the
+//! device (typed refusals, nothing new starts there), and the backend's `recover_device` resets
+//! that context once what lived there is given up, after which the device serves again and every
+//! counter is back to what the survivors hold. A fault in a context-isolated tenant's own
+//! context fences nothing.
+
+use tensor_wasm_mem_core::{
+    Allocation, BackendError, DeviceId, ErrorKind, IsolationLevel, ManagedAllocator, Operation,
+    Stream, StreamProvider, TenantId, TenantKey,
+};
+
+use crate::Harness;
+use crate::runner::skip;
+
+const PAGE: usize = 1 << 16;
+const D0: DeviceId = DeviceId(0);
+
+fn key(id: u64) -> TenantKey {
+    TenantKey::fresh(TenantId(id))
+}
+
+fn assert_lost<E: BackendError + std::fmt::Display>(error: &E, what: &str) {
+    assert_eq!(error.kind(), ErrorKind::ContextLost, "{what}: {error}");
+}
+
+/// Gives `allocation` up on a fenced device: its free is refused (not sent to the driver), and
+/// the caller keeps the handle, as the Wasmtime integration keeps a memory with its charge.
+fn give_up<B: ManagedAllocator>(backend: &B, allocation: Allocation) -> Allocation {
+    // SAFETY: the allocation came from `backend` and is not used afterwards (but freed again).
+    match unsafe { backend.free(allocation) } {
+        Ok(()) => panic!("a free on a fenced device goes through"),
+        Err(refused) => {
+            assert_lost(&refused.error, "a free on a fenced device");
+            refused.resource
+        }
+    }
+}
+
+/// Faults `stream`'s work and sees it at the next wait; `false` where the harness cannot launch a
+/// kernel.
+fn fault<H: Harness>(backend: &H::Backend, stream: &Stream) -> bool {
+    if !H::fault(backend, stream) {
+        return false;
+    }
+    let waited = backend
+        .synchronize(stream)
+        .expect_err("the stray kernel faulted");
+    assert_lost(&waited, "the wait after a fault");
+    true
+}
+
+/// The device serves again after a recovery: an allocation, a stream, a kernel's write seen by
+/// the host.
+fn serves<H: Harness>(backend: &H::Backend, device: DeviceId) {
+    let buffer = backend.allocate(device, PAGE).expect("allocate after");
+    let stream = backend
+        .acquire_stream_on(key(9), IsolationLevel::StreamIsolated, device)
+        .expect("a stream after");
+    // SAFETY: nothing else touches the buffer until the stream is waited for.
+    if unsafe { H::fill(backend, &stream, buffer.device_ptr(), 64, 0x5a) } {
+        backend.synchronize(&stream).expect("the kernel runs");
+        if backend.capabilities().host_accessible {
+            // SAFETY: the kernel is done (waited for); the buffer is live.
+            let byte = unsafe { buffer.as_ptr().read() };
+            assert_eq!(byte, 0x5a, "the kernel wrote");
+        }
+    }
+    backend.release_stream(stream).expect("release after");
+    // SAFETY: ours, not used afterwards.
+    unsafe { backend.free(buffer) }.expect("free after");
+}
+
+fn fault_then_recover<H: Harness>(level: IsolationLevel) {
+    let b = H::backend();
+    let buffer = b.allocate(D0, PAGE).expect("allocate");
+    let stream = b.acquire_stream_on(key(1), level, D0).expect("stream");
+    if !fault::<H>(&b, &stream) {
+        b.release_stream(stream).expect("release");
+        // SAFETY: ours, not used afterwards.
+        unsafe { b.free(buffer) }.expect("free");
+        return skip("no simulated kernel");
+    }
+    assert!(b.device_fenced(D0), "a fault in the primary context fences");
+    // Nothing new starts on a fenced device, each refusal typed.
+    assert_lost(&b.allocate(D0, PAGE).expect_err("fenced"), "allocate");
+    let other = b.acquire_stream_on(key(2), IsolationLevel::StreamIsolated, D0);
+    assert_lost(&other.expect_err("fenced"), "a new stream");
+    // What lives in the context is in use: the recovery waits for it.
+    let busy = b.recover_device(D0).expect_err("still in use");
+    assert_lost(&busy, "a recovery while in use");
+    // The tenant lets go (its stream's wait fails: the work is lost; its free is refused).
+    let _ = b.release_stream(stream);
+    let buffer = give_up(&b, buffer);
+    let recovery = b
+        .recover_device(D0)
+        .expect("recover")
+        .expect("it was fenced");
+    assert_eq!((recovery.device, recovery.allocations), (D0, 1));
+    assert_eq!(recovery.bytes, PAGE as u64);
+    assert!(!b.device_fenced(D0), "the fence is lifted");
+    // SAFETY: the handle of an allocation the reset destroyed; freeing it is all that is left.
+    unsafe { b.free(buffer) }.expect("a lost allocation's free succeeds");
+    crate::suite::assert_no_leaks::<H>(&b);
+    serves::<H>(&b, D0);
+    crate::suite::assert_no_leaks::<H>(&b);
+    assert_eq!(
+        b.recover_device(D0).expect("healthy"),
+        None,
+        "nothing to do"
+    );
+}
+
+/// A kernel faults in a shared tenant's work (the legacy default stream of the primary context).
+pub fn recover_after_a_fault_in_shared_work<H: Harness>() {
+    fault_then_recover::<H>(IsolationLevel::Shared);
+}
+
+/// A kernel faults in a stream-isolated tenant's work (its own stream, in the primary context).
+pub fn recover_after_a_fault_in_stream_isolated_work<H: Harness>() {
+    fault_then_recover::<H>(IsolationLevel::StreamIsolated);
+}
+
+/// A kernel faults in a context-isolated tenant's own context: the device is not fenced, a
+/// neighbour's work and new allocations go on, and the tenant's context goes with its last
+/// stream, after which the tenant gets a fresh one.
+pub fn recover_a_context_isolated_fault_is_the_tenants_alone<H: Harness>() {
+    let b = H::backend();
+    let (alice, bob) = (key(1), key(2));
+    let mine = b
+        .acquire_stream_on(alice, IsolationLevel::ContextIsolated, D0)
+        .expect("stream");
+    let theirs = b
+        .acquire_stream_on(bob, IsolationLevel::StreamIsolated, D0)
+        .expect("stream");
+    if !fault::<H>(&b, &mine) {
+        b.release_stream(mine).expect("release");
+        b.release_stream(theirs).expect("release");
+        return skip("no simulated kernel");
+    }
+    assert!(!b.device_fenced(D0), "its own context only");
+    b.synchronize(&theirs).expect("the neighbour goes on");
+    let buffer = b.allocate(D0, PAGE).expect("the device goes on");
+    // SAFETY: ours, not used afterwards.
+    unsafe { b.free(buffer) }.expect("free");
+    let _ = b.release_stream(mine);
+    let again = b
+        .acquire_stream_on(alice, IsolationLevel::ContextIsolated, D0)
+        .expect("a fresh context");
+    b.synchronize(&again).expect("the fresh context works");
+    b.release_stream(again).expect("release");
+    b.release_stream(theirs).expect("release");
+    assert_eq!(b.recover_device(D0).expect("healthy"), None);
+    crate::suite::assert_no_leaks::<H>(&b);
+}
+
+/// A second fault while the device is fenced counts once; a reset the driver refuses leaves the
+/// device fenced until a later try; a fault after a recovery fences the device again, and it
+/// recovers again.
+pub fn recover_through_a_second_fault_and_a_refused_reset<H: Harness>() {
+    let b = H::backend();
+    let first = b
+        .acquire_stream_on(key(1), IsolationLevel::StreamIsolated, D0)
+        .expect("stream");
+    let second = b
+        .acquire_stream_on(key(2), IsolationLevel::StreamIsolated, D0)
+        .expect("stream");
+    if !fault::<H>(&b, &first) {
+        b.release_stream(first).expect("release");
+        b.release_stream(second).expect("release");
+        return skip("no simulated kernel");
+    }
+    let _ = H::fault(&b, &second);
+    assert_lost(&b.synchronize(&second).expect_err("lost too"), "the second");
+    assert_eq!(b.device_health(D0).faults, 1, "one fault per fence");
+    let _ = b.release_stream(first);
+    let _ = b.release_stream(second);
+    if H::fail_nth(&b, Operation::RecoverDevice, 1) {
+        let refused = b.recover_device(D0).expect_err("the reset is refused");
+        assert_ne!(refused.kind(), ErrorKind::ContextLost, "{refused}");
+        assert!(b.device_fenced(D0), "still fenced after a refused reset");
+    }
+    assert!(b.recover_device(D0).expect("recover").is_some());
+    crate::suite::assert_no_leaks::<H>(&b);
+    let third = b
+        .acquire_stream_on(key(3), IsolationLevel::Shared, D0)
+        .expect("stream after");
+    assert!(fault::<H>(&b, &third), "launched before");
+    assert!(b.device_fenced(D0), "fenced again");
+    let _ = b.release_stream(third);
+    assert!(b.recover_device(D0).expect("again").is_some());
+    assert_eq!(b.device_health(D0).faults, 2);
+    serves::<H>(&b, D0);
+    crate::suite::assert_no_leaks::<H>(&b);
+}
+
+/// Two devices, one faulting: the other never notices (its allocations, streams and kernels go
+/// on through the fence and the recovery).
+pub fn recover_one_device_of_two<H: Harness>() {
+    let b = H::backend();
+    if b.device_count() < 2 {
+        return skip("one device");
+    }
+    let d1 = DeviceId(1);
+    let kept = b.allocate(d1, PAGE).expect("allocate on the other");
+    let steady = b
+        .acquire_stream_on(key(1), IsolationLevel::StreamIsolated, d1)
+        .expect("stream on the other");
+    let faulty = b
+        .acquire_stream_on(key(2), IsolationLevel::Shared, D0)
+        .expect("stream");
+    if !fault::<H>(&b, &faulty) {
+        b.release_stream(faulty).expect("release");
+        b.release_stream(steady).expect("release");
+        // SAFETY: ours, not used afterwards.
+        unsafe { b.free(kept) }.expect("free");
+        return skip("no simulated kernel");
+    }
+    assert!(b.device_fenced(D0) && !b.device_fenced(d1));
+    b.synchronize(&steady).expect("the other device goes on");
+    serves::<H>(&b, d1);
+    let _ = b.release_stream(faulty);
+    assert!(b.recover_device(D0).expect("recover").is_some());
+    b.synchronize(&steady).expect("still");
+    b.release_stream(steady).expect("release");
+    // SAFETY: ours, not used afterwards.
+    unsafe { b.free(kept) }.expect("the other device's memory was never touched");
+    serves::<H>(&b, D0);
+    crate::suite::assert_no_leaks::<H>(&b);
+}
