@@ -9,39 +9,49 @@
 #                                         goes to $OUT/gpu-check.log (or gpu-kit/out/)
 #   scripts/gpu-check.sh run --dry-run    here: the same run against the simulated libcuda
 #
+# GPU_KIT_PROFILE=dev builds (and dry-runs) the kit from the debug profile instead: CI checks the
+# kit that way, reusing the test build instead of compiling Wasmtime once more in release. A kit
+# for a GPU machine is built in release (the default).
+#
 # The kit never contains the simulator, so on the GPU machine only the real driver can load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kit=gpu-kit
 mode="${1:-}"
+profile="${GPU_KIT_PROFILE:-release}"
+case "$profile" in
+    release) out_dir=release ;;
+    dev) out_dir=debug ;;
+    *) echo "gpu-check: GPU_KIT_PROFILE is release or dev, not '$profile'" >&2; exit 2 ;;
+esac
 
 build() {
     rm -rf "$kit" && mkdir -p "$kit/bin"
-    echo "gpu-check: building release binaries (this takes a few minutes)"
-    cargo build --locked --release -q -p tensor-wasm-mem-tests --bin gpu-check
+    echo "gpu-check: building $profile binaries (this takes a few minutes)"
+    cargo build --locked --profile "$profile" -q -p tensor-wasm-mem-tests --bin gpu-check
     # twm takes cudarc (libcuda loaded at run time): linking cust here needs a libcuda at link
     # time, which only the tests crate's build provides (see .cuda-link/lib64/README.md).
-    cargo build --locked --release -q -p tensor-wasm-mem-cli --no-default-features \
+    cargo build --locked --profile "$profile" -q -p tensor-wasm-mem-cli --no-default-features \
         --features mock,cudarc
     local exe
-    exe=$(cargo test --locked --release -q -p tensor-wasm-mem-tests --test conformance --no-run \
+    exe=$(cargo test --locked --profile "$profile" -q -p tensor-wasm-mem-tests --test conformance --no-run \
         --message-format=json 2>/dev/null |
         sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
     [ -n "$exe" ] || { echo "gpu-check: no conformance executable found" >&2; exit 1; }
     cp "$exe" "$kit/bin/conformance"
-    exe=$(cargo test --locked --release -q -p tensor-wasm-mem-tests --test guest_kernels --no-run \
+    exe=$(cargo test --locked --profile "$profile" -q -p tensor-wasm-mem-tests --test guest_kernels --no-run \
         --message-format=json 2>/dev/null |
         sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1)
     [ -n "$exe" ] || { echo "gpu-check: no guest_kernels executable found" >&2; exit 1; }
     cp "$exe" "$kit/bin/guest_kernels"
-    cargo build --locked --release -q -p tensor-wasm-mem-tests --example scope_cudarc
-    cp target/release/examples/scope_cudarc "$kit/bin/scope_cudarc"
+    cargo build --locked --profile "$profile" -q -p tensor-wasm-mem-tests --example scope_cudarc
+    cp target/$out_dir/examples/scope_cudarc "$kit/bin/scope_cudarc"
     # The C guest the guest-launched kernels run (the GPU machine has no compiler): built here.
     mkdir -p "$kit/guests"
     clang --target=wasm32-wasi -O2 -Wall -Werror -I sdk/c -o "$kit/guests/saxpy.wasm" \
         tests/guests/saxpy.c
-    cp target/release/gpu-check "$kit/bin/gpu-check"
-    cp target/release/twm "$kit/bin/twm"
+    cp target/$out_dir/gpu-check "$kit/bin/gpu-check"
+    cp target/$out_dir/twm "$kit/bin/twm"
     strip "$kit"/bin/* 2>/dev/null || true
     cp scripts/gpu-check.sh "$kit/gpu-check.sh"
     du -sh "$kit" | sed 's/^/gpu-check: kit size /'
@@ -59,7 +69,7 @@ run() {
         # The cust-linked binaries need a libcuda.so.1: the simulator that cargo would put on the
         # loader path (only built on machines without a driver; never part of the kit).
         local sim
-        sim=$(ls -td target/release/build/tensor-wasm-mem-tests-*/out/runtime 2>/dev/null | head -n 1 || true)
+        sim=$(ls -td target/$out_dir/build/tensor-wasm-mem-tests-*/out/runtime 2>/dev/null | head -n 1 || true)
         [ -n "$sim" ] || { echo "gpu-check: no simulated libcuda built (is there a real driver here?)" >&2; exit 1; }
         export LD_LIBRARY_PATH="$sim${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
         echo "gpu-check: DRY RUN on the simulated libcuda" | tee -a "$log"

@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use tensor_wasm_mem_core::{DeviceId, HostAccess, HostMemory, IsolationLevel, Operation};
+use tensor_wasm_mem_core::{
+    DeviceId, ErrorKind, HostAccess, HostMemory, IsolationLevel, ManagedAllocator, Operation,
+};
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Memory, Module, Store};
 use tensor_wasm_mem_wasmtime::{
     AccessRange, Backing, ChargeMode, DeviceAccess, Tenant, TenantStore, TensorWasmMemoryCreator,
@@ -111,42 +113,117 @@ pub fn a_refused_free_keeps_its_charge<H: Harness>() {
     assert_eq!(rig.creator.stats().kept_released, 4);
 }
 
-/// A kernel faults in the tenant's stream-isolated work (the primary context is poisoned): every
-/// later free there is refused, so the memory stays kept and charged; when its creator goes it
-/// is left to the driver and the charge stays with the tenant for good (stranded), never less
-/// than what the driver holds.
-pub fn a_sticky_fault_keeps_the_charge<H: Harness>() {
-    let backend = H::backend();
-    let rig = Rig::<H>::new(&backend, Backing::Managed);
-    let (mut store, memory) = rig.store_and_memory();
+/// Faults the work of `store`'s tenant through a device-access scope over `memory` (its
+/// stream-isolated stream, in the primary context): the scope's close reports it, typed, and the
+/// device is fenced. `false` where the harness cannot launch a kernel.
+fn fault_in<H: Harness>(
+    backend: &Arc<H::Backend>,
+    rig: &Rig<H>,
+    store: &mut Store<Data<H>>,
+    memory: &Memory,
+) -> bool {
     let scope = DeviceAccess::open(
-        &mut store,
+        &mut *store,
         &rig.creator,
-        &memory,
+        memory,
         &[AccessRange::read_write(0, 64)],
     )
     .expect("scope");
-    if !H::fault(&backend, scope.stream()) {
+    if !H::fault(backend, scope.stream()) {
         drop(scope);
+        return false;
+    }
+    let closed = scope.close().expect_err("the stray kernel faults");
+    assert_eq!(closed.kind(), ErrorKind::ContextLost, "{closed}");
+    assert!(backend.device_fenced(DeviceId(0)), "fenced");
+    true
+}
+
+/// A kernel faults in the tenant's stream-isolated work (the primary context is lost): the
+/// Store's memory cannot be freed in the lost context, so it is kept with its charge; when the
+/// Store goes, nothing of the layer is left in the context and the device recovers on its own
+/// (its primary context reset): the kept memory's free then succeeds, its charge goes back, every
+/// driver counter is back to nothing, and the next Store works.
+pub fn recover_gives_a_faulted_stores_charge_back<H: Harness>() {
+    let backend = H::backend();
+    let rig = Rig::<H>::new(&backend, Backing::Managed);
+    let (mut store, memory) = rig.store_and_memory();
+    if !fault_in(&backend, &rig, &mut store, &memory) {
         return skip("no simulated kernel");
     }
-    assert!(scope.close().is_err(), "the stray kernel faults");
-    drop(store);
-    assert_eq!(rig.creator.stats().kept_memories, 1, "kept, not lost");
     assert_eq!(rig.charged(), Rig::<H>::charge_of(1), "charged while held");
-    assert_eq!(rig.creator.retry_releases(), 1, "the fault is sticky");
-    let tenant = Arc::clone(&rig.tenant);
-    drop(rig);
-    let stats = tenant.stats();
-    assert_eq!(
-        (stats.touched_bytes, stats.held_bytes),
-        (4 * PAGE, 4 * PAGE),
-        "charged for good"
+    drop(store);
+    assert!(
+        !backend.device_fenced(DeviceId(0)),
+        "recovered when its last user went"
     );
-    assert_eq!(stats.stranded_bytes, 4 * PAGE, "its held bytes, stranded");
+    let stats = rig.creator.stats();
+    assert_eq!((stats.kept_memories, stats.recoveries), (0, 1));
+    assert_eq!(stats.devices[0].health.recoveries, 1);
+    assert_eq!(
+        rig.charged(),
+        Rig::<H>::charge_of(0),
+        "the charge went back"
+    );
     if let Some(live) = H::live_allocations(&backend) {
-        assert_eq!(live, 1, "the driver still holds the memory");
+        assert_eq!(live, 0, "the driver holds nothing");
     }
+    if let Some(live) = H::live_streams(&backend) {
+        assert_eq!(live, 0, "no stream left");
+    }
+    let _again = rig.store();
+    assert_eq!(
+        rig.charged(),
+        Rig::<H>::charge_of(1),
+        "the next Store is served"
+    );
+    assert_eq!(rig.creator.recover(DeviceId(0)).expect("healthy"), None);
+}
+
+/// A Store the embedder keeps across a fault holds the device fenced (a recovery says what is
+/// still in use, typed), its scopes are refused, and its charge stays; once it goes, the device
+/// recovers and every tenant's books are back to what the survivors hold.
+pub fn recover_waits_for_a_store_the_embedder_keeps<H: Harness>() {
+    let backend = H::backend();
+    let rig = Rig::<H>::new(&backend, Backing::Managed);
+    let (mut faulty, faulty_memory) = rig.store_and_memory();
+    let (mut kept, kept_memory) = rig.store_and_memory();
+    if !fault_in(&backend, &rig, &mut faulty, &faulty_memory) {
+        return skip("no simulated kernel");
+    }
+    drop(faulty);
+    assert!(
+        backend.device_fenced(DeviceId(0)),
+        "the kept Store holds it"
+    );
+    let waiting = rig.creator.recover(DeviceId(0)).expect_err("still in use");
+    assert_eq!(waiting.kind(), ErrorKind::ContextLost, "{waiting}");
+    assert!(waiting.to_string().contains("in use"), "{waiting}");
+    let refused = DeviceAccess::open(
+        &mut kept,
+        &rig.creator,
+        &kept_memory,
+        &[AccessRange::read(0, 64)],
+    )
+    .map(|_| ())
+    .expect_err("the kept Store's device state is lost");
+    assert_eq!(refused.kind(), ErrorKind::ContextLost, "{refused}");
+    assert_eq!(
+        rig.charged(),
+        Rig::<H>::charge_of(2),
+        "both charged while held"
+    );
+    drop(kept);
+    assert!(
+        !backend.device_fenced(DeviceId(0)),
+        "recovered when the kept Store went"
+    );
+    assert_eq!(rig.charged(), Rig::<H>::charge_of(0));
+    if let Some(live) = H::live_allocations(&backend) {
+        assert_eq!(live, 0);
+    }
+    let _next = rig.store();
+    assert_eq!(rig.charged(), Rig::<H>::charge_of(1));
 }
 
 /// Unregistrations the driver refuses (registered guarded memory): the region is kept with its

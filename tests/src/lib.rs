@@ -257,8 +257,13 @@ macro_rules! conformance {
                     $crate::books::a_refused_free_keeps_its_charge::<$harness> as fn()
                 ),
                 (
-                    "a_sticky_fault_keeps_the_charge",
-                    $crate::books::a_sticky_fault_keeps_the_charge::<$harness> as fn()
+                    "recover_gives_a_faulted_stores_charge_back",
+                    $crate::books::recover_gives_a_faulted_stores_charge_back::<$harness> as fn()
+                ),
+                (
+                    "recover_waits_for_a_store_the_embedder_keeps",
+                    $crate::books::recover_waits_for_a_store_the_embedder_keeps::<$harness>
+                        as fn()
                 ),
                 (
                     "a_refused_unregister_keeps_its_charge",

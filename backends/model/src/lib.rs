@@ -323,6 +323,11 @@ pub enum Kernel {
     Copy,
     /// `axpy(a, x, y, n)`: `y[i] = a * x[i] + y[i]` over `n` `f32`s (`a` is the `f32`'s bits).
     Axpy,
+    /// `poke(data, len, index, value)`: sets byte `data[index]` to `value`, with a device-side
+    /// `assert(index < len)`: an index past the end fails the assert, which (as
+    /// `CUDA_ERROR_ASSERT` on a GPU) is sticky for the context. A trusted kernel that a tenant's
+    /// data makes fault, touching nothing outside its buffer.
+    Poke,
 }
 
 impl Kernel {
@@ -334,6 +339,7 @@ impl Kernel {
             "increment" => Self::Increment,
             "copy" => Self::Copy,
             "axpy" => Self::Axpy,
+            "poke" => Self::Poke,
             _ => return None,
         })
     }
@@ -344,7 +350,7 @@ impl Kernel {
         match self {
             Self::Increment => 2,
             Self::Fill | Self::Copy => 3,
-            Self::Axpy => 4,
+            Self::Axpy | Self::Poke => 4,
         }
     }
 
@@ -358,7 +364,14 @@ impl Kernel {
                 let bytes = args[3].checked_mul(4)?;
                 [(args[1], bytes), (args[2], bytes)]
             }
+            Self::Poke => [(args[0], args[1]), (0, 0)],
         })
+    }
+
+    /// Whether its device-side assertion fails on these arguments (a fault, sticky for the
+    /// context, before it touches anything).
+    fn asserts(self, args: [u64; 4]) -> bool {
+        matches!(self, Self::Poke) && args[2] >= args[1]
     }
 }
 

@@ -92,6 +92,27 @@ const LAUNCHING_GUEST: &str = r#"(module
       (br $l)))
     (local.get $wrong)))"#;
 
+/// A guest that hands the built-in `poke` kernel an index of its choosing: `poke(buf, index, 7)`
+/// over the 256 bytes at 256 of its memory (the buffer checked; the index is the kernel's to
+/// trust, and its device-side assert fails past the end). Returns the launch's code.
+const POKING_GUEST: &str = r#"(module
+  (import "twm" "kernel" (func $kernel (param i32 i32) (result i32)))
+  (import "twm" "launch" (func $launch (param i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 0) "poke")
+  (func (export "poke") (param $index i32) (result i32)
+    (local $k i32)
+    (local.set $k (call $kernel (i32.const 0) (i32.const 4)))
+    (if (i32.lt_s (local.get $k) (i32.const 0)) (then (return (local.get $k))))
+    ;; Arguments at 64, a pair each: (buf, 256), (index, 0), (value, 0).
+    (i64.store (i32.const 64) (i64.const 256))
+    (i64.store (i32.const 72) (i64.const 256))
+    (i64.store (i32.const 80) (i64.extend_i32_u (local.get $index)))
+    (i64.store (i32.const 88) (i64.const 0))
+    (i64.store (i32.const 96) (i64.const 7))
+    (i64.store (i32.const 104) (i64.const 0))
+    (call $launch (local.get $k) (i32.const 64) (i32.const 3))))"#;
+
 /// `twm demo` arguments.
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
@@ -292,6 +313,100 @@ pub fn demo<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(), Failure>
         "every tenant back to zero once the pools are dropped: {}",
         after.iter().all(|s| s.touched_bytes == 0)
     );
+    let backend = Arc::clone(creator.backend());
+    // The pooled creator's slabs live in the devices' primary contexts: it goes first (with the
+    // engine and module that hold it), so the recovery below has nothing of it to wait for.
+    drop((linker, module, engine, creator));
+    fault_and_recover(backend)
+}
+
+/// What a trap says: the layer's typed error where it is one.
+fn cause(trap: &tensor_wasm_mem_wasmtime::wasmtime::Error) -> String {
+    trap.downcast_ref::<tensor_wasm_mem_wasmtime::TwmError>()
+        .map_or_else(|| format!("{trap:#}"), ToString::to_string)
+}
+
+/// A tenant's data makes a trusted kernel fault (`poke` past its buffer: a failed device-side
+/// assert, sticky for the primary context), which fences device 0: the faulting guest and a
+/// neighbour sharing the context trap with a typed error; when their Stores go the device
+/// recovers (its primary context reset) and the next tenant's kernel runs.
+fn fault_and_recover<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(), Failure> {
+    let other = |e: &dyn std::fmt::Display| Failure::Other(e.to_string());
+    let Some(kernels) = B::builtin_kernels() else {
+        println!(
+            "\n(a faulting kernel and the recovery: this backend has no built-in kernels to fault)"
+        );
+        return Ok(());
+    };
+    let creator = TensorWasmMemoryCreator::builder(backend)
+        .device(DeviceId(0))
+        .kernels(kernels)
+        .build()
+        .map_err(|e| other(&e))?;
+    let engine = creator.engine().map_err(|e| other(&e))?;
+    let module = Module::new(&engine, POKING_GUEST).map_err(|e| other(&e))?;
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).map_err(|e| other(&e))?;
+    let guest = |name: &str, id: u64| -> Result<_, Failure> {
+        let tenant = tensor_wasm_mem_wasmtime::Tenant::new(
+            id,
+            name,
+            1 << 20,
+            IsolationLevel::StreamIsolated,
+        );
+        let data = TenantStore::new(&creator, &tenant, ChargeMode::Touched, ());
+        let mut store = new_store(&engine, data);
+        let instance = instantiate(&mut store, &linker, &module).map_err(|e| other(&e))?;
+        let poke = instance
+            .get_typed_func::<i32, i32>(&mut store, "poke")
+            .map_err(|e| other(&e))?;
+        Ok((tenant, store, poke))
+    };
+    println!("\na faulting kernel, and the recovery (device 0, stream-isolated tenants):");
+    let (mallory, mut m_store, m_poke) = guest("mallory", 101)?;
+    let (trent, mut t_store, t_poke) = guest("trent", 102)?;
+    let ok = t_poke.call(&mut t_store, 3).map_err(|e| other(&e))?;
+    println!("  trent's guest pokes index 3 of its buffer: {ok} (ran)");
+    match m_poke.call(&mut m_store, 1 << 20) {
+        Ok(code) => return Err(Failure::Other(format!("the fault did not trap ({code})"))),
+        Err(trap) => println!(
+            "  mallory's guest pokes index 1048576 of 256 bytes: trapped: {}",
+            cause(&trap)
+        ),
+    }
+    match t_poke.call(&mut t_store, 3) {
+        Ok(code) => {
+            return Err(Failure::Other(format!(
+                "the neighbour did not trap ({code})"
+            )));
+        }
+        Err(trap) => println!(
+            "  trent's guest, sharing the lost context, next call: trapped: {}",
+            cause(&trap)
+        ),
+    }
+    let fenced = creator.backend().device_fenced(DeviceId(0));
+    drop((m_store, t_store));
+    if let Err(e) = creator.recover(DeviceId(0)) {
+        return Err(Failure::Other(format!("the device did not recover: {e}")));
+    }
+    let stats = creator.stats();
+    println!(
+        "  fenced while their Stores lived: {fenced}; both Stores gone: recovered {} time(s) in {} \
+         us, fenced now: {}, kept memories {}, charged: mallory {} trent {}",
+        stats.recoveries,
+        stats.last_recovery_us,
+        creator.backend().device_fenced(DeviceId(0)),
+        stats.kept_memories,
+        format_bytes(mallory.stats().touched_bytes),
+        format_bytes(trent.stats().touched_bytes),
+    );
+    let (_, mut store, poke) = guest("victor", 103)?;
+    let code = poke.call(&mut store, 5).map_err(|e| other(&e))?;
+    println!("  the next tenant's kernel on device 0: {code} (ran)");
+    if !fenced || stats.recoveries != 1 || code != 0 {
+        return Err(Failure::Other("the device did not recover".into()));
+    }
     Ok(())
 }
 

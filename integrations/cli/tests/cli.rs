@@ -253,6 +253,25 @@ fn demo_runs_and_balances() {
         out.contains("guest-launched kernel: alice's guest ran saxpy (y = 2x + y) over 1024 floats of its own memory on device 0: 0 wrong; launches 1"),
         "{out}"
     );
+    // A tenant's data makes a trusted kernel fault: both guests of the lost context trap,
+    // typed; the device recovers when their Stores go, and the next tenant's kernel runs.
+    assert!(
+        out.contains("mallory's guest pokes index 1048576 of 256 bytes: trapped: twm.launch: the tenant's device state was lost to a kernel fault"),
+        "{out}"
+    );
+    assert!(
+        out.contains("trent's guest, sharing the lost context, next call: trapped: twm.launch"),
+        "{out}"
+    );
+    assert!(out.contains("recovered 1 time(s)"), "{out}");
+    assert!(
+        out.contains("fenced now: false, kept memories 0, charged: mallory 0B trent 0B"),
+        "{out}"
+    );
+    assert!(
+        out.contains("the next tenant's kernel on device 0: 0 (ran)"),
+        "{out}"
+    );
 }
 
 #[test]

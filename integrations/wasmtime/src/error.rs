@@ -244,6 +244,18 @@ pub enum TwmError {
     /// [`interop`](crate::interop)): why.
     #[error("interop: {0}")]
     Interop(String),
+    /// A guest's host call found its tenant's device state lost to a kernel fault (its device
+    /// is fenced, or its own context is gone): the guest traps with this error. The embedder
+    /// drops the Store; the device comes back with
+    /// [`TensorWasmMemoryCreator::recover`](crate::TensorWasmMemoryCreator::recover).
+    #[error(
+        "twm.{op}: the tenant's device state was lost to a kernel fault (the guest traps; drop \
+         its Store, and the creator's recover brings the device back)"
+    )]
+    DeviceLost {
+        /// The host call (`launch`, `advise`, ...).
+        op: &'static str,
+    },
     /// A time or work limit could not be set up (see [`deadline`](crate::deadline)).
     #[error("interruption: {0}")]
     Interruption(&'static str),
@@ -260,7 +272,7 @@ pub enum TwmError {
         cap: u64,
         /// Devices the placement knows.
         devices: u32,
-        /// Of them, those taking tenants (not marked unavailable).
+        /// Of them, those taking tenants (not marked unavailable, not fenced).
         available: u32,
         /// The most capacity left on one available device.
         largest_room: u64,
@@ -315,6 +327,7 @@ impl TwmError {
             Self::KernelSignature(_) => ErrorKind::InvalidArgument,
             Self::Launch(_) => ErrorKind::Driver,
             Self::Interop(_) => ErrorKind::Unsupported,
+            Self::DeviceLost { .. } => ErrorKind::ContextLost,
         }
     }
 

@@ -36,7 +36,8 @@ use std::fmt;
 use std::sync::Arc;
 
 use tensor_wasm_mem_core::{
-    Advice, DeviceId, ErrorKind, IsolationLevel, Location, ManagedAllocator, StreamLease, TenantKey,
+    Advice, BackendError, DeviceId, ErrorKind, IsolationLevel, Location, ManagedAllocator,
+    StreamLease, TenantKey,
 };
 use wasmtime::{Caller, Extern, Linker};
 
@@ -180,6 +181,15 @@ impl<B: Backend> Drop for GuestContext<B> {
         match (lease.release(), &self.store) {
             (Ok(()), Some(store)) => store.remove_stream(id),
             (Ok(()), None) => {}
+            // Its context is lost to a kernel fault: the work queued there was abandoned and
+            // never runs, so nothing can land in the Store's memories any more.
+            (Err(e), store) if e.kind() == ErrorKind::ContextLost => {
+                if let Some(store) = store {
+                    store.remove_stream(id);
+                }
+                // The device's last user may have been this stream: it recovers now.
+                self.creator.recover_when_free(id.device());
+            }
             (Err(e), store) => {
                 tracing::warn!(error = %e, "twm: releasing a guest stream failed: its Store's memories are kept");
                 if let Some(store) = store {
@@ -293,6 +303,7 @@ pub(crate) fn code_for(error: &TwmError) -> i32 {
             TWM_ERR_NOT_DEVICE_MEMORY
         }
         e if e.kind() == ErrorKind::Unsupported => TWM_ERR_UNSUPPORTED,
+        e if e.kind() == ErrorKind::ContextLost => crate::kernels::TWM_ERR_DEVICE_LOST,
         _ => TWM_ERR_BACKEND,
     }
 }
@@ -372,7 +383,7 @@ fn prefetch_call<B: Backend, T: HasGuestContext<B>>(
         .data_mut()
         .guest_context()
         .stream()
-        .map_err(|_| TWM_ERR_BACKEND)?;
+        .map_err(|e| code_for(&TwmError::backend(e)))?;
     creator
         .prefetch_at(view, offset, len, location, stream.stream())
         .map_err(|e| code_for(&e))
@@ -382,17 +393,30 @@ fn finish<B: Backend, T: HasGuestContext<B>>(
     caller: &mut Caller<'_, T>,
     op: &'static str,
     result: Result<(), i32>,
-) -> i32 {
+) -> wasmtime::Result<i32> {
     let context = caller.data_mut().guest_context();
     let _span =
         tracing::debug_span!("twm.host", op, isolation = context.isolation.name()).entered();
     context.calls += 1;
     match result {
-        Ok(()) => TWM_OK,
+        Ok(()) => Ok(TWM_OK),
+        Err(crate::kernels::TWM_ERR_DEVICE_LOST) => {
+            // The tenant's device state is gone: the guest cannot go on, it traps.
+            context.failed_calls += 1;
+            context
+                .kernel_counters()
+                .device_lost
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            tracing::warn!(
+                op,
+                "twm: a guest's device state was lost to a kernel fault: it traps"
+            );
+            Err(TwmError::DeviceLost { op }.into())
+        }
         Err(code) => {
             context.failed_calls += 1;
             tracing::debug!(op, code, "twm: host call refused");
-            code
+            Ok(code)
         }
     }
 }
@@ -406,19 +430,19 @@ pub fn add_to_linker<B: Backend, T: HasGuestContext<B>>(
     linker.func_wrap(
         "twm",
         "kernel",
-        |mut caller: Caller<'_, T>, ptr: i32, len: i32| -> i32 {
+        |mut caller: Caller<'_, T>, ptr: i32, len: i32| -> wasmtime::Result<i32> {
             let result = crate::kernels::kernel_call(&mut caller, ptr, len);
             let handle = result.unwrap_or(0);
-            match finish(&mut caller, "kernel", result.map(|_| ())) {
+            Ok(match finish(&mut caller, "kernel", result.map(|_| ()))? {
                 TWM_OK => handle,
                 code => code,
-            }
+            })
         },
     )?;
     linker.func_wrap(
         "twm",
         "launch",
-        |mut caller: Caller<'_, T>, handle: i32, args: i32, nargs: i32| -> i32 {
+        |mut caller: Caller<'_, T>, handle: i32, args: i32, nargs: i32| -> wasmtime::Result<i32> {
             let result = crate::kernels::launch_call(&mut caller, handle, args, nargs);
             finish(&mut caller, "launch", result)
         },
@@ -426,7 +450,12 @@ pub fn add_to_linker<B: Backend, T: HasGuestContext<B>>(
     linker.func_wrap(
         "twm",
         "advise",
-        |mut caller: Caller<'_, T>, ptr: i32, len: i32, advice: i32, location: i32| -> i32 {
+        |mut caller: Caller<'_, T>,
+         ptr: i32,
+         len: i32,
+         advice: i32,
+         location: i32|
+         -> wasmtime::Result<i32> {
             let result = advise_call(&mut caller, ptr, len, advice, location);
             finish(&mut caller, "advise", result)
         },
@@ -434,7 +463,7 @@ pub fn add_to_linker<B: Backend, T: HasGuestContext<B>>(
     linker.func_wrap(
         "twm",
         "prefetch",
-        |mut caller: Caller<'_, T>, ptr: i32, len: i32, location: i32| -> i32 {
+        |mut caller: Caller<'_, T>, ptr: i32, len: i32, location: i32| -> wasmtime::Result<i32> {
             let result = prefetch_call(&mut caller, ptr, len, location);
             finish(&mut caller, "prefetch", result)
         },

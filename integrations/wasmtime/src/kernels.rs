@@ -30,10 +30,13 @@
 //! waited for). The guest is inside the call and its Store is held for its whole length, so no
 //! guest code runs, and the memory cannot grow, be dropped, scrubbed or handed to another
 //! tenant while the kernel may touch it; a launch on a memory that grew sees its new size. A
-//! kernel that fails (a fault: sticky for its context, as a GPU's) is
-//! [`TWM_ERR_KERNEL_FAULT`], counted in the tenant's `kernel_failures`; a tenant past its
-//! launches in flight (over all its Stores and threads) is [`TWM_ERR_BUSY`]. A bad call never
-//! traps and never touches memory outside the guest's.
+//! kernel that fails is [`TWM_ERR_KERNEL_FAULT`], counted in the tenant's `kernel_failures`; a
+//! kernel that *faults* (an illegal address: sticky for its context, as a GPU's) loses the
+//! context, and the guest traps with [`TwmError::DeviceLost`], as does every later `twm` call of
+//! a tenant whose device state is lost (its device fenced until
+//! [`recover`](crate::TensorWasmMemoryCreator::recover)); a tenant past its launches in flight
+//! (over all its Stores and threads) is [`TWM_ERR_BUSY`]. A bad call never traps and never
+//! touches memory outside the guest's.
 
 use std::fmt;
 use std::sync::Arc;
@@ -57,6 +60,9 @@ pub const TWM_ERR_BAD_ARGUMENTS: i32 = -9;
 pub const TWM_ERR_KERNEL_FAULT: i32 = -10;
 /// The tenant has as many launches in flight as it may.
 pub const TWM_ERR_BUSY: i32 = -11;
+/// The tenant's device state was lost to a kernel fault. Never reaches a guest: the host call
+/// traps with [`TwmError::DeviceLost`] instead.
+pub(crate) const TWM_ERR_DEVICE_LOST: i32 = -12;
 
 /// The most arguments a kernel takes.
 pub const MAX_KERNEL_ARGS: usize = 32;
@@ -335,6 +341,8 @@ pub(crate) struct KernelCounters {
     pub(crate) launches: AtomicU64,
     pub(crate) refused: AtomicU64,
     pub(crate) failures: AtomicU64,
+    /// Host calls that found the tenant's device state lost to a kernel fault (each trapped).
+    pub(crate) device_lost: AtomicU64,
     in_flight: AtomicU32,
 }
 
@@ -563,7 +571,7 @@ pub(crate) fn launch_call<B: Backend, T: HasGuestContext<B>>(
         registry.and_then(|r| prepare_and_launch(caller, &r, handle, args_ptr, nargs, &counters));
     let counter = match result {
         Ok(()) => &counters.launches,
-        Err(TWM_ERR_KERNEL_FAULT) => &counters.failures,
+        Err(TWM_ERR_KERNEL_FAULT | TWM_ERR_DEVICE_LOST) => &counters.failures,
         Err(_) => &counters.refused,
     };
     counter.fetch_add(1, Ordering::AcqRel);
@@ -610,7 +618,7 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
     let context: &mut GuestContext<B> = caller.data_mut().guest_context();
     let stream = context
         .stream()
-        .map_err(|_| crate::TWM_ERR_BACKEND)?
+        .map_err(|e| crate::guest::code_for(&TwmError::backend(e)))?
         .stream();
     if stream.device() != device {
         // A memory made where its Store named no tenant (the creator's default device) while
@@ -644,10 +652,18 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
     };
     let launched = entry.launcher.launch(backend, &launch);
     let waited = wait.now();
-    launched.and(waited).map_err(|e| {
-        tracing::debug!(error = %e, "twm: a guest's kernel failed");
+    launched.and(waited).map_err(|e| launch_failure(&e))
+}
+
+/// The code of a launch that failed: a fault loses its context for good (the guest traps),
+/// anything else is the kernel's failure.
+fn launch_failure(e: &TwmError) -> i32 {
+    tracing::debug!(error = %e, "twm: a guest's kernel failed");
+    if e.kind() == tensor_wasm_mem_core::ErrorKind::ContextLost {
+        TWM_ERR_DEVICE_LOST
+    } else {
         TWM_ERR_KERNEL_FAULT
-    })
+    }
 }
 
 /// Checks the launch's buffers against the guest's memory as it is now (range, overflow), their
@@ -716,11 +732,16 @@ pub unsafe fn simulated(
     use std::collections::HashMap;
     use std::sync::Mutex;
     use tensor_wasm_mem_core::{DriverApi, DriverContext};
-    // A module belongs to the context it was loaded in (as on a GPU): one per context.
+    // A module belongs to the context it was loaded in (as on a GPU): one per context, and per
+    // recovery of its device (a reset of the primary context unloads every module in it).
     let functions = Mutex::new(HashMap::new());
     move |backend: &tensor_wasm_mem_mock::MockBackend, launch: &Launch<'_>| {
+        use tensor_wasm_mem_core::ManagedAllocator;
         let driver = backend.driver();
-        let context = launch.stream().context();
+        let context = (
+            launch.stream().context(),
+            backend.device_health(launch.device()).recoveries,
+        );
         let cached = functions
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -731,7 +752,7 @@ pub unsafe fn simulated(
             None => {
                 // Loading a module needs a context current: the stream's.
                 driver
-                    .push_current(DriverContext::from_raw(context))
+                    .push_current(DriverContext::from_raw(context.0))
                     .map_err(TwmError::backend)?;
                 let loaded = driver
                     .load_module()
@@ -755,9 +776,33 @@ pub unsafe fn simulated(
     }
 }
 
+/// `poke(buf, index, value)`: a byte buffer written, two `u32` scalars, one block.
+#[cfg(feature = "mock")]
+fn poke_signature() -> KernelSignature {
+    KernelSignature {
+        params: vec![
+            KernelParam::Buffer {
+                access: Access::Write,
+                element_bytes: 1,
+                length: BufferLength::Any,
+            },
+            KernelParam::Scalar(Scalar::U32),
+            KernelParam::Scalar(Scalar::U32),
+        ],
+        shape: LaunchShape::Fixed {
+            grid: [1, 1, 1],
+            block: [256, 1, 1],
+        },
+    }
+}
+
 /// The simulated kernels `twm run --kernels builtin` offers (mock backend): `fill(buf, value)`
-/// (bytes), `increment(buf)` (bytes), and `saxpy(a, x, y, n)`: `y[i] = a * x[i] + y[i]` over `n`
-/// `f32`s (`a` an `f32`, `x` read, `y` read and written, one thread an element).
+/// (bytes), `increment(buf)` (bytes), `saxpy(a, x, y, n)`: `y[i] = a * x[i] + y[i]` over `n`
+/// `f32`s (`a` an `f32`, `x` read, `y` read and written, one thread an element); and
+/// `poke(buf, index, value)`: `buf[index] = value` (a byte) behind a device-side
+/// `assert(index < len)`, so an index past the buffer faults the tenant's context (as
+/// `CUDA_ERROR_ASSERT` does on a GPU) without writing: the way a tenant's data makes a trusted
+/// kernel fault (docs/RELIABILITY.md, recovery).
 #[cfg(feature = "mock")]
 pub fn builtin() -> KernelRegistry<tensor_wasm_mem_mock::MockBackend> {
     let bytes = |access| KernelParam::Buffer {
@@ -814,6 +859,20 @@ pub fn builtin() -> KernelRegistry<tensor_wasm_mem_mock::MockBackend> {
                 // SAFETY: `axpy(a, x, y, n)` reads `n` floats of `x` and writes `n` of `y`,
                 // both checked to be `n` floats long.
                 unsafe { simulated("axpy", |l| l.args().to_vec()) },
+            )
+        })
+        .and_then(|r| {
+            r.register(
+                "poke",
+                poke_signature(),
+                // SAFETY: `poke(data, len, index, value)` writes one byte of its buffer (its
+                // pointer and byte length), or fails its device-side assert when `index` is
+                // past the end and writes nothing.
+                unsafe {
+                    simulated("poke", |l| {
+                        vec![l.args()[0], l.buffers()[0].1, l.args()[1], l.args()[2]]
+                    })
+                },
             )
         })
         .map(|_| ());

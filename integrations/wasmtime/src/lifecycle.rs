@@ -17,7 +17,9 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
 
-use tensor_wasm_mem_core::{Advice, DeviceId, DeviceSlice, Location, Stream, StreamProvider};
+use tensor_wasm_mem_core::{
+    Advice, BackendError, DeviceId, DeviceSlice, Location, Stream, StreamProvider,
+};
 use wasmtime::LinearMemory;
 
 use crate::Backend;
@@ -77,6 +79,9 @@ pub(crate) struct KeptMemories<B: Backend> {
     released: AtomicU64,
     /// A retry is under way: another caller does not wait for it.
     retrying: std::sync::atomic::AtomicBool,
+    /// Devices recovered after a kernel fault, and how long the last recovery took (ns).
+    recoveries: AtomicU64,
+    last_recovery_ns: AtomicU64,
 }
 
 impl<B: Backend> Default for KeptMemories<B> {
@@ -87,6 +92,8 @@ impl<B: Backend> Default for KeptMemories<B> {
             count: AtomicU64::new(0),
             released: AtomicU64::new(0),
             retrying: std::sync::atomic::AtomicBool::new(false),
+            recoveries: AtomicU64::new(0),
+            last_recovery_ns: AtomicU64::new(0),
         }
     }
 }
@@ -112,14 +119,8 @@ impl<B: Backend> KeptMemories<B> {
 
     /// Releases every kept memory again, without holding the list across the backend's calls
     /// (and not at all while another caller is at it); the ones the backend still refuses
-    /// stay, and so do busy ones. Returns how many are kept now, busy ones included.
-    pub(crate) fn retry(&self) -> u64 {
-        self.retry_kept();
-        self.figures().0
-    }
-
-    /// [`retry`](Self::retry), without the count: nothing but an atomic load when nothing is
-    /// kept (what the creator calls on every memory it makes).
+    /// stay, and so do busy ones. Nothing but an atomic load when nothing is kept (what the
+    /// creator calls on every memory it makes).
     pub(crate) fn retry_kept(&self) {
         if self.count.load(Ordering::Acquire) == 0 || self.retrying.swap(true, Ordering::AcqRel) {
             return;
@@ -151,6 +152,54 @@ impl<B: Backend> KeptMemories<B> {
     /// Kept memories a retry has released since the creator was made.
     pub(crate) fn released(&self) -> u64 {
         self.released.load(Ordering::Acquire)
+    }
+
+    /// Recovers a fenced `device` on `backend` (its primary context reset: see
+    /// [`TensorWasmMemoryCreator::recover`](crate::TensorWasmMemoryCreator::recover)), then
+    /// releases the kept memories again: those the reset destroyed free without the driver, and
+    /// their charges go back. `Ok(None)` for a device that is not fenced.
+    pub(crate) fn recover(
+        &self,
+        backend: &B,
+        device: DeviceId,
+    ) -> Result<Option<tensor_wasm_mem_core::Recovery>, TwmError> {
+        if !backend.device_fenced(device) {
+            return Ok(None);
+        }
+        let started = std::time::Instant::now();
+        let recovery = backend.recover_device(device).map_err(TwmError::backend)?;
+        self.retry_kept();
+        if let Some(r) = &recovery {
+            let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.recoveries.fetch_add(1, Ordering::AcqRel);
+            self.last_recovery_ns.store(took, Ordering::Release);
+            tracing::info!(
+                device = device.0,
+                lost_allocations = r.allocations,
+                took_us = took / 1000,
+                "twm: device recovered after a kernel fault"
+            );
+        }
+        Ok(recovery)
+    }
+
+    /// [`recover`](Self::recover) where a fenced device's last user just went: a recovery that
+    /// must still wait (something of it in use) is not an error here; the last one tries again.
+    pub(crate) fn recover_when_free(&self, backend: &B, device: DeviceId) {
+        if !backend.device_fenced(device) {
+            return;
+        }
+        if let Err(e) = self.recover(backend, device) {
+            tracing::debug!(error = %e, device = device.0, "twm: the device is not recovered yet");
+        }
+    }
+
+    /// Devices recovered, and the last recovery's time in nanoseconds.
+    pub(crate) fn recoveries(&self) -> (u64, u64) {
+        (
+            self.recoveries.load(Ordering::Acquire),
+            self.last_recovery_ns.load(Ordering::Acquire),
+        )
     }
 }
 
@@ -229,9 +278,14 @@ impl<B: Backend> MemoryRecord<B> {
         };
         let mut quiet = !books.is_unsettled();
         for id in books.streams() {
-            if let Err(e) = held.storage.allocator().synchronize(&id.handle()) {
-                tracing::warn!(error = %e, "twm: waiting for a stream before freeing a memory failed");
-                quiet = false;
+            match held.storage.allocator().synchronize(&id.handle()) {
+                Ok(()) => {}
+                // A context lost to a kernel fault runs nothing again: its work was abandoned.
+                Err(e) if e.kind() == tensor_wasm_mem_core::ErrorKind::ContextLost => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "twm: waiting for a stream before freeing a memory failed");
+                    quiet = false;
+                }
             }
         }
         quiet
@@ -258,7 +312,10 @@ impl<B: Backend> Drop for MemoryRecord<B> {
             return self.kept.keep_busy(held);
         }
         if let Err(held) = held.release() {
+            let backend = Arc::clone(held.storage.allocator());
             self.kept.keep(held);
+            // Its device fenced after a kernel fault: the last memory there to go recovers it.
+            self.kept.recover_when_free(&backend, self.device);
         }
     }
 }

@@ -157,6 +157,11 @@ pub struct CreatorStats {
     pub kept_bytes: u64,
     /// Kept memories a later try released (their charges went back then).
     pub kept_released: u64,
+    /// Devices recovered after a kernel fault ([`TensorWasmMemoryCreator::recover`]).
+    pub recoveries: u64,
+    /// How long the last recovery took, in microseconds (the context reset and the releases
+    /// after it; 0 before the first).
+    pub last_recovery_us: u64,
     /// The default device's pool's figures, when memories come from pools.
     pub pool: Option<PoolStats>,
     /// Each served device's figures, in the order served.
@@ -172,6 +177,9 @@ pub struct CreatorDeviceStats {
     pub live_memories: u64,
     /// Its pool's figures, when memories come from pools.
     pub pool: Option<PoolStats>,
+    /// Its fault record: fenced now (a kernel fault in its primary context, not recovered
+    /// yet), faults and recoveries so far.
+    pub health: tensor_wasm_mem_core::DeviceHealth,
 }
 
 /// Builds a [`TensorWasmMemoryCreator`].
@@ -548,6 +556,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         let created = self.inner.created.load(Ordering::Acquire);
         let dropped = self.inner.dropped.load(Ordering::Acquire);
         let (kept_memories, kept_bytes) = self.inner.kept.figures();
+        let (recoveries, last_recovery_ns) = self.inner.kept.recoveries();
         CreatorStats {
             backing: self.inner.backing,
             live_memories: created - dropped.min(created),
@@ -557,6 +566,8 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             kept_memories,
             kept_bytes,
             kept_released: self.inner.kept.released(),
+            recoveries,
+            last_recovery_us: last_recovery_ns / 1000,
             pool: self.inner.pools.first().map(CreatorPool::stats),
             devices: self.device_stats(),
         }
@@ -583,6 +594,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
                 device,
                 live_memories,
                 pool: self.inner.pools.get(i).map(CreatorPool::stats),
+                health: self.backend().device_health(device),
             })
             .collect()
     }
@@ -605,7 +617,37 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// Store could not be released), which are never given back while the creator lives. The
     /// creator also tries on each memory it makes, and a last time when it goes.
     pub fn retry_releases(&self) -> u64 {
-        self.inner.kept.retry()
+        self.inner.kept.retry_kept();
+        for &device in &self.inner.devices {
+            self.inner.kept.recover_when_free(self.backend(), device);
+        }
+        self.inner.kept.figures().0
+    }
+
+    /// Recovers `device` after a kernel fault in its primary context fenced it: resets that
+    /// context once nothing of this layer there is in use (every Store with a memory, a stream
+    /// or a device pool on it gone), then releases the memories kept since the fault, whose
+    /// charges go back. `Ok(None)` for a device that is not fenced. A device recovers on its
+    /// own when its last user goes (its last memory, or its last guest stream); this is for an
+    /// embedder who wants to know, or to try at a time of its choosing.
+    ///
+    /// While something is still in use the answer is a [`TwmError::Backend`] of kind
+    /// [`ErrorKind::ContextLost`](tensor_wasm_mem_core::ErrorKind::ContextLost) that says how
+    /// much (an embedder that keeps a Store keeps the device fenced: its guests trap on their
+    /// next `twm` call with [`TwmError::DeviceLost`], and its scopes are refused). A managed
+    /// slot pool's slab lives in the primary context: a pooled creator's device stays fenced
+    /// while the creator lives (docs/RELIABILITY.md).
+    pub fn recover(
+        &self,
+        device: DeviceId,
+    ) -> Result<Option<tensor_wasm_mem_core::Recovery>, TwmError> {
+        self.inner.kept.recover(self.backend(), device)
+    }
+
+    /// [`recover`](Self::recover) where a guest's last stream on `device` went: not yet is not
+    /// an error here.
+    pub(crate) fn recover_when_free(&self, device: DeviceId) {
+        self.inner.kept.recover_when_free(self.backend(), device);
     }
 
     /// The live memory at `view`'s base, if this creator made it (any other is `NotOurMemory`).

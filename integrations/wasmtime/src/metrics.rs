@@ -29,12 +29,17 @@
 //! | `twm_tenant_live_memories` | gauge | tenant, tenant_id, device, isolation | memories alive now |
 //! | `twm_tenant_memories_created_total` | counter | tenant, tenant_id, device, isolation | memories ever charged |
 //! | `twm_tenant_denials_total` | counter | tenant, tenant_id, device, isolation, budget | requests refused, by budget (`touched`, `held`, `memories`) |
+//! | `twm_tenant_device_lost_total` | counter | tenant, tenant_id, device, isolation | host calls that found the tenant's device state lost to a kernel fault (each trapped its guest) |
 //! | `twm_tenant_launches_total` | counter | tenant, tenant_id, device, isolation, outcome | kernels its guests launched ([`kernels`](crate::kernels)), by outcome (`ran`, `refused`, `failed`) |
 //! | `twm_creator_live_memories` | gauge | device | memories alive on the device |
 //! | `twm_creator_backing` | gauge | backing | 1, labelled with what the creator's memories are made of (`managed`, `guarded_pageable`, `guarded_registered`) |
 //! | `twm_creator_memories_created_total` | counter | - | memories ever made |
 //! | `twm_creator_memories_refused_total` | counter | - | memories refused (plan, cap, guard, pool, backend) |
 //! | `twm_creator_kept_memories` | gauge | - | memories gone whose release the backend refused: kept with their charges and retried |
+//! | `twm_creator_last_recovery_seconds` | gauge | - | how long the last device recovery took (reset and releases) |
+//! | `twm_device_fenced` | gauge | device | 1 while the device is fenced after a kernel fault in its primary context |
+//! | `twm_device_faults_total` | counter | device | kernel faults that fenced it |
+//! | `twm_device_recoveries_total` | counter | device | resets of its primary context after a fault |
 //! | `twm_pool_slots` | gauge | device | slots of the device's pool |
 //! | `twm_pool_slots_in_use` | gauge | device | of them, in use |
 //! | `twm_pool_exhaustions_total` | counter | device | acquisitions refused for want of a slot |
@@ -127,7 +132,7 @@ const BYTE_GAUGES: [(&str, &str); 15] = [
 ];
 
 /// Gauges that count, with their help text.
-const COUNT_GAUGES: [(&str, &str); 8] = [
+const COUNT_GAUGES: [(&str, &str); 10] = [
     (
         "twm_tenant_live_memories",
         "Memories of the tenant alive now.",
@@ -154,10 +159,30 @@ const COUNT_GAUGES: [(&str, &str); 8] = [
         "twm_device_available",
         "1 while the device takes new tenants.",
     ),
+    (
+        "twm_device_fenced",
+        "1 while the device is fenced after a kernel fault, until it recovers.",
+    ),
+    (
+        "twm_creator_last_recovery_seconds",
+        "How long the creator's last device recovery took.",
+    ),
 ];
 
 /// Counters, with their help text.
-const COUNTERS: [(&str, &str); 8] = [
+const COUNTERS: [(&str, &str); 11] = [
+    (
+        "twm_tenant_device_lost_total",
+        "Host calls that found the tenant's device state lost to a kernel fault (each trapped).",
+    ),
+    (
+        "twm_device_faults_total",
+        "Kernel faults that fenced the device (its primary context lost).",
+    ),
+    (
+        "twm_device_recoveries_total",
+        "Resets of the device's primary context after a fault.",
+    ),
     (
         "twm_tenant_memories_created_total",
         "Memories ever charged to the tenant.",
@@ -231,6 +256,7 @@ pub fn record_tenant(tenant: &Tenant) {
     gauge!("twm_tenant_stranded_bytes", &labels).set(s.stranded_bytes as f64);
     gauge!("twm_tenant_live_memories", &labels).set(s.live_memories as f64);
     counter!("twm_tenant_memories_created_total", &labels).absolute(s.memories_created);
+    counter!("twm_tenant_device_lost_total", &labels).absolute(s.device_lost);
     for (outcome, n) in [
         ("ran", s.launches),
         ("refused", s.refused_launches),
@@ -259,9 +285,13 @@ pub fn record_creator<B: Backend>(creator: &TensorWasmMemoryCreator<B>) {
     counter!("twm_creator_memories_created_total").absolute(s.created);
     counter!("twm_creator_memories_refused_total").absolute(s.refused);
     gauge!("twm_creator_kept_memories").set(s.kept_memories as f64);
+    gauge!("twm_creator_last_recovery_seconds").set(s.last_recovery_us as f64 / 1e6);
     for d in &s.devices {
         let labels = [("device", d.device.0.to_string())];
         gauge!("twm_creator_live_memories", &labels).set(d.live_memories as f64);
+        gauge!("twm_device_fenced", &labels).set(if d.health.fenced { 1.0 } else { 0.0 });
+        counter!("twm_device_faults_total", &labels).absolute(d.health.faults);
+        counter!("twm_device_recoveries_total", &labels).absolute(d.health.recoveries);
         if let Some(pool) = &d.pool {
             gauge!("twm_pool_slots", &labels).set((pool.in_use() + pool.free()) as f64);
             gauge!("twm_pool_slots_in_use", &labels).set(pool.in_use() as f64);

@@ -54,6 +54,9 @@ pub struct DevicePlacement {
     pub device: DeviceId,
     /// Whether it takes new tenants.
     pub available: bool,
+    /// Fenced after a kernel fault in its primary context (a placement that
+    /// [watches fences](Placement::watch_fences) admits no tenant to it until it recovers).
+    pub fenced: bool,
     /// Caps it may hold in bytes.
     pub capacity_bytes: u64,
     /// Caps of the tenants placed on it, in bytes.
@@ -121,7 +124,12 @@ struct State {
 pub struct Placement {
     policy: PlacementPolicy,
     state: Arc<Mutex<State>>,
+    /// Whether a device is fenced now (a backend's `device_fenced`), when watched.
+    fences: Option<Fences>,
 }
+
+/// A backend's answer to "is this device fenced now".
+type Fences = Arc<dyn Fn(DeviceId) -> bool + Send + Sync>;
 
 impl fmt::Debug for Placement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -171,6 +179,7 @@ impl Placement {
                 next: 0,
                 refusals: 0,
             })),
+            fences: None,
         })
     }
 
@@ -196,6 +205,27 @@ impl Placement {
             }
         }
         Ok(this)
+    }
+
+    /// Admits no tenant to a device `backend` has fenced after a kernel fault (see
+    /// [`ManagedAllocator::device_fenced`]), until it recovers; its tenants are not moved.
+    #[must_use]
+    pub fn watch_fences<B: ManagedAllocator + Send + Sync + 'static>(
+        mut self,
+        backend: Arc<B>,
+    ) -> Self {
+        self.fences = Some(Arc::new(move |device| backend.device_fenced(device)));
+        self
+    }
+
+    fn fenced(&self, device: DeviceId) -> bool {
+        self.fences.as_ref().is_some_and(|f| f(device))
+    }
+
+    /// Whether slot `i` takes a tenant of `cap` now.
+    fn takes(&self, state: &State, i: usize, cap: u64) -> bool {
+        let slot = &state.slots[i];
+        slot.takes(cap) && !self.fenced(slot.device)
     }
 
     /// The policy.
@@ -224,11 +254,11 @@ impl Placement {
         let chosen = match self.policy {
             PlacementPolicy::RoundRobin => (0..count)
                 .map(|k| (state.next + k) % count)
-                .find(|&i| state.slots[i].takes(cap)),
+                .find(|&i| self.takes(&state, i, cap)),
             PlacementPolicy::LeastHeld => {
                 let mut best: Option<(u64, u64, usize)> = None;
                 for i in 0..count {
-                    if !state.slots[i].takes(cap) {
+                    if !self.takes(&state, i, cap) {
                         continue;
                     }
                     // A new tenant holds nothing until it instantiates: it counts by its cap
@@ -248,7 +278,7 @@ impl Placement {
                 state.next = (i + 1) % count;
                 Ok(self.place(&mut state, i, id, name, budgets, isolation))
             }
-            None => Err(Self::refuse(&mut state, name, cap)),
+            None => Err(self.refuse(&mut state, name, cap)),
         }
     }
 
@@ -271,8 +301,8 @@ impl Placement {
                 count: state.slots.len() as u32,
             });
         };
-        if !state.slots[i].takes(budgets.touched_bytes) {
-            return Err(Self::refuse(&mut state, name, budgets.touched_bytes));
+        if !self.takes(&state, i, budgets.touched_bytes) {
+            return Err(self.refuse(&mut state, name, budgets.touched_bytes));
         }
         Ok(self.place(&mut state, i, id, name, budgets, isolation))
     }
@@ -305,9 +335,12 @@ impl Placement {
         tenant
     }
 
-    fn refuse(state: &mut State, tenant_name: String, cap: u64) -> TwmError {
+    fn refuse(&self, state: &mut State, tenant_name: String, cap: u64) -> TwmError {
         state.refusals += 1;
-        let available = state.slots.iter().filter(|s| s.available);
+        let available = state
+            .slots
+            .iter()
+            .filter(|s| s.available && !self.fenced(s.device));
         TwmError::Unplaceable {
             tenant_name,
             cap,
@@ -346,6 +379,7 @@ impl Placement {
             .map(|slot| DevicePlacement {
                 device: slot.device,
                 available: slot.available,
+                fenced: self.fenced(slot.device),
                 capacity_bytes: slot.capacity,
                 committed_bytes: slot.group.committed_bytes(),
                 tenants: slot.group.members(),

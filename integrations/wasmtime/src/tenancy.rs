@@ -145,6 +145,9 @@ pub struct TenantStats {
     pub refused_launches: u64,
     /// Launches whose kernel failed on the device.
     pub kernel_failures: u64,
+    /// Host calls that found the tenant's device state lost to a kernel fault (each trapped its
+    /// guest with [`TwmError::DeviceLost`](crate::TwmError::DeviceLost)).
+    pub device_lost: u64,
 }
 
 impl Tenant {
@@ -294,6 +297,7 @@ impl Tenant {
             launches: self.kernels.launches.load(Ordering::Acquire),
             refused_launches: self.kernels.refused.load(Ordering::Acquire),
             kernel_failures: self.kernels.failures.load(Ordering::Acquire),
+            device_lost: self.kernels.device_lost.load(Ordering::Acquire),
         }
     }
 
@@ -332,6 +336,11 @@ pub(crate) struct StreamId {
 }
 
 impl StreamId {
+    /// The stream's device.
+    pub(crate) fn device(&self) -> DeviceId {
+        self.device
+    }
+
     pub(crate) fn of(stream: &Stream) -> Self {
         Self {
             stream: stream.driver_stream(),

@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use common::*;
 use tensor_wasm_mem_core::{
-    Advice, DeviceId, HostAccess, IsolationLevel, Location, PoolConfig, SizeClass, StreamProvider,
-    TenantId, TenantKey,
+    Advice, DeviceId, HostAccess, IsolationLevel, Location, ManagedAllocator, PoolConfig,
+    SizeClass, StreamProvider, TenantId, TenantKey,
 };
 use tensor_wasm_mem_mock::{MockBackend, MockConfig};
 use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Memory, Store};
@@ -451,31 +451,28 @@ fn a_range_the_device_cannot_see_is_refused() {
         .unwrap();
         assert!(scope.close().is_err(), "{backing}: the stray kernel faults");
         assert_eq!(backend.driver().stats().kernel_faults, 1, "{backing}");
-        // The fault is sticky: the tenant's stream cannot be released (its wait is refused),
-        // so work queued there may still run: the creator keeps the memory with its charge,
-        // never giving it back nor scrubbing it for another tenant; when the creator goes the
-        // pages stay mapped, never reused under a device mapping, counted, and charged to the
-        // tenant for good.
+        // The fault is sticky for the primary context: the device is fenced until nothing of
+        // the layer is left there. The tenant's stream dies with the context (its work was
+        // abandoned), the pages are the host's (a registration is dropped by the reset), and
+        // when the Store goes the device recovers: nothing kept, nothing charged, nothing
+        // stranded, no registration left.
         let tenant = Arc::clone(store.data().limiter().tenant());
         let kept_mappings = creator.kept_mappings();
+        assert!(backend.device_fenced(DeviceId(0)), "{backing}");
         drop(store);
-        assert_eq!(creator.stats().kept_memories, 1, "{backing}");
-        assert!(
-            tenant.stats().held_bytes > 0,
-            "{backing}: charged while kept"
+        assert!(!backend.device_fenced(DeviceId(0)), "{backing}: recovered");
+        let stats = creator.stats();
+        assert_eq!((stats.kept_memories, stats.recoveries), (0, 1), "{backing}");
+        assert_eq!(
+            tenant.stats().held_bytes,
+            0,
+            "{backing}: the charge went back"
         );
         drop(creator);
-        assert_eq!(kept_mappings.count(), 1, "{backing}");
-        assert!(
-            tenant.stats().stranded_bytes > 0,
-            "{backing}: charged for good once the creator is gone"
-        );
-        if backing == REGISTERED {
-            assert!(
-                backend.stats().registered_host_bytes > 0,
-                "still registered"
-            );
-        }
+        assert_eq!(kept_mappings.count(), 0, "{backing}");
+        assert_eq!(tenant.stats().stranded_bytes, 0, "{backing}");
+        assert_eq!(backend.stats().registered_host_bytes, 0, "{backing}");
+        assert_eq!(backend.stats().attached_host_ranges, 0, "{backing}");
     }
 }
 

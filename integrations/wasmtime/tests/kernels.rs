@@ -297,11 +297,63 @@ fn a_launch_whose_kernel_faults_is_a_code_and_a_failure_in_the_figures() {
     let creator = creator_with(registry);
     let mut g = guest(&creator);
     let bad = g.kernel("bad");
-    assert_eq!(g.launch(bad, &[(0, 16)]), TWM_ERR_KERNEL_FAULT);
+    // The kernel faults: its context is lost for good, so the guest traps, typed.
+    let bytes: Vec<u8> = [0u64, 16].iter().flat_map(|v| v.to_le_bytes()).collect();
+    g.memory.write(&mut g.store, ARGS as usize, &bytes).unwrap();
+    let trap = g
+        .instance
+        .get_typed_func::<(i32, i32, i32), i32>(&mut g.store, "launch")
+        .unwrap()
+        .call(&mut g.store, (bad, ARGS as i32, 1))
+        .expect_err("the guest traps");
+    let err = trap.downcast_ref::<TwmError>().expect("typed");
+    assert!(
+        matches!(err, TwmError::DeviceLost { op: "launch" }),
+        "{err}"
+    );
+    assert_eq!(err.kind(), tensor_wasm_mem_core::ErrorKind::ContextLost);
     let stats = g.tenant.stats();
-    assert_eq!((stats.launches, stats.kernel_failures), (0, 1));
+    assert_eq!(
+        (stats.launches, stats.kernel_failures, stats.device_lost),
+        (0, 1, 1)
+    );
     drop(g);
     assert_eq!(creator.stats().live_memories, 0, "teardown after a fault");
+    assert_eq!(creator.stats().recoveries, 1, "the device recovered");
+}
+
+/// A launcher whose kernel fails without losing its context (an error the driver reports at
+/// the launch, not a fault) is a code, and a failure in the figures.
+#[test]
+fn a_launch_whose_launcher_fails_is_a_code_and_a_failure_in_the_figures() {
+    let mut registry = KernelRegistry::new();
+    registry
+        .register(
+            "broken",
+            KernelSignature {
+                params: vec![KernelParam::Buffer {
+                    access: Access::Write,
+                    element_bytes: 1,
+                    length: BufferLength::Any,
+                }],
+                shape: LaunchShape::Fixed {
+                    grid: [1, 1, 1],
+                    block: [1, 1, 1],
+                },
+            },
+            // SAFETY: the model has no kernel of this name: nothing is ever launched.
+            unsafe { kernels::simulated("no_such_kernel", |l| vec![l.args()[0], 16, 1]) },
+        )
+        .unwrap();
+    let creator = creator_with(registry);
+    let mut g = guest(&creator);
+    let broken = g.kernel("broken");
+    assert_eq!(g.launch(broken, &[(0, 16)]), TWM_ERR_KERNEL_FAULT);
+    let stats = g.tenant.stats();
+    assert_eq!(
+        (stats.launches, stats.kernel_failures, stats.device_lost),
+        (0, 1, 0)
+    );
 }
 
 #[test]

@@ -651,13 +651,15 @@ entry! {
 
 /// The width in bytes of each parameter of a simulated kernel, as its PTX declares them:
 /// `fill(u64 data, u64 len, u32 value)`, `increment(u64 data, u64 len)`,
-/// `copy(u64 dst, u64 src, u64 len)`, `axpy(f32 a, u64 x, u64 y, u64 n)`.
+/// `copy(u64 dst, u64 src, u64 len)`, `axpy(f32 a, u64 x, u64 y, u64 n)`,
+/// `poke(u64 data, u64 len, u64 index, u32 value)`.
 fn param_widths(kernel: Kernel) -> &'static [usize] {
     match kernel {
         Kernel::Fill => &[8, 8, 4],
         Kernel::Increment => &[8, 8],
         Kernel::Copy => &[8, 8, 8],
         Kernel::Axpy => &[4, 8, 8, 8],
+        Kernel::Poke => &[8, 8, 8, 4],
         _ => &[],
     }
 }

@@ -144,7 +144,7 @@ impl State {
                         || self.registered_over(s, e, device)
                         || (self.pageable && host::accessible(s, e - s))
                 });
-                if !legal {
+                if !legal || kernel.asserts(args) {
                     self.fault(queue);
                     return true;
                 }
@@ -344,6 +344,10 @@ unsafe fn run_kernel(kernel: Kernel, args: [u64; 4]) {
                 // SAFETY: as above.
                 unsafe { p.write(byte.wrapping_add(1)) };
             }
+        }
+        Kernel::Poke => {
+            // SAFETY: `index < len` (its assert ran before), inside the checked range.
+            unsafe { ptr(args[0]).wrapping_add(len(args[2])).write(args[3] as u8) }
         }
         // SAFETY: both ranges checked; `copy` allows overlap.
         Kernel::Copy => unsafe { std::ptr::copy(ptr(args[1]), ptr(args[0]), len(args[2])) },

@@ -1,0 +1,179 @@
+//! A kernel fault through Wasmtime, end to end (the mock backend, two devices): the faulting
+//! tenant's device is fenced, the guests whose device state lived there trap on their next `twm`
+//! call with a typed error, placement admits no one there, another device never notices, and
+//! the device recovers when its last Store goes, with every charge back.
+
+use std::sync::Arc;
+
+use tensor_wasm_mem_core::{DeviceId, ErrorKind, IsolationLevel, ManagedAllocator, TenantBudgets};
+use tensor_wasm_mem_mock::{MockBackend, MockConfig};
+use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Linker, Memory, Module, Store};
+use tensor_wasm_mem_wasmtime::*;
+
+const PAGE: u64 = 1 << 16;
+const D0: DeviceId = DeviceId(0);
+const D1: DeviceId = DeviceId(1);
+
+/// A guest that prefetches its first page to a device (`twm.prefetch`).
+const GUEST: &str = r#"(module
+  (import "twm" "prefetch" (func $prefetch (param i32 i32 i32) (result i32)))
+  (memory (export "memory") 1 4)
+  (func (export "prefetch") (param i32) (result i32)
+    (call $prefetch (i32.const 0) (i32.const 4096) (local.get 0))))"#;
+
+type Data = TenantStore<MockBackend>;
+
+struct Rig {
+    backend: Arc<MockBackend>,
+    creator: TensorWasmMemoryCreator<MockBackend>,
+    placement: Placement,
+    module: Module,
+    linker: Linker<Data>,
+}
+
+impl Rig {
+    fn new() -> Self {
+        let backend = Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
+            device_count: 2,
+            ..MockConfig::default()
+        }));
+        let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+            .all_devices()
+            .backing(Backing::Managed)
+            .build()
+            .unwrap();
+        let engine = creator.engine().unwrap();
+        let mut linker = Linker::new(&engine);
+        add_to_linker(&mut linker).unwrap();
+        let placement = Placement::new([(D0, 1 << 30), (D1, 1 << 30)], PlacementPolicy::LeastHeld)
+            .unwrap()
+            .watch_fences(Arc::clone(&backend));
+        Self {
+            module: Module::new(&engine, GUEST).unwrap(),
+            backend,
+            creator,
+            placement,
+            linker,
+        }
+    }
+
+    fn guest(&self, tenant: &Arc<Tenant>) -> (Store<Data>, Instance, Memory) {
+        let data = TenantStore::new(&self.creator, tenant, ChargeMode::Touched, ());
+        let mut store = new_store(self.module.engine(), data);
+        let instance = instantiate(&mut store, &self.linker, &self.module).unwrap();
+        let memory = instance.get_memory(&mut store, "memory").unwrap();
+        (store, instance, memory)
+    }
+
+    fn tenant_on(&self, device: DeviceId, id: u64) -> Arc<Tenant> {
+        let budgets = TenantBudgets::for_cap(16 * PAGE);
+        self.placement
+            .admit_on(
+                device,
+                id,
+                format!("t{id}"),
+                budgets,
+                IsolationLevel::StreamIsolated,
+            )
+            .unwrap()
+    }
+}
+
+fn prefetch(
+    store: &mut Store<Data>,
+    instance: &Instance,
+    device: DeviceId,
+) -> wasmtime::Result<i32> {
+    let f = instance
+        .get_typed_func::<i32, i32>(&mut *store, "prefetch")
+        .unwrap();
+    f.call(&mut *store, device.0 as i32)
+}
+
+/// Faults tenant `store`'s work on its stream through a device-access scope.
+fn fault(rig: &Rig, store: &mut Store<Data>, memory: &Memory) {
+    let scope = DeviceAccess::open(
+        &mut *store,
+        &rig.creator,
+        memory,
+        &[AccessRange::write(0, 64)],
+    )
+    .unwrap();
+    // SAFETY: address 64 lies in the never-mapped first page: the simulated kernel faults
+    // instead of writing (an illegal address), reported at the launch or at the close.
+    let _ = unsafe { rig.backend.driver().enqueue_fill(scope.stream(), 64, 64, 1) };
+    let err = scope.close().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::ContextLost, "{err}");
+}
+
+#[test]
+fn recover_traps_the_guests_of_a_faulted_device_and_serves_again() {
+    let rig = Rig::new();
+    let (alice, bob, carol) = (
+        rig.tenant_on(D0, 1),
+        rig.tenant_on(D0, 2),
+        rig.tenant_on(D1, 3),
+    );
+    let (mut a, _, a_memory) = rig.guest(&alice);
+    let (mut b, b_instance, _) = rig.guest(&bob);
+    let (mut c, c_instance, _) = rig.guest(&carol);
+    assert_eq!(
+        prefetch(&mut b, &b_instance, D0).unwrap(),
+        0,
+        "works before"
+    );
+    fault(&rig, &mut a, &a_memory);
+    assert!(rig.backend.device_fenced(D0));
+
+    // Bob's guest shared the lost context: its next `twm` call traps, typed.
+    let trap = prefetch(&mut b, &b_instance, D0).expect_err("the guest traps");
+    let err = trap.downcast_ref::<TwmError>().expect("a TwmError");
+    assert!(
+        matches!(err, TwmError::DeviceLost { op: "prefetch" }),
+        "{err}"
+    );
+    assert_eq!(bob.stats().device_lost, 1);
+
+    // The other device never notices; placement sends newcomers there.
+    assert_eq!(prefetch(&mut c, &c_instance, D1).unwrap(), 0);
+    let budgets = TenantBudgets::for_cap(16 * PAGE);
+    let dave = rig
+        .placement
+        .admit(4, "dave", budgets, IsolationLevel::StreamIsolated)
+        .unwrap();
+    assert_eq!(dave.device(), D1, "the fenced device takes no one");
+    assert!(rig.placement.devices()[0].fenced);
+    let refused = rig
+        .placement
+        .admit_on(D0, 5, "erin", budgets, IsolationLevel::StreamIsolated);
+    assert!(matches!(refused, Err(TwmError::Unplaceable { .. })));
+
+    // Both Stores on the fenced device go: it recovers on its own, every charge back.
+    drop(a);
+    assert!(rig.backend.device_fenced(D0), "Bob's Store still holds it");
+    drop(b);
+    assert!(
+        !rig.backend.device_fenced(D0),
+        "recovered when the last Store went"
+    );
+    assert_eq!((alice.stats().held_bytes, bob.stats().held_bytes), (0, 0));
+    let stats = rig.creator.stats();
+    assert_eq!((stats.recoveries, stats.kept_memories), (1, 0));
+    assert_eq!(stats.devices[0].health.faults, 1);
+    assert_eq!(
+        rig.backend.stats().live_allocations,
+        1,
+        "Carol's memory only"
+    );
+    assert!(!rig.placement.devices()[0].fenced);
+
+    // The device serves again.
+    let frank = rig.tenant_on(D0, 6);
+    let (mut f, f_instance, _) = rig.guest(&frank);
+    assert_eq!(prefetch(&mut f, &f_instance, D0).unwrap(), 0);
+    assert_eq!(
+        prefetch(&mut c, &c_instance, D1).unwrap(),
+        0,
+        "Carol never noticed"
+    );
+}
