@@ -268,7 +268,7 @@ impl<D: DriverApi> DriverBackend<D> {
 
     /// Recovers a fenced `device`: resets its primary context (`cuDevicePrimaryCtxReset`),
     /// takes what the reset destroyed out of the tables (allocations become lost records, see
-    /// the [module docs](self)), and lifts the fence. `Ok(None)` for a device that is not fenced.
+    /// `docs/SAFETY.md` section 6b), and lifts the fence. `Ok(None)` for a device that is not fenced.
     ///
     /// Refused with [`Refusal::StillInUse`] while anything of ours in the context is in use (an
     /// allocation not given up, a stream or pool handed out, a call using one): the owners
