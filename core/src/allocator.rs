@@ -286,7 +286,18 @@ pub unsafe trait ManagedAllocator: ErrorType {
     /// Recovers a fenced `device` (a driver backend resets its primary context: see
     /// [`DriverBackend::recover`](crate::DriverBackend::recover)); `Ok(None)` where there was
     /// nothing to recover (the default).
-    fn recover_device(&self, device: DeviceId) -> Result<Option<crate::Recovery>, Self::Error> {
+    ///
+    /// # Safety
+    ///
+    /// The reset destroys everything made in the device's primary context, not only what this
+    /// backend made: nothing else in the process may use what it made there afterwards (an
+    /// embedder's modules, functions, events and streams loaded through cudarc or another
+    /// binding, a kernel launcher's cached modules, another backend's allocations on the
+    /// device), or it must make them again. What this backend made is handled.
+    unsafe fn recover_device(
+        &self,
+        device: DeviceId,
+    ) -> Result<Option<crate::Recovery>, Self::Error> {
         let _ = device;
         Ok(None)
     }
@@ -370,11 +381,12 @@ macro_rules! forward_allocator {
             fn device_fenced(&self, device: DeviceId) -> bool {
                 T::device_fenced(self, device)
             }
-            fn recover_device(
+            unsafe fn recover_device(
                 &self,
                 device: DeviceId,
             ) -> Result<Option<crate::Recovery>, Self::Error> {
-                T::recover_device(self, device)
+                // SAFETY: the caller upholds the contract, which is `T::recover_device`'s.
+                unsafe { T::recover_device(self, device) }
             }
             fn allocate(&self, device: DeviceId, bytes: usize) -> Result<Allocation, Self::Error> {
                 T::allocate(self, device, bytes)

@@ -96,7 +96,7 @@ pub enum Refusal {
     },
     /// A recovery of a fenced device waits for what of ours still lives in its primary context.
     #[error(
-        "{device} cannot be recovered yet: {allocations} allocations, {streams} streams and {pools} pools in its primary context are still in use"
+        "{device} cannot be recovered yet: {allocations} allocations, {streams} streams and {pools} pools in its primary context are still in use ({calls} calls in flight)"
     )]
     StillInUse {
         /// The device.
@@ -107,6 +107,8 @@ pub enum Refusal {
         streams: u64,
         /// Pools in service, or in a call.
         pools: u64,
+        /// Other driver calls on the device in flight.
+        calls: u64,
     },
     /// Another call is recovering the device now.
     #[error("{device} is being recovered by another call")]
@@ -635,6 +637,7 @@ impl<D: DriverApi> DriverBackend<D> {
     /// where the driver says fresh allocations are, no guard pages; concurrent managed access and pageable memory access only if every device
     /// has them.
     pub fn new(driver: D) -> Self {
+        let driver_devices = driver.device_count();
         let facts = (0..driver.device_count()).map(|d| driver.device_facts(DeviceId(d)));
         let (mut concurrent, mut pageable) = (true, true);
         for f in facts {
@@ -657,7 +660,7 @@ impl<D: DriverApi> DriverBackend<D> {
             }),
             driver,
             drop_report: DropReport::default(),
-            faulted: recovery::Faulted::default(),
+            faulted: recovery::Faulted::new(driver_devices),
         }
     }
 
@@ -728,21 +731,13 @@ impl<D: DriverApi> DriverBackend<D> {
         allocation: &Allocation,
         offset: usize,
         len: usize,
-    ) -> Result<Checked, Refusal> {
+    ) -> Result<Checked<'_>, Refusal> {
         let address = allocation.device_ptr();
+        // Entered before the record is read: no reset can destroy the range under the call.
+        let call = self.enter(allocation.device(), false)?;
         let (device, host) = {
             let state = self.state.lock();
             match state.allocations.get(&address) {
-                Some(r)
-                    if r.len == allocation.len()
-                        && r.generation == allocation.generation()
-                        && state
-                            .devices
-                            .get(r.device.0 as usize)
-                            .is_some_and(|h| h.fenced) =>
-                {
-                    return Err(Refusal::DeviceFenced { device: r.device });
-                }
                 Some(r) if r.len == allocation.len() && r.generation == allocation.generation() => {
                     (r.device, r.host)
                 }
@@ -754,12 +749,19 @@ impl<D: DriverApi> DriverBackend<D> {
         };
         let range = allocation.range(offset, len)?;
         let span = (!range.is_empty()).then(|| (address + range.start as u64, range.len()));
-        Ok(Checked { device, host, span })
+        Ok(Checked {
+            device,
+            host,
+            span,
+            _call: call,
+        })
     }
 }
 
 /// A range [`DriverBackend::checked`] found inside a live allocation of ours.
-struct Checked {
+struct Checked<'b> {
+    /// The call's place in its device's gate, held while the driver is asked.
+    _call: recovery::DeviceCall<'b>,
     /// The allocation's device.
     device: DeviceId,
     /// How the device reaches it, when it is attached host memory.
@@ -796,8 +798,9 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         self.health(device)
     }
 
-    fn recover_device(&self, device: DeviceId) -> Result<Option<Recovery>, D::Error> {
-        self.recover(device)
+    unsafe fn recover_device(&self, device: DeviceId) -> Result<Option<Recovery>, D::Error> {
+        // SAFETY: the caller upholds the contract, which is `recover`'s.
+        unsafe { self.recover(device) }
     }
 
     fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> bool {
@@ -827,7 +830,7 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         if bytes == 0 {
             return Err(Refusal::ZeroSize.into());
         }
-        self.check_usable(device)?;
+        let _call = self.enter(device, false)?;
         let address = self.in_primary(device, |d| d.alloc_managed(device, bytes))?;
         let Some(ptr) = core::ptr::NonNull::new(address as usize as *mut u8) else {
             return Err(Refusal::UnknownAllocation { address }.into());
@@ -855,6 +858,10 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
             // A recovery's reset destroyed it: nothing is left for the driver to do.
             return Ok(());
         }
+        let _call = match self.enter(allocation.device(), true) {
+            Ok(call) => call,
+            Err(refusal) => return Err(refused(allocation, refusal.into())),
+        };
         let address = allocation.device_ptr();
         // The record leaves the table before the driver frees: once freed, the driver may hand
         // the same address to another thread's `allocate` at once, whose record this call must
@@ -866,7 +873,7 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         let device = record.device;
         if self.is_fenced(device) {
             // Not sent to a lost context: given up, kept for the recovery's reset.
-            self.give_back_record(address, record);
+            self.give_back_record(address, record, false);
             return Err(refused(allocation, Refusal::DeviceFenced { device }.into()));
         }
         // SAFETY: `address` is the base of a live allocation of ours (its record was in the
@@ -879,7 +886,7 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
                 Ok(())
             }
             Err(e) => {
-                self.give_back_record(address, record);
+                self.give_back_record(address, record, true);
                 Err(refused(allocation, e))
             }
         }
@@ -891,7 +898,12 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         offset: usize,
         len: usize,
     ) -> Result<(), D::Error> {
-        let Checked { device, host, span } = self.checked(allocation, offset, len)?;
+        let Checked {
+            device,
+            host,
+            span,
+            _call,
+        } = self.checked(allocation, offset, len)?;
         let Some((start, len)) = span else {
             return Ok(());
         };
@@ -922,7 +934,7 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
             // SAFETY: the caller upholds `zero`'s contract.
             return unsafe { self.zero(allocation, offset, len) };
         }
-        let Checked { span, .. } = self.checked(allocation, offset, len)?;
+        let Checked { span, _call, .. } = self.checked(allocation, offset, len)?;
         if let Some((start, len)) = span {
             // SAFETY: the range lies inside a live allocation of ours or attached host memory
             // (checked against our table), host-accessible and mapped readable and writable;
@@ -943,7 +955,17 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         len: usize,
         advice: Advice,
     ) -> Result<(), D::Error> {
-        let Checked { device, host, span } = self.checked(allocation, offset, len)?;
+        let Checked {
+            device,
+            host,
+            span,
+            _call,
+        } = self.checked(allocation, offset, len)?;
+        if let Some(Location::Device(d)) = advice.location()
+            && self.is_fenced(d)
+        {
+            return Err(Refusal::DeviceFenced { device: d }.into());
+        }
         if let Some(location) = advice.location() {
             self.check_location(location)?;
         }
@@ -968,8 +990,15 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         to: Location,
         stream: &Stream,
     ) -> Result<(), D::Error> {
-        let Checked { host, span, .. } = self.checked(allocation, offset, len)?;
+        let Checked {
+            host, span, _call, ..
+        } = self.checked(allocation, offset, len)?;
         self.check_location(to)?;
+        if let Location::Device(d) = to
+            && self.is_fenced(d)
+        {
+            return Err(Refusal::DeviceFenced { device: d }.into());
+        }
         if host == Some(HostAccess::Registered) {
             // Pinned pages the device reads where they are: nothing to migrate, whatever the
             // device's managed-memory abilities (the stream is checked all the same).
@@ -1000,7 +1029,12 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         offset: usize,
         len: usize,
     ) -> Result<(), D::Error> {
-        let Checked { device, host, span } = self.checked(allocation, offset, len)?;
+        let Checked {
+            device,
+            host,
+            span,
+            _call,
+        } = self.checked(allocation, offset, len)?;
         let Some((start, len)) = span.filter(|_| host != Some(HostAccess::Registered)) else {
             // Empty, or registered host memory, which takes no advice and never migrates.
             return Ok(());
@@ -1071,8 +1105,9 @@ impl<D: DriverApi> DriverBackend<D> {
     }
 
     /// A record whose release was refused (by the driver, or by the fence) goes back to the
-    /// table, given up by its owner: counted, and no reason for a recovery to wait.
-    fn give_back_record(&self, address: u64, record: AllocationRecord) {
+    /// table, given up by its owner: no reason for a recovery to wait; a driver's refusal is
+    /// counted (`by_driver`).
+    fn give_back_record(&self, address: u64, record: AllocationRecord, by_driver: bool) {
         let mut state = self.state.lock();
         state.allocations.insert(
             address,
@@ -1081,7 +1116,9 @@ impl<D: DriverApi> DriverBackend<D> {
                 ..record
             },
         );
-        state.release_failed(false);
+        if by_driver {
+            state.release_failed(false);
+        }
     }
 }
 
@@ -1112,7 +1149,7 @@ unsafe impl<D: DriverApi> HostMemory for DriverBackend<D> {
         if len == 0 {
             return Err(Refusal::ZeroSize.into());
         }
-        self.check_usable(device)?;
+        let _call = self.enter(device, false)?;
         if !self.can_attach_host(device, access) {
             return Err(Refusal::Unsupported {
                 device,
@@ -1164,6 +1201,10 @@ unsafe impl<D: DriverApi> HostMemory for DriverBackend<D> {
             // A recovery's reset dropped its registration: the host pages are the caller's.
             return Ok(());
         }
+        let _call = match self.enter(allocation.device(), true) {
+            Ok(call) => call,
+            Err(refusal) => return Err(refused(allocation, refusal.into())),
+        };
         let address = allocation.device_ptr();
         let record = match self.take_record(&allocation, true) {
             Ok(record) => record,
@@ -1172,7 +1213,7 @@ unsafe impl<D: DriverApi> HostMemory for DriverBackend<D> {
         let access = record.host.unwrap_or(HostAccess::Pageable);
         if access == HostAccess::Registered && self.is_fenced(record.device) {
             let device = record.device;
-            self.give_back_record(address, record);
+            self.give_back_record(address, record, false);
             return Err(refused(allocation, Refusal::DeviceFenced { device }.into()));
         }
         if access == HostAccess::Registered {
@@ -1181,7 +1222,7 @@ unsafe impl<D: DriverApi> HostMemory for DriverBackend<D> {
             let unregistered =
                 self.in_primary(record.device, |d| unsafe { d.host_unregister(address) });
             if let Err(e) = unregistered {
-                self.give_back_record(address, record);
+                self.give_back_record(address, record, true);
                 return Err(refused(allocation, e));
             }
         }

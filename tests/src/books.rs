@@ -31,8 +31,9 @@ struct Rig<H: Harness> {
 
 impl<H: Harness> Rig<H> {
     fn new(backend: &Arc<H::Backend>, backing: Backing) -> Self {
-        let creator = TensorWasmMemoryCreator::builder(Arc::clone(backend))
-            .backing(backing)
+        let builder = TensorWasmMemoryCreator::builder(Arc::clone(backend)).backing(backing);
+        // SAFETY: nothing but the creator's backend uses the devices' primary contexts here.
+        let creator = unsafe { builder.recover_automatically() }
             .build()
             .expect("creator");
         let engine = creator.engine().expect("engine");
@@ -177,7 +178,11 @@ pub fn recover_gives_a_faulted_stores_charge_back<H: Harness>() {
         Rig::<H>::charge_of(1),
         "the next Store is served"
     );
-    assert_eq!(rig.creator.recover(DeviceId(0)).expect("healthy"), None);
+    assert_eq!(
+        // SAFETY: nothing but the creator's backend uses the device's primary context here.
+        unsafe { rig.creator.recover(DeviceId(0)) }.expect("healthy"),
+        None
+    );
 }
 
 /// A Store the embedder keeps across a fault holds the device fenced (a recovery says what is
@@ -196,7 +201,8 @@ pub fn recover_waits_for_a_store_the_embedder_keeps<H: Harness>() {
         backend.device_fenced(DeviceId(0)),
         "the kept Store holds it"
     );
-    let waiting = rig.creator.recover(DeviceId(0)).expect_err("still in use");
+    // SAFETY: nothing but the creator's backend uses the device's primary context here.
+    let waiting = unsafe { rig.creator.recover(DeviceId(0)) }.expect_err("still in use");
     assert_eq!(waiting.kind(), ErrorKind::ContextLost, "{waiting}");
     assert!(waiting.to_string().contains("in use"), "{waiting}");
     let refused = DeviceAccess::open(

@@ -782,6 +782,7 @@ macro_rules! driver_harness {
                 let entry = match op {
                     Operation::PoolFree => "cuMemFreeAsync",
                     Operation::Free => "cuMemFree_v2",
+                    Operation::Allocate => "cuMemAllocManaged",
                     _ => return None,
                 };
                 let sim = $crate::sim::Sim::get()?;

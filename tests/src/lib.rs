@@ -60,6 +60,10 @@ macro_rules! conformance {
                         as fn()
                 ),
                 (
+                    "recover_waits_for_a_call_in_flight",
+                    $crate::recovery::recover_waits_for_a_call_in_flight::<$harness> as fn()
+                ),
+                (
                     "recover_one_device_of_two",
                     $crate::recovery::recover_one_device_of_two::<$harness> as fn()
                 ),

@@ -15,6 +15,14 @@ use crate::runner::skip;
 const PAGE: usize = 1 << 16;
 const D0: DeviceId = DeviceId(0);
 
+/// Recovers device 0.
+fn recover<B: ManagedAllocator + ?Sized>(
+    backend: &B,
+) -> Result<Option<tensor_wasm_mem_core::Recovery>, B::Error> {
+    // SAFETY: in these cases nothing but the backend uses the device's primary context.
+    unsafe { backend.recover_device(D0) }
+}
+
 fn key(id: u64) -> TenantKey {
     TenantKey::fresh(TenantId(id))
 }
@@ -86,15 +94,12 @@ fn fault_then_recover<H: Harness>(level: IsolationLevel) {
     let other = b.acquire_stream_on(key(2), IsolationLevel::StreamIsolated, D0);
     assert_lost(&other.expect_err("fenced"), "a new stream");
     // What lives in the context is in use: the recovery waits for it.
-    let busy = b.recover_device(D0).expect_err("still in use");
+    let busy = recover(&*b).expect_err("still in use");
     assert_lost(&busy, "a recovery while in use");
     // The tenant lets go (its stream's wait fails: the work is lost; its free is refused).
     let _ = b.release_stream(stream);
     let buffer = give_up(&b, buffer);
-    let recovery = b
-        .recover_device(D0)
-        .expect("recover")
-        .expect("it was fenced");
+    let recovery = recover(&*b).expect("recover").expect("it was fenced");
     assert_eq!((recovery.device, recovery.allocations), (D0, 1));
     assert_eq!(recovery.bytes, PAGE as u64);
     assert!(!b.device_fenced(D0), "the fence is lifted");
@@ -103,11 +108,7 @@ fn fault_then_recover<H: Harness>(level: IsolationLevel) {
     crate::suite::assert_no_leaks::<H>(&b);
     serves::<H>(&b, D0);
     crate::suite::assert_no_leaks::<H>(&b);
-    assert_eq!(
-        b.recover_device(D0).expect("healthy"),
-        None,
-        "nothing to do"
-    );
+    assert_eq!(recover(&*b).expect("healthy"), None, "nothing to do");
 }
 
 /// A kernel faults in a shared tenant's work (the legacy default stream of the primary context).
@@ -149,7 +150,7 @@ pub fn recover_a_context_isolated_fault_is_the_tenants_alone<H: Harness>() {
     b.synchronize(&again).expect("the fresh context works");
     b.release_stream(again).expect("release");
     b.release_stream(theirs).expect("release");
-    assert_eq!(b.recover_device(D0).expect("healthy"), None);
+    assert_eq!(recover(&*b).expect("healthy"), None);
     crate::suite::assert_no_leaks::<H>(&b);
 }
 
@@ -175,11 +176,11 @@ pub fn recover_through_a_second_fault_and_a_refused_reset<H: Harness>() {
     let _ = b.release_stream(first);
     let _ = b.release_stream(second);
     if H::fail_nth(&b, Operation::RecoverDevice, 1) {
-        let refused = b.recover_device(D0).expect_err("the reset is refused");
+        let refused = recover(&*b).expect_err("the reset is refused");
         assert_ne!(refused.kind(), ErrorKind::ContextLost, "{refused}");
         assert!(b.device_fenced(D0), "still fenced after a refused reset");
     }
-    assert!(b.recover_device(D0).expect("recover").is_some());
+    assert!(recover(&*b).expect("recover").is_some());
     crate::suite::assert_no_leaks::<H>(&b);
     let third = b
         .acquire_stream_on(key(3), IsolationLevel::Shared, D0)
@@ -187,7 +188,7 @@ pub fn recover_through_a_second_fault_and_a_refused_reset<H: Harness>() {
     assert!(fault::<H>(&b, &third), "launched before");
     assert!(b.device_fenced(D0), "fenced again");
     let _ = b.release_stream(third);
-    assert!(b.recover_device(D0).expect("again").is_some());
+    assert!(recover(&*b).expect("again").is_some());
     assert_eq!(b.device_health(D0).faults, 2);
     serves::<H>(&b, D0);
     crate::suite::assert_no_leaks::<H>(&b);
@@ -219,11 +220,58 @@ pub fn recover_one_device_of_two<H: Harness>() {
     b.synchronize(&steady).expect("the other device goes on");
     serves::<H>(&b, d1);
     let _ = b.release_stream(faulty);
-    assert!(b.recover_device(D0).expect("recover").is_some());
+    assert!(recover(&*b).expect("recover").is_some());
     b.synchronize(&steady).expect("still");
     b.release_stream(steady).expect("release");
     // SAFETY: ours, not used afterwards.
     unsafe { b.free(kept) }.expect("the other device's memory was never touched");
     serves::<H>(&b, D0);
     crate::suite::assert_no_leaks::<H>(&b);
+}
+
+/// A driver call in flight on the device holds the recovery off: an allocation the driver made
+/// before the fault, whose record is not in the table yet, is never reset under the caller (the
+/// reset would destroy memory about to be handed out as live). Once the call returns, its memory
+/// is given up like any other and the device recovers.
+pub fn recover_waits_for_a_call_in_flight<H: Harness>() {
+    let b = H::backend();
+    let stream = b
+        .acquire_stream_on(key(1), IsolationLevel::Shared, D0)
+        .expect("stream");
+    let Some(held) = H::hold_next(&b, Operation::Allocate) else {
+        b.release_stream(stream).expect("release");
+        return skip("no holds");
+    };
+    std::thread::scope(|s| {
+        let allocating = s.spawn(|| b.allocate(D0, PAGE));
+        held.wait_held();
+        if !fault::<H>(&b, &stream) {
+            held.release();
+            let buffer = allocating.join().expect("join").expect("allocate");
+            b.release_stream(stream).expect("release");
+            // SAFETY: ours, not used afterwards.
+            unsafe { b.free(buffer) }.expect("free");
+            return skip("no simulated kernel");
+        }
+        let busy = recover(&*b).expect_err("a call in flight");
+        assert_lost(&busy, "a recovery under a call");
+        assert!(busy.to_string().contains("1 calls in flight"), "{busy}");
+        held.release();
+        let buffer = allocating
+            .join()
+            .expect("join")
+            .expect("made before the fault");
+        let _ = b.release_stream(stream);
+        let buffer = give_up(&b, buffer);
+        let recovery = recover(&*b).expect("recover").expect("fenced");
+        assert_eq!(
+            recovery.allocations, 1,
+            "the allocation in flight, given up"
+        );
+        // SAFETY: the handle of an allocation the reset destroyed; freeing it is all that is
+        // left.
+        unsafe { b.free(buffer) }.expect("a lost allocation's free succeeds");
+        crate::suite::assert_no_leaks::<H>(&b);
+        serves::<H>(&b, D0);
+    });
 }

@@ -46,9 +46,17 @@ impl CudaError {
             code::OUT_OF_MEMORY => {
                 "the device is out of memory: free memories, or cap tenants so their sum fits"
             }
-            code::ILLEGAL_ADDRESS => {
-                "a kernel faulted: the error is sticky for its context, whose work must be \
-                 treated as lost (docs/SAFETY.md section 6)"
+            code::ILLEGAL_ADDRESS
+            | code::ASSERT
+            | code::LAUNCH_FAILED
+            | code::MISALIGNED_ADDRESS
+            | code::ILLEGAL_INSTRUCTION
+            | code::HARDWARE_STACK_ERROR
+            | code::INVALID_ADDRESS_SPACE
+            | code::INVALID_PC => {
+                "a kernel faulted: the error is sticky for its context, whose work is lost; drop \
+                 the Stores whose state lived there, and the device is recovered (its primary \
+                 context reset: docs/SAFETY.md section 6b)"
             }
             code::NOT_INITIALIZED | code::DEINITIALIZED => {
                 "the driver is not initialised (or is shutting down): start the backend first"

@@ -219,7 +219,7 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         device: DeviceId,
         config: &DevicePoolConfig,
     ) -> Result<PoolHandle, D::Error> {
-        self.check_usable(device)?;
+        let _call = self.enter(device, false)?;
         let raw = self.in_primary(device, |d| {
             d.pool_create(device, config.max_bytes, config.release_threshold)
         })?;

@@ -18,7 +18,7 @@
 //! without a driver call and an address the driver hands out again after the reset is never
 //! mistaken for the old allocation. The device then takes work again.
 
-use core::sync::atomic::{AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::allocator::Allocation;
 use crate::device::DeviceId;
@@ -55,13 +55,46 @@ pub struct Recovery {
     pub pools: u64,
 }
 
-/// Lock-free counts that let the hot paths skip the fault checks when nothing ever faulted.
+/// Lock-free counts that let the hot paths skip the fault checks when nothing ever faulted, and
+/// each device's gate.
 #[derive(Debug, Default)]
 pub(super) struct Faulted {
     /// Devices fenced now.
     fenced: AtomicU64,
     /// Lost records held.
     lost: AtomicU64,
+    /// Per device: the calls a reset must not overlap.
+    gates: alloc::vec::Vec<Gate>,
+}
+
+impl Faulted {
+    pub(super) fn new(devices: u32) -> Self {
+        Self {
+            gates: (0..devices).map(|_| Gate::default()).collect(),
+            ..Self::default()
+        }
+    }
+}
+
+/// One device's driver calls in flight that a reset of its primary context must not overlap (a
+/// call between its check of the fence and its record's insertion, a release between taking a
+/// record out and putting it back, any call with the primary context current), and whether a
+/// reset runs. A call counts itself in, then looks for a reset; a recovery marks its reset, then
+/// looks for calls (both sequentially consistent): one of the two always sees the other.
+#[derive(Debug, Default)]
+pub(super) struct Gate {
+    calls: AtomicU64,
+    resetting: AtomicBool,
+}
+
+/// A driver call counted in its device's [`Gate`] until dropped.
+#[derive(Debug)]
+pub(super) struct DeviceCall<'b>(&'b Gate);
+
+impl Drop for DeviceCall<'_> {
+    fn drop(&mut self) {
+        self.0.calls.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// An allocation a reset destroyed, until its owner frees it.
@@ -194,14 +227,31 @@ impl<D: DriverApi> DriverBackend<D> {
             .is_some_and(|h| h.fenced)
     }
 
-    /// [`check_device`](Self::check_device), and refused while the device is fenced: the start
-    /// of anything new there.
-    pub(super) fn check_usable(&self, device: DeviceId) -> Result<(), Refusal> {
+    /// Enters `device` for a driver call a reset must not overlap, until the returned guard
+    /// drops: refused while a reset runs ([`Refusal::Recovering`]) and, unless `fenced_too` (a
+    /// release, which handles the fence itself), while the device is fenced
+    /// ([`Refusal::DeviceFenced`]: the start of anything new there).
+    pub(super) fn enter(
+        &self,
+        device: DeviceId,
+        fenced_too: bool,
+    ) -> Result<DeviceCall<'_>, Refusal> {
         self.check_device(device)?;
-        if self.is_fenced(device) {
+        let Some(gate) = self.faulted.gates.get(device.0 as usize) else {
+            return Err(Refusal::InvalidDevice {
+                device,
+                count: self.faulted.gates.len() as u32,
+            });
+        };
+        gate.calls.fetch_add(1, Ordering::SeqCst);
+        let call = DeviceCall(gate);
+        if gate.resetting.load(Ordering::SeqCst) {
+            return Err(Refusal::Recovering { device });
+        }
+        if !fenced_too && self.is_fenced(device) {
             return Err(Refusal::DeviceFenced { device });
         }
-        Ok(())
+        Ok(call)
     }
 
     /// A driver call in `context` answered `error`: if it is a sticky fault and `context` is a
@@ -275,7 +325,15 @@ impl<D: DriverApi> DriverBackend<D> {
     /// release them first (their frees are refused while the device is fenced, which gives them
     /// up); with [`Refusal::Recovering`] while another call recovers it. If the reset fails the
     /// device stays fenced, and a later call tries again.
-    pub fn recover(&self, device: DeviceId) -> Result<Option<Recovery>, D::Error> {
+    ///
+    /// # Safety
+    ///
+    /// The reset destroys everything made in the device's primary context, not only what this
+    /// backend made: nothing else in the process may use what it made there afterwards (an
+    /// embedder's modules, functions, events and streams loaded through cudarc or another
+    /// binding, a kernel launcher's cached modules, another backend's allocations on the
+    /// device), or it must make them again. What this backend made is handled.
+    pub unsafe fn recover(&self, device: DeviceId) -> Result<Option<Recovery>, D::Error> {
         self.check_device(device)?;
         let primary = self.driver.primary_context(device);
         {
@@ -287,25 +345,42 @@ impl<D: DriverApi> DriverBackend<D> {
             if health.resetting {
                 return Err(Refusal::Recovering { device }.into());
             }
+            // No new call starts from here on; those in flight are waited for by the caller's
+            // retry. With none in flight the tables are still, and what is in use is counted.
+            let gate = &self.faulted.gates[device.0 as usize];
+            gate.resetting.store(true, Ordering::SeqCst);
+            let calls = gate.calls.load(Ordering::SeqCst);
             let in_use = state.in_use_on(device, primary);
-            if in_use != InUse::default() {
+            if calls > 0 || in_use != InUse::default() {
+                gate.resetting.store(false, Ordering::SeqCst);
                 return Err(Refusal::StillInUse {
                     device,
                     allocations: in_use.allocations,
                     streams: in_use.streams,
                     pools: in_use.pools,
+                    calls,
                 }
                 .into());
             }
             state.devices[device.0 as usize].resetting = true;
         }
-        // SAFETY: nothing of ours in the context is in use (checked above, and the fence keeps
+        // SAFETY: nothing of ours in the context is in use (checked above, and the gate keeps
         // anything new from starting there): every allocation in it was given up by a free
-        // whose caller promised not to use it again, and no stream or pool is handed out.
+        // whose caller promised not to use it again, no stream or pool is handed out, no call of
+        // ours is in flight; nothing else uses the context (this call's contract).
         let reset = unsafe { self.driver.reset_primary_context(device) };
         let mut state = self.state.lock();
         state.devices[device.0 as usize].resetting = false;
-        reset?;
+        let lift = |state: &mut State| {
+            let _ = state;
+            self.faulted.gates[device.0 as usize]
+                .resetting
+                .store(false, Ordering::SeqCst);
+        };
+        if let Err(e) = reset {
+            lift(&mut state);
+            return Err(e);
+        }
         let recovery = state.forget_reset(device, primary);
         self.faulted
             .lost
@@ -317,6 +392,8 @@ impl<D: DriverApi> DriverBackend<D> {
         health.recoveries += 1;
         state.stats.fenced_devices -= 1;
         state.stats.recoveries += 1;
+        // The fence goes before the gate opens: no call slips in between to a fenced refusal.
+        lift(&mut state);
         Ok(Some(recovery))
     }
 }

@@ -45,6 +45,9 @@ pub(super) struct TenantContextEntry {
 /// One driver call's use of a stream: the stream cannot be destroyed until it is dropped.
 pub(super) struct StreamUse<'b, D: DriverApi> {
     backend: &'b DriverBackend<D>,
+    /// Its place in its device's gate: no reset while the stream is used (dropped after the
+    /// use ends, its teardown included).
+    _call: super::recovery::DeviceCall<'b>,
     /// `None`: the shared default stream (no record; never destroyed).
     raw: Option<DriverStream>,
     pub(super) context: DriverContext,
@@ -73,11 +76,16 @@ impl<D: DriverApi> DriverBackend<D> {
     /// context and level must match), or the shared default stream.
     pub(super) fn stream_use(&self, stream: &Stream) -> Result<StreamUse<'_, D>, Refusal> {
         let raw = stream.driver_stream();
+        let call = self.enter(stream.device(), true).map_err(|e| match e {
+            Refusal::InvalidDevice { .. } => Refusal::UnknownStream { raw: raw.raw() },
+            other => other,
+        })?;
         if raw == DriverStream::DEFAULT {
             let device = stream.device();
             if stream.is_shared() && device.0 < self.driver.device_count() {
                 return Ok(StreamUse {
                     backend: self,
+                    _call: call,
                     raw: None,
                     context: self.driver.primary_context(device),
                     tenant: None,
@@ -99,6 +107,7 @@ impl<D: DriverApi> DriverBackend<D> {
                 r.started += 1;
                 Ok(StreamUse {
                     backend: self,
+                    _call: call,
                     raw: Some(raw),
                     context: r.context,
                     tenant: Some(r.tenant),
@@ -117,6 +126,8 @@ impl<D: DriverApi> DriverBackend<D> {
         tenant: TenantKey,
         context: DriverContext,
     ) -> Option<StreamUse<'_, D>> {
+        let device = self.state.lock().streams.get(&raw)?.device;
+        let call = self.enter(device, true).ok()?;
         let mut state = self.state.lock();
         let r = state.streams.get_mut(&raw)?;
         // A retired stream still serves a teardown: it is waited for after its last use.
@@ -127,6 +138,7 @@ impl<D: DriverApi> DriverBackend<D> {
         r.started += 1;
         Some(StreamUse {
             backend: self,
+            _call: call,
             raw: Some(raw),
             context: r.context,
             tenant: Some(r.tenant),
@@ -305,7 +317,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
         level: IsolationLevel,
         device: DeviceId,
     ) -> Result<Stream, D::Error> {
-        self.check_usable(device)?;
+        let _call = self.enter(device, false)?;
         let context = match level {
             IsolationLevel::Shared => {
                 let primary = self.driver.primary_context(device);
@@ -355,6 +367,8 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
             let using = self.stream_use(&stream)?;
             return self.in_context(using.context, |d| d.synchronize(DriverStream::DEFAULT));
         }
+        // No reset of its device while the release runs (the record leaves the table below).
+        let _call = self.enter(stream.device(), true)?;
         // Retired under the lock (no new use but a teardown's starts), then waited for with a
         // use of its own held; the last use takes the record out and destroys the stream.
         let (context, mark) = {

@@ -129,12 +129,26 @@ pub trait BuiltinKernels: tensor_wasm_mem_wasmtime::Backend + Sized {
     fn builtin_kernels() -> Option<tensor_wasm_mem_wasmtime::kernels::KernelRegistry<Self>> {
         None
     }
+
+    /// The builder, recovering a fenced device when its last user goes where that is safe
+    /// without the embedder's word (the simulated machine); unchanged elsewhere.
+    fn recover_automatically(
+        builder: tensor_wasm_mem_wasmtime::CreatorBuilder<Self>,
+    ) -> tensor_wasm_mem_wasmtime::CreatorBuilder<Self> {
+        builder
+    }
 }
 
 #[cfg(feature = "mock")]
 impl BuiltinKernels for tensor_wasm_mem_mock::MockBackend {
     fn builtin_kernels() -> Option<tensor_wasm_mem_wasmtime::kernels::KernelRegistry<Self>> {
         Some(tensor_wasm_mem_wasmtime::kernels::builtin())
+    }
+
+    fn recover_automatically(
+        builder: tensor_wasm_mem_wasmtime::CreatorBuilder<Self>,
+    ) -> tensor_wasm_mem_wasmtime::CreatorBuilder<Self> {
+        builder.recover_simulated_automatically()
     }
 }
 

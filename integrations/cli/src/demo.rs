@@ -338,9 +338,10 @@ fn fault_and_recover<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(),
         );
         return Ok(());
     };
-    let creator = TensorWasmMemoryCreator::builder(backend)
+    let builder = TensorWasmMemoryCreator::builder(backend)
         .device(DeviceId(0))
-        .kernels(kernels)
+        .kernels(kernels);
+    let creator = B::recover_automatically(builder)
         .build()
         .map_err(|e| other(&e))?;
     let engine = creator.engine().map_err(|e| other(&e))?;
@@ -387,9 +388,6 @@ fn fault_and_recover<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(),
     }
     let fenced = creator.backend().device_fenced(DeviceId(0));
     drop((m_store, t_store));
-    if let Err(e) = creator.recover(DeviceId(0)) {
-        return Err(Failure::Other(format!("the device did not recover: {e}")));
-    }
     let stats = creator.stats();
     println!(
         "  fenced while their Stores lived: {fenced}; both Stores gone: recovered {} time(s) in {} \

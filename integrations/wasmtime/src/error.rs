@@ -65,7 +65,7 @@ pub enum TwmError {
     SharedMemory,
     /// A memory with a page size other than 64 KiB (the custom-page-sizes proposal).
     #[error(
-        "memories with a page size of {page_size} bytes are not supported (only 64 KiB pages):          keep Config::wasm_custom_page_sizes off (tensor_wasm_mem_wasmtime::configure does)"
+        "memories with a page size of {page_size} bytes are not supported (only 64 KiB pages): keep Config::wasm_custom_page_sizes off (tensor_wasm_mem_wasmtime::configure does)"
     )]
     CustomPageSize {
         /// The page size the module declared.

@@ -82,11 +82,17 @@ pub(crate) struct KeptMemories<B: Backend> {
     /// Devices recovered after a kernel fault, and how long the last recovery took (ns).
     recoveries: AtomicU64,
     last_recovery_ns: AtomicU64,
+    /// A fenced device recovers when its last user goes.
+    automatic: bool,
 }
 
-impl<B: Backend> Default for KeptMemories<B> {
-    fn default() -> Self {
+impl<B: Backend> KeptMemories<B> {
+    /// None kept; `automatic`: a fenced device recovers when its last user goes (the embedder
+    /// asserted [`CreatorBuilder::recover_automatically`](crate::CreatorBuilder::recover_automatically)'s
+    /// contract).
+    pub(crate) fn new(automatic: bool) -> Self {
         Self {
+            automatic,
             kept: Mutex::new(Vec::new()),
             busy: Mutex::new(Vec::new()),
             count: AtomicU64::new(0),
@@ -158,7 +164,11 @@ impl<B: Backend> KeptMemories<B> {
     /// [`TensorWasmMemoryCreator::recover`](crate::TensorWasmMemoryCreator::recover)), then
     /// releases the kept memories again: those the reset destroyed free without the driver, and
     /// their charges go back. `Ok(None)` for a device that is not fenced.
-    pub(crate) fn recover(
+    ///
+    /// # Safety
+    ///
+    /// As for [`TensorWasmMemoryCreator::recover`](crate::TensorWasmMemoryCreator::recover).
+    pub(crate) unsafe fn recover(
         &self,
         backend: &B,
         device: DeviceId,
@@ -167,7 +177,8 @@ impl<B: Backend> KeptMemories<B> {
             return Ok(None);
         }
         let started = std::time::Instant::now();
-        let recovery = backend.recover_device(device).map_err(TwmError::backend)?;
+        // SAFETY: the caller's contract is the recovery's.
+        let recovery = unsafe { backend.recover_device(device) }.map_err(TwmError::backend)?;
         self.retry_kept();
         if let Some(r) = &recovery {
             let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -186,10 +197,12 @@ impl<B: Backend> KeptMemories<B> {
     /// [`recover`](Self::recover) where a fenced device's last user just went: a recovery that
     /// must still wait (something of it in use) is not an error here; the last one tries again.
     pub(crate) fn recover_when_free(&self, backend: &B, device: DeviceId) {
-        if !backend.device_fenced(device) {
+        if !self.automatic || !backend.device_fenced(device) {
             return;
         }
-        if let Err(e) = self.recover(backend, device) {
+        // SAFETY: the embedder asserted the recovery's contract when it asked for automatic
+        // recovery (`CreatorBuilder::recover_automatically`).
+        if let Err(e) = unsafe { self.recover(backend, device) } {
             tracing::debug!(error = %e, device = device.0, "twm: the device is not recovered yet");
         }
     }
@@ -307,7 +320,9 @@ impl<B: Backend> Drop for MemoryRecord<B> {
         else {
             return;
         };
-        if !self.streams_quiet(&held) {
+        // A fenced device runs none of the work of its lost context, and its free is refused
+        // (the memory stays, given up to the recovery): a memory there is never kept busy.
+        if !self.streams_quiet(&held) && !held.storage.allocator().device_fenced(self.device) {
             tracing::warn!("twm: work may still use a memory: kept, not given back");
             return self.kept.keep_busy(held);
         }

@@ -194,6 +194,21 @@ pub struct CreatorBuilder<B: Backend> {
     interruption: Interruption,
     slots_per_tenant: Option<usize>,
     kernels: Option<Arc<KernelRegistry<B>>>,
+    /// A fenced device recovers when its last user goes.
+    automatic_recovery: bool,
+}
+
+#[cfg(feature = "mock")]
+impl CreatorBuilder<tensor_wasm_mem_mock::MockBackend> {
+    /// [`recover_automatically`](Self::recover_automatically) on the mock backend, where it is
+    /// safe: the simulated machine is the backend's own, so a reset of its primary context
+    /// destroys nothing anyone else made, and a stale handle there is a typed error, never
+    /// undefined behaviour.
+    #[must_use]
+    pub fn recover_simulated_automatically(self) -> Self {
+        // SAFETY: the simulated machine is this backend's alone (above).
+        unsafe { self.recover_automatically() }
+    }
 }
 
 impl<B: Backend> fmt::Debug for CreatorBuilder<B> {
@@ -323,8 +338,32 @@ impl<B: Backend> CreatorBuilder<B> {
         self
     }
 
+    /// A device fenced after a kernel fault recovers on its own when its last user goes (its
+    /// last memory, or its last guest stream), and on [`retry_releases`]; without this, only
+    /// [`recover`] recovers one (docs/SAFETY.md section 6b).
+    ///
+    /// # Safety
+    ///
+    /// A recovery resets the device's primary context, which destroys everything made in it,
+    /// not only what this layer made: nothing else in the process may use what it made there
+    /// afterwards (an embedder's modules, functions, events and streams loaded through cudarc
+    /// (`interop::cudarc`) or another binding, a [`KernelLauncher`](crate::kernels::KernelLauncher)'s
+    /// cached modules, another backend's allocations on the device), or it must make them again
+    /// (the simulated launcher does).
+    ///
+    /// [`retry_releases`]: TensorWasmMemoryCreator::retry_releases
+    /// [`recover`]: TensorWasmMemoryCreator::recover
+    #[must_use]
+    pub unsafe fn recover_automatically(mut self) -> Self {
+        self.automatic_recovery = true;
+        self
+    }
+
     /// Builds the creator (allocating the pools' slabs, if any). A device the backend does not
     /// have is [`TwmError::UnknownDevice`].
+    ///
+    /// (On the mock backend, [`recover_automatically`](Self::recover_automatically) has a safe
+    /// form: [`recover_simulated_automatically`](Self::recover_simulated_automatically).)
     pub fn build(self) -> Result<TensorWasmMemoryCreator<B>, TwmError> {
         crate::placement::check_device_set(&self.devices)?;
         let count = self.backend.device_count();
@@ -383,7 +422,7 @@ impl<B: Backend> CreatorBuilder<B> {
                 shares,
                 kernels: self.kernels,
                 registry: Mutex::new(HashMap::new()),
-                kept: Arc::default(),
+                kept: Arc::new(KeptMemories::new(self.automatic_recovery)),
                 kept_mappings,
                 created: AtomicU64::new(0),
                 dropped: AtomicU64::new(0),
@@ -461,6 +500,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             interruption: Interruption::NONE,
             slots_per_tenant: None,
             kernels: None,
+            automatic_recovery: false,
         }
     }
 
@@ -627,21 +667,32 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// Recovers `device` after a kernel fault in its primary context fenced it: resets that
     /// context once nothing of this layer there is in use (every Store with a memory, a stream
     /// or a device pool on it gone), then releases the memories kept since the fault, whose
-    /// charges go back. `Ok(None)` for a device that is not fenced. A device recovers on its
-    /// own when its last user goes (its last memory, or its last guest stream); this is for an
-    /// embedder who wants to know, or to try at a time of its choosing.
+    /// charges go back. `Ok(None)` for a device that is not fenced. With
+    /// [`CreatorBuilder::recover_automatically`] a device recovers on its own when its last user
+    /// goes (its last memory, or its last guest stream); this is for an embedder who wants to
+    /// know, or to try at a time of its choosing.
     ///
     /// While something is still in use the answer is a [`TwmError::Backend`] of kind
     /// [`ErrorKind::ContextLost`](tensor_wasm_mem_core::ErrorKind::ContextLost) that says how
     /// much (an embedder that keeps a Store keeps the device fenced: its guests trap on their
     /// next `twm` call with [`TwmError::DeviceLost`], and its scopes are refused). A managed
     /// slot pool's slab lives in the primary context: a pooled creator's device stays fenced
-    /// while the creator lives (docs/RELIABILITY.md).
-    pub fn recover(
+    /// while the creator lives (docs/SAFETY.md section 6b).
+    ///
+    /// # Safety
+    ///
+    /// A recovery resets the device's primary context, which destroys everything made in it,
+    /// not only what this layer made: nothing else in the process may use what it made there
+    /// afterwards (an embedder's modules, functions, events and streams loaded through cudarc
+    /// (`interop::cudarc`) or another binding, a [`KernelLauncher`](crate::kernels::KernelLauncher)'s
+    /// cached modules, another backend's allocations on the device), or it must make them again
+    /// (the simulated launcher does).
+    pub unsafe fn recover(
         &self,
         device: DeviceId,
     ) -> Result<Option<tensor_wasm_mem_core::Recovery>, TwmError> {
-        self.inner.kept.recover(self.backend(), device)
+        // SAFETY: the caller's contract is the recovery's.
+        unsafe { self.inner.kept.recover(self.backend(), device) }
     }
 
     /// [`recover`](Self::recover) where a guest's last stream on `device` went: not yet is not

@@ -45,9 +45,11 @@ fn each_backing() -> [(Backing, Arc<MockBackend>); 3] {
 }
 
 fn make(backend: &Arc<MockBackend>, backing: Backing) -> TensorWasmMemoryCreator<MockBackend> {
-    TensorWasmMemoryCreator::builder(Arc::clone(backend))
+    let builder = TensorWasmMemoryCreator::builder(Arc::clone(backend))
         .backing(backing)
-        .allow_untenanted()
+        .allow_untenanted();
+    // SAFETY: nothing but the creator's backend uses the device's primary context here.
+    unsafe { builder.recover_automatically() }
         .build()
         .expect("creator")
 }

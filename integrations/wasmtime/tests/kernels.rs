@@ -34,10 +34,11 @@ struct Guest {
 }
 
 fn creator_with(registry: KernelRegistry<MockBackend>) -> TensorWasmMemoryCreator<MockBackend> {
-    TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
-        .kernels(registry)
-        .build()
-        .unwrap()
+    let builder =
+        TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default())).kernels(registry);
+    // SAFETY: nothing but the creator's backend uses the device's primary context here (the
+    // simulated launcher loads its module again after a reset).
+    unsafe { builder.recover_automatically() }.build().unwrap()
 }
 
 fn guest_on(creator: &TensorWasmMemoryCreator<MockBackend>, tenant: &Arc<Tenant>) -> Guest {

@@ -37,11 +37,11 @@ impl Rig {
             device_count: 2,
             ..MockConfig::default()
         }));
-        let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        let builder = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
             .all_devices()
-            .backing(Backing::Managed)
-            .build()
-            .unwrap();
+            .backing(Backing::Managed);
+        // SAFETY: nothing but the creator's backend uses the devices' primary contexts here.
+        let creator = unsafe { builder.recover_automatically() }.build().unwrap();
         let engine = creator.engine().unwrap();
         let mut linker = Linker::new(&engine);
         add_to_linker(&mut linker).unwrap();

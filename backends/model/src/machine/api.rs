@@ -91,6 +91,8 @@ unsafe impl DriverApi for ModelDriver {
         stats.live_allocations += 1;
         stats.live_bytes += bytes as u64;
         stats.peak_bytes = stats.peak_bytes.max(stats.live_bytes);
+        drop(state);
+        self.late_return(call);
         Ok(address as u64)
     }
 
