@@ -24,8 +24,8 @@
 //! ```
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use tensor_wasm_mem_core::IsolationLevel;
-//! use tensor_wasm_mem_mock::MockBackend;
+//! use tensor_wasm_mem_wasmtime::core::IsolationLevel;
+//! use tensor_wasm_mem_wasmtime::mock::MockBackend;
 //! use tensor_wasm_mem_wasmtime::deadline::{EpochTicker, Interruption, is_timeout};
 //! use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
 //! use tensor_wasm_mem_wasmtime::{

@@ -242,7 +242,7 @@ impl<B: Backend, U> TenantStore<B, U> {
     ///
     /// ```
     /// use std::sync::Arc;
-    /// use tensor_wasm_mem_mock::MockBackend;
+    /// use tensor_wasm_mem_wasmtime::mock::MockBackend;
     /// use tensor_wasm_mem_wasmtime::core::IsolationLevel;
     /// use tensor_wasm_mem_wasmtime::*;
     ///

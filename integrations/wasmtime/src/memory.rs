@@ -445,7 +445,7 @@ impl<B: Backend> CreatorBuilder<B> {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use tensor_wasm_mem_mock::MockBackend;
+/// use tensor_wasm_mem_wasmtime::mock::MockBackend;
 /// use tensor_wasm_mem_wasmtime::core::IsolationLevel;
 /// use tensor_wasm_mem_wasmtime::{
 ///     ChargeMode, Tenant, TenantStore, TensorWasmMemoryCreator, instantiate, new_store,

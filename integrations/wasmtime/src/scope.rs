@@ -11,7 +11,7 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use tensor_wasm_mem_mock::MockBackend;
+//! use tensor_wasm_mem_wasmtime::mock::MockBackend;
 //! use tensor_wasm_mem_wasmtime::core::IsolationLevel;
 //! use tensor_wasm_mem_wasmtime::*;
 //!
@@ -338,9 +338,17 @@ impl<T: HasGuestContext<B>, B: Backend> DeviceAccess<'_, T, B> {
         options: ScopeOptions,
         f: impl FnOnce(&mut RunScope<'_, T, B>) -> Result<R, E>,
     ) -> Result<R, E> {
-        match Self::run(store, creator, memory, ranges, options, f) {
-            Ok(result) => result,
-            Err(scope) => Err(scope.into()),
+        let scope = DeviceAccess::open_with(store, creator, memory, ranges, options)?;
+        let mut run = RunScope {
+            scope,
+            _brand: PhantomData,
+        };
+        let out = f(&mut run);
+        let closed = run.scope.close();
+        match (out, closed) {
+            (Err(e), _) => Err(e),
+            (Ok(_), Err(wait)) => Err(wait.into()),
+            (Ok(result), Ok(())) => Ok(result),
         }
     }
 }

@@ -9,8 +9,8 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use tensor_wasm_mem_core::IsolationLevel;
-//! use tensor_wasm_mem_mock::MockBackend;
+//! use tensor_wasm_mem_wasmtime::core::IsolationLevel;
+//! use tensor_wasm_mem_wasmtime::mock::MockBackend;
 //! use tensor_wasm_mem_wasmtime::wasi::{WasiCtxBuilder, add_wasi_to_linker};
 //! use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
 //! use tensor_wasm_mem_wasmtime::{

@@ -315,3 +315,39 @@ fn run_closes_the_scope_and_reports_a_failed_wait() {
         DeviceAccess::run(&mut store, &creator, &memory, &ranges, options, |_| ()).unwrap_err();
     assert!(matches!(err, TwmError::Backend { .. }), "{err}");
 }
+
+/// `try_run`: an error of the closure wins over one of the wait (a kernel the closure queued
+/// faulted, and the closure failed for its own reason: the caller hears the closure's).
+#[test]
+fn try_run_returns_the_closures_error_over_the_waits() {
+    #[derive(Debug, PartialEq)]
+    enum Mine {
+        Own,
+        Scope(String),
+    }
+    impl From<TwmError> for Mine {
+        fn from(e: TwmError) -> Self {
+            Self::Scope(e.to_string())
+        }
+    }
+    let backend = deferred();
+    let creator = fresh(&backend);
+    let (mut store, _, memory) = guest(&creator);
+    let result: Result<(), Mine> = DeviceAccess::try_run(
+        &mut store,
+        &creator,
+        &memory,
+        &[AccessRange::write(0, 64)],
+        ScopeOptions::default(),
+        |scope| {
+            // SAFETY: address 64 lies in the never-mapped first page: the simulated kernel
+            // faults instead of writing, found at the close's wait.
+            let _ = unsafe { backend.driver().enqueue_fill(scope.stream(), 64, 64, 1) };
+            Err(Mine::Own)
+        },
+    );
+    assert_eq!(result, Err(Mine::Own));
+    // The wait did fail (the fault is the close's, and sticky).
+    let again = DeviceAccess::open(&mut store, &creator, &memory, &[AccessRange::read(0, 64)]);
+    assert!(again.is_err());
+}
