@@ -267,10 +267,12 @@ impl<B: Backend> CreatorBuilder<B> {
     /// Take memories from slot pools carved as `config` says, one per served device (its slab
     /// on that device: `config.device` is replaced), instead of a fresh allocation each.
     ///
-    /// Two defaults fit the plan and the tenants to the pool: a memory that declares no maximum
-    /// (every clang C guest) gets the largest slot where the plan's default maximum (256 MiB)
-    /// would fit no slot ([`limits`](TensorWasmMemoryCreator::limits) shows it); and one tenant
-    /// may hold at most half the slots ([`slots_per_tenant`](Self::slots_per_tenant)).
+    /// Two defaults fit the plan and the tenants to the pool: a memory gets at most the largest
+    /// slot, whether it declares no maximum (every clang C guest: the plan's default maximum,
+    /// 256 MiB, would fit no slot) or a larger one (clamped, as the per-memory limit clamps it:
+    /// growth past the slot is refused in the guest), as
+    /// [`limits`](TensorWasmMemoryCreator::limits) shows; and one tenant may hold at most half
+    /// the slots ([`slots_per_tenant`](Self::slots_per_tenant)).
     #[must_use]
     pub fn pool(mut self, config: PoolConfig) -> Self {
         self.pool = Some(config);
@@ -1116,9 +1118,16 @@ fn fit_plan_to_pool(config: &PoolConfig, limits: PlanLimits) -> PlanLimits {
     tracing::info!(
         largest_slot,
         default_capacity,
-        "twm: memories that declare no maximum get the pool's largest slot, not the plan's default"
+        "twm: memories get at most the pool's largest slot (a declared or default maximum past it is clamped)"
     );
-    limits.with_default_maximum(largest_slot).unwrap_or(limits)
+    // The per-memory limit clamps declared maxima as well as the default one: a memory that
+    // declares more than the largest slot gets that slot, and its growth past it is refused in
+    // the guest (-1), instead of every instantiation being refused as too large.
+    let limits = limits.with_default_maximum(largest_slot).unwrap_or(limits);
+    if largest_slot < limits.per_memory_limit() {
+        return limits.with_per_memory_limit(largest_slot).unwrap_or(limits);
+    }
+    limits
 }
 
 /// Checks a guest range against `size`; overflow of the address type is reported as such.

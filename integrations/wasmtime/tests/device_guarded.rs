@@ -391,13 +391,17 @@ fn a_pool_refuses_what_its_slots_cannot_hold() {
     let creator = pooled_creator(&backend, PAGEABLE);
     let engine = creator.engine().unwrap();
     let mut store = Store::new(&engine, ());
-    // A memory larger than the slot: the pool says so, typed.
-    let module = access_module(&engine, 1, 8);
+    // A memory whose minimum is larger than the slot: refused (by the limit the pool sets).
+    let module = access_module(&engine, 8, 8);
     let e = Instance::new(&mut store, &module, &[]).unwrap_err();
-    assert!(e.to_string().contains("exceed"), "{e:?}");
-    // The one slot, then exhaustion.
-    let module = access_module(&engine, 1, 4);
+    assert!(
+        format!("{e:?}").contains("above the per-memory limit"),
+        "{e:?}"
+    );
+    // One that only declares a larger maximum gets the slot (clamped to it), then exhaustion.
+    let module = access_module(&engine, 1, 8);
     let _one = Instance::new(&mut store, &module, &[]).unwrap();
+    let module = access_module(&engine, 1, 4);
     let e = Instance::new(&mut store, &module, &[]).unwrap_err();
     assert!(e.to_string().contains("exhausted"), "{e:?}");
     assert_eq!(creator.stats().pool.unwrap().exhaustions, 1);

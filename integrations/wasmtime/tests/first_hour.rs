@@ -76,14 +76,28 @@ fn a_memory_larger_than_every_slot_is_a_typed_limit() {
     let engine = creator.engine().unwrap();
     let tenant = Tenant::new(1, "t", 1 << 20, IsolationLevel::StreamIsolated);
     let mut store = store(&creator, &engine, &tenant);
+    // Its minimum is past every slot: refused, typed, by the limit the pool sets.
     let module = Module::new(&engine, "(module (memory 2 2))").unwrap();
     let error = instantiate(&mut store, &Linker::new(&engine), &module).unwrap_err();
     let twm = typed(&error);
     assert!(
-        matches!(twm, TwmError::Pool(PoolError::TooLarge { .. })),
+        matches!(
+            twm,
+            TwmError::Plan(_) | TwmError::Pool(PoolError::TooLarge { .. })
+        ),
         "{twm:?}"
     );
-    assert!(twm.is_denial(), "{twm:?}");
+    assert_eq!(twm.kind(), ErrorKind::LimitExceeded, "{twm:?}");
+    // Only its declared maximum is: it gets the largest slot, and growth past it is refused
+    // (-1 in the guest), not the instantiation.
+    let module = Module::new(&engine, "(module (memory (export \"memory\") 1 1024))").unwrap();
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    assert!(
+        memory.grow(&mut store, 1).is_err(),
+        "no further than the slot"
+    );
+    assert_eq!(creator.limits().per_memory_limit(), PAGE as u64, "said so");
 }
 
 #[test]
