@@ -207,12 +207,20 @@ impl State {
 impl<D: DriverApi> DriverBackend<D> {
     /// `device`'s fault record (a device it does not have: healthy, nothing counted).
     pub(super) fn health(&self, device: DeviceId) -> DeviceHealth {
-        self.state
+        let mut health = self
+            .state
             .lock()
             .devices
             .get(device.0 as usize)
             .copied()
-            .unwrap_or_default()
+            .unwrap_or_default();
+        // A reset's one mark is its gate's.
+        health.resetting = self
+            .faulted
+            .gates
+            .get(device.0 as usize)
+            .is_some_and(|g| g.resetting.load(Ordering::SeqCst));
+        health
     }
 
     /// Whether `device` is fenced (its primary context faulted and is not reset yet).
@@ -336,19 +344,18 @@ impl<D: DriverApi> DriverBackend<D> {
     pub unsafe fn recover(&self, device: DeviceId) -> Result<Option<Recovery>, D::Error> {
         self.check_device(device)?;
         let primary = self.driver.primary_context(device);
+        let gate = &self.faulted.gates[device.0 as usize];
         {
-            let mut state = self.state.lock();
-            let health = state.devices[device.0 as usize];
-            if !health.fenced {
+            let state = self.state.lock();
+            if !state.devices[device.0 as usize].fenced {
                 return Ok(None);
             }
-            if health.resetting {
+            // Marked (by this call only): no new call starts from here on; those in flight are
+            // waited for by the caller's retry. With none in flight the tables are still, and
+            // what is in use is counted.
+            if gate.resetting.swap(true, Ordering::SeqCst) {
                 return Err(Refusal::Recovering { device }.into());
             }
-            // No new call starts from here on; those in flight are waited for by the caller's
-            // retry. With none in flight the tables are still, and what is in use is counted.
-            let gate = &self.faulted.gates[device.0 as usize];
-            gate.resetting.store(true, Ordering::SeqCst);
             let calls = gate.calls.load(Ordering::SeqCst);
             let in_use = state.in_use_on(device, primary);
             if calls > 0 || in_use != InUse::default() {
@@ -362,7 +369,6 @@ impl<D: DriverApi> DriverBackend<D> {
                 }
                 .into());
             }
-            state.devices[device.0 as usize].resetting = true;
         }
         // SAFETY: nothing of ours in the context is in use (checked above, and the gate keeps
         // anything new from starting there): every allocation in it was given up by a free
@@ -370,15 +376,8 @@ impl<D: DriverApi> DriverBackend<D> {
         // ours is in flight; nothing else uses the context (this call's contract).
         let reset = unsafe { self.driver.reset_primary_context(device) };
         let mut state = self.state.lock();
-        state.devices[device.0 as usize].resetting = false;
-        let lift = |state: &mut State| {
-            let _ = state;
-            self.faulted.gates[device.0 as usize]
-                .resetting
-                .store(false, Ordering::SeqCst);
-        };
         if let Err(e) = reset {
-            lift(&mut state);
+            gate.resetting.store(false, Ordering::SeqCst);
             return Err(e);
         }
         let recovery = state.forget_reset(device, primary);
@@ -393,7 +392,7 @@ impl<D: DriverApi> DriverBackend<D> {
         state.stats.fenced_devices -= 1;
         state.stats.recoveries += 1;
         // The fence goes before the gate opens: no call slips in between to a fenced refusal.
-        lift(&mut state);
+        gate.resetting.store(false, Ordering::SeqCst);
         Ok(Some(recovery))
     }
 }

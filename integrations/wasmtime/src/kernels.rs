@@ -776,23 +776,33 @@ pub unsafe fn simulated(
     }
 }
 
+/// A buffer of bytes of any length, accessed as `access` (the built-in kernels' buffers).
+#[cfg(feature = "mock")]
+fn bytes(access: Access) -> KernelParam {
+    KernelParam::Buffer {
+        access,
+        element_bytes: 1,
+        length: BufferLength::Any,
+    }
+}
+
+/// One block of 256 threads (the built-in byte kernels' shape).
+#[cfg(feature = "mock")]
+const ONE_BLOCK: LaunchShape = LaunchShape::Fixed {
+    grid: [1, 1, 1],
+    block: [256, 1, 1],
+};
+
 /// `poke(buf, index, value)`: a byte buffer written, two `u32` scalars, one block.
 #[cfg(feature = "mock")]
 fn poke_signature() -> KernelSignature {
     KernelSignature {
         params: vec![
-            KernelParam::Buffer {
-                access: Access::Write,
-                element_bytes: 1,
-                length: BufferLength::Any,
-            },
+            bytes(Access::Write),
             KernelParam::Scalar(Scalar::U32),
             KernelParam::Scalar(Scalar::U32),
         ],
-        shape: LaunchShape::Fixed {
-            grid: [1, 1, 1],
-            block: [256, 1, 1],
-        },
+        shape: ONE_BLOCK,
     }
 }
 
@@ -805,20 +815,12 @@ fn poke_signature() -> KernelSignature {
 /// kernel fault (docs/RELIABILITY.md, recovery).
 #[cfg(feature = "mock")]
 pub fn builtin() -> KernelRegistry<tensor_wasm_mem_mock::MockBackend> {
-    let bytes = |access| KernelParam::Buffer {
-        access,
-        element_bytes: 1,
-        length: BufferLength::Any,
-    };
     let floats = |access| KernelParam::Buffer {
         access,
         element_bytes: 4,
         length: BufferLength::Arg(3),
     };
-    let one = LaunchShape::Fixed {
-        grid: [1, 1, 1],
-        block: [256, 1, 1],
-    };
+    let one = ONE_BLOCK;
     let mut registry = KernelRegistry::new();
     let registered = registry
         .register(

@@ -41,6 +41,21 @@ fn creator_with(registry: KernelRegistry<MockBackend>) -> TensorWasmMemoryCreato
     unsafe { builder.recover_automatically() }.build().unwrap()
 }
 
+/// One byte buffer written, one block of one thread.
+fn one_byte_buffer() -> KernelSignature {
+    KernelSignature {
+        params: vec![KernelParam::Buffer {
+            access: Access::Write,
+            element_bytes: 1,
+            length: BufferLength::Any,
+        }],
+        shape: LaunchShape::Fixed {
+            grid: [1, 1, 1],
+            block: [1, 1, 1],
+        },
+    }
+}
+
 fn guest_on(creator: &TensorWasmMemoryCreator<MockBackend>, tenant: &Arc<Tenant>) -> Guest {
     let engine = creator.engine().unwrap();
     let mut linker = Linker::new(&engine);
@@ -79,6 +94,11 @@ impl Guest {
 
     /// Launches `handle` with `args` (`(a, b)` pairs) written at [`ARGS`]: the code.
     fn launch(&mut self, handle: i32, args: &[(u64, u64)]) -> i32 {
+        self.try_launch(handle, args).unwrap()
+    }
+
+    /// [`launch`](Self::launch), with a trap as the error.
+    fn try_launch(&mut self, handle: i32, args: &[(u64, u64)]) -> wasmtime::Result<i32> {
         let bytes: Vec<u8> = args
             .iter()
             .flat_map(|&(a, b)| a.to_le_bytes().into_iter().chain(b.to_le_bytes()))
@@ -90,7 +110,6 @@ impl Guest {
             .get_typed_func::<(i32, i32, i32), i32>(&mut self.store, "launch")
             .unwrap()
             .call(&mut self.store, (handle, ARGS as i32, args.len() as i32))
-            .unwrap()
     }
 
     fn write_floats(&mut self, at: u64, values: &[f32]) {
@@ -279,17 +298,7 @@ fn a_launch_whose_kernel_faults_is_a_code_and_a_failure_in_the_figures() {
     registry
         .register(
             "bad",
-            KernelSignature {
-                params: vec![KernelParam::Buffer {
-                    access: Access::Write,
-                    element_bytes: 1,
-                    length: BufferLength::Any,
-                }],
-                shape: LaunchShape::Fixed {
-                    grid: [1, 1, 1],
-                    block: [1, 1, 1],
-                },
-            },
+            one_byte_buffer(),
             // SAFETY: deliberately wrong, but only past every allocation (1 TiB beyond the
             // guest's memory): the model finds no allocation there and reports a fault.
             unsafe { kernels::simulated("fill", |l| vec![l.args()[0] + (1 << 40), 16, 1]) },
@@ -299,14 +308,7 @@ fn a_launch_whose_kernel_faults_is_a_code_and_a_failure_in_the_figures() {
     let mut g = guest(&creator);
     let bad = g.kernel("bad");
     // The kernel faults: its context is lost for good, so the guest traps, typed.
-    let bytes: Vec<u8> = [0u64, 16].iter().flat_map(|v| v.to_le_bytes()).collect();
-    g.memory.write(&mut g.store, ARGS as usize, &bytes).unwrap();
-    let trap = g
-        .instance
-        .get_typed_func::<(i32, i32, i32), i32>(&mut g.store, "launch")
-        .unwrap()
-        .call(&mut g.store, (bad, ARGS as i32, 1))
-        .expect_err("the guest traps");
+    let trap = g.try_launch(bad, &[(0, 16)]).expect_err("the guest traps");
     let err = trap.downcast_ref::<TwmError>().expect("typed");
     assert!(
         matches!(err, TwmError::DeviceLost { op: "launch" }),
@@ -331,17 +333,7 @@ fn a_launch_whose_launcher_fails_is_a_code_and_a_failure_in_the_figures() {
     registry
         .register(
             "broken",
-            KernelSignature {
-                params: vec![KernelParam::Buffer {
-                    access: Access::Write,
-                    element_bytes: 1,
-                    length: BufferLength::Any,
-                }],
-                shape: LaunchShape::Fixed {
-                    grid: [1, 1, 1],
-                    block: [1, 1, 1],
-                },
-            },
+            one_byte_buffer(),
             // SAFETY: the model has no kernel of this name: nothing is ever launched.
             unsafe { kernels::simulated("no_such_kernel", |l| vec![l.args()[0], 16, 1]) },
         )
@@ -550,17 +542,7 @@ fn queueing_launcher(
     registry
         .register(
             "queues",
-            KernelSignature {
-                params: vec![KernelParam::Buffer {
-                    access: Access::Write,
-                    element_bytes: 1,
-                    length: BufferLength::Any,
-                }],
-                shape: LaunchShape::Fixed {
-                    grid: [1, 1, 1],
-                    block: [1, 1, 1],
-                },
-            },
+            one_byte_buffer(),
             move |b: &MockBackend, l: &kernels::Launch<'_>| {
                 let (ptr, len) = l.buffers()[0];
                 // SAFETY: the launch's own checked buffer, written by a fill on its stream.
