@@ -89,6 +89,18 @@ impl fmt::Display for ErrorKind {
 pub trait BackendError: core::error::Error + Send + Sync + 'static {
     /// The kind of this error.
     fn kind(&self) -> ErrorKind;
+
+    /// The driver's own code, where a driver call answered this error (a CUDA `CUresult`);
+    /// `None` for a refusal made before any driver call, and by default.
+    fn driver_code(&self) -> Option<u32> {
+        None
+    }
+
+    /// What to do about this error, where the backend knows (the usual cause of a driver code
+    /// and its fix); `None` by default.
+    fn hint(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 impl BackendError for core::convert::Infallible {
@@ -314,6 +326,25 @@ impl<E: BackendError> Error<E> {
             Self::NotHostAccessible => ErrorKind::Unsupported,
             Self::UnknownPoolAllocation { .. } => ErrorKind::InvalidArgument,
             Self::Backend { source, .. } => source.kind(),
+        }
+    }
+
+    /// The driver's code, where a driver call answered this error
+    /// ([`BackendError::driver_code`]).
+    #[must_use]
+    pub fn driver_code(&self) -> Option<u32> {
+        match self {
+            Self::Backend { source, .. } => source.driver_code(),
+            _ => None,
+        }
+    }
+
+    /// What to do about this error, where the backend knows ([`BackendError::hint`]).
+    #[must_use]
+    pub fn hint(&self) -> Option<&'static str> {
+        match self {
+            Self::Backend { source, .. } => source.hint(),
+            _ => None,
         }
     }
 }

@@ -18,7 +18,7 @@
 //! let a = tenant.try_reserve(768 << 10).unwrap();
 //! assert!(tenant.try_reserve(512 << 10).is_err()); // would pass the 1 MiB cap: denied
 //! drop(a);
-//! assert_eq!(tenant.stats().live_bytes, 0);
+//! assert_eq!(tenant.stats().touched_bytes, 0);
 //! assert_eq!(tenant.stats().denials, 1);
 //! ```
 
@@ -332,19 +332,19 @@ impl Meter {
 /// A snapshot of a tenant's ledger.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LedgerStats {
-    /// The cap in bytes.
-    pub cap: u64,
-    /// Bytes reserved now.
-    pub live_bytes: u64,
-    /// The most bytes ever reserved at once.
-    pub peak_bytes: u64,
+    /// The touched budget (the cap) in bytes.
+    pub touched_limit: u64,
+    /// Touched bytes reserved now.
+    pub touched_bytes: u64,
+    /// The most touched bytes ever reserved at once.
+    pub touched_peak_bytes: u64,
     /// Reservations alive now.
     pub live_reservations: u64,
     /// Reservations (and growths) ever granted.
     pub granted: u64,
     /// Requests ever denied.
     pub denials: u64,
-    /// Of `live_bytes`, the bytes held in device memory pools.
+    /// Of `touched_bytes`, the bytes held in device memory pools.
     pub device_pool_bytes: u64,
     /// The held budget in bytes.
     pub held_limit: u64,
@@ -353,19 +353,21 @@ pub struct LedgerStats {
     /// The most bytes of capacity ever held at once.
     pub held_peak_bytes: u64,
     /// The memories budget.
-    pub memory_limit: u64,
+    pub memories_limit: u64,
     /// Memories charged now.
     pub live_memories: u64,
     /// The most memories ever charged at once.
     pub peak_memories: u64,
+    /// Of `denials`, those by the touched budget (the cap).
+    pub touched_denials: u64,
     /// Of `denials`, those by the held budget.
     pub held_denials: u64,
     /// Of `denials`, those by the memories budget.
     pub memory_denials: u64,
-    /// Of `live_bytes` and `held_bytes`, the bytes in table elements.
+    /// Of `touched_bytes` and `held_bytes`, the bytes in table elements.
     pub table_bytes: u64,
     /// Of `held_bytes`, the bytes charged for good ([`Reservation::strand`]): what a backend
-    /// never gave back after its owner was gone (their touched bytes stay in `live_bytes`
+    /// never gave back after its owner was gone (their touched bytes stay in `touched_bytes`
     /// too), until the tenant itself goes.
     pub stranded_bytes: u64,
 }
@@ -531,9 +533,9 @@ impl TenantLedger {
         self.isolation
     }
 
-    /// Bytes reserved now.
+    /// Touched bytes reserved now.
     #[must_use]
-    pub fn live_bytes(&self) -> u64 {
+    pub fn touched_bytes(&self) -> u64 {
         self.touched.live()
     }
 
@@ -547,9 +549,9 @@ impl TenantLedger {
     #[must_use]
     pub fn stats(&self) -> LedgerStats {
         LedgerStats {
-            cap: self.touched.limit,
-            live_bytes: self.touched.live(),
-            peak_bytes: self.touched.peak(),
+            touched_limit: self.touched.limit,
+            touched_bytes: self.touched.live(),
+            touched_peak_bytes: self.touched.peak(),
             live_reservations: self.live_reservations.load(Ordering::Acquire),
             granted: self.granted.load(Ordering::Relaxed),
             denials: self.denials.load(Ordering::Relaxed),
@@ -557,9 +559,10 @@ impl TenantLedger {
             held_limit: self.held.limit,
             held_bytes: self.held.live(),
             held_peak_bytes: self.held.peak(),
-            memory_limit: self.memories.limit,
+            memories_limit: self.memories.limit,
             live_memories: self.memories.live(),
             peak_memories: self.memories.peak(),
+            touched_denials: self.touched.denials.load(Ordering::Relaxed),
             held_denials: self.held.denials.load(Ordering::Relaxed),
             memory_denials: self.memories.denials.load(Ordering::Relaxed),
             table_bytes: self.tables.load(Ordering::Acquire),
@@ -839,8 +842,8 @@ mod tests {
         let s = t.stats();
         assert_eq!(
             (
-                s.live_bytes,
-                s.peak_bytes,
+                s.touched_bytes,
+                s.touched_peak_bytes,
                 s.live_reservations,
                 s.granted,
                 s.denials
@@ -848,11 +851,11 @@ mod tests {
             (100, 100, 2, 2, 1)
         );
         drop(a);
-        assert_eq!(t.live_bytes(), 40);
+        assert_eq!(t.touched_bytes(), 40);
         drop(b);
         let s = t.stats();
         assert_eq!(
-            (s.live_bytes, s.peak_bytes, s.live_reservations),
+            (s.touched_bytes, s.touched_peak_bytes, s.live_reservations),
             (0, 100, 0)
         );
     }
@@ -863,7 +866,7 @@ mod tests {
         let _a = t.try_reserve(u64::MAX - 1).unwrap();
         assert!(t.try_reserve(2).is_err());
         assert!(t.try_reserve(u64::MAX).is_err());
-        assert_eq!(t.live_bytes(), u64::MAX - 1);
+        assert_eq!(t.touched_bytes(), u64::MAX - 1);
     }
 
     #[test]
@@ -875,11 +878,11 @@ mod tests {
         assert!(r.try_grow(1).is_err());
         assert_eq!(r.bytes(), 10, "a denied growth keeps what was held");
         r.shrink_to(3);
-        assert_eq!(t.live_bytes(), 3);
+        assert_eq!(t.touched_bytes(), 3);
         r.shrink_to(5);
         assert_eq!(r.bytes(), 3, "shrink_to never grows");
         drop(r);
-        assert_eq!(t.stats().live_bytes, 0);
+        assert_eq!(t.stats().touched_bytes, 0);
         assert_eq!(t.stats().live_reservations, 0);
     }
 
@@ -895,13 +898,13 @@ mod tests {
         );
         pool.try_grow(10).unwrap();
         let s = t.stats();
-        assert_eq!((s.live_bytes, s.device_pool_bytes), (100, 40));
+        assert_eq!((s.touched_bytes, s.device_pool_bytes), (100, 40));
         pool.shrink_to(5);
         assert_eq!(t.stats().device_pool_bytes, 5);
         drop(pool);
         drop(memory);
         let s = t.stats();
-        assert_eq!((s.live_bytes, s.device_pool_bytes), (0, 0));
+        assert_eq!((s.touched_bytes, s.device_pool_bytes), (0, 0));
     }
 
     #[test]
@@ -918,7 +921,7 @@ mod tests {
         ));
         assert_eq!(t.budgets(), budgets);
         let held = t.try_reserve_for(901, Purpose::Held).unwrap();
-        assert_eq!(t.live_bytes(), 0, "held capacity is not touched");
+        assert_eq!(t.touched_bytes(), 0, "held capacity is not touched");
         let denied = t.try_reserve_for(101, Purpose::Held).unwrap_err();
         assert_eq!(
             (denied.budget, denied.cap, denied.live, denied.requested),
@@ -951,7 +954,7 @@ mod tests {
         );
         drop((held, pool, a, b));
         let s = t.stats();
-        assert_eq!((s.live_bytes, s.held_bytes, s.live_memories), (0, 0, 0));
+        assert_eq!((s.touched_bytes, s.held_bytes, s.live_memories), (0, 0, 0));
         assert_eq!((s.held_peak_bytes, s.peak_memories), (951, 2));
     }
 
@@ -1005,7 +1008,7 @@ mod tests {
                             granted += 1;
                             held.push(r);
                         }
-                        assert!(t.live_bytes() <= CAP, "over-committed");
+                        assert!(t.touched_bytes() <= CAP, "over-committed");
                         if held.len() > 3 || op % 5 == 0 {
                             held.clear();
                         }
@@ -1016,9 +1019,9 @@ mod tests {
             .collect();
         let granted: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
         let s = t.stats();
-        assert_eq!(s.live_bytes, 0);
+        assert_eq!(s.touched_bytes, 0);
         assert_eq!(s.live_reservations, 0);
-        assert!(s.peak_bytes <= CAP);
+        assert!(s.touched_peak_bytes <= CAP);
         assert_eq!(s.granted, granted);
         assert_eq!(s.granted + s.denials, (THREADS * OPS) as u64);
         assert!(s.denials > 0, "the test must actually hit the cap");
@@ -1102,9 +1105,9 @@ mod model {
                 let live: u64 = held.iter().map(|h| h.1).sum();
                 peak = peak.max(live);
                 let s = t.stats();
-                prop_assert_eq!(s.live_bytes, live);
-                prop_assert!(s.live_bytes <= cap);
-                prop_assert_eq!(s.peak_bytes, peak);
+                prop_assert_eq!(s.touched_bytes, live);
+                prop_assert!(s.touched_bytes <= cap);
+                prop_assert_eq!(s.touched_peak_bytes, peak);
                 prop_assert_eq!(s.live_reservations, held.len() as u64);
                 prop_assert_eq!(s.denials, denials);
                 prop_assert_eq!(s.granted, granted);
@@ -1112,7 +1115,7 @@ mod model {
                 prop_assert_eq!(s.device_pool_bytes, pool);
             }
             drop(held);
-            prop_assert_eq!(t.stats().live_bytes, 0);
+            prop_assert_eq!(t.stats().touched_bytes, 0);
         }
     }
 }

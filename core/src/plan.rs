@@ -156,7 +156,8 @@ pub enum PlanError {
     /// The declared minimum is above the per-memory limit.
     #[error(
         "memory minimum of {minimum} bytes is above the per-memory limit of {limit} bytes \
-         (raise it with PlanLimits::with_per_memory_limit, up to 4 GiB)"
+         (raise it with PlanLimits::with_per_memory_limit, up to 4 GiB; a pooled creator's \
+         limit is its largest slot: add a larger size class to the pool)"
     )]
     MinimumAboveLimit {
         /// Minimum in bytes (saturated at `u64::MAX`).

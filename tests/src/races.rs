@@ -221,7 +221,7 @@ pub fn device_pool_cap_holds_when_a_free_returns_late<H: Harness>() {
     assert!(matches!(err, Error::Denied(_)), "{err}");
     pool.free(newcomer, &stream).expect("free");
     pool.free(second, &stream).expect("free");
-    assert_eq!(tenant.stats().live_bytes, 0);
+    assert_eq!(tenant.stats().touched_bytes, 0);
     drop(pool);
     drop_and_check_driver::<H>(b);
 }
@@ -264,7 +264,7 @@ pub fn device_pool_cap_holds_under_contention<H: Harness>() {
         "{} blocks lived at once under a cap of 2",
         most.load(Ordering::Acquire)
     );
-    assert_eq!(tenant.stats().live_bytes, 0);
+    assert_eq!(tenant.stats().touched_bytes, 0);
     drop(pool);
     drop_and_check_driver::<H>(b);
 }
@@ -460,7 +460,7 @@ pub fn device_pool_refuses_another_tenants_stream<H: Harness>() {
         .expect_err("another tenant's stream");
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
     assert_eq!(
-        alice.stats().live_bytes,
+        alice.stats().touched_bytes,
         0,
         "a refused allocation leaves no charge"
     );
@@ -475,12 +475,12 @@ pub fn device_pool_refuses_another_tenants_stream<H: Harness>() {
         .expect_err("freed on another tenant's stream");
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
     assert_eq!(
-        alice.stats().live_bytes,
+        alice.stats().touched_bytes,
         BLOCK as u64,
         "still charged: still live"
     );
     drop(pool);
-    assert_eq!(alice.stats().live_bytes, 0);
+    assert_eq!(alice.stats().touched_bytes, 0);
     b.release_stream(theirs).expect("release");
     b.release_stream(ours).expect("release");
     drop_and_check_driver::<H>(b);

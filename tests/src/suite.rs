@@ -873,8 +873,8 @@ pub fn tenants_never_see_each_others_bytes<H: Harness>() {
         "bob sees alice's bytes"
     );
     drop((bob_mem, bob_second, bob_charge, bob_charge2, p));
-    assert_eq!(alice.stats().live_bytes, 0);
-    assert_eq!(bob.stats().live_bytes, 0);
+    assert_eq!(alice.stats().touched_bytes, 0);
+    assert_eq!(bob.stats().touched_bytes, 0);
     assert_no_leaks::<H>(&b);
 }
 
@@ -909,7 +909,7 @@ pub fn injected_allocate_failure_rolls_back<H: Harness>() {
         .and_then(|r| UnifiedBuffer::new(Arc::clone(&b), D0, 4 * PAGE, PAGE).map(|buf| (r, buf)));
     let err = result.expect_err("injected");
     assert_failed_in(&err, Operation::Allocate);
-    assert_eq!(t.stats().live_bytes, 0, "no tenant charge left");
+    assert_eq!(t.stats().touched_bytes, 0, "no tenant charge left");
     assert_no_leaks::<H>(&b);
     // The next allocation works.
     drop(UnifiedBuffer::new(Arc::clone(&b), D0, PAGE, PAGE).expect("works again"));
@@ -936,7 +936,7 @@ pub fn injected_zero_failure_rolls_back<H: Harness>() {
         .and_then(|r| p.acquire(PAGE, PAGE).map(|m| (r, m)));
     let err = result.expect_err("injected");
     assert_failed_in(&err, Operation::Zero);
-    assert_eq!(t.stats().live_bytes, 0);
+    assert_eq!(t.stats().touched_bytes, 0);
     let s = p.stats();
     assert_eq!((s.in_use(), s.free(), s.scrub_failures), (0, 1, 1));
     let again = p.acquire(PAGE, PAGE).expect("scrubbed on the next try");
@@ -1117,7 +1117,11 @@ pub fn failures_at_every_step_leave_nothing<H: Harness>() {
                 assert!(!kind.is_denial(), "{op} #{nth}: a failure, not a denial");
             }
             H::clear_faults(&b);
-            assert_eq!(t.stats().live_bytes, 0, "{op} #{nth}: tenant charge left");
+            assert_eq!(
+                t.stats().touched_bytes,
+                0,
+                "{op} #{nth}: tenant charge left"
+            );
             assert_eq!(p.stats().in_use(), 0, "{op} #{nth}: slot leaked");
             drop(p);
             assert_no_leaks::<H>(&b);
@@ -1182,7 +1186,7 @@ pub fn device_pool_cap_is_the_tenant_cap<H: Harness>() {
     let d = pool.allocate(PAGE, &s).expect("usable after a denial");
     pool.free(a, &s).expect("free");
     pool.free(d, &s).expect("free");
-    assert_eq!(t.stats().live_bytes, 0);
+    assert_eq!(t.stats().touched_bytes, 0);
     drop(pool);
     assert_no_leaks::<H>(&b);
 }
@@ -1207,7 +1211,7 @@ pub fn device_pool_shares_the_cap_with_linear_memory<H: Harness>() {
     pool.free(a, &s).expect("free");
     pool.free(c, &s).expect("free");
     drop(pool);
-    assert_eq!(t.stats().live_bytes, 0);
+    assert_eq!(t.stats().touched_bytes, 0);
     assert_no_leaks::<H>(&b);
 }
 
@@ -1226,10 +1230,10 @@ pub fn device_pool_tenants_do_not_share_a_ceiling<H: Harness>() {
         .allocate(3 * PAGE, &sb)
         .expect("bob is not affected by alice's cap");
     assert!(matches!(pb.allocate(1, &sb), Err(Error::Denied(_))));
-    assert_eq!(alice.stats().live_bytes, 2 * PAGE as u64);
-    assert_eq!(bob.stats().live_bytes, 3 * PAGE as u64);
+    assert_eq!(alice.stats().touched_bytes, 2 * PAGE as u64);
+    assert_eq!(bob.stats().touched_bytes, 3 * PAGE as u64);
     pa.free(a, &sa).expect("free");
-    assert_eq!(bob.stats().live_bytes, 3 * PAGE as u64);
+    assert_eq!(bob.stats().touched_bytes, 3 * PAGE as u64);
     pb.free(c, &sb).expect("free");
     drop((pa, pb));
     assert_no_leaks::<H>(&b);
@@ -1250,7 +1254,7 @@ pub fn device_pool_failed_allocation_leaves_no_charge<H: Harness>() {
     let err = pool.allocate(PAGE, &s).expect_err("injected");
     assert_failed_in(&err, Operation::PoolAllocate);
     assert!(!err.kind().is_denial());
-    assert_eq!(t.stats().live_bytes, 0, "no ledger charge left");
+    assert_eq!(t.stats().touched_bytes, 0, "no ledger charge left");
     let a = pool.allocate(PAGE, &s).expect("usable again");
     pool.free(a, &s).expect("free");
     drop(pool);
@@ -1273,7 +1277,7 @@ pub fn device_pool_drop_frees_everything<H: Harness>() {
     drop(pool);
     drop(held); // handles only: the memory went with the pool
     let s = t.stats();
-    assert_eq!((s.live_bytes, s.device_pool_bytes), (0, 0));
+    assert_eq!((s.touched_bytes, s.device_pool_bytes), (0, 0));
     assert_no_leaks::<H>(&b);
 }
 
@@ -1345,7 +1349,7 @@ pub fn device_pool_driver_maximum_is_a_second_line<H: Harness>() {
     let err = pool.allocate(PAGE, &s).expect_err("past the pool maximum");
     assert_eq!(err.kind(), ErrorKind::OutOfMemory, "{err}");
     assert_eq!(
-        t.stats().live_bytes,
+        t.stats().touched_bytes,
         MAX as u64,
         "the failed request is not charged"
     );

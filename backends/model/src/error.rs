@@ -45,4 +45,15 @@ impl BackendError for ModelError {
             Self::HostMapFailed { .. } => ErrorKind::OutOfMemory,
         }
     }
+
+    fn driver_code(&self) -> Option<u32> {
+        self.code()
+    }
+
+    fn hint(&self) -> Option<&'static str> {
+        match self {
+            Self::Driver(e) => e.hint(),
+            _ => None,
+        }
+    }
 }

@@ -128,12 +128,12 @@ fn r2_pool_teardown_racing_stream_release() {
             let d = backend.driver().lock();
             let msg = std::format!(
                 "stats={st:?} tenant_live={} dead_pushes={} destroyed_while_current={}",
-                tenant.stats().live_bytes,
+                tenant.stats().touched_bytes,
                 d.dead_pushes,
                 d.destroyed_while_current
             );
             if st.release_failures != 0
-                || tenant.stats().live_bytes != 0
+                || tenant.stats().touched_bytes != 0
                 || d.dead_pushes != 0
                 || d.destroyed_while_current != 0
             {
@@ -367,7 +367,7 @@ fn r7_a_refused_teardown_free_retried_by_the_destroy_charges_exactly() {
     let _unfreed = (a, b2);
     drop(pool);
     let in_driver = backend.driver().lock().pool_live.len() as u64 * BLOCK as u64;
-    let charged = tenant.stats().live_bytes;
+    let charged = tenant.stats().touched_bytes;
     std::eprintln!("R7: tenant charged {charged}, driver holds {in_driver}");
     assert_eq!(
         charged, in_driver,
@@ -563,7 +563,7 @@ fn s1_teardown_frees_off_a_retired_stream_before_it_was_waited_for() {
                 );
                 assert_eq!(st.live_pool_allocations, 0);
                 assert!(d.streams.is_empty() && d.contexts.is_empty() && d.pool_live.is_empty());
-                assert_eq!(tenant.stats().live_bytes, 0);
+                assert_eq!(tenant.stats().touched_bytes, 0);
             });
             (vec![dropping, releasing], check as Box<dyn FnOnce()>)
         });
@@ -657,7 +657,7 @@ fn s3_a_partly_successful_destroy_retry_never_undercharges_the_tenant() {
     backend.driver().lock().fail_pool_free_calls = [1, 2, 4].into_iter().collect();
     drop(pool);
     let in_driver = backend.driver().lock().pool_live.len() as u64 * BLOCK as u64;
-    let charged = tenant.stats().live_bytes;
+    let charged = tenant.stats().touched_bytes;
     let st = backend.stats();
     std::eprintln!("S3: tenant charged {charged}, driver holds {in_driver}; {st:?}");
     assert_eq!(
@@ -702,7 +702,7 @@ fn s3b_a_refused_pool_destroy_never_undercharges_the_tenant() {
     }
     drop(pool);
     let in_driver = backend.driver().lock().pool_live.len() as u64 * BLOCK as u64;
-    let charged = tenant.stats().live_bytes;
+    let charged = tenant.stats().touched_bytes;
     let st = backend.stats();
     std::eprintln!("S3b: tenant charged {charged}, driver holds {in_driver}; {st:?}");
     assert_eq!(st.live_pool_allocations, 0, "backend exact");
@@ -819,7 +819,7 @@ fn h1_use_release_and_teardown_of_one_stream_under_every_schedule() {
                 .filter(|(c, _)| *c == "stream_destroy")
                 .count();
             assert_eq!(destroys, 1, "destroyed once");
-            assert_eq!(tenant.stats().live_bytes, 0);
+            assert_eq!(tenant.stats().touched_bytes, 0);
         });
         (
             vec![syncing, releasing, dropping],

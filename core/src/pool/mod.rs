@@ -663,7 +663,7 @@ mod tests {
                 ..
             }
         ));
-        assert_eq!(tenant.stats().live_bytes, 0, "no ledger charge left");
+        assert_eq!(tenant.stats().touched_bytes, 0, "no ledger charge left");
         let s = pool.stats();
         assert_eq!(
             (s.in_use(), s.free(), s.scrub_failures),

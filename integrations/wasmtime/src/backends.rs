@@ -29,12 +29,16 @@ compile_error!(
 );
 
 #[cfg(feature = "cuda-oxide")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda-oxide")))]
 pub use tensor_wasm_mem_cuda_oxide as cuda_oxide;
 #[cfg(feature = "cudarc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 pub use tensor_wasm_mem_cudarc as cudarc;
 #[cfg(feature = "cust")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cust")))]
 pub use tensor_wasm_mem_cust as cust;
 #[cfg(feature = "mock")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
 pub use tensor_wasm_mem_mock as mock;
 
 /// The backend features compiled in, in the CLI's order of precedence.
@@ -67,6 +71,7 @@ pub enum DefaultBackendError {
 /// Starts the cudarc backend on the system's driver: how this crate's default and the `twm` CLI
 /// start it.
 #[cfg(feature = "cudarc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 pub fn start_cudarc() -> Result<tensor_wasm_mem_cudarc::CudarcBackend, DefaultBackendError> {
     tensor_wasm_mem_cudarc::start(&tensor_wasm_mem_cudarc::DriverSource::System).map_err(|e| {
         DefaultBackendError::Start {
@@ -78,6 +83,7 @@ pub fn start_cudarc() -> Result<tensor_wasm_mem_cudarc::CudarcBackend, DefaultBa
 
 /// Starts the cust backend: how this crate's default and the `twm` CLI start it.
 #[cfg(feature = "cust")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cust")))]
 pub fn start_cust() -> Result<tensor_wasm_mem_cust::CustBackend, DefaultBackendError> {
     tensor_wasm_mem_cust::start().map_err(|e| DefaultBackendError::Start {
         backend: "cust",

@@ -139,11 +139,16 @@ pub enum TwmError {
     /// slot, a bad configuration).
     #[error(transparent)]
     Pool(PoolError),
-    /// The backend (driver) failed.
+    /// The backend (driver) failed. [`driver_code`](TwmError::driver_code) and
+    /// [`hint`](TwmError::hint) read the driver's code and what to do without a downcast.
     #[error("backend failed ({kind}): {source}")]
     Backend {
         /// Its kind.
         kind: ErrorKind,
+        /// The driver's code (a CUDA `CUresult`), where a driver call answered.
+        code: Option<u32>,
+        /// What to do about it, where the backend knows.
+        hint: Option<&'static str>,
         /// The backend's error.
         #[source]
         source: Box<dyn std::error::Error + Send + Sync + 'static>,
@@ -341,6 +346,8 @@ impl TwmError {
     pub(crate) fn backend<E: tensor_wasm_mem_core::BackendError>(e: E) -> Self {
         Self::Backend {
             kind: e.kind(),
+            code: e.driver_code(),
+            hint: e.hint(),
             source: Box::new(e),
         }
     }
@@ -361,6 +368,8 @@ impl TwmError {
             },
             other => Self::Backend {
                 kind,
+                code: other.driver_code(),
+                hint: other.hint(),
                 source: Box::new(other),
             },
         }
@@ -389,6 +398,39 @@ impl TwmError {
     #[must_use]
     pub fn is_denial(&self) -> bool {
         self.kind().is_denial()
+    }
+
+    /// The driver's own code (a CUDA `CUresult`, named in the Display) where a driver call
+    /// answered this error: a failed driver call the layer made ([`TwmError::Backend`]);
+    /// `None` otherwise.
+    #[must_use]
+    pub fn driver_code(&self) -> Option<u32> {
+        match self {
+            Self::Backend { code, .. } => *code,
+            _ => None,
+        }
+    }
+
+    /// What to do about this error, where the layer knows: the usual cause of a driver code in
+    /// this workspace and its fix (also the Display's last clause), or a held budget smaller
+    /// than one memory; `None` otherwise.
+    #[must_use]
+    pub fn hint(&self) -> Option<&'static str> {
+        match self {
+            Self::Backend { hint, .. } => *hint,
+            // More than the whole budget: no release by the tenant can make room.
+            Self::Denied { denied, .. }
+                if denied.budget == tensor_wasm_mem_core::Budget::Held
+                    && denied.requested > denied.cap =>
+            {
+                Some(
+                    "one memory holds more than the tenant's whole held budget (a pool's slot \
+                     larger than its default): size its budgets to the creator's memories with \
+                     TensorWasmMemoryCreator::budgets_for_cap",
+                )
+            }
+            _ => None,
+        }
     }
 
     /// The same error, naming `device` where it names a pool's device.

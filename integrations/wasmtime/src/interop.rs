@@ -26,6 +26,7 @@
 //! with the scope's raw stream and device pointers (see `tests/tests/guest_kernels.rs`).
 
 #[cfg(feature = "cudarc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cudarc")))]
 pub mod cudarc {
     //! cudarc's types over an open scope (see the [module docs](super)).
 

@@ -725,6 +725,7 @@ impl<B: Backend> Drop for WaitOnDrop<'_, B> {
 /// [`buffers`](Launch::buffers) (and write only through those the signature says are
 /// written): the simulated kernel runs on the memory it is given, as a GPU's would.
 #[cfg(feature = "mock")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
 pub unsafe fn simulated(
     kernel: &'static str,
     args: impl Fn(&Launch<'_>) -> Vec<u64> + Send + Sync + 'static,
@@ -814,6 +815,7 @@ fn poke_signature() -> KernelSignature {
 /// `CUDA_ERROR_ASSERT` does on a GPU) without writing: the way a tenant's data makes a trusted
 /// kernel fault (docs/RELIABILITY.md, recovery).
 #[cfg(feature = "mock")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
 pub fn builtin() -> KernelRegistry<tensor_wasm_mem_mock::MockBackend> {
     let floats = |access| KernelParam::Buffer {
         access,

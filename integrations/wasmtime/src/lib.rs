@@ -54,8 +54,9 @@ pub use tenancy::{
 };
 pub use tensor_wasm_mem_core::{Budget, TenantBudgets};
 
-/// The workspace README's Rust examples, compiled and run as doc tests.
-#[cfg(doctest)]
+/// The workspace README's Rust examples, compiled and run as doc tests (they use the simulated
+/// backend and WASI, so with features `mock` and `wasi`: a workspace test has both).
+#[cfg(all(doctest, feature = "mock", feature = "wasi"))]
 #[doc = include_str!("../../../README.md")]
 pub struct WorkspaceReadme;
 

@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tensor_wasm_mem_core::{
     Advice, Capabilities, DeviceId, DeviceSlice, Location, MemoryPlan, MemoryType as PlanType,
-    PlanLimits, PoolConfig, PoolStats, Reservation, SLOT_ALIGN, SlotPool, Stream, UnifiedBuffer,
-    check_range,
+    PlanLimits, PoolConfig, PoolStats, Reservation, SLOT_ALIGN, SlotPool, Stream, TenantBudgets,
+    UnifiedBuffer, check_range,
 };
 use wasmtime::{AsContext, Config, Engine, LinearMemory, Memory, MemoryCreator, MemoryType};
 
@@ -121,7 +121,17 @@ struct CreatorInner<B: Backend> {
     created: AtomicU64,
     dropped: AtomicU64,
     refused: AtomicU64,
+    /// Memories refused at their tenant's slot share.
+    share_denials: AtomicU64,
+    /// The most one memory can hold: the per-memory limit, or a pool's largest slot.
+    largest_memory: u64,
+    /// The typed errors of refusals no Store's books took (a bound creator's, a Store without a
+    /// limiter), the last per thread, for [`TensorWasmMemoryCreator::typed_error`].
+    refusals: Mutex<Vec<(std::thread::ThreadId, TwmError)>>,
 }
+
+/// The most threads whose last untaken refusal a creator keeps (the oldest goes first).
+const KEPT_REFUSALS: usize = 64;
 
 impl<B: Backend> CreatorInner<B> {
     fn registry(&self) -> std::sync::MutexGuard<'_, HashMap<usize, Arc<MemoryRecord<B>>>> {
@@ -149,6 +159,9 @@ pub struct CreatorStats {
     pub dropped: u64,
     /// Memories refused (plan, cap, guard, pool or backend).
     pub refused: u64,
+    /// Of those, memories refused at their tenant's share of the pool
+    /// ([`TwmError::PoolShare`], [`CreatorBuilder::slots_per_tenant`]).
+    pub share_denials: u64,
     /// Memories gone whose storage the backend refused to release: kept, with their charges
     /// (their tenants stay charged), and released again on the creator's next memory, by
     /// [`TensorWasmMemoryCreator::retry_releases`], and when the creator goes.
@@ -199,6 +212,7 @@ pub struct CreatorBuilder<B: Backend> {
 }
 
 #[cfg(feature = "mock")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
 impl CreatorBuilder<tensor_wasm_mem_mock::MockBackend> {
     /// [`recover_automatically`](Self::recover_automatically) on the mock backend, where it is
     /// safe: the simulated machine is the backend's own, so a reset of its primary context
@@ -324,7 +338,9 @@ impl<B: Backend> CreatorBuilder<B> {
     }
 
     /// The most slots of a pool one tenant may hold at once (default: half of each device's
-    /// pool, at least one), so that one tenant cannot take every slot of a pool tenants share.
+    /// pool, at least one; no limit on a creator bound to one tenant,
+    /// [`tenant`](Self::tenant), unless set here), so that one tenant cannot take every slot of
+    /// a pool tenants share. The share counts slots of every size class together.
     /// A memory past it is refused with [`TwmError::PoolShare`]. Ignored without a pool.
     #[must_use]
     pub fn slots_per_tenant(mut self, slots: usize) -> Self {
@@ -361,6 +377,19 @@ impl<B: Backend> CreatorBuilder<B> {
         self
     }
 
+    /// The tenants' shares of the pool, if any: a creator bound to one tenant has no one to
+    /// share its pool with, so it has none unless the embedder sets one.
+    fn shares(&self) -> Option<Arc<PoolShares>> {
+        let shared = self.tenant.is_none() || self.slots_per_tenant.is_some();
+        self.pool.as_ref().filter(|_| shared).map(|config| {
+            let slots = config
+                .classes
+                .iter()
+                .fold(0usize, |sum, c| sum.saturating_add(c.slots));
+            PoolShares::new(self.slots_per_tenant.unwrap_or(slots / 2))
+        })
+    }
+
     /// Builds the creator (allocating the pools' slabs, if any). A device the backend does not
     /// have is [`TwmError::UnknownDevice`].
     ///
@@ -377,17 +406,13 @@ impl<B: Backend> CreatorBuilder<B> {
             None => Backing::detect(&*self.backend, &self.devices),
         };
         backing.check(&*self.backend, &self.devices)?;
-        let shares = self.pool.as_ref().map(|config| {
-            let slots = config
-                .classes
-                .iter()
-                .fold(0usize, |sum, c| sum.saturating_add(c.slots));
-            PoolShares::new(self.slots_per_tenant.unwrap_or(slots / 2))
-        });
+        let shares = self.shares();
         let limits = match &self.pool {
             Some(config) => fit_plan_to_pool(config, self.limits),
             None => self.limits,
         };
+        let largest_slot = self.pool.as_ref().map_or(0, largest_slot);
+        let largest_memory = largest_slot.max(limits.per_memory_limit());
         let mut pools = Vec::new();
         let kept_mappings = KeptMappings::default();
         if let Some(config) = self.pool {
@@ -429,6 +454,9 @@ impl<B: Backend> CreatorBuilder<B> {
                 created: AtomicU64::new(0),
                 dropped: AtomicU64::new(0),
                 refused: AtomicU64::new(0),
+                share_denials: AtomicU64::new(0),
+                largest_memory,
+                refusals: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -534,6 +562,29 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         self.inner.limits
     }
 
+    /// A tenant's default budgets for a cap of `touched_bytes`, sized to this creator's
+    /// memories: [`TenantBudgets::for_cap`] with a held budget of at least one of its largest
+    /// memories (the per-memory limit, or a pool's largest slot) and room for tables, so a tenant
+    /// made with them ([`Tenant::with_budgets`]) can always hold one memory. (`Tenant::new`
+    /// uses `for_cap` alone, which holds one memory of the plan's default size, 256 MiB.)
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tensor_wasm_mem_wasmtime::prelude::*;
+    ///
+    /// let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+    ///     .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(1 << 30, 1)]))
+    ///     .build()?;
+    /// let budgets = creator.budgets_for_cap(8 << 20);
+    /// assert!(budgets.held_bytes >= 1 << 30, "a 1 GiB slot fits the held budget");
+    /// let tenant = Tenant::with_budgets(1, "alice", budgets, IsolationLevel::StreamIsolated);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[must_use]
+    pub fn budgets_for_cap(&self, touched_bytes: u64) -> TenantBudgets {
+        TenantBudgets::for_cap(touched_bytes).with_room_for_memory(self.inner.largest_memory)
+    }
+
     /// The default device's managed slot pool, if memories come from managed pools (the
     /// figures of any pool, guarded ones too, are in [`stats`](Self::stats)).
     #[must_use]
@@ -570,7 +621,8 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         self.inner.kernels.clone()
     }
 
-    /// The most slots of a pool one tenant may hold at once (`None` without a pool; see
+    /// The most slots of a pool one tenant may hold at once (`None` without a pool, or on a
+    /// creator bound to one tenant without a share set; see
     /// [`CreatorBuilder::slots_per_tenant`]).
     #[must_use]
     pub fn slots_per_tenant(&self) -> Option<usize> {
@@ -605,6 +657,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             created,
             dropped,
             refused: self.inner.refused.load(Ordering::Acquire),
+            share_denials: self.inner.share_denials.load(Ordering::Acquire),
             kept_memories,
             kept_bytes,
             kept_released: self.inner.kept.released(),
@@ -831,8 +884,74 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
 
     fn refuse(&self, error: &TwmError) -> String {
         self.inner.refused.fetch_add(1, Ordering::AcqRel);
+        if matches!(error, TwmError::PoolShare { .. }) {
+            self.inner.share_denials.fetch_add(1, Ordering::AcqRel);
+        }
         tracing::debug!(%error, "twm: memory refused");
         error.to_string()
+    }
+
+    fn refusals(&self) -> std::sync::MutexGuard<'_, Vec<(std::thread::ThreadId, TwmError)>> {
+        self.inner
+            .refusals
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keeps `error` as this thread's last refusal, for [`typed_error`](Self::typed_error).
+    fn keep_refusal(&self, error: TwmError) {
+        let me = std::thread::current().id();
+        let mut kept = self.refusals();
+        kept.retain(|(thread, _)| *thread != me);
+        if kept.len() >= KEPT_REFUSALS {
+            kept.remove(0);
+        }
+        kept.push((me, error));
+    }
+
+    /// `error`, what Wasmtime returned for an instantiation or a `Memory::new` on this thread,
+    /// with the typed [`TwmError`] behind it where this creator refused a memory for it.
+    ///
+    /// Wasmtime passes a memory creator's refusal on as text only. With a tenant's Store and
+    /// [`instantiate`](crate::instantiate) the typed error comes back by itself (the Store's
+    /// books keep it); a creator bound to a tenant ([`CreatorBuilder::tenant`]) serves Stores
+    /// with no books, and this is its one step: `creator.typed_error(e)` then
+    /// `downcast_ref::<TwmError>()`. An error that is not that refusal (its text does not
+    /// carry the refusal's) is returned as it came.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tensor_wasm_mem_wasmtime::prelude::*;
+    ///
+    /// let tenant = Tenant::new(1, "alice", 64 << 10, IsolationLevel::StreamIsolated);
+    /// let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+    ///     .tenant(tenant, ChargeMode::Touched)
+    ///     .build()?;
+    /// let engine = creator.engine()?;
+    /// let module = Module::new(&engine, "(module (memory 2))")?; // two pages: past the cap
+    /// let mut store = Store::new(&engine, ());
+    /// let error = Linker::new(&engine)
+    ///     .instantiate(&mut store, &module)
+    ///     .unwrap_err();
+    /// let error = creator.typed_error(error);
+    /// let twm = error.downcast_ref::<TwmError>().expect("typed");
+    /// assert!(matches!(twm, TwmError::Denied { .. }) && twm.is_denial());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[must_use]
+    pub fn typed_error(&self, error: wasmtime::Error) -> wasmtime::Error {
+        if error.downcast_ref::<TwmError>().is_some() {
+            return error;
+        }
+        let me = std::thread::current().id();
+        let mut kept = self.refusals();
+        let Some(i) = kept.iter().position(|(thread, _)| *thread == me) else {
+            return error;
+        };
+        if !format!("{error:#}").contains(&kept[i].1.to_string()) {
+            return error;
+        }
+        wasmtime::Error::new(kept.remove(i).1)
     }
 
     /// Makes a memory: check, plan, find who pays, charge, acquire, register.
@@ -1104,14 +1223,19 @@ impl Payer {
 /// capacity, so where no slot could hold that, the default maximum becomes the largest slot
 /// (said in a log line, and in [`TensorWasmMemoryCreator::limits`]); without this every such
 /// memory (every clang C guest) would be refused.
-fn fit_plan_to_pool(config: &PoolConfig, limits: PlanLimits) -> PlanLimits {
-    let default_capacity = limits.default_maximum().min(limits.per_memory_limit());
-    let largest_slot = config
+/// The largest slot of a pool's classes, in bytes (0 for none).
+fn largest_slot(config: &PoolConfig) -> u64 {
+    config
         .classes
         .iter()
         .map(|c| c.slot_bytes as u64)
         .max()
-        .unwrap_or(0);
+        .unwrap_or(0)
+}
+
+fn fit_plan_to_pool(config: &PoolConfig, limits: PlanLimits) -> PlanLimits {
+    let default_capacity = limits.default_maximum().min(limits.per_memory_limit());
+    let largest_slot = largest_slot(config);
     if largest_slot == 0 || largest_slot >= default_capacity {
         return limits;
     }
@@ -1185,8 +1309,9 @@ unsafe impl<B: Backend> MemoryCreator for TensorWasmMemoryCreator<B> {
                 // Wasmtime reports a creator's refusal as text only: the typed error is kept
                 // for `instantiate` to return.
                 let message = self.refuse(&e);
-                if let Some(books) = &books {
-                    books.record_refusal(e);
+                match &books {
+                    Some(books) => books.record_refusal(e),
+                    None => self.keep_refusal(e),
                 }
                 Err(message)
             }

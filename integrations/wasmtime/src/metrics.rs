@@ -29,12 +29,14 @@
 //! | `twm_tenant_live_memories` | gauge | tenant, tenant_id, device, isolation | memories alive now |
 //! | `twm_tenant_memories_created_total` | counter | tenant, tenant_id, device, isolation | memories ever charged |
 //! | `twm_tenant_denials_total` | counter | tenant, tenant_id, device, isolation, budget | requests refused, by budget (`touched`, `held`, `memories`) |
+//! | `twm_tenant_refused_growths_total` | counter | tenant, tenant_id, device, isolation | memory growths its guests were refused (`memory.grow` answered `-1`): denied, past capacity, or failed |
 //! | `twm_tenant_device_lost_total` | counter | tenant, tenant_id, device, isolation | host calls that found the tenant's device state lost to a kernel fault (each trapped its guest) |
 //! | `twm_tenant_launches_total` | counter | tenant, tenant_id, device, isolation, outcome | kernels its guests launched ([`kernels`](crate::kernels)), by outcome (`ran`, `refused`, `failed`) |
 //! | `twm_creator_live_memories` | gauge | device | memories alive on the device |
 //! | `twm_creator_backing` | gauge | backing | 1, labelled with what the creator's memories are made of (`managed`, `guarded_pageable`, `guarded_registered`) |
 //! | `twm_creator_memories_created_total` | counter | - | memories ever made |
 //! | `twm_creator_memories_refused_total` | counter | - | memories refused (plan, cap, guard, pool, backend) |
+//! | `twm_creator_share_denials_total` | counter | - | of those, memories refused at their tenant's share of the pool |
 //! | `twm_creator_kept_memories` | gauge | - | memories gone whose release the backend refused: kept with their charges and retried |
 //! | `twm_creator_last_recovery_seconds` | gauge | - | how long the last device recovery took (reset and releases) |
 //! | `twm_device_fenced` | gauge | device | 1 while the device is fenced after a kernel fault in its primary context |
@@ -67,8 +69,11 @@
 //! let tenant = Tenant::new(1, "alice", 64 << 20, IsolationLevel::StreamIsolated);
 //! let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
 //! let handle = recorder.handle();
-//! // A local recorder for this snapshot; `metrics::set_global_recorder` for a whole process.
-//! metrics::with_local_recorder(&recorder, || {
+//! // The facade this crate records through, re-exported (no `metrics` dependency of your own
+//! // needed). A local recorder for this snapshot; `facade::set_global_recorder` for a whole
+//! // process.
+//! use tensor_wasm_mem_wasmtime::metrics::facade;
+//! facade::with_local_recorder(&recorder, || {
 //!     tensor_wasm_mem_wasmtime::metrics::describe();
 //!     tensor_wasm_mem_wasmtime::metrics::record_tenant(&tenant);
 //!     tensor_wasm_mem_wasmtime::metrics::record_creator(&creator);
@@ -79,6 +84,11 @@
 //! ```
 
 use metrics::{Unit, counter, describe_counter, describe_gauge, gauge};
+
+/// The `metrics` facade (0.24) these functions record through, re-exported so an embedder
+/// installs its recorder with the same version (`facade::set_global_recorder`,
+/// `facade::with_local_recorder`) without a dependency of its own.
+pub use ::metrics as facade;
 
 use crate::{Backend, Placement, Tenant, TensorWasmMemoryCreator};
 
@@ -170,7 +180,15 @@ const COUNT_GAUGES: [(&str, &str); 10] = [
 ];
 
 /// Counters, with their help text.
-const COUNTERS: [(&str, &str); 11] = [
+const COUNTERS: [(&str, &str); 13] = [
+    (
+        "twm_tenant_refused_growths_total",
+        "Memory growths the tenant's guests were refused (memory.grow answered -1).",
+    ),
+    (
+        "twm_creator_share_denials_total",
+        "Memories the creator refused at their tenant's share of the pool.",
+    ),
     (
         "twm_tenant_device_lost_total",
         "Host calls that found the tenant's device state lost to a kernel fault (each trapped).",
@@ -257,6 +275,7 @@ pub fn record_tenant(tenant: &Tenant) {
     gauge!("twm_tenant_live_memories", &labels).set(s.live_memories as f64);
     counter!("twm_tenant_memories_created_total", &labels).absolute(s.memories_created);
     counter!("twm_tenant_device_lost_total", &labels).absolute(s.device_lost);
+    counter!("twm_tenant_refused_growths_total", &labels).absolute(s.refused_growths);
     for (outcome, n) in [
         ("ran", s.launches),
         ("refused", s.refused_launches),
@@ -284,6 +303,7 @@ pub fn record_creator<B: Backend>(creator: &TensorWasmMemoryCreator<B>) {
     gauge!("twm_creator_backing", "backing" => s.backing.name()).set(1.0);
     counter!("twm_creator_memories_created_total").absolute(s.created);
     counter!("twm_creator_memories_refused_total").absolute(s.refused);
+    counter!("twm_creator_share_denials_total").absolute(s.share_denials);
     gauge!("twm_creator_kept_memories").set(s.kept_memories as f64);
     gauge!("twm_creator_last_recovery_seconds").set(s.last_recovery_us as f64 / 1e6);
     for d in &s.devices {

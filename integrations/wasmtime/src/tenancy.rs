@@ -90,6 +90,7 @@ pub struct Tenant {
     context: Arc<TenantLedger>,
     name: String,
     memories_created: AtomicU64,
+    refused_growths: AtomicU64,
     devices: Vec<DeviceId>,
     kernels: Arc<crate::kernels::KernelCounters>,
 }
@@ -129,6 +130,11 @@ pub struct TenantStats {
     pub held_denials: u64,
     /// Of `denials`, those by the memories budget.
     pub memory_denials: u64,
+    /// Memory growths its guests were refused (`memory.grow` answered `-1`): a budget's
+    /// denial (also in `denials`), a growth past the memory's capacity, or one the backend
+    /// failed after the budgets granted it. Each also reaches a limiter's
+    /// [`on_refused_growth`](TenantLimiter::on_refused_growth) hook.
+    pub refused_growths: u64,
     /// Of `touched_bytes`, the bytes in the tenant's device memory pools.
     pub device_pool_bytes: u64,
     /// Of `touched_bytes` and `held_bytes`, the bytes in table elements.
@@ -216,6 +222,7 @@ impl Tenant {
             context: Arc::new(context),
             name,
             memories_created: AtomicU64::new(0),
+            refused_growths: AtomicU64::new(0),
             devices,
             kernels: Arc::default(),
         }
@@ -274,20 +281,18 @@ impl Tenant {
             id: self.context.id(),
             name: self.name.clone(),
             isolation: self.context.isolation(),
-            touched_limit: ledger.cap,
-            touched_bytes: ledger.live_bytes,
-            touched_peak_bytes: ledger.peak_bytes,
+            touched_limit: ledger.touched_limit,
+            touched_bytes: ledger.touched_bytes,
+            touched_peak_bytes: ledger.touched_peak_bytes,
             held_limit: ledger.held_limit,
             held_bytes: ledger.held_bytes,
             held_peak_bytes: ledger.held_peak_bytes,
-            memories_limit: ledger.memory_limit,
+            memories_limit: ledger.memories_limit,
             live_memories: ledger.live_memories,
             memories_created: self.memories_created.load(Ordering::Acquire),
             denials: ledger.denials,
-            touched_denials: ledger
-                .denials
-                .saturating_sub(ledger.held_denials)
-                .saturating_sub(ledger.memory_denials),
+            touched_denials: ledger.touched_denials,
+            refused_growths: self.refused_growths.load(Ordering::Acquire),
             held_denials: ledger.held_denials,
             memory_denials: ledger.memory_denials,
             device_pool_bytes: ledger.device_pool_bytes,
@@ -386,8 +391,11 @@ pub struct RefusedGrowth {
     /// The size the guest asked for.
     pub desired: usize,
     /// The budget that refused it; `None` for a growth past the memory's capacity (its declared
-    /// maximum, or the plan's).
+    /// maximum, or the plan's), or one that failed after a grant.
     pub denial: Option<Denied>,
+    /// The budgets granted it and the memory failed it after (the backend could not grow it;
+    /// its grant went back): a failure rather than a denial.
+    pub failed: bool,
 }
 
 /// The host's hook on refused growths.
@@ -404,6 +412,8 @@ pub struct TenantLimiter {
     creating: Creating,
     made: StoreCounts,
     growths: u64,
+    /// The last growth granted (current and desired bytes), for a failure reported after it.
+    last_granted: Option<(usize, usize)>,
     denied_growths: u64,
     denied_table_growths: u64,
     failed_growths: u64,
@@ -461,6 +471,7 @@ impl TenantLimiter {
             creating: Creating::default(),
             made: StoreCounts::default(),
             growths: 0,
+            last_granted: None,
             denied_growths: 0,
             denied_table_growths: 0,
             failed_growths: 0,
@@ -487,12 +498,21 @@ impl TenantLimiter {
 
     fn growth_refused(&mut self, current: usize, desired: usize, denial: Option<Denied>) {
         self.denied_growths += 1;
+        self.report_refused(RefusedGrowth {
+            current,
+            desired,
+            denial,
+            failed: false,
+        });
+    }
+
+    fn report_refused(&self, refused: RefusedGrowth) {
+        self.books
+            .tenant()
+            .refused_growths
+            .fetch_add(1, Ordering::AcqRel);
         if let Some(hook) = &self.on_refused_growth {
-            hook(&RefusedGrowth {
-                current,
-                desired,
-                denial,
-            });
+            hook(&refused);
         }
     }
 
@@ -648,6 +668,7 @@ impl ResourceLimiter for TenantLimiter {
     ) -> wasmtime::Result<bool> {
         // A new call: a grant nobody redeemed paid for a memory we did not make.
         self.books.settle();
+        self.last_granted = None;
         let creating = Self::is_creation(&mut self.creating.new_memories, current);
         let _span = tracing::debug_span!(
             "twm.tenant.memory",
@@ -678,6 +699,7 @@ impl ResourceLimiter for TenantLimiter {
             self.made.memories += 1;
         } else {
             self.growths += 1;
+            self.last_granted = Some((current, desired));
         }
         Ok(true)
     }
@@ -689,6 +711,17 @@ impl ResourceLimiter for TenantLimiter {
     fn memory_grow_failed(&mut self, _error: wasmtime::Error) -> wasmtime::Result<()> {
         self.failed_growths += 1;
         self.books.settle();
+        // A growth the budgets granted and the memory failed: the guest sees -1, and so does
+        // the host. (A failure with no growth granted before it is counted, not reported: there
+        // is no growth to name.)
+        if let Some((current, desired)) = self.last_granted.take() {
+            self.report_refused(RefusedGrowth {
+                current,
+                desired,
+                denial: None,
+                failed: true,
+            });
+        }
         Ok(())
     }
 

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use tensor_wasm_mem_mock::Call;
+use tensor_wasm_mem_wasmtime::Budget;
 use tensor_wasm_mem_wasmtime::core::{ErrorKind, PoolError};
 use tensor_wasm_mem_wasmtime::prelude::*;
 
@@ -122,6 +123,14 @@ fn a_driver_failure_at_allocation_is_a_typed_failure_naming_its_code() {
     assert!(!twm.is_denial(), "the driver broke: a failure");
     let text = format!("{twm}");
     assert!(text.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{text}");
+    // The code and what to do, in one step each.
+    assert_eq!(
+        twm.driver_code(),
+        Some(tensor_wasm_mem_mock::code::OUT_OF_MEMORY)
+    );
+    let hint = twm.hint().expect("the layer knows this code");
+    assert!(hint.contains("out of memory"), "{hint}");
+    assert!(text.contains(hint), "the Display says it too: {text}");
     assert_eq!(tenant.stats().touched_bytes, 0, "nothing charged");
 }
 
@@ -205,6 +214,11 @@ fn a_capped_tenant_cannot_take_every_slot_of_a_shared_pool_by_default() {
         }
     }
     assert_eq!(greedy_stores.len(), 2, "{refusal:?}");
+    assert_eq!(
+        creator.stats().share_denials,
+        1,
+        "the share's denial is counted"
+    );
     let mut theirs = store(&creator, &engine, &other);
     instantiate(&mut theirs, &linker, &module).expect("the other tenant is served");
     // Shares go back with the memories.
@@ -311,39 +325,143 @@ fn typed_host_views_of_several_ranges_in_one_scope() {
     assert_eq!(e.kind(), ErrorKind::InvalidArgument);
 }
 
+/// A guest that grows its `(memory 1 3)` on request, for a tenant capped at `cap` bytes, with
+/// every refused growth the limiter's hook sees logged.
+struct Growing {
+    store: Store<TenantStore<MockBackend, ()>>,
+    grow: wasmtime::TypedFunc<i32, i32>,
+    seen: Arc<std::sync::Mutex<Vec<tensor_wasm_mem_wasmtime::RefusedGrowth>>>,
+}
+
+impl Growing {
+    fn new(backend: Arc<MockBackend>, tenant: &Arc<Tenant>) -> Self {
+        use tensor_wasm_mem_wasmtime::TenantLimiter;
+        let creator = TensorWasmMemoryCreator::builder(backend).build().unwrap();
+        let engine = creator.engine().unwrap();
+        let seen: Arc<std::sync::Mutex<Vec<_>>> = Arc::default();
+        let log = Arc::clone(&seen);
+        let limiter = TenantLimiter::new(Arc::clone(tenant), ChargeMode::Touched, creator.limits())
+            .on_refused_growth(move |r| log.lock().unwrap().push(*r));
+        let mut store = new_store(&engine, TenantStore::with_limiter(&creator, limiter, ()));
+        let module = Module::new(
+            &engine,
+            r#"(module (memory (export "memory") 1 3)
+                 (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
+        )
+        .unwrap();
+        let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+        let grow = instance.get_typed_func(&mut store, "grow").unwrap();
+        Self { store, grow, seen }
+    }
+
+    fn grow(&mut self, pages: i32) -> i32 {
+        self.grow.call(&mut self.store, pages).unwrap()
+    }
+
+    fn seen(&self) -> Vec<tensor_wasm_mem_wasmtime::RefusedGrowth> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
 /// The host sees a guest's refused growth as it happens, not only in the figures after.
 #[test]
 fn a_refused_growth_reaches_the_hosts_hook() {
-    use std::sync::Mutex;
-    use tensor_wasm_mem_wasmtime::{Budget, RefusedGrowth, TenantLimiter};
-    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
-        .build()
-        .unwrap();
-    let engine = creator.engine().unwrap();
     let tenant = Tenant::new(1, "t", 2 * PAGE as u64, IsolationLevel::StreamIsolated);
-    let seen: Arc<Mutex<Vec<RefusedGrowth>>> = Arc::default();
-    let log = Arc::clone(&seen);
-    let limiter = TenantLimiter::new(Arc::clone(&tenant), ChargeMode::Touched, creator.limits())
-        .on_refused_growth(move |r| log.lock().unwrap().push(*r));
-    let mut store = new_store(&engine, TenantStore::with_limiter(&creator, limiter, ()));
-    let module = Module::new(
-        &engine,
-        r#"(module (memory (export "memory") 1 3)
-             (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
-    )
-    .unwrap();
-    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
-    let grow = instance
-        .get_typed_func::<i32, i32>(&mut store, "grow")
-        .unwrap();
-    assert_eq!(grow.call(&mut store, 2).unwrap(), -1, "past the cap");
-    assert_eq!(grow.call(&mut store, 5).unwrap(), -1, "past the maximum");
-    assert_eq!(grow.call(&mut store, 1).unwrap(), 1, "within both");
-    let seen = seen.lock().unwrap();
+    let mut guest = Growing::new(Arc::new(MockBackend::default()), &tenant);
+    assert_eq!(guest.grow(2), -1, "past the cap");
+    assert_eq!(guest.grow(5), -1, "past the maximum");
+    assert_eq!(guest.grow(1), 1, "within both");
+    let seen = guest.seen();
     assert_eq!(seen.len(), 2);
     assert_eq!((seen[0].current, seen[0].desired), (PAGE, 3 * PAGE));
     assert_eq!(seen[0].denial.map(|d| d.budget), Some(Budget::Touched));
+    assert!(!seen[0].failed);
     assert_eq!(seen[1].denial, None, "a growth past the capacity");
+    assert!(!seen[1].failed);
+    assert_eq!(tenant.stats().refused_growths, 2, "counted for the tenant");
+    assert_eq!(tenant.stats().touched_denials, 1, "one was a budget's");
+}
+
+/// A growth the budgets granted and the backend then failed (its zeroing refused) is -1 in the
+/// guest, a failure for the hook, counted for the tenant, and charges nothing.
+#[test]
+fn a_growth_the_backend_fails_reaches_the_hook_as_a_failure() {
+    // Fresh allocations that are not zero: a growth zeroes what it makes visible.
+    let backend = Arc::new(tensor_wasm_mem_mock::with_config(
+        tensor_wasm_mem_mock::MockConfig {
+            poison_fresh_allocations: true,
+            ..tensor_wasm_mem_mock::MockConfig::default()
+        },
+    ));
+    let tenant = Tenant::new(1, "t", 4 * PAGE as u64, IsolationLevel::StreamIsolated);
+    let mut guest = Growing::new(Arc::clone(&backend), &tenant);
+    backend.driver().fail_call(Call::Memset, 1, 999);
+    assert_eq!(guest.grow(1), -1, "the backend failed it");
+    let seen = guest.seen();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert!(seen[0].failed && seen[0].denial.is_none(), "{:?}", seen[0]);
+    assert_eq!((seen[0].current, seen[0].desired), (PAGE, 2 * PAGE));
+    let stats = tenant.stats();
+    assert_eq!(stats.refused_growths, 1);
+    assert_eq!(
+        stats.touched_bytes, PAGE as u64,
+        "the failed growth's grant went back"
+    );
+    assert_eq!(guest.grow(1), 1, "the next one is served");
+    assert_eq!(guest.seen().len(), 1);
+}
+
+/// A creator bound to one tenant serves Stores without books: its refusals reach the embedder
+/// typed through `typed_error`, and its tenant, the pool's only one, may hold every slot.
+#[test]
+fn a_bound_creators_refusals_are_typed_and_its_tenant_may_use_every_slot() {
+    let tenant = Tenant::new(1, "solo", 1 << 20, IsolationLevel::StreamIsolated);
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 2)]))
+        .tenant(Arc::clone(&tenant), ChargeMode::Touched)
+        .build()
+        .unwrap();
+    assert_eq!(
+        creator.slots_per_tenant(),
+        None,
+        "no share: no one to share with"
+    );
+    let engine = creator.engine().unwrap();
+    let linker: Linker<()> = Linker::new(&engine);
+    let module = Module::new(&engine, "(module (memory 1 1))").unwrap();
+    let mut stores: Vec<Store<()>> = Vec::new();
+    for _ in 0..2 {
+        let mut s = Store::new(&engine, ());
+        linker.instantiate(&mut s, &module).expect("a slot each");
+        stores.push(s);
+    }
+    let mut third = Store::new(&engine, ());
+    let error = linker.instantiate(&mut third, &module).unwrap_err();
+    assert!(
+        error.downcast_ref::<TwmError>().is_none(),
+        "Wasmtime passes text on"
+    );
+    let error = creator.typed_error(error);
+    let twm = typed(&error);
+    assert!(matches!(twm, TwmError::PoolExhausted { .. }), "{twm:?}");
+    assert!(twm.is_denial());
+    assert_eq!(creator.stats().share_denials, 0);
+    // Taken once: an error that is not that refusal comes back as it was.
+    let other = creator.typed_error(wasmtime::Error::msg("something else"));
+    assert!(other.downcast_ref::<TwmError>().is_none());
+    assert_eq!(other.to_string(), "something else");
+    // A budget's denial on a bound creator: typed the same way.
+    drop(stores);
+    let big = Module::new(&engine, "(module (memory 17 17))").unwrap();
+    let error = linker.instantiate(&mut third, &big).unwrap_err();
+    let error = creator.typed_error(error);
+    assert!(
+        matches!(
+            typed(&error),
+            TwmError::Plan(_) | TwmError::Denied { .. } | TwmError::Pool(_)
+        ),
+        "{error:?}"
+    );
 }
 
 #[test]
@@ -368,4 +486,32 @@ fn the_c_guest_preset_gives_every_memory_a_slot() {
         TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default())).c_guests_on_pool(4, 0),
         Err(TwmError::Plan(_))
     ));
+}
+
+/// A pool whose slots are larger than a default held budget: the denial says what to do, and
+/// the creator's own budgets for the same cap fit a slot.
+#[test]
+fn a_held_budget_smaller_than_a_slot_says_what_to_do() {
+    const SLOT: usize = 512 << 20; // past the default held budget of an 8 MiB cap (288 MiB)
+    let creator = pooled(SLOT, 1);
+    let engine = creator.engine().unwrap();
+    let linker = Linker::new(&engine);
+    let module = Module::new(&engine, "(module (memory 1))").unwrap();
+    let default = Tenant::new(1, "default", 8 << 20, IsolationLevel::StreamIsolated);
+    let mut first = store(&creator, &engine, &default);
+    let error = instantiate(&mut first, &linker, &module).unwrap_err();
+    let twm = typed(&error);
+    assert!(
+        matches!(twm, TwmError::Denied { denied, .. } if denied.budget == Budget::Held),
+        "{twm:?}"
+    );
+    let hint = twm.hint().expect("a hint");
+    assert!(hint.contains("budgets_for_cap"), "{hint}");
+    drop(first);
+    let budgets = creator.budgets_for_cap(8 << 20);
+    assert_eq!(budgets.touched_bytes, 8 << 20, "the cap is the cap");
+    let sized = Tenant::with_budgets(2, "sized", budgets, IsolationLevel::StreamIsolated);
+    let mut second = store(&creator, &engine, &sized);
+    instantiate(&mut second, &linker, &module).expect("one slot fits its held budget");
+    assert_eq!(sized.stats().held_bytes, SLOT as u64);
 }
