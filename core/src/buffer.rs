@@ -22,7 +22,8 @@ pub struct DeviceSlice {
     pub len: usize,
 }
 
-enum Backing<A: ManagedAllocator> {
+/// Where a buffer's bytes come from: an allocation of its own, or a pool's slot.
+enum Source<A: ManagedAllocator> {
     Owned {
         allocator: A,
         allocation: Option<Allocation>,
@@ -48,7 +49,7 @@ enum Backing<A: ManagedAllocator> {
 /// assert!(buf.grow_to((1 << 20) + 1).is_err()); // nor passes the capacity
 /// ```
 pub struct UnifiedBuffer<A: ManagedAllocator> {
-    backing: Backing<A>,
+    source: Source<A>,
     len: usize,
     capacity: usize,
     /// Bytes from the base known to be zero or written through the window.
@@ -84,7 +85,7 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
             0
         };
         let mut buffer = Self {
-            backing: Backing::Owned {
+            source: Source::Owned {
                 allocator,
                 allocation: Some(allocation),
             },
@@ -100,7 +101,7 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
     pub(crate) fn from_slot(slot: PoolSlot<A>, capacity: usize, len: usize) -> Self {
         // A slot comes out of the pool scrubbed: all of it is zero.
         Self {
-            backing: Backing::Slot(slot),
+            source: Source::Slot(slot),
             len,
             capacity,
             zeroed: capacity,
@@ -108,8 +109,8 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
     }
 
     fn parts(&self) -> (&A, &Allocation, usize) {
-        match &self.backing {
-            Backing::Owned {
+        match &self.source {
+            Source::Owned {
                 allocator,
                 allocation,
             } => (
@@ -118,7 +119,7 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
                 allocation.as_ref().unwrap_or_else(|| unreachable!()),
                 0,
             ),
-            Backing::Slot(slot) => (slot.pool().allocator(), slot.pool().slab(), slot.offset()),
+            Source::Slot(slot) => (slot.pool().allocator(), slot.pool().slab(), slot.offset()),
         }
     }
 
@@ -139,14 +140,14 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
 
     /// `true` when the memory is a pool slot.
     pub fn is_pooled(&self) -> bool {
-        matches!(self.backing, Backing::Slot(_))
+        matches!(self.source, Source::Slot(_))
     }
 
     /// For a pool slot, the slot's size (at least `capacity()`).
     pub fn slot_bytes(&self) -> Option<usize> {
-        match &self.backing {
-            Backing::Slot(slot) => Some(slot.slot_bytes()),
-            Backing::Owned { .. } => None,
+        match &self.source {
+            Source::Slot(slot) => Some(slot.slot_bytes()),
+            Source::Owned { .. } => None,
         }
     }
 
@@ -202,7 +203,7 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
                 .map_err(|e| Error::backend(Operation::Zero, e))?;
             self.zeroed = new_len;
         }
-        if let Backing::Slot(slot) = &mut self.backing {
+        if let Source::Slot(slot) = &mut self.source {
             slot.touch(new_len);
         }
         self.len = new_len;
@@ -295,7 +296,7 @@ impl<A: ManagedAllocator + Advisor> UnifiedBuffer<A> {
     /// fresh allocation's advice goes with it when it is freed). A prefetch leaves only
     /// residency, which a scrub never moves (see [`device_slice`](Self::device_slice)).
     fn hinted(&self) {
-        if let Backing::Slot(slot) = &self.backing {
+        if let Source::Slot(slot) = &self.source {
             slot.hinted(|allocator, allocation, offset, len| {
                 allocator.reset_hints(allocation, offset, len)
             });
@@ -306,7 +307,7 @@ impl<A: ManagedAllocator + Advisor> UnifiedBuffer<A> {
 impl<A: ManagedAllocator> UnifiedBuffer<A> {
     /// Device work may touch a pool slot: its scrub runs on the device, where its pages may be.
     fn device_touched(&self) {
-        if let Backing::Slot(slot) = &self.backing {
+        if let Source::Slot(slot) = &self.source {
             slot.device_touched();
         }
     }
@@ -317,10 +318,10 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
     /// again later, since the backend still holds the memory. Like dropping the buffer, this
     /// ends every use of the memory: its owner orders device work that uses it before.
     pub fn release(mut self) -> Result<(), Refused<Self, A::Error>> {
-        let Backing::Owned {
+        let Source::Owned {
             allocator,
             allocation,
-        } = &mut self.backing
+        } = &mut self.source
         else {
             return Ok(());
         };
@@ -348,13 +349,13 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
     /// stays with the backend (a driver backend frees it when it drops), and a pool slot is
     /// withdrawn from its pool for good, never handed out again.
     pub fn abandon(mut self) {
-        match &mut self.backing {
-            Backing::Owned { allocation, .. } => {
+        match &mut self.source {
+            Source::Owned { allocation, .. } => {
                 // The handle owns nothing by itself: taken out of the buffer, nothing frees it
                 // and the backend keeps the memory.
                 let _abandoned: Option<Allocation> = allocation.take();
             }
-            Backing::Slot(slot) => slot.withdraw(),
+            Source::Slot(slot) => slot.withdraw(),
         }
     }
 }
@@ -365,10 +366,10 @@ impl<A: ManagedAllocator> Drop for UnifiedBuffer<A> {
     /// its record and retries when it drops): owners that pay for the memory release it with
     /// [`release`](UnifiedBuffer::release) instead, which hands a refused buffer back.
     fn drop(&mut self) {
-        if let Backing::Owned {
+        if let Source::Owned {
             allocator,
             allocation,
-        } = &mut self.backing
+        } = &mut self.source
             && let Some(allocation) = allocation.take()
         {
             // SAFETY: the allocation came from `allocator` and this buffer owned it; nothing

@@ -6,9 +6,8 @@ use core::fmt;
 use hashbrown::HashMap;
 
 use crate::device::DeviceId;
-use crate::driver::{DriverContext, DriverPool, DriverStream};
+use crate::driver::DriverPool;
 use crate::error::{Error, ErrorType, Operation};
-use crate::isolation::IsolationLevel;
 use crate::ledger::{Purpose, Reservation, TenantId, TenantKey, TenantLedger};
 use crate::stream::Stream;
 
@@ -162,24 +161,15 @@ pub trait DevicePools: ErrorType {
     fn destroy_pool(&self, pool: PoolHandle) -> Result<(), Self::Error>;
 
     /// Frees an allocation of `pool` at teardown, when the caller has no stream of its own to
-    /// order it on: a backend that remembers the stream the allocation was made on orders the
-    /// free after the work there (while that stream lives). The default frees on the shared
-    /// default stream, right for backends whose work completes before each call returns.
+    /// order it on: the backend orders the free after the work queued on the stream the
+    /// allocation was made on (while that stream lives), or on a stream of its own in the
+    /// pool's context. No default: only the backend knows its contexts and streams, and a
+    /// handle made up here would name a stream no one owns.
     fn pool_free_at_teardown(
         &self,
         pool: &PoolHandle,
         allocation: PoolAllocation,
-    ) -> Result<(), Self::Error> {
-        // The device's default stream; a backend that knows its contexts names the right one.
-        let shared = Stream::new(
-            DriverStream::DEFAULT,
-            DriverContext::from_raw(0),
-            IsolationLevel::Shared,
-            pool.tenant_key(),
-        )
-        .on_device(pool.device());
-        self.pool_free(pool, allocation, &shared)
-    }
+    ) -> Result<(), Self::Error>;
 }
 
 macro_rules! forward_pools {
@@ -399,6 +389,7 @@ impl<P: DevicePools> Drop for TenantDevicePool<P> {
 mod tests {
     use super::*;
     use crate::error::{BackendError, ErrorKind, ErrorType};
+    use crate::isolation::IsolationLevel;
     use alloc::string::ToString;
 
     /// A driver-less pool: hands out increasing addresses, fails when told to.
@@ -451,6 +442,14 @@ mod tests {
             Ok(PoolAllocation::new(*next, bytes))
         }
         fn pool_free(&self, _: &PoolHandle, _: PoolAllocation, _: &Stream) -> Result<(), Failed> {
+            if *self.fail.lock() {
+                return Err(Failed);
+            }
+            *self.live.lock() -= 1;
+            Ok(())
+        }
+        // Work here completes before each call returns: nothing to order the free after.
+        fn pool_free_at_teardown(&self, _: &PoolHandle, _: PoolAllocation) -> Result<(), Failed> {
             if *self.fail.lock() {
                 return Err(Failed);
             }
@@ -512,7 +511,7 @@ mod tests {
         assert_eq!(err.kind(), ErrorKind::OutOfMemory);
         assert!(err.to_string().contains("pool_allocate"), "{err}");
         assert_eq!(
-            tenant.stats().live_bytes,
+            tenant.stats().touched_bytes,
             60,
             "a failed allocation leaves no charge"
         );
@@ -520,9 +519,9 @@ mod tests {
         let _b = pool.allocate(40, &stream).unwrap();
         assert_eq!(tenant.stats().device_pool_bytes, 100);
         pool.free(a, &stream).unwrap();
-        assert_eq!(tenant.stats().live_bytes, 40);
+        assert_eq!(tenant.stats().touched_bytes, 40);
         drop(pool);
-        assert_eq!(tenant.stats().live_bytes, 0);
+        assert_eq!(tenant.stats().touched_bytes, 0);
         assert_eq!(*backend.live.lock(), 0, "drop freed the live allocation");
     }
 
@@ -541,7 +540,7 @@ mod tests {
         *backend.fail.lock() = true;
         drop(pool);
         assert_eq!(
-            tenant.stats().live_bytes,
+            tenant.stats().touched_bytes,
             60,
             "the driver still holds the block: still charged"
         );

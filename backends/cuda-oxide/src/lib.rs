@@ -186,6 +186,10 @@ impl DevicePools for CudaOxideBackend {
         Err(no_pools(Operation::PoolFree))
     }
 
+    fn pool_free_at_teardown(&self, _: &PoolHandle, _: PoolAllocation) -> Result<(), OxideError> {
+        Err(no_pools(Operation::PoolFree))
+    }
+
     fn trim_pool(&self, _: &PoolHandle, _: u64) -> Result<(), OxideError> {
         Err(no_pools(Operation::TrimPool))
     }

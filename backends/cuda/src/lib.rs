@@ -2,6 +2,7 @@
 #![deny(missing_docs)]
 
 mod api;
+mod backend_error;
 mod calls;
 pub mod code;
 mod error;
@@ -20,6 +21,7 @@ pub use api::{
     Api, Entries, Handle, HintEntries, LoadError, MemLocation, MemPoolProps, PoolEntries, attr,
     location,
 };
+pub use backend_error::CudaBackendError;
 pub use error::CudaError;
 
 /// Facts about one device, read at start-up.

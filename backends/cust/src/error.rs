@@ -1,48 +1,8 @@
-//! The cust backend's error.
+//! The cust backend's error: the one error of the backends over the CUDA driver.
 
-use tensor_wasm_mem_core::{BackendError, DeviceId, ErrorKind, Refusal};
-use tensor_wasm_mem_cuda::CudaError;
-
-use tensor_wasm_mem_cuda::StartError;
-
-/// Everything the cust backend can fail or refuse with.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum CustError {
-    /// The driver sees no device.
-    #[error("the CUDA driver reports no device")]
-    NoDevice,
-    /// A device cannot allocate managed memory.
-    #[error("{device} does not support managed memory (CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY = 0)")]
-    NoManagedMemory {
-        /// The device.
-        device: DeviceId,
-    },
-    /// A driver call failed.
-    #[error(transparent)]
-    Driver(#[from] CudaError),
-    /// Refused before the driver was asked (a bad range, device or handle).
-    #[error(transparent)]
-    Refused(#[from] Refusal),
-}
-
-impl From<StartError> for CustError {
-    fn from(e: StartError) -> Self {
-        match e {
-            StartError::NoDevice => Self::NoDevice,
-            StartError::NoManagedMemory(device) => Self::NoManagedMemory { device },
-            StartError::Call(e) => Self::Driver(e),
-        }
-    }
-}
-
-impl BackendError for CustError {
-    fn kind(&self) -> ErrorKind {
-        match self {
-            Self::NoDevice => ErrorKind::NoDevice,
-            Self::NoManagedMemory { .. } => ErrorKind::Unsupported,
-            Self::Driver(e) => e.kind(),
-            Self::Refused(r) => r.kind(),
-        }
-    }
-}
+/// Everything the cust backend can fail or refuse with: [`CudaBackendError`], shared with the
+/// cudarc backend (cudarc and cust are two ways to reach one CUDA driver). A linked driver never
+/// reports `DriverNotFound` or `MissingSymbol`.
+///
+/// [`CudaBackendError`]: tensor_wasm_mem_cuda::CudaBackendError
+pub type CustError = tensor_wasm_mem_cuda::CudaBackendError;

@@ -49,7 +49,6 @@ use crate::error::TwmError;
 use crate::guest::HasGuestContext;
 use crate::lifecycle::ScopedMemory;
 use crate::memory::{GuestSlice, MemoryView, TensorWasmMemoryCreator, guest_range};
-use crate::tenancy::StreamId;
 
 /// How a kernel uses a range.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -180,7 +179,9 @@ type Invariant<'a> = fn(&'a ()) -> &'a ();
 pub struct DeviceAccess<'s, T: 'static, B: Backend> {
     _store: PhantomData<(&'s mut Store<T>, Invariant<'s>)>,
     memory: ScopedMemory<B>,
-    stream: Stream,
+    /// The Store's guest stream, borrowed from its guest context for the scope's life (the
+    /// scope holds the Store's borrow): the stream itself, never a copy of its handle.
+    stream: &'s Stream,
     device: DeviceId,
     entries: Vec<Entry>,
     /// Ranges this scope advised read-mostly (unset on close).
@@ -225,6 +226,9 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
     ) -> Result<Self, TwmError> {
         let view = MemoryView::of(&*store, memory)?;
         let (scoped, size) = creator.scoped(view)?;
+        // The Store's borrow moves into the guest context's: the scope keeps the stream it
+        // lends for as long as it holds the Store.
+        let store: &'s mut Store<T> = store;
         let guest = store.data_mut().guest_context();
         if let (Some(theirs), Some(ours)) = (scoped.books(), guest.books())
             && !std::sync::Arc::ptr_eq(&theirs, ours)
@@ -241,8 +245,7 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
                 slice,
             });
         }
-        let lease = guest.stream().map_err(TwmError::backend)?;
-        let stream = StreamId::of(lease.stream()).handle();
+        let stream = guest.stream().map_err(TwmError::backend)?.stream();
         let device = scoped.device();
         if stream.device() != device {
             // A memory made where its Store named no tenant (the creator's default device)
@@ -292,7 +295,7 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
             }
             if options.prefetch && migrates {
                 let to = Location::Device(self.device);
-                self.memory.prefetch(&range, to, &self.stream)?;
+                self.memory.prefetch(&range, to, self.stream)?;
             }
         }
         Ok(())
@@ -420,7 +423,7 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
         };
         self.memory
             .backend()?
-            .synchronize(&self.stream)
+            .synchronize(self.stream)
             .map_err(TwmError::backend)?;
         // SAFETY: the backing is host-accessible and `range` was checked to lie inside the
         // memory's visible size when the scope opened; the memory cannot shrink or go while the
@@ -458,7 +461,7 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
         }
         self.memory
             .backend()?
-            .synchronize(&self.stream)
+            .synchronize(self.stream)
             .map_err(TwmError::backend)?;
         bases
             .into_iter()
@@ -483,7 +486,7 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
     /// The tenant's stream: launch the kernels that use the ranges on it.
     #[must_use]
     pub fn stream(&self) -> &Stream {
-        &self.stream
+        self.stream
     }
 
     /// The device the memory and the stream are on.
@@ -506,7 +509,7 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
         }
         self.open = false;
         let backend = self.memory.backend()?;
-        let waited = backend.synchronize(&self.stream).map_err(TwmError::backend);
+        let waited = backend.synchronize(self.stream).map_err(TwmError::backend);
         let mut result = waited;
         for range in std::mem::take(&mut self.advised) {
             let unset = self.memory.advise(&range, Advice::UnsetReadMostly);
@@ -518,11 +521,11 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
                 .iter()
                 .filter(|e| e.access.writes() && !e.range.is_empty())
             {
-                let back = self.memory.prefetch(&e.range, Location::Host, &self.stream);
+                let back = self.memory.prefetch(&e.range, Location::Host, self.stream);
                 result = result.and(back);
             }
             // Whatever was queued is waited for, even after a failed prefetch.
-            let waited = backend.synchronize(&self.stream).map_err(TwmError::backend);
+            let waited = backend.synchronize(self.stream).map_err(TwmError::backend);
             result = result.and(waited);
         }
         result
