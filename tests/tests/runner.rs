@@ -89,3 +89,28 @@ fn on_the_mock_no_case_is_ignored() {
         .collect();
     assert!(ignored.is_empty(), "ignored on the mock: {ignored:?}");
 }
+
+/// The case list is derived from the sources (`build.rs`): every `pub fn name<H: Harness>()`
+/// of the suite's modules is a case, under its own name, once.
+#[test]
+fn the_case_list_is_every_case_in_the_sources() {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut in_sources = Vec::new();
+    for module in ["recovery", "suite", "books", "races"] {
+        let source = std::fs::read_to_string(src.join(format!("{module}.rs"))).unwrap();
+        in_sources.extend(source.lines().filter_map(|line| {
+            let name = line.strip_prefix("pub fn ")?.strip_suffix("<H: Harness>() {")?;
+            Some(name.to_string())
+        }));
+    }
+    let mut listed: Vec<String> = full::cases()
+        .into_iter()
+        .map(|(name, _)| name.to_string())
+        .collect();
+    assert!(listed.len() > 60, "{} cases", listed.len());
+    in_sources.sort();
+    listed.sort();
+    assert_eq!(listed, in_sources);
+    listed.dedup();
+    assert_eq!(listed.len(), in_sources.len(), "each case once");
+}
