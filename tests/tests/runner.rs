@@ -99,7 +99,9 @@ fn the_case_list_is_every_case_in_the_sources() {
     for module in ["recovery", "suite", "books", "races"] {
         let source = std::fs::read_to_string(src.join(format!("{module}.rs"))).unwrap();
         in_sources.extend(source.lines().filter_map(|line| {
-            let name = line.strip_prefix("pub fn ")?.strip_suffix("<H: Harness>() {")?;
+            let name = line
+                .strip_prefix("pub fn ")?
+                .strip_suffix("<H: Harness>() {")?;
             Some(name.to_string())
         }));
     }

@@ -236,6 +236,16 @@ pub trait KernelLauncher<B: Backend>: Send + Sync + 'static {
     /// Queues the kernel. An error is reported to the guest as [`TWM_ERR_KERNEL_FAULT`] and to
     /// the tenant's figures as a kernel failure.
     fn launch(&self, backend: &B, launch: &Launch<'_>) -> Result<(), TwmError>;
+
+    /// `device`'s primary context was reset after a kernel fault (a creator's recovery,
+    /// docs/SAFETY.md section 6b): every module and function this launcher loaded there is
+    /// gone. Forget them (load them again on the next launch there); never use them. Called
+    /// once per recovery of a device this launcher's creator serves, after the reset, before
+    /// any guest launches there again. The default does nothing, right for a launcher that
+    /// caches nothing per context.
+    fn device_recovered(&self, backend: &B, device: DeviceId) {
+        let _ = (backend, device);
+    }
 }
 
 impl<B: Backend, F> KernelLauncher<B> for F
@@ -281,6 +291,19 @@ impl<B: Backend> Default for KernelRegistry<B> {
 }
 
 impl<B: Backend> KernelRegistry<B> {
+    /// Tells every launcher (once each, however many kernels share it) that `device`'s primary
+    /// context was reset ([`KernelLauncher::device_recovered`]).
+    pub(crate) fn device_recovered(&self, backend: &B, device: DeviceId) {
+        let mut told: Vec<*const ()> = Vec::new();
+        for entry in &self.entries {
+            let key = Arc::as_ptr(&entry.launcher).cast::<()>();
+            if !told.contains(&key) {
+                told.push(key);
+                entry.launcher.device_recovered(backend, device);
+            }
+        }
+    }
+
     /// An empty registry; a tenant may have 4 launches in flight.
     #[must_use]
     pub fn new() -> Self {
@@ -730,41 +753,58 @@ pub unsafe fn simulated(
     kernel: &'static str,
     args: impl Fn(&Launch<'_>) -> Vec<u64> + Send + Sync + 'static,
 ) -> impl KernelLauncher<tensor_wasm_mem_mock::MockBackend> {
-    use std::collections::HashMap;
-    use std::sync::Mutex;
-    use tensor_wasm_mem_core::{DriverApi, DriverContext};
-    // A module belongs to the context it was loaded in (as on a GPU): one per context, and per
-    // recovery of its device (a reset of the primary context unloads every module in it).
-    let functions = Mutex::new(HashMap::new());
-    move |backend: &tensor_wasm_mem_mock::MockBackend, launch: &Launch<'_>| {
-        use tensor_wasm_mem_core::ManagedAllocator;
+    Simulated {
+        kernel,
+        args,
+        functions: std::sync::Mutex::new(std::collections::HashMap::new()),
+    }
+}
+
+/// The launcher [`simulated`] makes.
+#[cfg(feature = "mock")]
+struct Simulated<F> {
+    kernel: &'static str,
+    args: F,
+    /// The function found per (device, context, recoveries of the device): a module belongs to
+    /// the context it was loaded in (as on a GPU), and a reset of a primary context unloads
+    /// every module in it. A recovery forgets the device's older entries.
+    functions: std::sync::Mutex<
+        std::collections::HashMap<(DeviceId, u64, u64), tensor_wasm_mem_mock::Function>,
+    >,
+}
+
+#[cfg(feature = "mock")]
+impl<F> KernelLauncher<tensor_wasm_mem_mock::MockBackend> for Simulated<F>
+where
+    F: Fn(&Launch<'_>) -> Vec<u64> + Send + Sync + 'static,
+{
+    fn launch(
+        &self,
+        backend: &tensor_wasm_mem_mock::MockBackend,
+        launch: &Launch<'_>,
+    ) -> Result<(), TwmError> {
+        use tensor_wasm_mem_core::{DriverApi, DriverContext, ManagedAllocator};
         let driver = backend.driver();
-        let context = (
+        let key = (
+            launch.device(),
             launch.stream().context(),
             backend.device_health(launch.device()).recoveries,
         );
-        let cached = functions
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(&context)
-            .copied();
+        let cached = self.functions().get(&key).copied();
         let function = match cached {
             Some(f) => f,
             None => {
                 // Loading a module needs a context current: the stream's.
                 driver
-                    .push_current(DriverContext::from_raw(context.0))
+                    .push_current(DriverContext::from_raw(key.1))
                     .map_err(TwmError::backend)?;
                 let loaded = driver
                     .load_module()
-                    .and_then(|m| driver.get_function(m, kernel));
+                    .and_then(|m| driver.get_function(m, self.kernel));
                 driver.pop_current().map_err(TwmError::backend)?;
                 // Only a function found is kept: a failure is tried again next time.
                 let found = loaded.map_err(TwmError::backend)?;
-                functions
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .insert(context, found);
+                self.functions().insert(key, found);
                 found
             }
         };
@@ -772,8 +812,29 @@ pub unsafe fn simulated(
         // for the stream before returning: nothing else touches the buffers meanwhile; every
         // buffer was checked inside the guest's memory, and `args` keeps to them (the caller
         // of `simulated` promised).
-        unsafe { driver.launch(launch.stream(), function, &args(launch)) }
+        unsafe { driver.launch(launch.stream(), function, &(self.args)(launch)) }
             .map_err(TwmError::backend)
+    }
+
+    fn device_recovered(&self, backend: &tensor_wasm_mem_mock::MockBackend, device: DeviceId) {
+        use tensor_wasm_mem_core::ManagedAllocator;
+        let now = backend.device_health(device).recoveries;
+        self.functions()
+            .retain(|&(d, _, recoveries), _| d != device || recoveries >= now);
+    }
+}
+
+#[cfg(feature = "mock")]
+impl<F> Simulated<F> {
+    fn functions(
+        &self,
+    ) -> std::sync::MutexGuard<
+        '_,
+        std::collections::HashMap<(DeviceId, u64, u64), tensor_wasm_mem_mock::Function>,
+    > {
+        self.functions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 

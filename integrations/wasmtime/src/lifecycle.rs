@@ -25,6 +25,7 @@ use wasmtime::LinearMemory;
 use crate::Backend;
 use crate::books::{self, MemoryCharge, StoreBooks};
 use crate::error::TwmError;
+use crate::kernels::KernelRegistry;
 use crate::storage::Storage;
 
 /// A memory's storage and what pays for it, together for their whole life.
@@ -70,6 +71,8 @@ impl<B: Backend> Held<B> {
 /// (a driver backend retries at its own drop) and its charge stays with the tenant for good
 /// ([`Reservation::strand`](tensor_wasm_mem_core::Reservation::strand)).
 pub(crate) struct KeptMemories<B: Backend> {
+    /// The creator's kernels, told of each recovery.
+    kernels: Option<Arc<KernelRegistry<B>>>,
     kept: Mutex<Vec<Held<B>>>,
     /// Memories device work may still use (a stream of their Store could not be released):
     /// never given back, nor scrubbed for another tenant, while the creator lives.
@@ -90,9 +93,10 @@ impl<B: Backend> KeptMemories<B> {
     /// None kept; `automatic`: a fenced device recovers when its last user goes (the embedder
     /// asserted [`CreatorBuilder::recover_automatically`](crate::CreatorBuilder::recover_automatically)'s
     /// contract).
-    pub(crate) fn new(automatic: bool) -> Self {
+    pub(crate) fn new(automatic: bool, kernels: Option<Arc<KernelRegistry<B>>>) -> Self {
         Self {
             automatic,
+            kernels,
             kept: Mutex::new(Vec::new()),
             busy: Mutex::new(Vec::new()),
             count: AtomicU64::new(0),
@@ -179,6 +183,12 @@ impl<B: Backend> KeptMemories<B> {
         let started = std::time::Instant::now();
         // SAFETY: the caller's contract is the recovery's.
         let recovery = unsafe { backend.recover_device(device) }.map_err(TwmError::backend)?;
+        if recovery.is_some()
+            && let Some(kernels) = &self.kernels
+        {
+            // Before any guest launches there again: the launchers' modules there are gone.
+            kernels.device_recovered(backend, device);
+        }
         self.retry_kept();
         if let Some(r) = &recovery {
             let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);

@@ -4,8 +4,8 @@
 use std::sync::{Arc, Barrier};
 
 use tensor_wasm_mem_wasmtime::kernels::{
-    self, BufferLength, KernelParam, KernelRegistry, KernelSignature, LaunchShape, Scalar,
-    TWM_ERR_BAD_ARGUMENTS, TWM_ERR_BUSY, TWM_ERR_KERNEL_FAULT, TWM_ERR_UNKNOWN_KERNEL,
+    self, BufferLength, KernelLauncher, KernelParam, KernelRegistry, KernelSignature, LaunchShape,
+    Scalar, TWM_ERR_BAD_ARGUMENTS, TWM_ERR_BUSY, TWM_ERR_KERNEL_FAULT, TWM_ERR_UNKNOWN_KERNEL,
 };
 use tensor_wasm_mem_wasmtime::prelude::*;
 use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Memory};
@@ -323,6 +323,68 @@ fn a_launch_whose_kernel_faults_is_a_code_and_a_failure_in_the_figures() {
     drop(g);
     assert_eq!(creator.stats().live_memories, 0, "teardown after a fault");
     assert_eq!(creator.stats().recoveries, 1, "the device recovered");
+}
+
+/// A launcher that counts the recoveries it is told of, launching through a simulated one.
+struct Counting<L> {
+    inner: L,
+    recovered: Arc<std::sync::Mutex<Vec<DeviceId>>>,
+}
+
+impl<L: KernelLauncher<MockBackend>> KernelLauncher<MockBackend> for Counting<L> {
+    fn launch(&self, backend: &MockBackend, launch: &kernels::Launch<'_>) -> Result<(), TwmError> {
+        self.inner.launch(backend, launch)
+    }
+
+    fn device_recovered(&self, backend: &MockBackend, device: DeviceId) {
+        self.recovered.lock().unwrap().push(device);
+        self.inner.device_recovered(backend, device);
+    }
+}
+
+/// A recovery tells every launcher of the creator once (its modules in the reset context are
+/// gone), and the guests after it launch again: the simulated launcher loads its module anew.
+#[test]
+fn a_recovery_tells_each_launcher_and_launches_work_after_it() {
+    let recovered = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut registry = KernelRegistry::new();
+    // SAFETY: deliberately wrong, but only past every allocation (as above): a fault.
+    let bad = unsafe { kernels::simulated("fill", |l| vec![l.args()[0] + (1 << 40), 16, 1]) };
+    // SAFETY: `fill(ptr, len, value)` over the launch's one buffer, its pointer and length.
+    let fill = unsafe { kernels::simulated("fill", |l| vec![l.args()[0], l.buffers()[0].1, 7]) };
+    registry
+        .register("bad", one_byte_buffer(), bad)
+        .unwrap()
+        .register(
+            "fill",
+            one_byte_buffer(),
+            Counting {
+                inner: fill,
+                recovered: Arc::clone(&recovered),
+            },
+        )
+        .unwrap();
+    let creator = creator_with(registry);
+    let mut g = guest(&creator);
+    let fill = g.kernel("fill");
+    assert_eq!(
+        g.launch(fill, &[(0, 16)]),
+        0,
+        "loaded in the context, launched"
+    );
+    let bad = g.kernel("bad");
+    g.try_launch(bad, &[(0, 16)]).expect_err("the guest traps");
+    drop(g);
+    assert_eq!(creator.stats().recoveries, 1, "the device recovered");
+    assert_eq!(*recovered.lock().unwrap(), [DeviceId(0)], "told once");
+    let mut g = guest(&creator);
+    let fill = g.kernel("fill");
+    assert_eq!(
+        g.launch(fill, &[(0, 16)]),
+        0,
+        "loaded again after the reset"
+    );
+    assert_eq!(g.memory.data(&g.store)[..16], [7; 16]);
 }
 
 /// A launcher whose kernel fails without losing its context (an error the driver reports at
