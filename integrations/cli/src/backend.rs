@@ -71,17 +71,15 @@ impl DescribeDriver for tensor_wasm_mem_mock::MockBackend {
     }
 }
 
+/// The backend over the CUDA driver: cudarc's and cust's are one type (two ways to reach one
+/// driver, one error), so it is described once, whichever of the two features is on.
 #[cfg(feature = "cudarc")]
-impl DescribeDriver for tensor_wasm_mem_wasmtime::backends::cudarc::CudarcBackend {
-    fn driver(&self) -> String {
-        let d = self.driver();
-        let names: Vec<_> = d.devices().map(|i| i.name.clone()).collect();
-        format!("CUDA driver {} ({})", d.driver_version(), names.join(", "))
-    }
-}
+type CudaBackend = tensor_wasm_mem_wasmtime::backends::cudarc::CudarcBackend;
+#[cfg(all(feature = "cust", not(feature = "cudarc")))]
+type CudaBackend = tensor_wasm_mem_wasmtime::backends::cust::CustBackend;
 
-#[cfg(feature = "cust")]
-impl DescribeDriver for tensor_wasm_mem_wasmtime::backends::cust::CustBackend {
+#[cfg(any(feature = "cudarc", feature = "cust"))]
+impl DescribeDriver for CudaBackend {
     fn driver(&self) -> String {
         let d = self.driver();
         let names: Vec<_> = d.devices().map(|i| i.name.clone()).collect();
@@ -152,11 +150,8 @@ impl BuiltinKernels for tensor_wasm_mem_mock::MockBackend {
     }
 }
 
-#[cfg(feature = "cudarc")]
-impl BuiltinKernels for tensor_wasm_mem_wasmtime::backends::cudarc::CudarcBackend {}
-
-#[cfg(feature = "cust")]
-impl BuiltinKernels for tensor_wasm_mem_wasmtime::backends::cust::CustBackend {}
+#[cfg(any(feature = "cudarc", feature = "cust"))]
+impl BuiltinKernels for CudaBackend {}
 
 #[cfg(feature = "cuda-oxide")]
 impl BuiltinKernels for tensor_wasm_mem_wasmtime::backends::cuda_oxide::CudaOxideBackend {}
