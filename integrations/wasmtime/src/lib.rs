@@ -71,6 +71,7 @@ pub use wasmtime;
 pub mod prelude {
     pub use crate::core::{DeviceId, ErrorKind, IsolationLevel, PlanLimits, PoolConfig, SizeClass};
     #[cfg(feature = "mock")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "mock")))]
     pub use crate::mock::MockBackend;
     pub use crate::{
         Access, AccessRange, Backing, ChargeMode, CreatorBuilder, DeviceAccess, ScopeOptions,

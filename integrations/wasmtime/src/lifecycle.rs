@@ -473,7 +473,20 @@ impl<B: Backend> TensorWasmLinearMemory<B> {
             .unwrap_or(false)
     }
 
+    /// Grows to `new_size`; a refusal is counted for the memory's tenant (the guest sees -1;
+    /// a limiter's hook hears of it from Wasmtime's failure report).
     fn grow(&mut self, new_size: usize) -> Result<(), TwmError> {
+        let grown = self.try_grow(new_size);
+        if grown.is_err() {
+            let held = self.record.read();
+            if let Some(charge) = held.as_ref().and_then(|h| h.charge.as_ref()) {
+                charge.tenant().count_refused_growth();
+            }
+        }
+        grown
+    }
+
+    fn try_grow(&mut self, new_size: usize) -> Result<(), TwmError> {
         if new_size > self.capacity {
             return Err(TwmError::CapacityExceeded {
                 requested: new_size,

@@ -920,7 +920,11 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// books keep it); a creator bound to a tenant ([`CreatorBuilder::tenant`]) serves Stores
     /// with no books, and this is its one step: `creator.typed_error(e)` then
     /// `downcast_ref::<TwmError>()`. An error that is not that refusal (its text does not
-    /// carry the refusal's) is returned as it came.
+    /// carry the refusal's) is returned as it came. The record is the thread's last refusal,
+    /// taken by the first call that matches it (the 64 threads that refused last are kept).
+    /// A tenant limiter's own refusal outside `instantiate` (a `Memory::new` its budget denies)
+    /// is Wasmtime's text too: the limiter's [`last_denial`](crate::TenantLimiter::last_denial)
+    /// names it.
     ///
     /// ```
     /// use std::sync::Arc;
@@ -1222,10 +1226,6 @@ impl Payer {
     }
 }
 
-/// The plan fitted to a pool: a memory that declares no maximum gets the plan's default
-/// capacity, so where no slot could hold that, the default maximum becomes the largest slot
-/// (said in a log line, and in [`TensorWasmMemoryCreator::limits`]); without this every such
-/// memory (every clang C guest) would be refused.
 /// The largest slot of a pool's classes, in bytes (0 for none).
 fn largest_slot(config: &PoolConfig) -> u64 {
     config
@@ -1236,21 +1236,32 @@ fn largest_slot(config: &PoolConfig) -> u64 {
         .unwrap_or(0)
 }
 
+/// The plan fitted to a pool: no memory gets more capacity than the largest slot. The default
+/// maximum (what a memory that declares none gets: every clang C guest) and the per-memory limit
+/// (which clamps declared maxima) are each lowered to the largest slot where they pass it (said
+/// in a log line, and in [`TensorWasmMemoryCreator::limits`]): a memory declaring more gets the
+/// slot, and its growth past it is refused in the guest (-1), instead of every instantiation
+/// being refused as too large.
 fn fit_plan_to_pool(config: &PoolConfig, limits: PlanLimits) -> PlanLimits {
-    let default_capacity = limits.default_maximum().min(limits.per_memory_limit());
     let largest_slot = largest_slot(config);
-    if largest_slot == 0 || largest_slot >= default_capacity {
+    // What a memory that declares no maximum gets (the default, within the per-memory limit).
+    let default_capacity = limits.default_maximum().min(limits.per_memory_limit());
+    if largest_slot == 0
+        || (largest_slot >= default_capacity && largest_slot >= limits.per_memory_limit())
+    {
         return limits;
     }
     tracing::info!(
         largest_slot,
-        default_capacity,
+        default_maximum = limits.default_maximum(),
+        per_memory_limit = limits.per_memory_limit(),
         "twm: memories get at most the pool's largest slot (a declared or default maximum past it is clamped)"
     );
-    // The per-memory limit clamps declared maxima as well as the default one: a memory that
-    // declares more than the largest slot gets that slot, and its growth past it is refused in
-    // the guest (-1), instead of every instantiation being refused as too large.
-    let limits = limits.with_default_maximum(largest_slot).unwrap_or(limits);
+    let limits = if largest_slot < default_capacity {
+        limits.with_default_maximum(largest_slot).unwrap_or(limits)
+    } else {
+        limits
+    };
     if largest_slot < limits.per_memory_limit() {
         return limits.with_per_memory_limit(largest_slot).unwrap_or(limits);
     }

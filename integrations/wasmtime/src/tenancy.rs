@@ -324,6 +324,11 @@ impl Tenant {
             .map_err(|d| self.denied(d))
     }
 
+    /// Counts a memory growth refused to one of its guests.
+    pub(crate) fn count_refused_growth(&self) {
+        self.refused_growths.fetch_add(1, Ordering::AcqRel);
+    }
+
     /// Counts a memory charged to this tenant.
     pub(crate) fn count_memory(&self) {
         self.memories_created.fetch_add(1, Ordering::AcqRel);
@@ -386,9 +391,11 @@ struct StoreCounts {
 /// hook of [`TenantLimiter::on_refused_growth`] sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RefusedGrowth {
-    /// The memory's size before, in bytes.
+    /// The memory's size before, in bytes (0 where Wasmtime refused the size before asking:
+    /// not known then).
     pub current: usize,
-    /// The size the guest asked for.
+    /// The size the guest asked for (`usize::MAX` where Wasmtime refused it before asking the
+    /// limiter: a size the memory's type cannot represent).
     pub desired: usize,
     /// The budget that refused it; `None` for a growth past the memory's capacity (its declared
     /// maximum, or the plan's), or one that failed after a grant.
@@ -484,8 +491,12 @@ impl TenantLimiter {
         }
     }
 
-    /// Calls `hook` on every memory growth this limiter refuses (the guest sees `-1`, the host
-    /// nothing else): a budget's denial, or a growth past the memory's capacity. The hook runs
+    /// Calls `hook` on every memory growth of this Store refused to its guest (the guest sees
+    /// `-1`, the host nothing else): a budget's denial (the limiter's, or the memory's own on a
+    /// creator bound to a tenant), a growth past the memory's capacity or past what its type can
+    /// represent, or one the backend failed after the budgets granted it
+    /// ([`RefusedGrowth::failed`]). Outside [`instantiate`], a refused `Memory::new` is
+    /// reported as a growth from 0 (the limiter cannot tell the two apart). The hook runs
     /// inside the guest's `memory.grow`: keep it short (count, log, flag).
     #[must_use]
     pub fn on_refused_growth(
@@ -611,6 +622,7 @@ impl TenantLimiter {
         desired: usize,
         maximum: Option<usize>,
         creating: bool,
+        maybe_growth: bool,
     ) -> Result<(), wasmtime::Result<bool>> {
         // Page size 1: the plan is never rounded below what the creator can hand out, so
         // nothing the creator would serve is refused here.
@@ -623,8 +635,11 @@ impl TenantLimiter {
         // maximum): it cannot succeed, so it is refused before anything is charged (a new
         // memory this large is a plan error).
         if creating {
-            MemoryPlan::from_bytes(desired, maximum, 1, &self.limits)
-                .map_err(|e| self.refuse(creating, TwmError::Plan(e)))?;
+            let planned = MemoryPlan::from_bytes(desired, maximum, 1, &self.limits);
+            if planned.is_err() && maybe_growth {
+                self.growth_refused(current, desired, None);
+            }
+            planned.map_err(|e| self.refuse(creating, TwmError::Plan(e)))?;
             return Ok(());
         }
         self.growth_refused(current, desired, None);
@@ -669,7 +684,12 @@ impl ResourceLimiter for TenantLimiter {
         // A new call: a grant nobody redeemed paid for a memory we did not make.
         self.books.settle();
         self.last_granted = None;
+        // Outside `instantiate` a growth from zero pages cannot be told from a new memory
+        // (`Memory::new`): announced to the creator as one, and reported to the host as a
+        // growth from 0 (a guest's `memory.grow` of an empty memory is one).
+        let outside = self.creating.new_memories.is_none();
         let creating = Self::is_creation(&mut self.creating.new_memories, current);
+        let maybe_growth = !creating || outside;
         let _span = tracing::debug_span!(
             "twm.tenant.memory",
             isolation = self.books.tenant().context.isolation().name(),
@@ -678,7 +698,7 @@ impl ResourceLimiter for TenantLimiter {
             desired
         )
         .entered();
-        if let Err(answer) = self.check_memory(current, desired, maximum, creating) {
+        if let Err(answer) = self.check_memory(current, desired, maximum, creating, maybe_growth) {
             return answer;
         }
         // The same rule for a new memory and a growth: what becomes touchable. In `Capacity`
@@ -690,7 +710,7 @@ impl ResourceLimiter for TenantLimiter {
         // Announced to the creator as a new memory only when it is one of the module's (a
         // growth of a zero-page memory, ours or not, is redeemed by no creator).
         if let Err(denied) = self.books.grant(bytes, creating, desired) {
-            if !creating {
+            if maybe_growth {
                 self.growth_refused(current, desired, Some(denied));
             }
             return self.deny(creating, denied);
@@ -699,6 +719,8 @@ impl ResourceLimiter for TenantLimiter {
             self.made.memories += 1;
         } else {
             self.growths += 1;
+        }
+        if maybe_growth {
             self.last_granted = Some((current, desired));
         }
         Ok(true)
@@ -708,19 +730,43 @@ impl ResourceLimiter for TenantLimiter {
     /// for a memory we did not make stays charged until the Store goes (so a failure reported
     /// without a growth before it, which Wasmtime does for what a memory type cannot represent,
     /// can never give back a growth that was granted).
-    fn memory_grow_failed(&mut self, _error: wasmtime::Error) -> wasmtime::Result<()> {
+    ///
+    /// The host hears of it: a failure of a memory of ours (its error is a [`TwmError`]) is the
+    /// growth this limiter just granted (the memory counted it for its tenant: a denial by the
+    /// tenant's budget there, as on a creator bound to a tenant, or a backend failure); any
+    /// other is a growth Wasmtime refused before asking (a size the memory type cannot
+    /// represent), counted here.
+    fn memory_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
         self.failed_growths += 1;
         self.books.settle();
-        // A growth the budgets granted and the memory failed: the guest sees -1, and so does
-        // the host. (A failure with no growth granted before it is counted, not reported: there
-        // is no growth to name.)
-        if let Some((current, desired)) = self.last_granted.take() {
-            self.report_refused(RefusedGrowth {
+        let granted = self.last_granted.take();
+        let refused = match (error.downcast_ref::<TwmError>(), granted) {
+            (Some(ours), Some((current, desired))) => RefusedGrowth {
                 current,
                 desired,
-                denial: None,
-                failed: true,
-            });
+                denial: match ours {
+                    TwmError::Denied { denied, .. } => Some(*denied),
+                    _ => None,
+                },
+                failed: !matches!(ours, TwmError::Denied { .. }),
+            },
+            // Counted by the memory; no growth of this limiter's to name.
+            (Some(_), None) => return Ok(()),
+            (None, _) => {
+                self.books
+                    .tenant()
+                    .refused_growths
+                    .fetch_add(1, Ordering::AcqRel);
+                RefusedGrowth {
+                    current: 0,
+                    desired: usize::MAX,
+                    denial: None,
+                    failed: false,
+                }
+            }
+        };
+        if let Some(hook) = &self.on_refused_growth {
+            hook(&refused);
         }
         Ok(())
     }

@@ -380,6 +380,47 @@ fn a_refused_growth_reaches_the_hosts_hook() {
     assert!(!seen[1].failed);
     assert_eq!(tenant.stats().refused_growths, 2, "counted for the tenant");
     assert_eq!(tenant.stats().touched_denials, 1, "one was a budget's");
+    // A size the memory type cannot represent, after a granted growth: reported as itself,
+    // never as the earlier growth failing.
+    assert_eq!(guest.grow(-1), -1);
+    let seen = guest.seen();
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert!(!seen[2].failed, "{:?}", seen[2]);
+    assert_ne!((seen[2].current, seen[2].desired), (PAGE, 2 * PAGE));
+    assert_eq!(tenant.stats().refused_growths, 3);
+}
+
+/// Outside `instantiate`, a guest growing its empty memory is a growth like any other for
+/// the host: refused, it reaches the hook and the figures.
+#[test]
+fn a_refused_growth_of_an_empty_memory_reaches_the_hook() {
+    use tensor_wasm_mem_wasmtime::TenantLimiter;
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(1, "t", PAGE as u64, IsolationLevel::StreamIsolated);
+    let seen: Arc<std::sync::Mutex<Vec<tensor_wasm_mem_wasmtime::RefusedGrowth>>> = Arc::default();
+    let log = Arc::clone(&seen);
+    let limiter = TenantLimiter::new(Arc::clone(&tenant), ChargeMode::Touched, creator.limits())
+        .on_refused_growth(move |r| log.lock().unwrap().push(*r));
+    let mut store = new_store(&engine, TenantStore::with_limiter(&creator, limiter, ()));
+    let module = Module::new(
+        &engine,
+        r#"(module (memory 0 4)
+             (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
+    )
+    .unwrap();
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let grow = instance
+        .get_typed_func::<i32, i32>(&mut store, "grow")
+        .unwrap();
+    assert_eq!(grow.call(&mut store, 2).unwrap(), -1, "past the cap");
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!((seen[0].current, seen[0].desired), (0, 2 * PAGE));
+    let stats = tenant.stats();
+    assert_eq!((stats.refused_growths, stats.touched_denials), (1, 1));
 }
 
 /// A growth the budgets granted and the backend then failed (its zeroing refused) is -1 in the
@@ -450,18 +491,42 @@ fn a_bound_creators_refusals_are_typed_and_its_tenant_may_use_every_slot() {
     let other = creator.typed_error(wasmtime::Error::msg("something else"));
     assert!(other.downcast_ref::<TwmError>().is_none());
     assert_eq!(other.to_string(), "something else");
-    // A budget's denial on a bound creator: typed the same way.
+    // A memory past the slot on a bound creator: typed the same way (the limit the pool sets).
     drop(stores);
     let big = Module::new(&engine, "(module (memory 17 17))").unwrap();
     let error = linker.instantiate(&mut third, &big).unwrap_err();
     let error = creator.typed_error(error);
-    assert!(
-        matches!(
-            typed(&error),
-            TwmError::Plan(_) | TwmError::Denied { .. } | TwmError::Pool(_)
-        ),
-        "{error:?}"
-    );
+    assert!(matches!(typed(&error), TwmError::Plan(_)), "{error:?}");
+}
+
+/// A growth a bound creator's tenant budget denies is refused in the memory itself: -1 in the
+/// guest, and counted for the tenant like a limiter's refusal.
+#[test]
+fn a_bound_creators_growth_denial_is_counted() {
+    let tenant = Tenant::new(1, "solo", 2 * PAGE as u64, IsolationLevel::StreamIsolated);
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .tenant(Arc::clone(&tenant), ChargeMode::Touched)
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let module = Module::new(
+        &engine,
+        r#"(module (memory 1 4)
+             (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
+    )
+    .unwrap();
+    let mut store = Store::new(&engine, ());
+    let instance = Linker::new(&engine)
+        .instantiate(&mut store, &module)
+        .unwrap();
+    let grow = instance
+        .get_typed_func::<i32, i32>(&mut store, "grow")
+        .unwrap();
+    assert_eq!(grow.call(&mut store, 2).unwrap(), -1, "past the cap");
+    let stats = tenant.stats();
+    assert_eq!((stats.refused_growths, stats.touched_denials), (1, 1));
+    assert_eq!(grow.call(&mut store, 1).unwrap(), 1, "within it");
+    assert_eq!(tenant.stats().refused_growths, 1);
 }
 
 #[test]
@@ -514,4 +579,29 @@ fn a_held_budget_smaller_than_a_slot_says_what_to_do() {
     let mut second = store(&creator, &engine, &sized);
     instantiate(&mut second, &linker, &module).expect("one slot fits its held budget");
     assert_eq!(sized.stats().held_bytes, SLOT as u64);
+}
+
+/// A per-memory limit past the largest slot is clamped to it even where the default maximum
+/// already fits a slot: a memory declaring more than a slot gets the slot, not a refusal.
+#[test]
+fn a_per_memory_limit_past_the_slots_is_fitted_whatever_the_default() {
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .limits(
+            PlanLimits::new(64 << 20)
+                .and_then(|l| l.with_default_maximum(1 << 20))
+                .unwrap(),
+        )
+        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 << 20, 2)]))
+        .build()
+        .unwrap();
+    assert_eq!(creator.limits().per_memory_limit(), 4 << 20, "said so");
+    assert_eq!(creator.limits().default_maximum(), 1 << 20, "left alone");
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(1, "t", 8 << 20, IsolationLevel::StreamIsolated);
+    let mut store = store(&creator, &engine, &tenant);
+    let module = Module::new(&engine, "(module (memory (export \"memory\") 1 512))").unwrap();
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    assert_eq!(memory.grow(&mut store, 63).unwrap(), 1, "grows to the slot");
+    assert!(memory.grow(&mut store, 1).is_err(), "and no further");
 }
