@@ -83,10 +83,14 @@ impl MemoryCharge {
         })
     }
 
-    /// Counts the pool slot this memory will hold against its tenant's share of `shares`, or
-    /// refuses ([`TwmError::PoolShare`]) and charges nothing more.
-    pub(crate) fn take_share(&mut self, shares: &Arc<PoolShares>) -> Result<(), TwmError> {
-        self._share = Some(shares.take(&self.tenant)?);
+    /// Counts the pool slot of `slot_bytes` this memory holds against its tenant's share of
+    /// `shares`, or refuses ([`TwmError::PoolShare`]) and charges nothing more.
+    pub(crate) fn take_share(
+        &mut self,
+        shares: &Arc<PoolShares>,
+        slot_bytes: u64,
+    ) -> Result<(), TwmError> {
+        self._share = Some(shares.take(&self.tenant, slot_bytes)?);
         Ok(())
     }
 

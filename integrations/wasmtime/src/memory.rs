@@ -123,6 +123,10 @@ struct CreatorInner<B: Backend> {
     refused: AtomicU64,
     /// Memories refused at their tenant's slot share.
     share_denials: AtomicU64,
+    /// The tenant a creator is bound to holds slots outside the shares (it has no one to share
+    /// its pool with), unless the embedder set a share; other tenants' Stores it serves have
+    /// theirs.
+    bound_exempt: bool,
     /// The most one memory can hold: the per-memory limit, or a pool's largest slot.
     largest_memory: u64,
     /// The typed errors of refusals no Store's books took (a bound creator's, a Store without a
@@ -285,8 +289,8 @@ impl<B: Backend> CreatorBuilder<B> {
     /// slot, whether it declares no maximum (every clang C guest: the plan's default maximum,
     /// 256 MiB, would fit no slot) or a larger one (clamped, as the per-memory limit clamps it:
     /// growth past the slot is refused in the guest), as
-    /// [`limits`](TensorWasmMemoryCreator::limits) shows; and one tenant may hold at most half
-    /// the slots ([`slots_per_tenant`](Self::slots_per_tenant)).
+    /// [`limits`](TensorWasmMemoryCreator::limits) shows; and one tenant may hold at most half of
+    /// each size class's slots ([`slots_per_tenant`](Self::slots_per_tenant)).
     #[must_use]
     pub fn pool(mut self, config: PoolConfig) -> Self {
         self.pool = Some(config);
@@ -337,10 +341,12 @@ impl<B: Backend> CreatorBuilder<B> {
         )))
     }
 
-    /// The most slots of a pool one tenant may hold at once (default: half of each device's
-    /// pool, at least one; no limit on a creator bound to one tenant,
+    /// The most slots of each size class of a pool one tenant may hold at once (default: half
+    /// of the class's slots, at least one; no limit on a creator bound to one tenant,
     /// [`tenant`](Self::tenant), unless set here), so that one tenant cannot take every slot of
-    /// a pool tenants share. The share counts slots of every size class together.
+    /// a pool tenants share, nor every slot of its largest class (where every memory that
+    /// declares no maximum goes). The slot is counted once the pool chose it: a memory refused
+    /// at its share held a slot for that moment only.
     /// A memory past it is refused with [`TwmError::PoolShare`]. Ignored without a pool.
     #[must_use]
     pub fn slots_per_tenant(mut self, slots: usize) -> Self {
@@ -377,16 +383,16 @@ impl<B: Backend> CreatorBuilder<B> {
         self
     }
 
-    /// The tenants' shares of the pool, if any: a creator bound to one tenant has no one to
-    /// share its pool with, so it has none unless the embedder sets one.
+    /// The tenants' shares of the pool, if it has one.
     fn shares(&self) -> Option<Arc<PoolShares>> {
-        let shared = self.tenant.is_none() || self.slots_per_tenant.is_some();
-        self.pool.as_ref().filter(|_| shared).map(|config| {
-            let slots = config
-                .classes
-                .iter()
-                .fold(0usize, |sum, c| sum.saturating_add(c.slots));
-            PoolShares::new(self.slots_per_tenant.unwrap_or(slots / 2))
+        self.pool.as_ref().map(|config| {
+            PoolShares::new(
+                config
+                    .classes
+                    .iter()
+                    .map(|c| (c.slot_bytes as u64, c.slots)),
+                self.slots_per_tenant,
+            )
         })
     }
 
@@ -407,6 +413,7 @@ impl<B: Backend> CreatorBuilder<B> {
         };
         backing.check(&*self.backend, &self.devices)?;
         let shares = self.shares();
+        let bound_exempt = self.tenant.is_some() && self.slots_per_tenant.is_none();
         let limits = match &self.pool {
             Some(config) => fit_plan_to_pool(config, self.limits),
             None => self.limits,
@@ -458,6 +465,7 @@ impl<B: Backend> CreatorBuilder<B> {
                 dropped: AtomicU64::new(0),
                 refused: AtomicU64::new(0),
                 share_denials: AtomicU64::new(0),
+                bound_exempt,
                 largest_memory,
                 refusals: Mutex::new(Vec::new()),
             }),
@@ -624,9 +632,9 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         self.inner.kernels.clone()
     }
 
-    /// The most slots of a pool one tenant may hold at once (`None` without a pool, or on a
-    /// creator bound to one tenant without a share set; see
-    /// [`CreatorBuilder::slots_per_tenant`]).
+    /// The most slots of the pool's largest class one tenant may hold at once (`None` without
+    /// a pool; see [`CreatorBuilder::slots_per_tenant`]: each class has its own, and the tenant
+    /// a creator is bound to holds slots outside the shares unless one was set).
     #[must_use]
     pub fn slots_per_tenant(&self) -> Option<usize> {
         self.inner.shares.as_ref().map(|s| s.limit())
@@ -901,6 +909,17 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Whether `tenant` holds slots outside the shares: the tenant this creator is bound to,
+    /// where the embedder set no share.
+    fn is_exempt(&self, tenant: &Arc<Tenant>) -> bool {
+        self.inner.bound_exempt
+            && self
+                .inner
+                .tenant
+                .as_ref()
+                .is_some_and(|(bound, _)| Arc::ptr_eq(bound, tenant))
+    }
+
     /// Keeps `error` as this thread's last refusal, for [`typed_error`](Self::typed_error).
     fn keep_refusal(&self, error: TwmError) {
         let me = std::thread::current().id();
@@ -974,12 +993,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         let (slot, device) = self.home(payer.tenant())?;
         let sizes = Sizes::new(&plan, self.inner.pools.get(slot))?;
         let books = payer.books();
-        let mut charge = payer.charge(&sizes)?;
-        if let (Some(charge), Some(shares), Some(_)) =
-            (&mut charge, &self.inner.shares, self.inner.pools.get(slot))
-        {
-            charge.take_share(shares)?;
-        }
+        let charge = payer.charge(&sizes)?;
         let _span = tracing::debug_span!(
             "twm.memory.create",
             backing = self.inner.backing.name(),
@@ -994,7 +1008,8 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         )
         .entered();
         let storage = self.acquire(slot, device, &sizes, reserved.unwrap_or(0), guard)?;
-        let held = self.open(Held { storage, charge }, sizes.initial)?;
+        let pooled = self.inner.pools.get(slot).is_some();
+        let held = self.open(Held { storage, charge }, sizes.initial, pooled)?;
         Ok(self.register(held, device, books, &sizes))
     }
 
@@ -1002,10 +1017,18 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// may hand out a slot of a larger class than the smallest that fits), and its first
     /// `initial` bytes are reachable. On failure the storage is released with its charge, or
     /// kept with it if the backend refuses.
-    fn open(&self, mut held: Held<B>, initial: usize) -> Result<Held<B>, TwmError> {
+    fn open(&self, mut held: Held<B>, initial: usize, pooled: bool) -> Result<Held<B>, TwmError> {
         let holds = held.storage.held_bytes() as u64;
         let opened = match &mut held.charge {
-            Some(charge) => charge.hold_at_least(holds),
+            // The slot is counted against its tenant's share of the slot's own class (known
+            // once the pool chose it).
+            Some(charge) => match (&self.inner.shares, pooled) {
+                (Some(shares), true) if !self.is_exempt(charge.tenant()) => {
+                    charge.take_share(shares, holds)
+                }
+                _ => Ok(()),
+            }
+            .and_then(|()| charge.hold_at_least(holds)),
             None => Ok(()),
         }
         .and_then(|()| held.storage.open(initial));

@@ -1,5 +1,5 @@
-//! How many of a creator's pool slots each tenant holds, and the most it may: one tenant cannot
-//! take every slot of a pool it shares.
+//! How many of a creator's pool slots each tenant holds, and the most it may, per size class:
+//! one tenant cannot take every slot of a pool it shares, nor every slot of one of its classes.
 
 use hashbrown::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -7,14 +7,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 use crate::error::TwmError;
 use crate::tenancy::Tenant;
 
-/// A creator's per-tenant slot counts (pooled creators only).
+/// A creator's per-tenant slot counts, per size class (pooled creators only): a tenant's share
+/// of each class is counted apart, so taking every slot of the largest class (where every
+/// memory that declares no maximum goes) is refused as it would be in a pool of one class.
 #[derive(Debug)]
 pub(crate) struct PoolShares {
-    /// The most slots one tenant may hold at once.
-    limit: usize,
-    /// Slots held, by tenant (keyed by its allocation: a tenant alive while it holds a slot,
-    /// since each share holds it).
-    held: Mutex<HashMap<usize, usize>>,
+    /// The classes' slot sizes, ascending, and the most slots of each one tenant may hold.
+    limits: Vec<(u64, usize)>,
+    /// Slots held, by (tenant, class's slot size) (keyed by the tenant's allocation: a tenant
+    /// alive while it holds a slot, since each share holds it).
+    held: Mutex<HashMap<(usize, u64), usize>>,
 }
 
 /// One slot counted against its tenant's share: given back when dropped, so it moves with the
@@ -23,39 +25,74 @@ pub(crate) struct PoolShares {
 pub(crate) struct SlotShare {
     shares: Arc<PoolShares>,
     tenant: Arc<Tenant>,
+    class: u64,
 }
 
 impl PoolShares {
-    pub(crate) fn new(limit: usize) -> Arc<Self> {
+    /// Shares of a pool of `classes` (slot size, slots): `per_tenant` slots of each class, or
+    /// half of each class's slots (at least one) by default.
+    pub(crate) fn new(
+        classes: impl IntoIterator<Item = (u64, usize)>,
+        per_tenant: Option<usize>,
+    ) -> Arc<Self> {
+        let mut limits: Vec<(u64, usize)> = Vec::new();
+        for (bytes, slots) in classes {
+            match limits.iter_mut().find(|(b, _)| *b == bytes) {
+                Some((_, n)) => *n = n.saturating_add(slots),
+                None => limits.push((bytes, slots)),
+            }
+        }
+        for (_, n) in &mut limits {
+            *n = per_tenant.unwrap_or(*n / 2).max(1);
+        }
+        limits.sort_unstable();
         Arc::new(Self {
-            limit: limit.max(1),
+            limits,
             held: Mutex::new(HashMap::new()),
         })
     }
 
+    /// The share of the largest class (where memories that declare no maximum go).
     pub(crate) fn limit(&self) -> usize {
-        self.limit
+        self.limits.last().map_or(1, |&(_, n)| n)
+    }
+
+    /// The class a slot of `bytes` belongs to: the smallest whose slots hold it.
+    fn class_of(&self, bytes: u64) -> (u64, usize) {
+        self.limits
+            .iter()
+            .copied()
+            .find(|&(b, _)| b >= bytes)
+            .or_else(|| self.limits.last().copied())
+            .unwrap_or((bytes, 1))
     }
 
     fn key(tenant: &Arc<Tenant>) -> usize {
         Arc::as_ptr(tenant) as usize
     }
 
-    /// Counts one more slot for `tenant`, or refuses with [`TwmError::PoolShare`] at its share.
-    pub(crate) fn take(self: &Arc<Self>, tenant: &Arc<Tenant>) -> Result<SlotShare, TwmError> {
+    /// Counts one more slot of `slot_bytes` for `tenant`, or refuses with
+    /// [`TwmError::PoolShare`] at its share of that class.
+    pub(crate) fn take(
+        self: &Arc<Self>,
+        tenant: &Arc<Tenant>,
+        slot_bytes: u64,
+    ) -> Result<SlotShare, TwmError> {
+        let (class, limit) = self.class_of(slot_bytes);
         let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
-        let count = held.entry(Self::key(tenant)).or_insert(0);
-        if *count >= self.limit {
+        let count = held.entry((Self::key(tenant), class)).or_insert(0);
+        if *count >= limit {
             return Err(TwmError::PoolShare {
                 tenant_name: tenant.name().to_string(),
                 held: *count,
-                share: self.limit,
+                share: limit,
             });
         }
         *count += 1;
         Ok(SlotShare {
             shares: Arc::clone(self),
             tenant: Arc::clone(tenant),
+            class,
         })
     }
 }
@@ -67,7 +104,7 @@ impl Drop for SlotShare {
             .held
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let key = PoolShares::key(&self.tenant);
+        let key = (PoolShares::key(&self.tenant), self.class);
         if let Some(count) = held.get_mut(&key) {
             *count -= 1;
             if *count == 0 {

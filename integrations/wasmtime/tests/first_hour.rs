@@ -462,11 +462,8 @@ fn a_bound_creators_refusals_are_typed_and_its_tenant_may_use_every_slot() {
         .tenant(Arc::clone(&tenant), ChargeMode::Touched)
         .build()
         .unwrap();
-    assert_eq!(
-        creator.slots_per_tenant(),
-        None,
-        "no share: no one to share with"
-    );
+    // Other tenants' Stores it serves have a share; its own tenant has no one to share with.
+    assert_eq!(creator.slots_per_tenant(), Some(1));
     let engine = creator.engine().unwrap();
     let linker: Linker<()> = Linker::new(&engine);
     let module = Module::new(&engine, "(module (memory 1 1))").unwrap();
@@ -604,4 +601,50 @@ fn a_per_memory_limit_past_the_slots_is_fitted_whatever_the_default() {
     let memory = instance.get_memory(&mut store, "memory").unwrap();
     assert_eq!(memory.grow(&mut store, 63).unwrap(), 1, "grows to the slot");
     assert!(memory.grow(&mut store, 1).is_err(), "and no further");
+}
+
+/// The share is per size class: memories that declare no maximum all go to the largest class,
+/// and one tenant cannot take every slot of it however many small slots the pool has.
+#[test]
+fn a_tenant_cannot_take_every_slot_of_the_largest_class() {
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .pool(PoolConfig::new(
+            DeviceId(0),
+            [SizeClass::new(PAGE, 16), SizeClass::new(4 * PAGE, 2)],
+        ))
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let linker = Linker::new(&engine);
+    // No maximum: the largest slot.
+    let module = Module::new(&engine, "(module (memory 1))").unwrap();
+    let greedy = Tenant::new(1, "greedy", 1 << 20, IsolationLevel::StreamIsolated);
+    let other = Tenant::new(2, "other", 1 << 20, IsolationLevel::StreamIsolated);
+    let mut first = store(&creator, &engine, &greedy);
+    instantiate(&mut first, &linker, &module).unwrap();
+    assert_eq!(greedy.stats().held_bytes, 4 * PAGE as u64, "a large slot");
+    let mut second = store(&creator, &engine, &greedy);
+    let error = instantiate(&mut second, &linker, &module).unwrap_err();
+    assert!(
+        matches!(
+            typed(&error),
+            TwmError::PoolShare {
+                held: 1,
+                share: 1,
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+    assert_eq!(
+        greedy.stats().held_bytes,
+        4 * PAGE as u64,
+        "nothing more charged"
+    );
+    let mut theirs = store(&creator, &engine, &other);
+    instantiate(&mut theirs, &linker, &module).expect("the other tenant gets the other one");
+    // Small memories draw on the small class's own share.
+    let small = Module::new(&engine, "(module (memory 1 1))").unwrap();
+    let mut third = store(&creator, &engine, &greedy);
+    instantiate(&mut third, &linker, &small).expect("a small slot");
 }
