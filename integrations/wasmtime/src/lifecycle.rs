@@ -487,6 +487,10 @@ impl<B: Backend> TensorWasmLinearMemory<B> {
     }
 
     fn try_grow(&mut self, new_size: usize) -> Result<(), TwmError> {
+        // The Store's limiter granted this growth just before, on this thread: redeemed first,
+        // so a growth refused here gives its grant back (the bytes never became reachable)
+        // instead of leaving it charged to the Store.
+        let grant = self.record.books.as_ref().and_then(books::redeem_growth);
         if new_size > self.capacity {
             return Err(TwmError::CapacityExceeded {
                 requested: new_size,
@@ -494,8 +498,6 @@ impl<B: Backend> TensorWasmLinearMemory<B> {
             });
         }
         let extra = new_size.saturating_sub(self.len) as u64;
-        // The Store's limiter granted this growth just before, on this thread.
-        let grant = self.record.books.as_ref().and_then(books::redeem_growth);
         let mut guard = self
             .record
             .held

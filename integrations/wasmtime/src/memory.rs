@@ -994,6 +994,12 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         let sizes = Sizes::new(&plan, self.inner.pools.get(slot))?;
         let books = payer.books();
         let charge = payer.charge(&sizes)?;
+        if let (Some(charge), Some(shares), Some(_)) =
+            (&charge, &self.inner.shares, self.inner.pools.get(slot))
+            && !self.is_exempt(charge.tenant())
+        {
+            shares.check(charge.tenant(), sizes.capacity as u64)?;
+        }
         let _span = tracing::debug_span!(
             "twm.memory.create",
             backing = self.inner.backing.name(),

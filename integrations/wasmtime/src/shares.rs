@@ -37,6 +37,8 @@ impl PoolShares {
     ) -> Arc<Self> {
         let mut limits: Vec<(u64, usize)> = Vec::new();
         for (bytes, slots) in classes {
+            // As the pool lays its classes out (and reports its slots' sizes).
+            let bytes = bytes.next_multiple_of(tensor_wasm_mem_core::SLOT_ALIGN as u64);
             match limits.iter_mut().find(|(b, _)| *b == bytes) {
                 Some((_, n)) => *n = n.saturating_add(slots),
                 None => limits.push((bytes, slots)),
@@ -69,6 +71,23 @@ impl PoolShares {
 
     fn key(tenant: &Arc<Tenant>) -> usize {
         Arc::as_ptr(tenant) as usize
+    }
+
+    /// Refuses, before the pool is asked, a memory of `capacity` bytes whose tenant holds its
+    /// whole share of the class that would serve it (the smallest that holds it), so a tenant
+    /// at its share takes no slot even for a moment; [`take`](Self::take) counts the slot the
+    /// pool then chose (of that class or, where it was full, a larger one).
+    pub(crate) fn check(&self, tenant: &Arc<Tenant>, capacity: u64) -> Result<(), TwmError> {
+        let (class, limit) = self.class_of(capacity);
+        let held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        match held.get(&(Self::key(tenant), class)) {
+            Some(&count) if count >= limit => Err(TwmError::PoolShare {
+                tenant_name: tenant.name().to_string(),
+                held: count,
+                share: limit,
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Counts one more slot of `slot_bytes` for `tenant`, or refuses with

@@ -748,11 +748,30 @@ impl ResourceLimiter for TenantLimiter {
                     TwmError::Denied { denied, .. } => Some(*denied),
                     _ => None,
                 },
-                failed: !matches!(ours, TwmError::Denied { .. }),
+                // A budget's denial and a growth past the memory's capacity are refusals; the
+                // rest is the backend failing.
+                failed: !matches!(
+                    ours,
+                    TwmError::Denied { .. } | TwmError::CapacityExceeded { .. }
+                ),
             },
             // Counted by the memory; no growth of this limiter's to name.
             (Some(_), None) => return Ok(()),
-            (None, _) => {
+            // Wasmtime refused the growth it asked about, after the grant and before the
+            // memory saw it (past what the memory can hold without moving): counted here.
+            (None, Some((current, desired))) => {
+                self.books
+                    .tenant()
+                    .refused_growths
+                    .fetch_add(1, Ordering::AcqRel);
+                RefusedGrowth {
+                    current,
+                    desired,
+                    denial: None,
+                    failed: false,
+                }
+            }
+            (None, None) => {
                 self.books
                     .tenant()
                     .refused_growths

@@ -648,3 +648,80 @@ fn a_tenant_cannot_take_every_slot_of_the_largest_class() {
     let mut third = store(&creator, &engine, &greedy);
     instantiate(&mut third, &linker, &small).expect("a small slot");
 }
+
+/// Classes are counted as the pool lays them out (slot sizes rounded up to 64 KiB), and a
+/// tenant at its share is refused before the pool is asked: it takes no slot, even for a moment.
+#[test]
+fn a_share_counts_rounded_classes_and_refuses_before_the_pool() {
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .pool(PoolConfig::new(
+            DeviceId(0),
+            [SizeClass::new(96 << 10, 2), SizeClass::new(1 << 20, 16)],
+        ))
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let linker = Linker::new(&engine);
+    // Two pages fit the small class (96 KiB, laid out as 128 KiB) and nothing smaller.
+    let small = Module::new(&engine, "(module (memory 1 2))").unwrap();
+    let greedy = Tenant::new(1, "greedy", 8 << 20, IsolationLevel::StreamIsolated);
+    let mut first = store(&creator, &engine, &greedy);
+    instantiate(&mut first, &linker, &small).unwrap();
+    assert_eq!(greedy.stats().held_bytes, 128 << 10, "a small slot");
+    let acquisitions = creator.stats().pool.unwrap().acquisitions;
+    let mut second = store(&creator, &engine, &greedy);
+    let error = instantiate(&mut second, &linker, &small).unwrap_err();
+    assert!(
+        matches!(
+            typed(&error),
+            TwmError::PoolShare {
+                held: 1,
+                share: 1,
+                ..
+            }
+        ),
+        "the small class's share is its own: {error:?}"
+    );
+    assert_eq!(
+        creator.stats().pool.unwrap().acquisitions,
+        acquisitions,
+        "refused before the pool was asked"
+    );
+}
+
+/// A guest growing an empty memory past its capacity (outside `instantiate` the limiter takes
+/// it for a new memory, which the plan would allow) is refused in the memory, and the limiter's
+/// grant goes back: nothing stays charged.
+#[test]
+fn a_growth_past_an_empty_memorys_capacity_leaves_nothing_charged() {
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .limits(
+            PlanLimits::new(1 << 30)
+                .and_then(|l| l.with_default_maximum(1 << 20))
+                .unwrap(),
+        )
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(1, "t", 64 << 20, IsolationLevel::StreamIsolated);
+    let mut store = store(&creator, &engine, &tenant);
+    // No maximum: a capacity of the default maximum, 1 MiB.
+    let module = Module::new(
+        &engine,
+        r#"(module (memory 0)
+             (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
+    )
+    .unwrap();
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let grow = instance
+        .get_typed_func::<i32, i32>(&mut store, "grow")
+        .unwrap();
+    for _ in 0..4 {
+        assert_eq!(grow.call(&mut store, 32).unwrap(), -1, "past 1 MiB");
+    }
+    let stats = tenant.stats();
+    assert_eq!(stats.touched_bytes, 0, "no grant left charged");
+    assert_eq!(stats.refused_growths, 4);
+    assert_eq!(grow.call(&mut store, 16).unwrap(), 0, "within it");
+    assert_eq!(tenant.stats().touched_bytes, 1 << 20);
+}
