@@ -345,8 +345,10 @@ impl<B: Backend> CreatorBuilder<B> {
     /// of the class's slots, at least one; no limit on a creator bound to one tenant,
     /// [`tenant`](Self::tenant), unless set here), so that one tenant cannot take every slot of
     /// a pool tenants share, nor every slot of its largest class (where every memory that
-    /// declares no maximum goes). The slot is counted once the pool chose it: a memory refused
-    /// at its share held a slot for that moment only.
+    /// declares no maximum goes). A tenant at its share of every class that could hold a memory
+    /// is refused before the pool is asked; the slot the pool chose is counted in its own class
+    /// (a memory may spill into a larger class where the tenant has room), and one of a class
+    /// where the tenant is at its share is given back at once.
     /// A memory past it is refused with [`TwmError::PoolShare`]. Ignored without a pool.
     #[must_use]
     pub fn slots_per_tenant(mut self, slots: usize) -> Self {
@@ -1255,12 +1257,13 @@ impl Payer {
     }
 }
 
-/// The largest slot of a pool's classes, in bytes (0 for none).
+/// The largest slot of a pool's classes, in bytes (0 for none), as the pool lays it out
+/// (rounded up to [`SLOT_ALIGN`]).
 fn largest_slot(config: &PoolConfig) -> u64 {
     config
         .classes
         .iter()
-        .map(|c| c.slot_bytes as u64)
+        .map(|c| c.slot_bytes.next_multiple_of(SLOT_ALIGN) as u64)
         .max()
         .unwrap_or(0)
 }

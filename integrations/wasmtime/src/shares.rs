@@ -74,19 +74,28 @@ impl PoolShares {
     }
 
     /// Refuses, before the pool is asked, a memory of `capacity` bytes whose tenant holds its
-    /// whole share of the class that would serve it (the smallest that holds it), so a tenant
+    /// whole share of every class that could serve it (those whose slots hold it), so a tenant
     /// at its share takes no slot even for a moment; [`take`](Self::take) counts the slot the
-    /// pool then chose (of that class or, where it was full, a larger one).
+    /// pool then chose.
     pub(crate) fn check(&self, tenant: &Arc<Tenant>, capacity: u64) -> Result<(), TwmError> {
-        let (class, limit) = self.class_of(capacity);
+        let key = Self::key(tenant);
         let held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
-        match held.get(&(Self::key(tenant), class)) {
-            Some(&count) if count >= limit => Err(TwmError::PoolShare {
+        let mut full = None;
+        for &(class, limit) in self.limits.iter().filter(|&&(b, _)| b >= capacity) {
+            let count = held.get(&(key, class)).copied().unwrap_or(0);
+            if count < limit {
+                return Ok(());
+            }
+            full.get_or_insert((count, limit));
+        }
+        match full {
+            Some((held, share)) => Err(TwmError::PoolShare {
                 tenant_name: tenant.name().to_string(),
-                held: count,
-                share: limit,
+                held,
+                share,
             }),
-            _ => Ok(()),
+            // No class holds it: the pool refuses it, typed.
+            None => Ok(()),
         }
     }
 

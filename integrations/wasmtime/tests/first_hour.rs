@@ -650,24 +650,25 @@ fn a_tenant_cannot_take_every_slot_of_the_largest_class() {
 }
 
 /// Classes are counted as the pool lays them out (slot sizes rounded up to 64 KiB), and a
-/// tenant at its share is refused before the pool is asked: it takes no slot, even for a moment.
+/// tenant at its share of every class that could hold the memory is refused before the pool is
+/// asked: it takes no slot, even for a moment.
 #[test]
 fn a_share_counts_rounded_classes_and_refuses_before_the_pool() {
     let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
         .pool(PoolConfig::new(
             DeviceId(0),
-            [SizeClass::new(96 << 10, 2), SizeClass::new(1 << 20, 16)],
+            [SizeClass::new(64 << 10, 4), SizeClass::new(96 << 10, 2)],
         ))
         .build()
         .unwrap();
     let engine = creator.engine().unwrap();
     let linker = Linker::new(&engine);
-    // Two pages fit the small class (96 KiB, laid out as 128 KiB) and nothing smaller.
+    // Two pages fit the 96 KiB class (laid out as 128 KiB) and not the 64 KiB one.
     let small = Module::new(&engine, "(module (memory 1 2))").unwrap();
     let greedy = Tenant::new(1, "greedy", 8 << 20, IsolationLevel::StreamIsolated);
     let mut first = store(&creator, &engine, &greedy);
     instantiate(&mut first, &linker, &small).unwrap();
-    assert_eq!(greedy.stats().held_bytes, 128 << 10, "a small slot");
+    assert_eq!(greedy.stats().held_bytes, 128 << 10, "a 128 KiB slot");
     let acquisitions = creator.stats().pool.unwrap().acquisitions;
     let mut second = store(&creator, &engine, &greedy);
     let error = instantiate(&mut second, &linker, &small).unwrap_err();
@@ -680,7 +681,7 @@ fn a_share_counts_rounded_classes_and_refuses_before_the_pool() {
                 ..
             }
         ),
-        "the small class's share is its own: {error:?}"
+        "the class's share is its own: {error:?}"
     );
     assert_eq!(
         creator.stats().pool.unwrap().acquisitions,
