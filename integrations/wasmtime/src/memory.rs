@@ -389,10 +389,7 @@ impl<B: Backend> CreatorBuilder<B> {
     fn shares(&self) -> Option<Arc<PoolShares>> {
         self.pool.as_ref().map(|config| {
             PoolShares::new(
-                config
-                    .classes
-                    .iter()
-                    .map(|c| (c.slot_bytes as u64, c.slots)),
+                config.classes.iter().map(|c| (laid_out(c), c.slots)),
                 self.slots_per_tenant,
             )
         })
@@ -1257,15 +1254,15 @@ impl Payer {
     }
 }
 
-/// The largest slot of a pool's classes, in bytes (0 for none), as the pool lays it out
-/// (rounded up to [`SLOT_ALIGN`]).
+/// A class's slot size as the pool lays it out (and reports its slots): rounded up to
+/// [`SLOT_ALIGN`].
+fn laid_out(class: &tensor_wasm_mem_core::SizeClass) -> u64 {
+    class.slot_bytes.next_multiple_of(SLOT_ALIGN) as u64
+}
+
+/// The largest slot of a pool's classes, in bytes (0 for none), as the pool lays it out.
 fn largest_slot(config: &PoolConfig) -> u64 {
-    config
-        .classes
-        .iter()
-        .map(|c| c.slot_bytes.next_multiple_of(SLOT_ALIGN) as u64)
-        .max()
-        .unwrap_or(0)
+    config.classes.iter().map(laid_out).max().unwrap_or(0)
 }
 
 /// The plan fitted to a pool: no memory gets more capacity than the largest slot. The default

@@ -29,16 +29,14 @@ pub(crate) struct SlotShare {
 }
 
 impl PoolShares {
-    /// Shares of a pool of `classes` (slot size, slots): `per_tenant` slots of each class, or
-    /// half of each class's slots (at least one) by default.
+    /// Shares of a pool of `classes` (slot size as the pool lays it out, slots): `per_tenant`
+    /// slots of each class, or half of each class's slots (at least one) by default.
     pub(crate) fn new(
         classes: impl IntoIterator<Item = (u64, usize)>,
         per_tenant: Option<usize>,
     ) -> Arc<Self> {
         let mut limits: Vec<(u64, usize)> = Vec::new();
         for (bytes, slots) in classes {
-            // As the pool lays its classes out (and reports its slots' sizes).
-            let bytes = bytes.next_multiple_of(tensor_wasm_mem_core::SLOT_ALIGN as u64);
             match limits.iter_mut().find(|(b, _)| *b == bytes) {
                 Some((_, n)) => *n = n.saturating_add(slots),
                 None => limits.push((bytes, slots)),

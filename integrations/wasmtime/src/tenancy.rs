@@ -517,13 +517,15 @@ impl TenantLimiter {
         });
     }
 
+    /// Counts a refused growth for the tenant and tells the host's hook.
     fn report_refused(&self, refused: RefusedGrowth) {
-        self.books
-            .tenant()
-            .refused_growths
-            .fetch_add(1, Ordering::AcqRel);
+        self.books.tenant().count_refused_growth();
+        self.tell_hook(&refused);
+    }
+
+    fn tell_hook(&self, refused: &RefusedGrowth) {
         if let Some(hook) = &self.on_refused_growth {
-            hook(&refused);
+            hook(refused);
         }
     }
 
@@ -739,9 +741,9 @@ impl ResourceLimiter for TenantLimiter {
     fn memory_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
         self.failed_growths += 1;
         self.books.settle();
-        let granted = self.last_granted.take();
-        let refused = match (error.downcast_ref::<TwmError>(), granted) {
-            (Some(ours), Some((current, desired))) => RefusedGrowth {
+        match (error.downcast_ref::<TwmError>(), self.last_granted.take()) {
+            // The memory of ours failed the growth just granted, and counted it.
+            (Some(ours), Some((current, desired))) => self.tell_hook(&RefusedGrowth {
                 current,
                 desired,
                 denial: match ours {
@@ -754,38 +756,21 @@ impl ResourceLimiter for TenantLimiter {
                     ours,
                     TwmError::Denied { .. } | TwmError::CapacityExceeded { .. }
                 ),
-            },
+            }),
             // Counted by the memory; no growth of this limiter's to name.
-            (Some(_), None) => return Ok(()),
-            // Wasmtime refused the growth it asked about, after the grant and before the
-            // memory saw it (past what the memory can hold without moving): counted here.
-            (None, Some((current, desired))) => {
-                self.books
-                    .tenant()
-                    .refused_growths
-                    .fetch_add(1, Ordering::AcqRel);
-                RefusedGrowth {
+            (Some(_), None) => {}
+            // Wasmtime refused it itself: after the grant and before the memory saw it (past
+            // what the memory can hold without moving), or before asking (a size the memory
+            // type cannot represent, not known here).
+            (None, granted) => {
+                let (current, desired) = granted.unwrap_or((0, usize::MAX));
+                self.report_refused(RefusedGrowth {
                     current,
                     desired,
                     denial: None,
                     failed: false,
-                }
+                });
             }
-            (None, None) => {
-                self.books
-                    .tenant()
-                    .refused_growths
-                    .fetch_add(1, Ordering::AcqRel);
-                RefusedGrowth {
-                    current: 0,
-                    desired: usize::MAX,
-                    denial: None,
-                    failed: false,
-                }
-            }
-        };
-        if let Some(hook) = &self.on_refused_growth {
-            hook(&refused);
         }
         Ok(())
     }

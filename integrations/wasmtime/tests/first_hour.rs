@@ -325,6 +325,15 @@ fn typed_host_views_of_several_ranges_in_one_scope() {
     assert_eq!(e.kind(), ErrorKind::InvalidArgument);
 }
 
+/// A module whose memory is `(memory LIMITS)` and whose export `grow(pages)` is `memory.grow`.
+fn growing_module(engine: &Engine, limits: &str) -> Module {
+    let wat = format!(
+        "(module (memory {limits}) \
+           (func (export \"grow\") (param i32) (result i32) (memory.grow (local.get 0))))"
+    );
+    Module::new(engine, wat).unwrap()
+}
+
 /// A guest that grows its `(memory 1 3)` on request, for a tenant capped at `cap` bytes, with
 /// every refused growth the limiter's hook sees logged.
 struct Growing {
@@ -343,12 +352,7 @@ impl Growing {
         let limiter = TenantLimiter::new(Arc::clone(tenant), ChargeMode::Touched, creator.limits())
             .on_refused_growth(move |r| log.lock().unwrap().push(*r));
         let mut store = new_store(&engine, TenantStore::with_limiter(&creator, limiter, ()));
-        let module = Module::new(
-            &engine,
-            r#"(module (memory (export "memory") 1 3)
-                 (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
-        )
-        .unwrap();
+        let module = growing_module(&engine, "(export \"memory\") 1 3");
         let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
         let grow = instance.get_typed_func(&mut store, "grow").unwrap();
         Self { store, grow, seen }
@@ -405,12 +409,7 @@ fn a_refused_growth_of_an_empty_memory_reaches_the_hook() {
     let limiter = TenantLimiter::new(Arc::clone(&tenant), ChargeMode::Touched, creator.limits())
         .on_refused_growth(move |r| log.lock().unwrap().push(*r));
     let mut store = new_store(&engine, TenantStore::with_limiter(&creator, limiter, ()));
-    let module = Module::new(
-        &engine,
-        r#"(module (memory 0 4)
-             (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
-    )
-    .unwrap();
+    let module = growing_module(&engine, "0 4");
     let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
     let grow = instance
         .get_typed_func::<i32, i32>(&mut store, "grow")
@@ -506,12 +505,7 @@ fn a_bound_creators_growth_denial_is_counted() {
         .build()
         .unwrap();
     let engine = creator.engine().unwrap();
-    let module = Module::new(
-        &engine,
-        r#"(module (memory 1 4)
-             (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
-    )
-    .unwrap();
+    let module = growing_module(&engine, "1 4");
     let mut store = Store::new(&engine, ());
     let instance = Linker::new(&engine)
         .instantiate(&mut store, &module)
@@ -707,12 +701,7 @@ fn a_growth_past_an_empty_memorys_capacity_leaves_nothing_charged() {
     let tenant = Tenant::new(1, "t", 64 << 20, IsolationLevel::StreamIsolated);
     let mut store = store(&creator, &engine, &tenant);
     // No maximum: a capacity of the default maximum, 1 MiB.
-    let module = Module::new(
-        &engine,
-        r#"(module (memory 0)
-             (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
-    )
-    .unwrap();
+    let module = growing_module(&engine, "0");
     let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
     let grow = instance
         .get_typed_func::<i32, i32>(&mut store, "grow")
