@@ -48,27 +48,27 @@ pub enum Refusal {
         address: u64,
     },
     /// A stream this backend did not hand out (or took back).
-    #[error("unknown stream {raw:#x}")]
+    #[error("unknown stream {stream:#x}")]
     UnknownStream {
-        /// The raw handle.
-        raw: u64,
+        /// The stream.
+        stream: DriverStream,
     },
     /// The driver (or its binding) has no stream-ordered memory pools.
     #[error("this backend has no device memory pools")]
     NoDevicePools,
     /// A pool this backend did not make (or destroyed), or an allocation not from it.
-    #[error("unknown pool {raw:#x} (or an allocation not from it)")]
+    #[error("unknown pool {pool:#x} (or an allocation not from it)")]
     UnknownPool {
-        /// The raw handle.
-        raw: u64,
+        /// The pool.
+        pool: DriverPool,
     },
     /// A stream that is not the pool's tenant's, or is on another device than the pool.
-    #[error("stream {raw:#x} is not a stream of pool {pool:#x}'s tenant on its device")]
+    #[error("stream {stream:#x} is not a stream of pool {pool:#x}'s tenant on its device")]
     ForeignStream {
-        /// The stream's raw handle.
-        raw: u64,
-        /// The pool's raw handle.
-        pool: u64,
+        /// The stream.
+        stream: DriverStream,
+        /// The pool.
+        pool: DriverPool,
     },
     /// The driver (or its binding) cannot register host memory for devices.
     #[error("this backend cannot register host memory")]
@@ -180,6 +180,12 @@ macro_rules! driver_handle {
             #[must_use]
             pub const fn raw(self) -> u64 {
                 self.0
+            }
+        }
+
+        impl core::fmt::LowerHex for $name {
+            fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+                core::fmt::LowerHex::fmt(&self.0, f)
             }
         }
     };
@@ -1002,7 +1008,7 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
         if host == Some(HostAccess::Registered) {
             // Pinned pages the device reads where they are: nothing to migrate, whatever the
             // device's managed-memory abilities (the stream is checked all the same).
-            self.stream_use(stream)?;
+            self.stream_use(stream.key())?;
             return Ok(());
         }
         if let Location::Device(device) = to
@@ -1014,7 +1020,7 @@ impl<D: DriverApi> Advisor for DriverBackend<D> {
             }
             .into());
         }
-        let using = self.stream_use(stream)?;
+        let using = self.stream_use(stream.key())?;
         let Some((start, len)) = span else {
             return Ok(());
         };
@@ -1315,6 +1321,12 @@ mod tests {
             Refusal::Range(RangeError::Overflow { offset: 1, len: 2 }).kind(),
             ErrorKind::Overflow
         );
-        assert!(!Refusal::UnknownStream { raw: 7 }.kind().is_denial());
+        assert!(
+            !Refusal::UnknownStream {
+                stream: DriverStream::from_raw(7)
+            }
+            .kind()
+            .is_denial()
+        );
     }
 }

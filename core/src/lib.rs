@@ -56,4 +56,4 @@ pub use pool::{
 pub use pools::{
     DevicePoolConfig, DevicePoolStats, DevicePools, PoolAllocation, PoolHandle, TenantDevicePool,
 };
-pub use stream::{DEFAULT_STREAM, Stream, StreamLease, StreamProvider};
+pub use stream::{DEFAULT_STREAM, Stream, StreamKey, StreamLease, StreamProvider};

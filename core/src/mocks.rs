@@ -6,7 +6,8 @@
 
 use crate::{
     Advice, Advisor, Allocation, BackendError, Capabilities, DeviceId, ErrorKind, ErrorType,
-    IsolationLevel, Location, ManagedAllocator, Refused, Stream, StreamProvider, TenantKey,
+    IsolationLevel, Location, ManagedAllocator, Refused, Stream, StreamKey, StreamProvider,
+    TenantKey,
 };
 
 /// The error type of [`MockBackend`]: whatever kind the test chooses.
@@ -80,5 +81,6 @@ mockall::mock! {
         ) -> Result<Stream, MockError>;
         fn release_stream(&self, stream: Stream) -> Result<(), MockError>;
         fn synchronize(&self, stream: &Stream) -> Result<(), MockError>;
+        fn wait_for(&self, key: StreamKey) -> Result<(), MockError>;
     }
 }

@@ -100,6 +100,73 @@ impl Stream {
     pub const fn is_shared(&self) -> bool {
         matches!(self.level, IsolationLevel::Shared)
     }
+
+    /// Its key: what names it without owning it (to wait for it later).
+    #[must_use]
+    pub const fn key(&self) -> StreamKey {
+        StreamKey {
+            stream: self.stream,
+            context: self.context,
+            level: self.level,
+            tenant: self.tenant,
+            device: self.device,
+        }
+    }
+}
+
+/// What names a stream without owning it: a stream's identity (driver stream, context,
+/// isolation level, tenant, device), to wait for its work with [`StreamProvider::wait_for`].
+///
+/// A key cannot release its stream, and a provider checks it like a [`Stream`]: a key whose
+/// stream was released (or was never handed out) is refused, never trusted. It is what a
+/// record that must wait for a stream it does not own keeps (a Store's guest streams, waited
+/// for before that Store's memory is freed), where a copy of the [`Stream`] would be a second
+/// owner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StreamKey {
+    stream: DriverStream,
+    context: DriverContext,
+    level: IsolationLevel,
+    tenant: TenantKey,
+    device: DeviceId,
+}
+
+impl StreamKey {
+    /// The driver stream.
+    #[must_use]
+    pub const fn driver_stream(&self) -> DriverStream {
+        self.stream
+    }
+
+    /// The driver context the stream lives in.
+    #[must_use]
+    pub const fn driver_context(&self) -> DriverContext {
+        self.context
+    }
+
+    /// The device its work runs on.
+    #[must_use]
+    pub const fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    /// The isolation level it was acquired for.
+    #[must_use]
+    pub const fn level(&self) -> IsolationLevel {
+        self.level
+    }
+
+    /// The identity of the tenant it was acquired for.
+    #[must_use]
+    pub const fn tenant_key(&self) -> TenantKey {
+        self.tenant
+    }
+
+    /// `true` for the shared default stream.
+    #[must_use]
+    pub const fn is_shared(&self) -> bool {
+        matches!(self.level, IsolationLevel::Shared)
+    }
 }
 
 /// Hands out streams by isolation level.
@@ -151,7 +218,13 @@ pub trait StreamProvider: ErrorType {
     fn release_stream(&self, stream: Stream) -> Result<(), Self::Error>;
 
     /// Waits until all work queued on `stream` has finished.
-    fn synchronize(&self, stream: &Stream) -> Result<(), Self::Error>;
+    fn synchronize(&self, stream: &Stream) -> Result<(), Self::Error> {
+        self.wait_for(stream.key())
+    }
+
+    /// Waits until all work queued on the stream `key` names has finished; a key whose stream
+    /// this provider did not hand out, or already took back, is refused.
+    fn wait_for(&self, key: StreamKey) -> Result<(), Self::Error>;
 }
 
 macro_rules! forward_streams {
@@ -177,6 +250,9 @@ macro_rules! forward_streams {
             }
             fn synchronize(&self, stream: &Stream) -> Result<(), Self::Error> {
                 T::synchronize(self, stream)
+            }
+            fn wait_for(&self, key: StreamKey) -> Result<(), Self::Error> {
+                T::wait_for(self, key)
             }
         }
     )*};

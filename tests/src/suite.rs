@@ -600,14 +600,31 @@ pub fn context_isolation_is_per_tenant<H: Harness>() {
     assert_no_leaks::<H>(&b);
 }
 
-/// Forged and already-released stream handles are refused, never trusted.
+/// Forged and already-released stream handles are refused, never trusted; so is a key (what
+/// waits for a stream without owning it) whose stream is gone or that names another tenant.
 pub fn unknown_streams_are_refused<H: Harness>() {
     let b = H::backend();
     let s = b
         .acquire_stream(key(1), IsolationLevel::StreamIsolated)
         .expect("stream");
     let (raw, context) = (s.driver_stream(), s.driver_context());
+    let live_key = s.key();
+    b.wait_for(live_key).expect("a live stream's key waits");
+    let other = b
+        .acquire_stream(key(2), IsolationLevel::StreamIsolated)
+        .expect("stream");
+    let foreign = Stream::new(
+        other.driver_stream(),
+        other.driver_context(),
+        IsolationLevel::StreamIsolated,
+        key(1),
+    );
+    let err = b.wait_for(foreign.key()).expect_err("another tenant's stream");
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    b.release_stream(other).expect("release");
     b.release_stream(s).expect("release");
+    let err = b.wait_for(live_key).expect_err("a released stream's key");
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
     let stale = Stream::new(raw, context, IsolationLevel::StreamIsolated, key(1));
     let err = b.synchronize(&stale).expect_err("released stream");
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");

@@ -5,7 +5,7 @@
 use tensor_wasm_mem_core::{
     Advice, Advisor, Allocation, BackendError, Capabilities, DeviceId, DevicePoolConfig,
     DevicePoolStats, DevicePools, ErrorKind, ErrorType, HostAccess, HostMemory, IsolationLevel,
-    Location, ManagedAllocator, Operation, PoolAllocation, PoolHandle, Refused, Stream,
+    Location, ManagedAllocator, Operation, PoolAllocation, PoolHandle, Refused, Stream, StreamKey,
     StreamProvider, TenantKey,
 };
 
@@ -124,7 +124,7 @@ impl StreamProvider for CudaOxideBackend {
         Err(not_yet(Operation::ReleaseStream))
     }
 
-    fn synchronize(&self, _: &Stream) -> Result<(), OxideError> {
+    fn wait_for(&self, _: StreamKey) -> Result<(), OxideError> {
         Err(not_yet(Operation::Synchronize))
     }
 }

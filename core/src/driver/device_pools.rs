@@ -90,7 +90,9 @@ impl<D: DriverApi> DriverBackend<D> {
                     raw: pool.driver_pool(),
                 })
             }
-            _ => Err(Refusal::UnknownPool { raw: pool.raw() }),
+            _ => Err(Refusal::UnknownPool {
+                pool: pool.driver_pool(),
+            }),
         }
     }
 
@@ -107,8 +109,8 @@ impl<D: DriverApi> DriverBackend<D> {
             Ok(())
         } else {
             Err(Refusal::ForeignStream {
-                raw: stream.raw(),
-                pool: pool.raw(),
+                stream: stream.driver_stream(),
+                pool: pool.driver_pool(),
             })
         }
     }
@@ -159,14 +161,18 @@ impl<D: DriverApi> DriverBackend<D> {
         let r = state
             .pools
             .get_mut(&pool.driver_pool())
-            .ok_or(Refusal::UnknownPool { raw: pool.raw() })?;
+            .ok_or(Refusal::UnknownPool {
+                pool: pool.driver_pool(),
+            })?;
         match r.live.get(&ptr) {
             Some(&b) if b.len == len => {
                 r.live.remove(&ptr);
                 r.live_bytes -= len as u64;
                 Ok(b)
             }
-            _ => Err(Refusal::UnknownPool { raw: pool.raw() }),
+            _ => Err(Refusal::UnknownPool {
+                pool: pool.driver_pool(),
+            }),
         }
     }
 
@@ -250,7 +256,7 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
             return Err(Refusal::ZeroSize.into());
         }
         let _pool_use = self.pool_use(pool)?;
-        let using = self.stream_use(stream)?;
+        let using = self.stream_use(stream.key())?;
         Self::check_pool_stream(pool, stream, using.device, using.tenant)?;
         let ptr = self.in_context(using.context, |d| {
             d.pool_alloc(pool.driver_pool(), bytes, using.raw())
@@ -274,7 +280,10 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         if retired {
             // Destroyed meanwhile: the block is the pool's, freed by its teardown (this call's
             // use may be the last); the caller must not get it.
-            return Err(Refusal::UnknownPool { raw: pool.raw() }.into());
+            return Err(Refusal::UnknownPool {
+                pool: pool.driver_pool(),
+            }
+            .into());
         }
         Ok(PoolAllocation::new(ptr, bytes))
     }
@@ -286,7 +295,7 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         stream: &Stream,
     ) -> Result<(), D::Error> {
         let _pool_use = self.pool_use(pool)?;
-        let using = self.stream_use(stream)?;
+        let using = self.stream_use(stream.key())?;
         Self::check_pool_stream(pool, stream, using.device, using.tenant)?;
         let ptr = allocation.device_ptr();
         let block = self.take_block(pool, ptr, allocation.len())?;
@@ -320,7 +329,9 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         let r = state
             .pools
             .get(&pool.driver_pool())
-            .ok_or(Refusal::UnknownPool { raw: pool.raw() })?;
+            .ok_or(Refusal::UnknownPool {
+                pool: pool.driver_pool(),
+            })?;
         Ok(DevicePoolStats {
             live_bytes: r.live_bytes,
             peak_bytes: r.peak_bytes,
@@ -337,7 +348,10 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
             let Some(r) = state.pools.get_mut(&pool.driver_pool()).filter(|r| {
                 r.life == Life::Live && r.device == pool.device() && r.tenant == pool.tenant_key()
             }) else {
-                return Err(Refusal::UnknownPool { raw: pool.raw() }.into());
+                return Err(Refusal::UnknownPool {
+                    pool: pool.driver_pool(),
+                }
+                .into());
             };
             if r.busy > 0 {
                 r.life = Life::Releasing;

@@ -12,7 +12,7 @@ use crate::device::DeviceId;
 use crate::driver::{DriverApi, DriverBackend, DriverContext, DriverStream, Life, Refusal};
 use crate::isolation::IsolationLevel;
 use crate::ledger::TenantKey;
-use crate::stream::{Stream, StreamProvider};
+use crate::stream::{Stream, StreamKey, StreamProvider};
 
 /// A stream of ours.
 #[derive(Debug)]
@@ -74,10 +74,10 @@ impl<D: DriverApi> Drop for StreamUse<'_, D> {
 impl<D: DriverApi> DriverBackend<D> {
     /// Starts a use of a stream handle of ours: checked against its live record (tenant,
     /// context and level must match), or the shared default stream.
-    pub(super) fn stream_use(&self, stream: &Stream) -> Result<StreamUse<'_, D>, Refusal> {
+    pub(super) fn stream_use(&self, stream: StreamKey) -> Result<StreamUse<'_, D>, Refusal> {
         let raw = stream.driver_stream();
         let call = self.enter(stream.device(), true).map_err(|e| match e {
-            Refusal::InvalidDevice { .. } => Refusal::UnknownStream { raw: raw.raw() },
+            Refusal::InvalidDevice { .. } => Refusal::UnknownStream { stream: raw },
             other => other,
         })?;
         if raw == DriverStream::DEFAULT {
@@ -92,14 +92,14 @@ impl<D: DriverApi> DriverBackend<D> {
                     device,
                 });
             }
-            return Err(Refusal::UnknownStream { raw: raw.raw() });
+            return Err(Refusal::UnknownStream { stream: raw });
         }
         let mut state = self.state.lock();
         match state.streams.get_mut(&raw) {
             Some(r)
                 if r.life == Life::Live
                     && r.tenant == stream.tenant_key()
-                    && r.context.raw() == stream.context()
+                    && r.context == stream.driver_context()
                     && r.device == stream.device()
                     && r.level == stream.level() =>
             {
@@ -114,7 +114,7 @@ impl<D: DriverApi> DriverBackend<D> {
                     device: r.device,
                 })
             }
-            _ => Err(Refusal::UnknownStream { raw: raw.raw() }),
+            _ => Err(Refusal::UnknownStream { stream: raw }),
         }
     }
 
@@ -364,7 +364,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
             // before its memory is scrubbed or freed (on the device's non-blocking zeroing
             // stream, which the legacy default stream does not order): wait for the default
             // stream, and with it for what other shared tenants queued.
-            let using = self.stream_use(&stream)?;
+            let using = self.stream_use(stream.key())?;
             return self.in_context(using.context, |d| d.synchronize(DriverStream::DEFAULT));
         }
         // No reset of its device while the release runs (the record leaves the table below).
@@ -376,11 +376,11 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
             let Some(r) = state.streams.get_mut(&raw).filter(|r| {
                 r.life == Life::Live
                     && r.tenant == stream.tenant_key()
-                    && r.context.raw() == stream.context()
+                    && r.context == stream.driver_context()
                     && r.device == stream.device()
                     && r.level == stream.level()
             }) else {
-                return Err(Refusal::UnknownStream { raw: raw.raw() }.into());
+                return Err(Refusal::UnknownStream { stream: raw }.into());
             };
             r.life = Life::Releasing;
             r.busy += 1;
@@ -392,7 +392,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
         ended.and(waited)
     }
 
-    fn synchronize(&self, stream: &Stream) -> Result<(), D::Error> {
+    fn wait_for(&self, stream: StreamKey) -> Result<(), D::Error> {
         let using = self.stream_use(stream)?;
         self.in_context(using.context, |d| d.synchronize(using.raw()))
     }

@@ -22,11 +22,11 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 
-use tensor_wasm_mem_core::{Denied, Purpose, Reservation};
+use tensor_wasm_mem_core::{Denied, Purpose, Reservation, StreamKey};
 
 use crate::error::TwmError;
 use crate::shares::{PoolShares, SlotShare};
-use crate::tenancy::{ChargeMode, StreamId, Tenant};
+use crate::tenancy::{ChargeMode, Tenant};
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every update under these locks is complete before anything that can panic.
@@ -176,7 +176,7 @@ pub(crate) struct StoreBooks {
     refusal: Mutex<Option<TwmError>>,
     /// Streams of this Store's guest context still alive: a memory that goes before them (the
     /// Store's data outlived its memories, as with `Store::into_data`) waits for them first.
-    streams: Mutex<Vec<StreamId>>,
+    streams: Mutex<Vec<StreamKey>>,
     /// A stream of this Store could not be released (its wait or its destroy was refused):
     /// work queued on it may still run, so no memory of the Store is given back.
     unsettled: std::sync::atomic::AtomicBool,
@@ -280,11 +280,11 @@ impl StoreBooks {
         lock(&self.refusal).take()
     }
 
-    pub(crate) fn add_stream(&self, id: StreamId) {
+    pub(crate) fn add_stream(&self, id: StreamKey) {
         lock(&self.streams).push(id);
     }
 
-    pub(crate) fn remove_stream(&self, id: StreamId) {
+    pub(crate) fn remove_stream(&self, id: StreamKey) {
         let mut streams = lock(&self.streams);
         if let Some(i) = streams.iter().position(|s| *s == id) {
             streams.swap_remove(i);
@@ -292,7 +292,7 @@ impl StoreBooks {
     }
 
     /// The Store's streams still alive.
-    pub(crate) fn streams(&self) -> Vec<StreamId> {
+    pub(crate) fn streams(&self) -> Vec<StreamKey> {
         lock(&self.streams).clone()
     }
 

@@ -46,7 +46,7 @@ use crate::books::StoreBooks;
 use crate::error::TwmError;
 use crate::kernels::KernelCounters;
 use crate::memory::{MemoryView, TensorWasmMemoryCreator};
-use crate::tenancy::{ChargeMode, HasTenantLimiter, StreamId, Tenant, TenantLimiter};
+use crate::tenancy::{ChargeMode, HasTenantLimiter, Tenant, TenantLimiter};
 
 /// Success.
 pub const TWM_OK: i32 = 0;
@@ -160,7 +160,7 @@ impl<B: Backend> GuestContext<B> {
                 self.device(),
             )?;
             if let Some(store) = &self.store {
-                store.add_stream(StreamId::of(lease.stream()));
+                store.add_stream(lease.stream().key());
             }
             self.stream = Some(lease);
         }
@@ -177,7 +177,7 @@ impl<B: Backend> Drop for GuestContext<B> {
         let Some(lease) = self.stream.take() else {
             return;
         };
-        let id = StreamId::of(lease.stream());
+        let id = lease.stream().key();
         match (lease.release(), &self.store) {
             (Ok(()), Some(store)) => store.remove_stream(id),
             (Ok(()), None) => {}

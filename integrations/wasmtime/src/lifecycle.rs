@@ -301,7 +301,7 @@ impl<B: Backend> MemoryRecord<B> {
         };
         let mut quiet = !books.is_unsettled();
         for id in books.streams() {
-            match held.storage.allocator().synchronize(&id.handle()) {
+            match held.storage.allocator().wait_for(id) {
                 Ok(()) => {}
                 // A context lost to a kernel fault runs nothing again: its work was abandoned.
                 Err(e) if e.kind() == tensor_wasm_mem_core::ErrorKind::ContextLost => {}

@@ -50,8 +50,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use tensor_wasm_mem_core::{
-    Denied, DeviceId, DriverContext, DriverStream, IsolationLevel, LedgerGroup, MemoryPlan,
-    PlanLimits, Purpose, Reservation, Stream, TenantBudgets, TenantId, TenantKey, TenantLedger,
+    Denied, DeviceId, IsolationLevel, LedgerGroup, MemoryPlan, PlanLimits, Purpose, Reservation,
+    TenantBudgets, TenantId, TenantLedger,
 };
 use wasmtime::{
     AsContextMut, Instance, InstancePre, Linker, Module, ResourceLimiter, ResourcesRequired, Store,
@@ -332,38 +332,6 @@ impl Tenant {
     /// Counts a memory charged to this tenant.
     pub(crate) fn count_memory(&self) {
         self.memories_created.fetch_add(1, Ordering::AcqRel);
-    }
-}
-
-/// What names a stream to its backend (a [`Stream`] is a handle that cannot be copied).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct StreamId {
-    stream: DriverStream,
-    context: DriverContext,
-    level: IsolationLevel,
-    tenant: TenantKey,
-    device: DeviceId,
-}
-
-impl StreamId {
-    /// The stream's device.
-    pub(crate) fn device(&self) -> DeviceId {
-        self.device
-    }
-
-    pub(crate) fn of(stream: &Stream) -> Self {
-        Self {
-            stream: stream.driver_stream(),
-            context: stream.driver_context(),
-            level: stream.level(),
-            tenant: stream.tenant_key(),
-            device: stream.device(),
-        }
-    }
-
-    /// A handle to the same stream, for a wait (the backend refuses it if the stream is gone).
-    pub(crate) fn handle(self) -> Stream {
-        Stream::new(self.stream, self.context, self.level, self.tenant).on_device(self.device)
     }
 }
 
