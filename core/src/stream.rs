@@ -124,48 +124,18 @@ impl Stream {
 /// owner.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct StreamKey {
-    stream: DriverStream,
-    context: DriverContext,
-    level: IsolationLevel,
-    tenant: TenantKey,
-    device: DeviceId,
+    pub(crate) stream: DriverStream,
+    pub(crate) context: DriverContext,
+    pub(crate) level: IsolationLevel,
+    pub(crate) tenant: TenantKey,
+    pub(crate) device: DeviceId,
 }
 
 impl StreamKey {
-    /// The driver stream.
-    #[must_use]
-    pub const fn driver_stream(&self) -> DriverStream {
-        self.stream
-    }
-
-    /// The driver context the stream lives in.
-    #[must_use]
-    pub const fn driver_context(&self) -> DriverContext {
-        self.context
-    }
-
     /// The device its work runs on.
     #[must_use]
     pub const fn device(&self) -> DeviceId {
         self.device
-    }
-
-    /// The isolation level it was acquired for.
-    #[must_use]
-    pub const fn level(&self) -> IsolationLevel {
-        self.level
-    }
-
-    /// The identity of the tenant it was acquired for.
-    #[must_use]
-    pub const fn tenant_key(&self) -> TenantKey {
-        self.tenant
-    }
-
-    /// `true` for the shared default stream.
-    #[must_use]
-    pub const fn is_shared(&self) -> bool {
-        matches!(self.level, IsolationLevel::Shared)
     }
 }
 

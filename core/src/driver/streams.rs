@@ -75,14 +75,14 @@ impl<D: DriverApi> DriverBackend<D> {
     /// Starts a use of a stream handle of ours: checked against its live record (tenant,
     /// context and level must match), or the shared default stream.
     pub(super) fn stream_use(&self, stream: StreamKey) -> Result<StreamUse<'_, D>, Refusal> {
-        let raw = stream.driver_stream();
-        let call = self.enter(stream.device(), true).map_err(|e| match e {
+        let raw = stream.stream;
+        let call = self.enter(stream.device, true).map_err(|e| match e {
             Refusal::InvalidDevice { .. } => Refusal::UnknownStream { stream: raw },
             other => other,
         })?;
         if raw == DriverStream::DEFAULT {
-            let device = stream.device();
-            if stream.is_shared() && device.0 < self.driver.device_count() {
+            let device = stream.device;
+            if matches!(stream.level, IsolationLevel::Shared) && device.0 < self.driver.device_count() {
                 return Ok(StreamUse {
                     backend: self,
                     _call: call,
@@ -98,10 +98,10 @@ impl<D: DriverApi> DriverBackend<D> {
         match state.streams.get_mut(&raw) {
             Some(r)
                 if r.life == Life::Live
-                    && r.tenant == stream.tenant_key()
-                    && r.context == stream.driver_context()
-                    && r.device == stream.device()
-                    && r.level == stream.level() =>
+                    && r.tenant == stream.tenant
+                    && r.context == stream.context
+                    && r.device == stream.device
+                    && r.level == stream.level =>
             {
                 r.busy += 1;
                 r.started += 1;
