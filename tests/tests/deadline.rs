@@ -94,6 +94,21 @@ fn a_deadline_never_fires_early() {
     let (engine, mut store, instance) = setup(Interruption::EPOCHS);
     let ticker = EpochTicker::start(&engine, Duration::from_millis(1)).expect("ticker");
     let deadline = Duration::from_millis(1);
+    // Busy threads beyond the cores, so the ticker's thread wakes late now and then, as on a
+    // loaded machine: a late ticker must not catch up with a burst of ticks.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let cores = std::thread::available_parallelism().map_or(2, usize::from);
+    let busy: Vec<_> = (0..cores * 2)
+        .map(|_| {
+            let stop = std::sync::Arc::clone(&stop);
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    let _stop = StopOnDrop(stop, busy);
     for _ in 0..1000 {
         let start = Instant::now();
         let result = ticker.call_within(&mut store, deadline, |store| count(store, &instance, 10));
@@ -104,6 +119,21 @@ fn a_deadline_never_fires_early() {
                 ran >= deadline,
                 "interrupted after {ran:?}, before its deadline"
             );
+        }
+    }
+}
+
+/// Stops and joins the busy threads, also when the test fails.
+struct StopOnDrop(
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+    Vec<std::thread::JoinHandle<()>>,
+);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        for thread in self.1.drain(..) {
+            let _ = thread.join();
         }
     }
 }

@@ -199,7 +199,10 @@ impl EpochTicker {
                         continue;
                     }
                     ticking.increment_epoch();
-                    next += tick;
+                    // The next tick is a whole tick after this one, never on a fixed schedule:
+                    // after a late wakeup (a loaded machine) a schedule would catch up with a
+                    // burst of ticks, and a deadline set just before it would fire early.
+                    next = now + tick;
                 }
             })
             .map_err(|_| TwmError::Interruption("the epoch ticker's thread did not start"))?;
