@@ -86,14 +86,14 @@ pub fn a_refused_free_keeps_its_charge<H: Harness>() {
     let stores: Vec<_> = (0..4).map(|_| rig.store()).collect();
     assert_eq!(rig.charged(), Rig::<H>::charge_of(4));
     for n in 1..=10 {
-        if !H::fail_nth(&backend, Operation::Free, n) {
+        if !H::faults(&backend).is_some_and(|f| f.fail_nth(Operation::Free, n)) {
             drop(stores);
             return skip("no fault injection");
         }
     }
     drop(stores);
     let held = |kept| {
-        if let Some(live) = H::live_allocations(&backend) {
+        if let Some(live) = H::counters(&backend).map(|c| c.live_allocations()) {
             assert_eq!(live, kept, "the driver holds what is kept");
         }
         assert_eq!(rig.creator.stats().kept_memories, kept);
@@ -130,7 +130,10 @@ fn fault_in<H: Harness>(
         &[AccessRange::read_write(0, 64)],
     )
     .expect("scope");
-    if !H::fault(backend, scope.stream()) {
+    if H::kernels(backend)
+        .map(|k| k.fault(scope.stream()))
+        .is_none()
+    {
         drop(scope);
         return false;
     }
@@ -166,10 +169,10 @@ pub fn recover_gives_a_faulted_stores_charge_back<H: Harness>() {
         Rig::<H>::charge_of(0),
         "the charge went back"
     );
-    if let Some(live) = H::live_allocations(&backend) {
+    if let Some(live) = H::counters(&backend).map(|c| c.live_allocations()) {
         assert_eq!(live, 0, "the driver holds nothing");
     }
-    if let Some(live) = H::live_streams(&backend) {
+    if let Some(live) = H::counters(&backend).map(|c| c.live_streams()) {
         assert_eq!(live, 0, "no stream left");
     }
     let _again = rig.store();
@@ -225,7 +228,7 @@ pub fn recover_waits_for_a_store_the_embedder_keeps<H: Harness>() {
         "recovered when the kept Store went"
     );
     assert_eq!(rig.charged(), Rig::<H>::charge_of(0));
-    if let Some(live) = H::live_allocations(&backend) {
+    if let Some(live) = H::counters(&backend).map(|c| c.live_allocations()) {
         assert_eq!(live, 0);
     }
     let _next = rig.store();
@@ -241,8 +244,8 @@ pub fn a_refused_unregister_keeps_its_charge<H: Harness>() {
     }
     let rig = Rig::<H>::new(&backend, Backing::Guarded(HostAccess::Registered));
     let store = rig.store();
-    if !(H::fail_nth(&backend, Operation::DetachHost, 1)
-        && H::fail_nth(&backend, Operation::DetachHost, 2))
+    if !(H::faults(&backend).is_some_and(|f| f.fail_nth(Operation::DetachHost, 1))
+        && H::faults(&backend).is_some_and(|f| f.fail_nth(Operation::DetachHost, 2)))
     {
         drop(store);
         return skip("no fault injection");

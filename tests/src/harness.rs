@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tensor_wasm_mem_core::{Allocation, Location, Operation, Stream};
 use tensor_wasm_mem_mock::{MockBackend, MockConfig};
 
-/// A driver call held after it took effect ([`Harness::hold_next`]): the test waits for it to
+/// A driver call held after it took effect ([`FaultControl::hold_next`]): the test waits for it to
 /// be held, does what the race needs, then lets it return. Dropped, it lets the call return.
 pub struct Held {
     wait: Box<dyn Fn(std::time::Duration) -> bool + Send + Sync>,
@@ -51,10 +51,24 @@ impl Drop for Held {
     }
 }
 
-/// What the suite needs from a backend.
-///
-/// Counters and fault injection are optional: a backend that has none (a real driver) returns
-/// `None`/`false`, and the cases that need them print that they were skipped for it.
+/// When stream work completes, as a case can count on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Completion {
+    /// At the call that queued it (the mock and the simulated driver by default).
+    AtCall,
+    /// Only when the device gets to it (a wait, a synchronise): a case may check that a host
+    /// read before the wait sees the old bytes.
+    Deferred,
+    /// At times the test does not choose (a background "device", a real GPU): a case may see
+    /// work done, or not yet, at any point before it waits.
+    OnItsOwn,
+}
+
+/// What the suite needs from a backend: a small core (the backend, and the facts every backend
+/// has), plus optional capabilities a backend has or lacks as a whole ([`Counters`],
+/// [`FaultControl`], [`DeviceWork`], [`Inspection`]). A case that needs a capability the backend
+/// lacks (a real driver has no fault knobs) calls [`skip`](crate::runner::skip) and is reported
+/// as ignored, never as passed.
 pub trait Harness: 'static {
     /// The backend type (every backend trait, as the Wasmtime integration needs them: one
     /// bound list, the integration's).
@@ -63,127 +77,18 @@ pub trait Harness: 'static {
     /// A fresh backend instance with at least one device.
     fn backend() -> Arc<Self::Backend>;
 
-    /// Allocations alive now, if the backend counts them.
-    fn live_allocations(_backend: &Self::Backend) -> Option<u64> {
-        None
-    }
-
-    /// Streams alive now (the shared default stream not counted), if counted.
-    fn live_streams(_backend: &Self::Backend) -> Option<u64> {
-        None
-    }
-
-    /// Per-tenant contexts alive now, if counted.
-    fn live_contexts(_backend: &Self::Backend) -> Option<u64> {
-        None
-    }
-
-    /// Device memory pools alive now, if counted.
-    fn live_pools(_backend: &Self::Backend) -> Option<u64> {
-        None
-    }
-
     /// `true` when the backend has device memory pools (others must answer `Unsupported`).
-    fn has_device_pools(_backend: &Self::Backend) -> bool {
-        false
+    fn has_device_pools(backend: &Self::Backend) -> bool;
+
+    /// When stream work completes.
+    fn completion(_backend: &Self::Backend) -> Completion {
+        Completion::AtCall
     }
 
-    /// `true` when pool memory can be read from the host (a simulated device): the suite then
-    /// checks that pool allocations come zero-filled.
-    fn pool_memory_host_readable(_backend: &Self::Backend) -> bool {
-        false
+    /// The largest request that must fail with out-of-memory on this backend.
+    fn too_much(_backend: &Self::Backend) -> usize {
+        usize::MAX / 2
     }
-
-    /// Makes the `n`-th call of `op` from now fail; `false` if the backend cannot inject.
-    fn fail_nth(_backend: &Self::Backend, _op: Operation, _n: u64) -> bool {
-        false
-    }
-
-    /// Makes the `n`-th driver call for `op` from now answer `code`, any integer (a code no
-    /// CUDA enum knows included); `false` if the backend cannot inject it.
-    fn fail_nth_with(_backend: &Self::Backend, _op: Operation, _n: u64, _code: u32) -> bool {
-        false
-    }
-
-    /// Removes pending injected failures.
-    fn clear_faults(_backend: &Self::Backend) {}
-
-    /// `true` when stream work completes later than the call that queued it (the model with
-    /// deferred streams): the cases that see a host read the old bytes before a synchronise
-    /// check that only then.
-    fn deferred(_backend: &Self::Backend) -> bool {
-        false
-    }
-
-    /// `true` when a background "device" completes stream work at times the test does not
-    /// choose (the model's worker): a case may then see work done, or not yet, at any point
-    /// before it waits.
-    fn worker(_backend: &Self::Backend) -> bool {
-        false
-    }
-
-    /// Queues the simulated `fill` kernel (`len` bytes of `byte` at `ptr`) on `stream`; `false`
-    /// where the harness cannot launch one (a real GPU here: no PTX for it).
-    ///
-    /// # Safety
-    ///
-    /// When the kernel runs, nothing else may access `ptr..ptr + len`.
-    unsafe fn fill(
-        _backend: &Self::Backend,
-        _stream: &Stream,
-        _ptr: u64,
-        _len: usize,
-        _byte: u8,
-    ) -> bool {
-        false
-    }
-
-    /// Makes `stream`'s context fault for good, as a kernel writing outside every allocation
-    /// does (a sticky error: every later call in that context fails); `false` where the harness
-    /// cannot launch one.
-    fn fault(backend: &Self::Backend, stream: &Stream) -> bool {
-        let _ = (backend, stream);
-        false
-    }
-
-    /// Orders `to`'s later work after `from`'s work so far, with an event (`cuEventRecord` on
-    /// `from`, `cuStreamWaitEvent` on `to`); `false` where the harness cannot.
-    fn event_between(_backend: &Self::Backend, _from: &Stream, _to: &Stream) -> bool {
-        false
-    }
-
-    /// The driver's hazard counters, where it has them: memsets queued over another stream's
-    /// pending work, frees of memory queued work still targets, kernel faults.
-    fn hazards(_backend: &Self::Backend) -> Option<[u64; 3]> {
-        None
-    }
-
-    /// Makes the `n`-th driver release of `what` from now fail; `false` if the backend cannot
-    /// inject it.
-    fn fail_release(_backend: &Self::Backend, _what: Release, _n: u64) -> bool {
-        false
-    }
-
-    /// Holds the next call of `op` (`PoolFree` at least) after it took effect, until the test
-    /// releases it ([`Held`]); `None` if the backend cannot.
-    fn hold_next(_backend: &Self::Backend, _op: Operation) -> Option<Held> {
-        None
-    }
-
-    /// The calling thread's driver context stack (depth, current context), where the driver has
-    /// one to inspect.
-    fn context_stack(_backend: &Self::Backend) -> Option<(u64, u64)> {
-        None
-    }
-
-    /// Pushes `context` on the calling thread's context stack, as an embedder's own CUDA code
-    /// would; `false` where there is no context stack.
-    fn push_context(_backend: &Self::Backend, _context: u64) -> bool {
-        false
-    }
-
-    /// Pops the calling thread's context stack.
-    fn pop_context(_backend: &Self::Backend) {}
 
     /// `true` on a real GPU driver, where a context costs tens of milliseconds: the thread
     /// cases then run fewer rounds (see [`rounds`](Self::rounds)).
@@ -207,20 +112,91 @@ pub trait Harness: 'static {
         None
     }
 
-    /// The largest request that must fail with out-of-memory on this backend.
-    fn too_much(_backend: &Self::Backend) -> usize {
-        usize::MAX / 2
-    }
-
-    /// The advice and residency in force at `offset` of `allocation`, where the backend (or the
-    /// driver below it) can be inspected.
-    fn hints(
-        _backend: &Self::Backend,
-        _allocation: &Allocation,
-        _offset: usize,
-    ) -> Option<HintState> {
+    /// The backend's live counters, where it has them.
+    fn counters(_backend: &Self::Backend) -> Option<Box<dyn Counters + '_>> {
         None
     }
+
+    /// Control over the driver's calls (failures, holds), where the driver offers it.
+    fn faults(_backend: &Self::Backend) -> Option<Box<dyn FaultControl + '_>> {
+        None
+    }
+
+    /// Simulated kernels and events the harness can queue, where it has them (a real GPU here
+    /// has no PTX for them).
+    fn kernels(_backend: &Self::Backend) -> Option<Box<dyn DeviceWork + '_>> {
+        None
+    }
+
+    /// What the driver lets a test look at (hazards, hints, the context stack).
+    fn inspect(_backend: &Self::Backend) -> Option<Box<dyn Inspection + '_>> {
+        None
+    }
+}
+
+/// What a backend holds now, cross-checked against the driver below it where that can be
+/// read (so nothing leaks below the backend either).
+pub trait Counters {
+    /// Allocations alive now.
+    fn live_allocations(&self) -> u64;
+    /// Streams alive now (the shared default stream not counted).
+    fn live_streams(&self) -> u64;
+    /// Per-tenant contexts alive now.
+    fn live_contexts(&self) -> u64;
+    /// Device memory pools alive now.
+    fn live_pools(&self) -> u64;
+}
+
+/// Making the driver's calls fail, or hold, on purpose.
+pub trait FaultControl {
+    /// Makes the `n`-th call of `op` from now fail (out of memory for an allocation, an
+    /// unknown error otherwise); `false` if `op` cannot be made to fail here.
+    fn fail_nth(&self, op: Operation, n: u64) -> bool;
+    /// Makes the `n`-th driver call for `op` from now answer `code`, any integer (a code no
+    /// CUDA enum knows included); `false` if `op` cannot be made to fail here.
+    fn fail_nth_with(&self, op: Operation, n: u64, code: u32) -> bool;
+    /// Makes the `n`-th driver release of `what` from now fail.
+    fn fail_release(&self, what: Release, n: u64);
+    /// Removes pending injected failures.
+    fn clear(&self);
+    /// Holds the next call of `op` (`PoolFree`, `Free` and `Allocate` at least) after it took
+    /// effect, until the test releases it ([`Held`]); `None` for another `op`.
+    fn hold_next(&self, op: Operation) -> Option<Held>;
+}
+
+/// Work the harness queues on a device itself: simulated kernels and events.
+pub trait DeviceWork {
+    /// Queues the simulated `fill` kernel (`len` bytes of `byte` at `ptr`) on `stream`.
+    ///
+    /// # Safety
+    ///
+    /// When the kernel runs, nothing else may access `ptr..ptr + len`.
+    unsafe fn fill(&self, stream: &Stream, ptr: u64, len: usize, byte: u8);
+    /// Makes `stream`'s context fault for good, as a kernel writing outside every allocation
+    /// does (a sticky error: every later call in that context fails).
+    fn fault(&self, stream: &Stream);
+    /// Orders `to`'s later work after `from`'s work so far, with an event (`cuEventRecord` on
+    /// `from`, `cuStreamWaitEvent` on `to`).
+    fn event_between(&self, from: &Stream, to: &Stream);
+}
+
+/// What the driver lets a test look at.
+pub trait Inspection {
+    /// The driver's hazard counters: memsets queued over another stream's pending work, frees
+    /// of memory queued work still targets, kernel faults.
+    fn hazards(&self) -> [u64; 3];
+    /// The advice and residency in force at `offset` of `allocation`.
+    fn hints(&self, allocation: &Allocation, offset: usize) -> Option<HintState>;
+    /// `true` when pool memory can be read from the host (a simulated device): the suite then
+    /// checks that pool allocations come zero-filled.
+    fn pool_memory_host_readable(&self) -> bool;
+    /// The calling thread's driver context stack (depth, current context).
+    fn context_stack(&self) -> (u64, u64);
+    /// Pushes `context` on the calling thread's context stack, as an embedder's own CUDA code
+    /// would.
+    fn push_context(&self, context: u64);
+    /// Pops the calling thread's context stack.
+    fn pop_context(&self);
 }
 
 /// An address no allocation ever covers: a simulated kernel that writes there faults.
@@ -313,6 +289,135 @@ fn mock_harness_impl(config: MockConfig) -> Arc<MockBackend> {
     }))
 }
 
+/// Every capability of the model, over one mock backend.
+struct ModelControls<'a>(&'a MockBackend);
+
+impl Counters for ModelControls<'_> {
+    fn live_allocations(&self) -> u64 {
+        let (ours, model) = (self.0.stats(), self.0.driver().stats());
+        agree("allocations", ours.live_allocations, model.live_allocations)
+    }
+    fn live_streams(&self) -> u64 {
+        let (ours, model) = (self.0.stats(), self.0.driver().stats());
+        agree("streams", ours.live_streams, model.live_streams)
+    }
+    fn live_contexts(&self) -> u64 {
+        let (ours, model) = (self.0.stats(), self.0.driver().stats());
+        agree("contexts", ours.live_contexts, model.live_contexts)
+    }
+    fn live_pools(&self) -> u64 {
+        let (ours, model) = (self.0.stats(), self.0.driver().stats());
+        agree(
+            "pool allocations",
+            ours.live_pool_allocations,
+            model.live_pool_allocations,
+        );
+        agree("pools", ours.live_pools, model.live_pools)
+    }
+}
+
+/// `ours`, once the driver below agrees.
+fn agree(what: &str, ours: u64, driver: u64) -> u64 {
+    assert_eq!(driver, ours, "{what}: the driver and the backend disagree");
+    ours
+}
+
+impl FaultControl for ModelControls<'_> {
+    fn fail_nth(&self, op: Operation, n: u64) -> bool {
+        self.0.driver().fail_nth(op, n)
+    }
+    fn fail_nth_with(&self, op: Operation, n: u64, code: u32) -> bool {
+        match tensor_wasm_mem_mock::Call::for_operation(op) {
+            Some(call) => {
+                self.0.driver().fail_call(call, n, code);
+                true
+            }
+            None => false,
+        }
+    }
+    fn fail_release(&self, what: Release, n: u64) {
+        use tensor_wasm_mem_mock::{Call, code};
+        let call = match what {
+            Release::StreamDestroy => Call::StreamDestroy,
+            Release::PoolDestroy => Call::PoolDestroy,
+            Release::ContextDestroy => Call::CtxDestroy,
+            Release::ContextPush => Call::CtxPush,
+        };
+        self.0.driver().fail_call(call, n, code::UNKNOWN);
+    }
+    fn clear(&self) {
+        self.0.driver().clear_faults();
+    }
+    fn hold_next(&self, op: Operation) -> Option<Held> {
+        let call = tensor_wasm_mem_mock::Call::for_operation(op)?;
+        let held = Arc::new(self.0.driver().hold_next(call));
+        let waiting = Arc::clone(&held);
+        Some(Held::new(
+            move |limit| waiting.wait(limit),
+            move || held.release(),
+        ))
+    }
+}
+
+impl DeviceWork for ModelControls<'_> {
+    unsafe fn fill(&self, stream: &Stream, ptr: u64, len: usize, byte: u8) {
+        // SAFETY: the caller's contract is the launch's.
+        unsafe { self.0.driver().enqueue_fill(stream, ptr, len, byte) }.expect("fill");
+    }
+    fn fault(&self, stream: &Stream) {
+        // SAFETY: the address lies outside every allocation: the simulated kernel faults
+        // instead of writing. The launch may report it at once (synchronous streams) or at
+        // the next wait.
+        let _ = unsafe { self.0.driver().enqueue_fill(stream, FAULT_AT, 64, 1) };
+    }
+    fn event_between(&self, from: &Stream, to: &Stream) {
+        let model = self.0.driver();
+        let event = model.event_create().expect("event");
+        model.event_record(event, from).expect("record");
+        model.stream_wait_event(to, event).expect("wait");
+        model.event_destroy(event).expect("destroy");
+    }
+}
+
+impl Inspection for ModelControls<'_> {
+    fn hazards(&self) -> [u64; 3] {
+        let s = self.0.driver().stats();
+        [
+            s.scrubs_over_pending_work,
+            s.frees_over_pending_work,
+            s.kernel_faults,
+        ]
+    }
+    fn hints(&self, allocation: &Allocation, offset: usize) -> Option<HintState> {
+        let model = self.0.driver();
+        let hints = model.hints(allocation, offset).ok()?;
+        Some(HintState {
+            read_mostly: hints.read_mostly,
+            preferred: hints.preferred_location,
+            accessed_by: hints.accessed_by,
+            resident: model.residency(allocation, offset).ok()?,
+        })
+    }
+    fn pool_memory_host_readable(&self) -> bool {
+        true
+    }
+    fn context_stack(&self) -> (u64, u64) {
+        let model = self.0.driver();
+        (model.context_depth() as u64, model.current())
+    }
+    fn push_context(&self, context: u64) {
+        use tensor_wasm_mem_core::DriverApi;
+        self.0
+            .driver()
+            .push_current(tensor_wasm_mem_core::DriverContext::from_raw(context))
+            .expect("push");
+    }
+    fn pop_context(&self) {
+        use tensor_wasm_mem_core::DriverApi;
+        let _ = self.0.driver().pop_current();
+    }
+}
+
 macro_rules! mock_harness {
     ($name:ty, $config:expr) => {
         impl $crate::Harness for $name {
@@ -321,160 +426,31 @@ macro_rules! mock_harness {
             fn backend() -> Arc<MockBackend> {
                 mock_harness_impl($config)
             }
-            fn live_allocations(b: &MockBackend) -> Option<u64> {
-                let ours = b.stats().live_allocations;
-                assert_eq!(
-                    b.driver().stats().live_allocations,
-                    ours,
-                    "model and backend disagree"
-                );
-                Some(ours)
-            }
-            fn live_streams(b: &MockBackend) -> Option<u64> {
-                let ours = b.stats().live_streams;
-                assert_eq!(
-                    b.driver().stats().live_streams,
-                    ours,
-                    "model and backend disagree"
-                );
-                Some(ours)
-            }
-            fn live_contexts(b: &MockBackend) -> Option<u64> {
-                let ours = b.stats().live_contexts;
-                assert_eq!(
-                    b.driver().stats().live_contexts,
-                    ours,
-                    "model and backend disagree"
-                );
-                Some(ours)
-            }
-            fn live_pools(b: &MockBackend) -> Option<u64> {
-                let ours = b.stats().live_pools;
-                let model = b.driver().stats();
-                assert_eq!(model.live_pools, ours, "model and backend disagree");
-                assert_eq!(model.live_pool_allocations, b.stats().live_pool_allocations);
-                Some(ours)
-            }
             fn has_device_pools(_: &MockBackend) -> bool {
                 true
             }
-            fn pool_memory_host_readable(_: &MockBackend) -> bool {
-                true
-            }
-            fn fail_nth(b: &MockBackend, op: Operation, n: u64) -> bool {
-                b.driver().fail_nth(op, n)
-            }
-            fn fail_nth_with(b: &MockBackend, op: Operation, n: u64, code: u32) -> bool {
-                match tensor_wasm_mem_mock::Call::for_operation(op) {
-                    Some(call) => {
-                        b.driver().fail_call(call, n, code);
-                        true
-                    }
-                    None => false,
+            fn completion(b: &MockBackend) -> Completion {
+                let c = b.driver().config();
+                match (c.deferred_streams, c.worker_interval) {
+                    (false, _) => Completion::AtCall,
+                    (true, None) => Completion::Deferred,
+                    (true, Some(_)) => Completion::OnItsOwn,
                 }
-            }
-            fn clear_faults(b: &MockBackend) {
-                b.driver().clear_faults();
-            }
-            fn deferred(b: &MockBackend) -> bool {
-                let c = b.driver().config();
-                c.deferred_streams && c.worker_interval.is_none()
-            }
-            fn worker(b: &MockBackend) -> bool {
-                let c = b.driver().config();
-                c.deferred_streams && c.worker_interval.is_some()
-            }
-            unsafe fn fill(
-                b: &MockBackend,
-                stream: &tensor_wasm_mem_core::Stream,
-                ptr: u64,
-                len: usize,
-                byte: u8,
-            ) -> bool {
-                // SAFETY: the caller's contract is the launch's.
-                unsafe { b.driver().enqueue_fill(stream, ptr, len, byte) }.expect("fill");
-                true
-            }
-            fn fault(b: &MockBackend, stream: &tensor_wasm_mem_core::Stream) -> bool {
-                // SAFETY: the address lies outside every allocation: the simulated kernel
-                // faults instead of writing. The launch may report it at once (synchronous
-                // streams) or at the next wait.
-                let _ = unsafe {
-                    b.driver()
-                        .enqueue_fill(stream, $crate::harness::FAULT_AT, 64, 1)
-                };
-                true
-            }
-            fn event_between(
-                b: &MockBackend,
-                from: &tensor_wasm_mem_core::Stream,
-                to: &tensor_wasm_mem_core::Stream,
-            ) -> bool {
-                let model = b.driver();
-                let event = model.event_create().expect("event");
-                model.event_record(event, from).expect("record");
-                model.stream_wait_event(to, event).expect("wait");
-                model.event_destroy(event).expect("destroy");
-                true
-            }
-            fn hazards(b: &MockBackend) -> Option<[u64; 3]> {
-                let s = b.driver().stats();
-                Some([
-                    s.scrubs_over_pending_work,
-                    s.frees_over_pending_work,
-                    s.kernel_faults,
-                ])
-            }
-            fn fail_release(b: &MockBackend, what: $crate::harness::Release, n: u64) -> bool {
-                use tensor_wasm_mem_mock::{Call, code};
-                use $crate::harness::Release;
-                let call = match what {
-                    Release::StreamDestroy => Call::StreamDestroy,
-                    Release::PoolDestroy => Call::PoolDestroy,
-                    Release::ContextDestroy => Call::CtxDestroy,
-                    Release::ContextPush => Call::CtxPush,
-                };
-                b.driver().fail_call(call, n, code::UNKNOWN);
-                true
-            }
-            fn hold_next(b: &MockBackend, op: Operation) -> Option<Held> {
-                let call = tensor_wasm_mem_mock::Call::for_operation(op)?;
-                let held = Arc::new(b.driver().hold_next(call));
-                let waiting = Arc::clone(&held);
-                Some(Held::new(
-                    move |limit| waiting.wait(limit),
-                    move || held.release(),
-                ))
-            }
-            fn context_stack(b: &MockBackend) -> Option<(u64, u64)> {
-                Some((b.driver().context_depth() as u64, b.driver().current()))
-            }
-            fn push_context(b: &MockBackend, context: u64) -> bool {
-                use tensor_wasm_mem_core::DriverApi;
-                b.driver()
-                    .push_current(tensor_wasm_mem_core::DriverContext::from_raw(context))
-                    .is_ok()
-            }
-            fn pop_context(b: &MockBackend) {
-                use tensor_wasm_mem_core::DriverApi;
-                let _ = b.driver().pop_current();
             }
             fn too_much(b: &MockBackend) -> usize {
                 usize::try_from(b.driver().config().device_memory_bytes).unwrap_or(usize::MAX) + 1
             }
-            fn hints(
-                b: &MockBackend,
-                allocation: &tensor_wasm_mem_core::Allocation,
-                offset: usize,
-            ) -> Option<$crate::harness::HintState> {
-                let model = b.driver();
-                let hints = model.hints(allocation, offset).ok()?;
-                Some($crate::harness::HintState {
-                    read_mostly: hints.read_mostly,
-                    preferred: hints.preferred_location,
-                    accessed_by: hints.accessed_by,
-                    resident: model.residency(allocation, offset).ok()?,
-                })
+            fn counters(b: &MockBackend) -> Option<Box<dyn Counters + '_>> {
+                Some(Box::new(ModelControls(b)))
+            }
+            fn faults(b: &MockBackend) -> Option<Box<dyn FaultControl + '_>> {
+                Some(Box::new(ModelControls(b)))
+            }
+            fn kernels(b: &MockBackend) -> Option<Box<dyn DeviceWork + '_>> {
+                Some(Box::new(ModelControls(b)))
+            }
+            fn inspect(b: &MockBackend) -> Option<Box<dyn Inspection + '_>> {
+                Some(Box::new(ModelControls(b)))
             }
         }
     };
@@ -544,6 +520,10 @@ impl Harness for KnoblessMockHarness {
     fn has_device_pools(_: &MockBackend) -> bool {
         true
     }
+
+    fn completion(_: &MockBackend) -> Completion {
+        Completion::OnItsOwn
+    }
 }
 
 /// Simulated device memory per device for the conformance cases.
@@ -593,9 +573,181 @@ pub fn fresh_driver(machine: &crate::sim::SimConfig) {
     }
 }
 
-/// Implements [`Harness`] for a backend built on the core's `DriverBackend`: counters from the
-/// backend (cross-checked against the simulator's, so nothing leaks below the backend either),
-/// faults injected through the simulator at the entry points the backend calls.
+/// The simulated libcuda's capabilities, over one backend on it (`DriverBackend` over
+/// cudarc's or cust's driver): faults injected at the entry points the backend calls (named by
+/// the binding: `advise` and `prefetch` differ between cudarc and cust), kernels, events and
+/// inspection.
+#[derive(Debug)]
+pub struct SimControls {
+    sim: &'static crate::sim::Sim,
+    advise: &'static str,
+    prefetch: &'static str,
+}
+
+impl SimControls {
+    /// The controls, where the simulator is the driver.
+    #[must_use]
+    pub fn new(advise: &'static str, prefetch: &'static str) -> Option<Self> {
+        Some(Self {
+            sim: crate::sim::Sim::get()?,
+            advise,
+            prefetch,
+        })
+    }
+}
+
+/// The counters of a backend on the core's `DriverBackend` (cudarc's or cust's driver),
+/// cross-checked against the simulator's where it is the driver.
+#[derive(Debug)]
+pub struct DriverCounters<'a, D: tensor_wasm_mem_core::DriverApi>(
+    pub &'a tensor_wasm_mem_core::DriverBackend<D>,
+);
+
+impl<D: tensor_wasm_mem_core::DriverApi> DriverCounters<'_, D> {
+    fn check(&self, what: &str, ours: u64, sim: impl Fn(&crate::sim::SimStats) -> u64) -> u64 {
+        match crate::sim::Sim::get() {
+            Some(driver) => agree(what, ours, sim(&driver.stats())),
+            None => ours,
+        }
+    }
+}
+
+impl<D: tensor_wasm_mem_core::DriverApi> Counters for DriverCounters<'_, D> {
+    fn live_allocations(&self) -> u64 {
+        let ours = self.0.stats().live_allocations;
+        self.check("allocations", ours, |s| s.live_allocations)
+    }
+    fn live_streams(&self) -> u64 {
+        let ours = self.0.stats().live_streams;
+        // The simulator also counts the backend's per-device zeroing stream.
+        let zeroing = u64::from(tensor_wasm_mem_core::ManagedAllocator::device_count(self.0));
+        self.check("streams", ours + zeroing, |s| s.live_streams) - zeroing
+    }
+    fn live_contexts(&self) -> u64 {
+        let ours = self.0.stats().live_contexts;
+        self.check("contexts", ours, |s| s.live_contexts)
+    }
+    fn live_pools(&self) -> u64 {
+        let ours = self.0.stats();
+        self.check("pool allocations", ours.live_pool_allocations, |s| {
+            s.live_pool_allocations
+        });
+        self.check("pools", ours.live_pools, |s| s.live_pools)
+    }
+}
+
+impl FaultControl for SimControls {
+    fn fail_nth(&self, op: Operation, n: u64) -> bool {
+        let code = if op == Operation::Allocate {
+            crate::sim::code::OUT_OF_MEMORY
+        } else {
+            crate::sim::code::UNKNOWN
+        };
+        self.fail_nth_with(op, n, code)
+    }
+    fn fail_nth_with(&self, op: Operation, n: u64, code: u32) -> bool {
+        let entry = match op {
+            Operation::Allocate => "cuMemAllocManaged",
+            Operation::Free => "cuMemFree_v2",
+            Operation::Zero => "cuMemsetD8Async",
+            // A reset begins with an unset advice.
+            Operation::Advise | Operation::ResetHints => self.advise,
+            Operation::Prefetch => self.prefetch,
+            Operation::AcquireStream => "cuStreamCreate",
+            Operation::ReleaseStream => "cuStreamDestroy_v2",
+            Operation::Synchronize => "cuStreamSynchronize",
+            Operation::CreatePool => "cuMemPoolCreate",
+            Operation::PoolAllocate => "cuMemAllocFromPoolAsync",
+            Operation::PoolFree => "cuMemFreeAsync",
+            Operation::AttachHost => "cuMemHostRegister_v2",
+            Operation::DetachHost => "cuMemHostUnregister",
+            Operation::RecoverDevice => "cuDevicePrimaryCtxReset_v2",
+            _ => return false,
+        };
+        self.sim.fail_nth(entry, n, code);
+        true
+    }
+    fn fail_release(&self, what: Release, n: u64) {
+        let entry = match what {
+            Release::StreamDestroy => "cuStreamDestroy_v2",
+            Release::ContextDestroy => "cuCtxDestroy_v2",
+            Release::PoolDestroy => "cuMemPoolDestroy",
+            Release::ContextPush => "cuCtxPushCurrent_v2",
+        };
+        self.sim.fail_nth(entry, n, crate::sim::code::UNKNOWN);
+    }
+    fn clear(&self) {
+        self.sim.clear_faults();
+    }
+    fn hold_next(&self, op: Operation) -> Option<Held> {
+        let entry = match op {
+            Operation::PoolFree => "cuMemFreeAsync",
+            Operation::Free => "cuMemFree_v2",
+            Operation::Allocate => "cuMemAllocManaged",
+            _ => return None,
+        };
+        let sim = self.sim;
+        sim.hold_next(entry);
+        Some(Held::new(
+            move |limit| sim.wait_held(entry, u64::try_from(limit.as_millis()).unwrap_or(u64::MAX)),
+            move || sim.release_held(entry),
+        ))
+    }
+}
+
+impl DeviceWork for SimControls {
+    unsafe fn fill(&self, stream: &Stream, ptr: u64, len: usize, byte: u8) {
+        // SAFETY: the caller's contract is the launch's.
+        let launched = unsafe {
+            self.sim
+                .launch_fill(stream.context(), stream.raw(), ptr, len as u64, byte)
+        };
+        launched.unwrap_or_else(|e| panic!("fill: {e}"));
+    }
+    fn fault(&self, stream: &Stream) {
+        // SAFETY: the address lies outside every allocation: the simulated kernel faults
+        // instead of writing (at the launch, or at the next wait).
+        let _ = unsafe {
+            self.sim
+                .launch_fill(stream.context(), stream.raw(), FAULT_AT, 64, 1)
+        };
+    }
+    fn event_between(&self, from: &Stream, to: &Stream) {
+        crate::kernels::event_between(from.context(), from.raw(), to.context(), to.raw())
+            .unwrap_or_else(|e| panic!("event: {e}"));
+    }
+}
+
+impl Inspection for SimControls {
+    fn hazards(&self) -> [u64; 3] {
+        let s = self.sim.stats();
+        [
+            s.scrubs_over_pending_work,
+            s.frees_over_pending_work,
+            s.kernel_faults,
+        ]
+    }
+    fn hints(&self, allocation: &Allocation, offset: usize) -> Option<HintState> {
+        let hints = self.sim.hints(allocation.device_ptr() + offset as u64)?;
+        Some(HintState::from_sim(hints))
+    }
+    fn pool_memory_host_readable(&self) -> bool {
+        true
+    }
+    fn context_stack(&self) -> (u64, u64) {
+        self.sim.context_stack()
+    }
+    fn push_context(&self, context: u64) {
+        self.sim.push_context(context);
+    }
+    fn pop_context(&self) {
+        self.sim.pop_context();
+    }
+}
+
+/// Implements [`Harness`] for a backend built on the core's `DriverBackend`, over the real
+/// driver or the simulated libcuda: on the simulator every capability ([`SimControls`]), on a
+/// real driver none.
 ///
 /// A backend that links libcuda at link time (cust) is given its harness in the test file that
 /// uses it, so other test binaries do not need `libcuda.so.1` to load.
@@ -606,6 +758,12 @@ macro_rules! driver_harness {
         #[derive(Debug)]
         pub struct $name;
 
+        impl $name {
+            fn controls() -> Option<$crate::harness::SimControls> {
+                $crate::harness::SimControls::new($advise, $prefetch)
+            }
+        }
+
         impl $crate::Harness for $name {
             type Backend = $backend;
 
@@ -614,211 +772,19 @@ macro_rules! driver_harness {
                 std::sync::Arc::new($start.unwrap_or_else(|e| panic!("the backend did not start: {e}")))
             }
 
-            fn live_allocations(b: &Self::Backend) -> Option<u64> {
-                let ours = b.stats().live_allocations;
-                if let Some(sim) = $crate::sim::Sim::get() {
-                    assert_eq!(sim.stats().live_allocations, ours, "driver and backend disagree");
-                }
-                Some(ours)
-            }
-
-            fn live_streams(b: &Self::Backend) -> Option<u64> {
-                let ours = b.stats().live_streams;
-                if let Some(sim) = $crate::sim::Sim::get() {
-                    // The simulator also counts the backend's per-device zeroing stream.
-                    let zeroing = u64::from($crate::core::ManagedAllocator::device_count(b));
-                    assert_eq!(sim.stats().live_streams, ours + zeroing, "driver and backend disagree");
-                }
-                Some(ours)
-            }
-
-            fn live_contexts(b: &Self::Backend) -> Option<u64> {
-                let ours = b.stats().live_contexts;
-                if let Some(sim) = $crate::sim::Sim::get() {
-                    assert_eq!(sim.stats().live_contexts, ours, "driver and backend disagree");
-                }
-                Some(ours)
-            }
-
-            fn live_pools(b: &Self::Backend) -> Option<u64> {
-                let ours = b.stats().live_pools;
-                if let Some(sim) = $crate::sim::Sim::get() {
-                    let s = sim.stats();
-                    assert_eq!(s.live_pools, ours, "driver and backend disagree");
-                    assert_eq!(s.live_pool_allocations, b.stats().live_pool_allocations);
-                }
-                Some(ours)
-            }
-
             fn has_device_pools(b: &Self::Backend) -> bool {
                 let pools: fn(&Self::Backend) -> bool = $pools;
                 pools(b)
             }
 
-            fn pool_memory_host_readable(_: &Self::Backend) -> bool {
-                $crate::sim::Sim::get().is_some()
-            }
-
-            fn fail_nth(b: &Self::Backend, op: $crate::core::Operation, n: u64) -> bool {
-                let code = if op == $crate::core::Operation::Allocate {
-                    $crate::sim::code::OUT_OF_MEMORY
-                } else {
-                    $crate::sim::code::UNKNOWN
-                };
-                Self::fail_nth_with(b, op, n, code)
-            }
-
-            fn fail_nth_with(_: &Self::Backend, op: $crate::core::Operation, n: u64, code: u32) -> bool {
-                use $crate::core::Operation;
-                let entry = match op {
-                    Operation::Allocate => "cuMemAllocManaged",
-                    Operation::Free => "cuMemFree_v2",
-                    Operation::Zero => "cuMemsetD8Async",
-                    Operation::Advise => $advise,
-                    Operation::Prefetch => $prefetch,
-                    // A reset begins with an unset advice.
-                    Operation::ResetHints => $advise,
-                    Operation::AcquireStream => "cuStreamCreate",
-                    Operation::ReleaseStream => "cuStreamDestroy_v2",
-                    Operation::Synchronize => "cuStreamSynchronize",
-                    Operation::CreatePool => "cuMemPoolCreate",
-                    Operation::PoolAllocate => "cuMemAllocFromPoolAsync",
-                    Operation::PoolFree => "cuMemFreeAsync",
-                    Operation::AttachHost => "cuMemHostRegister_v2",
-                    Operation::DetachHost => "cuMemHostUnregister",
-                    Operation::RecoverDevice => "cuDevicePrimaryCtxReset_v2",
-                    _ => return false,
-                };
-                let Some(sim) = $crate::sim::Sim::get() else {
-                    return false;
-                };
-                sim.fail_nth(entry, n, code);
-                true
-            }
-
-            fn clear_faults(_: &Self::Backend) {
-                if let Some(sim) = $crate::sim::Sim::get() {
-                    sim.clear_faults();
-                }
-            }
-
-            fn deferred(_: &Self::Backend) -> bool {
+            fn completion(_: &Self::Backend) -> $crate::harness::Completion {
+                use $crate::harness::Completion;
                 let m = $machine;
-                $crate::sim::Sim::get().is_some() && m.deferred != 0 && m.worker_micros == 0
-            }
-
-            fn worker(_: &Self::Backend) -> bool {
-                let m = $machine;
-                $crate::sim::Sim::get().is_some() && m.deferred != 0 && m.worker_micros > 0
-            }
-
-            unsafe fn fill(
-                _: &Self::Backend,
-                stream: &$crate::core::Stream,
-                ptr: u64,
-                len: usize,
-                byte: u8,
-            ) -> bool {
-                let Some(sim) = $crate::sim::Sim::get() else {
-                    return false;
-                };
-                // SAFETY: the caller's contract is the launch's.
-                let launched = unsafe {
-                    sim.launch_fill(stream.context(), stream.raw(), ptr, len as u64, byte)
-                };
-                launched.unwrap_or_else(|e| panic!("fill: {e}"));
-                true
-            }
-
-            fn fault(_: &Self::Backend, stream: &$crate::core::Stream) -> bool {
-                let Some(sim) = $crate::sim::Sim::get() else {
-                    return false;
-                };
-                // SAFETY: the address lies outside every allocation: the simulated kernel faults
-                // instead of writing (at the launch, or at the next wait).
-                let _ = unsafe {
-                    sim.launch_fill(stream.context(), stream.raw(), $crate::harness::FAULT_AT, 64, 1)
-                };
-                true
-            }
-
-            fn event_between(_: &Self::Backend, from: &$crate::core::Stream, to: &$crate::core::Stream) -> bool {
-                // Only where the simulator is the driver, as the other driver hooks.
-                if $crate::sim::Sim::get().is_none() {
-                    return false;
-                }
-                $crate::kernels::event_between(from.context(), from.raw(), to.context(), to.raw())
-                    .unwrap_or_else(|e| panic!("event: {e}"));
-                true
-            }
-
-            fn hazards(_: &Self::Backend) -> Option<[u64; 3]> {
-                $crate::sim::Sim::get().map(|sim| {
-                    let s = sim.stats();
-                    [s.scrubs_over_pending_work, s.frees_over_pending_work, s.kernel_faults]
-                })
-            }
-
-            fn fail_release(_: &Self::Backend, what: $crate::harness::Release, n: u64) -> bool {
-                use $crate::harness::Release;
-                let entry = match what {
-                    Release::StreamDestroy => "cuStreamDestroy_v2",
-                    Release::ContextDestroy => "cuCtxDestroy_v2",
-                    Release::PoolDestroy => "cuMemPoolDestroy",
-                    Release::ContextPush => "cuCtxPushCurrent_v2",
-                };
-                let Some(sim) = $crate::sim::Sim::get() else {
-                    return false;
-                };
-                sim.fail_nth(entry, n, $crate::sim::code::UNKNOWN);
-                true
-            }
-
-            fn hold_next(
-                _: &Self::Backend,
-                op: $crate::core::Operation,
-            ) -> Option<$crate::harness::Held> {
-                use $crate::core::Operation;
-                let entry = match op {
-                    Operation::PoolFree => "cuMemFreeAsync",
-                    Operation::Free => "cuMemFree_v2",
-                    Operation::Allocate => "cuMemAllocManaged",
-                    _ => return None,
-                };
-                let sim = $crate::sim::Sim::get()?;
-                sim.hold_next(entry);
-                Some($crate::harness::Held::new(
-                    move |limit| {
-                        $crate::sim::Sim::get().is_some_and(|sim| {
-                            sim.wait_held(
-                                entry,
-                                u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
-                            )
-                        })
-                    },
-                    move || {
-                        if let Some(sim) = $crate::sim::Sim::get() {
-                            sim.release_held(entry);
-                        }
-                    },
-                ))
-            }
-
-            fn context_stack(_: &Self::Backend) -> Option<(u64, u64)> {
-                $crate::sim::Sim::get().map(|sim| sim.context_stack())
-            }
-
-            fn push_context(_: &Self::Backend, context: u64) -> bool {
-                let Some(sim) = $crate::sim::Sim::get() else {
-                    return false;
-                };
-                sim.push_context(context);
-                true
-            }
-
-            fn pop_context(_: &Self::Backend) {
-                if let Some(sim) = $crate::sim::Sim::get() {
-                    sim.pop_context();
+                match ($crate::sim::Sim::get(), m.deferred, m.worker_micros) {
+                    (None, _, _) => Completion::OnItsOwn,
+                    (Some(_), 0, _) => Completion::AtCall,
+                    (Some(_), _, 0) => Completion::Deferred,
+                    (Some(_), _, _) => Completion::OnItsOwn,
                 }
             }
 
@@ -833,22 +799,28 @@ macro_rules! driver_harness {
                 })
             }
 
-            fn hints(
-                _: &Self::Backend,
-                allocation: &$crate::core::Allocation,
-                offset: usize,
-            ) -> Option<$crate::harness::HintState> {
-                let sim = $crate::sim::Sim::get()?;
-                let hints = sim.hints(allocation.device_ptr() + offset as u64)?;
-                Some($crate::harness::HintState::from_sim(hints))
-            }
-
             fn too_much(_: &Self::Backend) -> usize {
                 if $crate::sim::Sim::get().is_some() {
                     $crate::harness::SIM_MEMORY as usize + 1
                 } else {
                     1 << 50
                 }
+            }
+
+            fn counters(b: &Self::Backend) -> Option<Box<dyn $crate::harness::Counters + '_>> {
+                Some(Box::new($crate::harness::DriverCounters(b)))
+            }
+
+            fn faults(_: &Self::Backend) -> Option<Box<dyn $crate::harness::FaultControl + '_>> {
+                Some(Box::new(Self::controls()?))
+            }
+
+            fn kernels(_: &Self::Backend) -> Option<Box<dyn $crate::harness::DeviceWork + '_>> {
+                Some(Box::new(Self::controls()?))
+            }
+
+            fn inspect(_: &Self::Backend) -> Option<Box<dyn $crate::harness::Inspection + '_>> {
+                Some(Box::new(Self::controls()?))
             }
         }
     };

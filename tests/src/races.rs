@@ -78,7 +78,7 @@ pub fn context_first_stream_race_gives_one_context<H: Harness>() {
         .filter(|&i| contexts[0][i] != contexts[1][i])
         .count();
     assert_eq!(split, 0, "rounds in which one tenant got two contexts");
-    if let Some(live) = H::live_contexts(&b) {
+    if let Some(live) = H::counters(&b).map(|c| c.live_contexts()) {
         assert_eq!(live, 0, "every context destroyed with its last stream");
     }
     drop_and_check_driver::<H>(b);
@@ -109,7 +109,10 @@ pub fn context_storm_keeps_every_stream_usable<H: Harness>() {
         }
     });
     assert_eq!(unusable.load(Ordering::Relaxed), 0, "unusable streams");
-    if let (Some(streams), Some(contexts)) = (H::live_streams(&b), H::live_contexts(&b)) {
+    if let (Some(streams), Some(contexts)) = (
+        H::counters(&b).map(|c| c.live_streams()),
+        H::counters(&b).map(|c| c.live_contexts()),
+    ) {
         assert_eq!((streams, contexts), (0, 0), "(streams, contexts) left");
     }
     drop_and_check_driver::<H>(b);
@@ -130,7 +133,7 @@ pub fn tenants_sharing_an_id_are_isolated<H: Harness>() {
         m.context(),
         "one id, two tenants, two contexts"
     );
-    if let Some(live) = H::live_contexts(&b) {
+    if let Some(live) = H::counters(&b).map(|c| c.live_contexts()) {
         assert_eq!(live, 2);
     }
     // Mallory names Alice's stream with her own identity: refused.
@@ -142,7 +145,7 @@ pub fn tenants_sharing_an_id_are_isolated<H: Harness>() {
     b.synchronize(&a).expect("alice's stream still works");
     b.release_stream(a).expect("release");
     b.release_stream(m).expect("release");
-    if let Some(live) = H::live_contexts(&b) {
+    if let Some(live) = H::counters(&b).map(|c| c.live_contexts()) {
         assert_eq!(live, 0);
     }
     drop_and_check_driver::<H>(b);
@@ -189,7 +192,7 @@ pub fn device_pool_cap_holds_when_a_free_returns_late<H: Harness>() {
     let stream = shared_stream(&tenant);
     let first = pool.allocate(BLOCK, &stream).expect("first");
     let first_ptr = first.device_ptr();
-    let Some(held) = H::hold_next(&b, Operation::PoolFree) else {
+    let Some(held) = H::faults(&b).and_then(|f| f.hold_next(Operation::PoolFree)) else {
         return skip("no way to hold a free");
     };
     let newcomer = thread::scope(|s| {
@@ -279,26 +282,29 @@ pub fn failed_stream_destroy_stays_counted_until_drop<H: Harness>() {
         IsolationLevel::StreamIsolated,
         IsolationLevel::ContextIsolated,
     ] {
-        let streams_before = H::live_streams(&b);
+        let streams_before = H::counters(&b).map(|c| c.live_streams());
         let stream = b.acquire_stream(tenant, level).expect("stream");
         let (raw, context) = (stream.driver_stream(), stream.driver_context());
-        if !H::fail_release(&b, Release::StreamDestroy, 1) {
+        if H::faults(&b)
+            .map(|f| f.fail_release(Release::StreamDestroy, 1))
+            .is_none()
+        {
             b.release_stream(stream).expect("release");
             return skip("no fault injection");
         }
         b.release_stream(stream).expect_err("injected");
         if level == IsolationLevel::StreamIsolated {
-            if let Some(live) = H::live_streams(&b) {
+            if let Some(live) = H::counters(&b).map(|c| c.live_streams()) {
                 assert!(live >= 1, "the driver still has the stream: counted");
             }
         } else {
             // The tenant's context goes with its last user all the same, and takes the
             // refused stream with it: a faulting tenant cannot keep a context held.
-            if let Some(live) = H::live_contexts(&b) {
+            if let Some(live) = H::counters(&b).map(|c| c.live_contexts()) {
                 assert_eq!(live, 0, "the context went, with its stream");
             }
             assert_eq!(
-                H::live_streams(&b),
+                H::counters(&b).map(|c| c.live_streams()),
                 streams_before,
                 "the stream went with its context"
             );
@@ -319,24 +325,31 @@ pub fn failed_context_destroy_stays_counted_until_drop<H: Harness>() {
     let tenant = TenantKey::fresh(TenantId(1));
     let stream = b.acquire_stream(tenant, level).expect("stream");
     let old = stream.context();
-    if !H::fail_release(&b, Release::ContextDestroy, 1) {
+    if H::faults(&b)
+        .map(|f| f.fail_release(Release::ContextDestroy, 1))
+        .is_none()
+    {
         b.release_stream(stream).expect("release");
         return skip("no contexts to fail");
     }
     b.release_stream(stream)
         .expect_err("the context destroy failed");
-    if let Some(live) = H::live_contexts(&b) {
+    if let Some(live) = H::counters(&b).map(|c| c.live_contexts()) {
         assert_eq!(live, 1, "the driver still has the context: counted");
     }
     let fresh = b.acquire_stream(tenant, level).expect("a new context");
     assert_ne!(fresh.context(), old, "a retired context never serves again");
     b.release_stream(fresh).expect("release");
     // The rollback path: the first stream of a new context fails, then its destroy does too.
-    assert!(H::fail_nth(&b, Operation::AcquireStream, 1));
-    assert!(H::fail_release(&b, Release::ContextDestroy, 1));
+    assert!(H::faults(&b).is_some_and(|f| f.fail_nth(Operation::AcquireStream, 1)));
+    assert!(
+        H::faults(&b)
+            .map(|f| f.fail_release(Release::ContextDestroy, 1))
+            .is_some()
+    );
     b.acquire_stream(TenantKey::fresh(TenantId(2)), level)
         .expect_err("injected");
-    if let Some(live) = H::live_contexts(&b) {
+    if let Some(live) = H::counters(&b).map(|c| c.live_contexts()) {
         assert_eq!(
             live, 2,
             "both contexts the driver refused to destroy are counted"
@@ -365,13 +378,13 @@ pub fn failed_pool_destroy_stays_counted_until_drop<H: Harness>() {
             .create_pool(tenant, D0, &DevicePoolConfig::default())
             .expect("pool");
         let _block = b.pool_allocate(&pool, BLOCK, &shared).expect("block");
-        if !H::fail_release(&b, what, 1) {
+        if H::faults(&b).map(|f| f.fail_release(what, 1)).is_none() {
             b.destroy_pool(pool).expect("destroy");
             continue;
         }
         injected += 1;
         b.destroy_pool(pool).expect_err("injected");
-        if let Some(live) = H::live_pools(&b) {
+        if let Some(live) = H::counters(&b).map(|c| c.live_pools()) {
             assert_eq!(live, injected, "the driver still has the pool: counted");
         }
     }
@@ -388,10 +401,15 @@ pub fn context_stack_is_left_as_it_was<H: Harness>() {
     let shared = b
         .acquire_stream(TenantKey::fresh(TenantId(9)), IsolationLevel::Shared)
         .expect("shared");
-    if !H::push_context(&b, shared.context()) {
+    if H::inspect(&b)
+        .map(|i| i.push_context(shared.context()))
+        .is_none()
+    {
         return skip("no context stack");
     }
-    let before = H::context_stack(&b).expect("inspectable");
+    let before = H::inspect(&b)
+        .map(|i| i.context_stack())
+        .expect("inspectable");
     let tenant = Arc::new(TenantLedger::new(
         TenantId(1),
         u64::MAX,
@@ -404,7 +422,7 @@ pub fn context_stack_is_left_as_it_was<H: Harness>() {
         ] {
             let stream = b.acquire_stream(tenant.key(), level).expect("stream");
             assert_eq!(
-                H::context_stack(&b),
+                H::inspect(&b).map(|i| i.context_stack()),
                 Some(before),
                 "after acquiring a {level} stream"
             );
@@ -430,11 +448,13 @@ pub fn context_stack_is_left_as_it_was<H: Harness>() {
         }
     }
     assert_eq!(
-        H::context_stack(&b),
+        H::inspect(&b).map(|i| i.context_stack()),
         Some(before),
         "(depth, current) of the caller's context stack"
     );
-    H::pop_context(&b);
+    if let Some(i) = H::inspect(&b) {
+        i.pop_context();
+    }
     b.release_stream(shared).expect("release shared");
     drop_and_check_driver::<H>(b);
 }

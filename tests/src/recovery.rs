@@ -47,7 +47,7 @@ fn give_up<B: ManagedAllocator>(backend: &B, allocation: Allocation) -> Allocati
 /// Faults `stream`'s work and sees it at the next wait; `false` where the harness cannot launch a
 /// kernel.
 fn fault<H: Harness>(backend: &H::Backend, stream: &Stream) -> bool {
-    if !H::fault(backend, stream) {
+    if H::kernels(backend).map(|k| k.fault(stream)).is_none() {
         return false;
     }
     let waited = backend
@@ -65,7 +65,11 @@ fn serves<H: Harness>(backend: &H::Backend, device: DeviceId) {
         .acquire_stream_on(key(9), IsolationLevel::StreamIsolated, device)
         .expect("a stream after");
     // SAFETY: nothing else touches the buffer until the stream is waited for.
-    if unsafe { H::fill(backend, &stream, buffer.device_ptr(), 64, 0x5a) } {
+    if unsafe {
+        H::kernels(backend)
+            .map(|k| k.fill(&stream, buffer.device_ptr(), 64, 0x5a))
+            .is_some()
+    } {
         backend.synchronize(&stream).expect("the kernel runs");
         if backend.capabilities().host_accessible {
             // SAFETY: the kernel is done (waited for); the buffer is live.
@@ -170,12 +174,12 @@ pub fn recover_through_a_second_fault_and_a_refused_reset<H: Harness>() {
         b.release_stream(second).expect("release");
         return skip("no simulated kernel");
     }
-    let _ = H::fault(&b, &second);
+    let _ = H::kernels(&b).map(|k| k.fault(&second)).is_some();
     assert_lost(&b.synchronize(&second).expect_err("lost too"), "the second");
     assert_eq!(b.device_health(D0).faults, 1, "one fault per fence");
     let _ = b.release_stream(first);
     let _ = b.release_stream(second);
-    if H::fail_nth(&b, Operation::RecoverDevice, 1) {
+    if H::faults(&b).is_some_and(|f| f.fail_nth(Operation::RecoverDevice, 1)) {
         let refused = recover(&*b).expect_err("the reset is refused");
         assert_ne!(refused.kind(), ErrorKind::ContextLost, "{refused}");
         assert!(b.device_fenced(D0), "still fenced after a refused reset");
@@ -238,7 +242,7 @@ pub fn recover_waits_for_a_call_in_flight<H: Harness>() {
     let stream = b
         .acquire_stream_on(key(1), IsolationLevel::Shared, D0)
         .expect("stream");
-    let Some(held) = H::hold_next(&b, Operation::Allocate) else {
+    let Some(held) = H::faults(&b).and_then(|f| f.hold_next(Operation::Allocate)) else {
         b.release_stream(stream).expect("release");
         return skip("no holds");
     };

@@ -13,6 +13,7 @@ use tensor_wasm_mem_core::{
 };
 
 use crate::Harness;
+use crate::harness::Completion;
 use crate::runner::skip;
 
 const PAGE: usize = 1 << 16;
@@ -53,16 +54,16 @@ fn all_advice(location: Location) -> [Advice; 6] {
 }
 
 pub(crate) fn assert_no_leaks<H: Harness>(backend: &H::Backend) {
-    if let Some(live) = H::live_allocations(backend) {
+    if let Some(live) = H::counters(backend).map(|c| c.live_allocations()) {
         assert_eq!(live, 0, "allocations leaked");
     }
-    if let Some(live) = H::live_streams(backend) {
+    if let Some(live) = H::counters(backend).map(|c| c.live_streams()) {
         assert_eq!(live, 0, "streams leaked");
     }
-    if let Some(live) = H::live_contexts(backend) {
+    if let Some(live) = H::counters(backend).map(|c| c.live_contexts()) {
         assert_eq!(live, 0, "contexts leaked");
     }
-    if let Some(live) = H::live_pools(backend) {
+    if let Some(live) = H::counters(backend).map(|c| c.live_pools()) {
         assert_eq!(live, 0, "device pools leaked");
     }
 }
@@ -269,7 +270,7 @@ pub fn free_gives_memory_back<H: Harness>() {
         let a = b.allocate(D0, PAGE * (1 + i % 5)).expect("allocate");
         free(&*b, a);
     }
-    match H::live_allocations(&b) {
+    match H::counters(&b).map(|c| c.live_allocations()) {
         Some(live) => assert_eq!(live, 0),
         None => skip("no allocation counter"),
     }
@@ -488,7 +489,7 @@ pub fn shared_stream_is_shared<H: Harness>() {
     assert_eq!(one.raw(), two.raw(), "shared streams are the same stream");
     assert_eq!(one.context(), two.context(), "in the same context");
     assert!(one.is_shared());
-    if let Some(live) = H::live_streams(&b) {
+    if let Some(live) = H::counters(&b).map(|c| c.live_streams()) {
         assert_eq!(live, 0, "the shared stream is not created per instance");
     }
     b.release_stream(one).expect("release");
@@ -559,7 +560,7 @@ pub fn isolated_streams_are_distinct_and_released<H: Harness>() {
     for s in &streams {
         assert_eq!(s.context(), shared.context(), "in the primary context");
     }
-    if let Some(live) = H::live_streams(&b) {
+    if let Some(live) = H::counters(&b).map(|c| c.live_streams()) {
         assert_eq!(live, 4);
     }
     for s in streams {
@@ -585,15 +586,15 @@ pub fn context_isolation_is_per_tenant<H: Harness>() {
     assert_ne!(a1.context(), b1.context(), "tenants do not share a context");
     assert_ne!(a1.context(), primary, "not the primary context");
     assert_ne!(a1.raw(), a2.raw(), "a stream per instance");
-    if let Some(live) = H::live_contexts(&b) {
+    if let Some(live) = H::counters(&b).map(|c| c.live_contexts()) {
         assert_eq!(live, 2);
     }
     b.release_stream(a1).expect("release");
-    if let Some(live) = H::live_contexts(&b) {
+    if let Some(live) = H::counters(&b).map(|c| c.live_contexts()) {
         assert_eq!(live, 2, "the tenant still has a stream");
     }
     b.release_stream(a2).expect("release");
-    if let Some(live) = H::live_contexts(&b) {
+    if let Some(live) = H::counters(&b).map(|c| c.live_contexts()) {
         assert_eq!(live, 1, "destroyed with the tenant's last stream");
     }
     b.release_stream(b1).expect("release");
@@ -619,7 +620,9 @@ pub fn unknown_streams_are_refused<H: Harness>() {
         IsolationLevel::StreamIsolated,
         key(1),
     );
-    let err = b.wait_for(foreign.key()).expect_err("another tenant's stream");
+    let err = b
+        .wait_for(foreign.key())
+        .expect_err("another tenant's stream");
     assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
     b.release_stream(other).expect("release");
     b.release_stream(s).expect("release");
@@ -703,7 +706,7 @@ fn check_pristine<H: Harness>(
     what: &str,
 ) -> bool {
     for &offset in offsets {
-        let Some(state) = H::hints(b, allocation, offset) else {
+        let Some(state) = H::inspect(b).and_then(|i| i.hints(allocation, offset)) else {
             return false;
         };
         assert_eq!(
@@ -916,7 +919,7 @@ pub fn device_slices_stay_in_the_window<H: Harness>() {
 /// An injected allocation failure: typed error, nothing allocated, the tenant charge undone.
 pub fn injected_allocate_failure_rolls_back<H: Harness>() {
     let b = H::backend();
-    if !H::fail_nth(&b, Operation::Allocate, 1) {
+    if !H::faults(&b).is_some_and(|f| f.fail_nth(Operation::Allocate, 1)) {
         return skip("no fault injection");
     }
     let t = tenant(1, 16 * PAGE as u64);
@@ -943,7 +946,7 @@ pub fn injected_zero_failure_rolls_back<H: Harness>() {
     // runs on the device (where the injected failure is).
     dirty.device_slice(0, PAGE).expect("device slice");
     drop(dirty);
-    if !H::fail_nth(&b, Operation::Zero, 1) {
+    if !H::faults(&b).is_some_and(|f| f.fail_nth(Operation::Zero, 1)) {
         return skip("no fault injection");
     }
     let t = tenant(1, PAGE as u64);
@@ -968,7 +971,7 @@ pub fn injected_zero_failure_rolls_back<H: Harness>() {
 pub fn injected_advise_failure_rolls_back<H: Harness>() {
     let b = H::backend();
     let mut buf = UnifiedBuffer::new(Arc::clone(&b), D0, PAGE, PAGE).expect("buffer");
-    if !H::fail_nth(&b, Operation::Advise, 1) {
+    if !H::faults(&b).is_some_and(|f| f.fail_nth(Operation::Advise, 1)) {
         return skip("no fault injection");
     }
     let host = b.capabilities().host_accessible;
@@ -998,7 +1001,8 @@ pub fn unknown_driver_code_is_a_typed_error<H: Harness>() {
     const UNKNOWN_TO_EVERY_ENUM: u32 = 4242;
     let b = H::backend();
     let buf = UnifiedBuffer::new(Arc::clone(&b), D0, PAGE, PAGE).expect("buffer");
-    if !H::fail_nth_with(&b, Operation::Advise, 1, UNKNOWN_TO_EVERY_ENUM) {
+    if !H::faults(&b).is_some_and(|f| f.fail_nth_with(Operation::Advise, 1, UNKNOWN_TO_EVERY_ENUM))
+    {
         return skip("no fault injection");
     }
     let err = buf
@@ -1022,7 +1026,7 @@ pub fn injected_prefetch_failure_rolls_back<H: Harness>() {
     let buf = UnifiedBuffer::new(Arc::clone(&b), D0, PAGE, PAGE).expect("buffer");
     let lease = StreamLease::acquire(Arc::clone(&b), key(1), IsolationLevel::StreamIsolated)
         .expect("stream");
-    if !H::fail_nth(&b, Operation::Prefetch, 1) {
+    if !H::faults(&b).is_some_and(|f| f.fail_nth(Operation::Prefetch, 1)) {
         return skip("no fault injection");
     }
     let err = buf
@@ -1042,7 +1046,7 @@ pub fn injected_stream_failure_rolls_back<H: Harness>() {
         IsolationLevel::StreamIsolated,
         IsolationLevel::ContextIsolated,
     ] {
-        if !H::fail_nth(&b, Operation::AcquireStream, 1) {
+        if !H::faults(&b).is_some_and(|f| f.fail_nth(Operation::AcquireStream, 1)) {
             return skip("no fault injection");
         }
         let err = StreamLease::acquire(Arc::clone(&b), key(1), level).expect_err("injected");
@@ -1058,14 +1062,14 @@ pub fn injected_stream_failure_rolls_back<H: Harness>() {
 pub fn injected_free_failure_is_reported<H: Harness>() {
     let b = H::backend();
     let a = b.allocate(D0, PAGE).expect("allocate");
-    if !H::fail_nth(&b, Operation::Free, 1) {
+    if !H::faults(&b).is_some_and(|f| f.fail_nth(Operation::Free, 1)) {
         free(&*b, a);
         return skip("no fault injection");
     }
     // SAFETY: `a` came from `b` and is not used again.
     let err = unsafe { b.free(a) }.expect_err("injected");
     assert!(!err.kind().is_denial());
-    if let Some(live) = H::live_allocations(&b) {
+    if let Some(live) = H::counters(&b).map(|c| c.live_allocations()) {
         assert_eq!(live, 1, "a failed free must not pretend the memory is gone");
     }
 }
@@ -1126,14 +1130,16 @@ pub fn failures_at_every_step_leave_nothing<H: Harness>() {
             ));
             // Warm the slot so the sequence scrubs it.
             drop(p.acquire(4 * PAGE, PAGE).expect("warm"));
-            if !H::fail_nth(&b, op, nth) {
+            if !H::faults(&b).is_some_and(|f| f.fail_nth(op, nth)) {
                 return skip("no fault injection");
             }
             if let Err(kind) = instance_life::<H>(&b, &p, &t) {
                 failed_runs += 1;
                 assert!(!kind.is_denial(), "{op} #{nth}: a failure, not a denial");
             }
-            H::clear_faults(&b);
+            if let Some(f) = H::faults(&b) {
+                f.clear();
+            }
             assert_eq!(
                 t.stats().touched_bytes,
                 0,
@@ -1263,7 +1269,7 @@ pub fn device_pool_failed_allocation_leaves_no_charge<H: Harness>() {
     let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
         return skip("no device pools");
     };
-    if !H::fail_nth(&b, Operation::PoolAllocate, 1) {
+    if !H::faults(&b).is_some_and(|f| f.fail_nth(Operation::PoolAllocate, 1)) {
         drop(pool);
         return skip("no fault injection");
     }
@@ -1309,7 +1315,7 @@ pub fn device_pool_memory_comes_zeroed<H: Harness>() {
     let Some(pool) = device_pool::<H>(&b, &t, &config) else {
         return skip("no device pools");
     };
-    if !H::pool_memory_host_readable(&b) {
+    if !H::inspect(&b).is_some_and(|i| i.pool_memory_host_readable()) {
         drop(pool);
         return skip("pool memory is not host-readable");
     }
@@ -1528,12 +1534,12 @@ pub fn pageable_host_memory_takes_advice_and_prefetch<H: Harness>() {
     b.prefetch(&chunk, 0, PAGE, device, &stream)
         .expect("prefetch of pageable host memory");
     b.synchronize(&stream).expect("synchronize");
-    if let Some(h) = H::hints(&b, &chunk, 0) {
+    if let Some(h) = H::inspect(&b).and_then(|i| i.hints(&chunk, 0)) {
         assert!(h.read_mostly, "{h:?}");
         assert_eq!(h.resident, Some(device), "{h:?}");
     }
     b.reset_hints(&chunk, 0, HostPages::LEN).expect("reset");
-    if let Some(h) = H::hints(&b, &chunk, 0) {
+    if let Some(h) = H::inspect(&b).and_then(|i| i.hints(&chunk, 0)) {
         assert!(h.is_pristine(), "{h:?}");
     }
     b.release_stream(stream).expect("release");
@@ -1556,12 +1562,16 @@ pub fn kernel_writes_land_when_the_stream_is_synchronised<H: Harness>() {
         .expect("stream");
     // SAFETY: nothing touches the bytes while the kernel can run (reads below come after a
     // synchronise, or only on a deferred driver, where nothing runs outside its own calls).
-    if !unsafe { H::fill(&b, &s, a.device_ptr(), PAGE, 0xaa) } {
+    if !unsafe {
+        H::kernels(&b)
+            .map(|k| k.fill(&s, a.device_ptr(), PAGE, 0xaa))
+            .is_some()
+    } {
         b.release_stream(s).expect("release");
         free(&*b, a);
         return skip("no simulated kernel");
     }
-    if H::deferred(&b) {
+    if H::completion(&b) == Completion::Deferred {
         assert_eq!(
             host_bytes(&a, 0, 1),
             [0],
@@ -1571,13 +1581,17 @@ pub fn kernel_writes_land_when_the_stream_is_synchronised<H: Harness>() {
     b.synchronize(&s).expect("synchronize");
     assert_eq!(host_bytes(&a, PAGE - 1, 2), [0xaa, 0], "exactly the range");
     // SAFETY: as above.
-    assert!(unsafe { H::fill(&b, &s, a.device_ptr(), 1, 0xbb) });
+    assert!(unsafe {
+        H::kernels(&b)
+            .map(|k| k.fill(&s, a.device_ptr(), 1, 0xbb))
+            .is_some()
+    });
     b.release_stream(s)
         .expect("release waits for the stream's work");
     assert_eq!(host_bytes(&a, 0, 1), [0xbb]);
     assert_eq!(
-        H::hazards(&b).map(|h| h[2]),
-        H::hazards(&b).map(|_| 0),
+        H::inspect(&b).map(|i| i.hazards()).map(|h| h[2]),
+        H::inspect(&b).map(|i| i.hazards()).map(|_| 0),
         "no fault"
     );
     free(&*b, a);
@@ -1594,12 +1608,16 @@ pub fn scrub_is_ordered_after_the_tenants_pending_work<H: Harness>() {
         .acquire_stream(key(1), IsolationLevel::StreamIsolated)
         .expect("stream");
     // SAFETY: nothing touches the bytes while the kernel can run.
-    if !unsafe { H::fill(&b, &s, a.device_ptr(), 64, 0x11) } {
+    if !unsafe {
+        H::kernels(&b)
+            .map(|k| k.fill(&s, a.device_ptr(), 64, 0x11))
+            .is_some()
+    } {
         b.release_stream(s).expect("release");
         free(&*b, a);
         return skip("no simulated kernel");
     }
-    let before = H::hazards(&b);
+    let before = H::inspect(&b).map(|i| i.hazards());
     b.release_stream(s).expect("release"); // waits: the tenant's write lands first
     // SAFETY: live, and nothing else uses it.
     unsafe { b.zero(&a, 0, PAGE) }.expect("scrub");
@@ -1609,7 +1627,7 @@ pub fn scrub_is_ordered_after_the_tenants_pending_work<H: Harness>() {
         "the scrub is the last write"
     );
     assert_eq!(
-        H::hazards(&b).map(|h| h[0]),
+        H::inspect(&b).map(|i| i.hazards()).map(|h| h[0]),
         before.map(|h| h[0]),
         "no memset over pending work"
     );
@@ -1621,7 +1639,7 @@ pub fn scrub_is_ordered_after_the_tenants_pending_work<H: Harness>() {
 /// no memory when it runs); after a synchronise the same free is clean.
 pub fn free_while_a_prefetch_is_queued_is_seen<H: Harness>() {
     let b = H::backend();
-    let Some(start) = H::hazards(&b) else {
+    let Some(start) = H::inspect(&b).map(|i| i.hazards()) else {
         return skip("no driver counters");
     };
     let s = b
@@ -1633,21 +1651,25 @@ pub fn free_while_a_prefetch_is_queued_is_seen<H: Harness>() {
     b.synchronize(&s).expect("synchronize");
     free(&*b, a);
     assert_eq!(
-        H::hazards(&b).map(|h| h[1]),
+        H::inspect(&b).map(|i| i.hazards()).map(|h| h[1]),
         Some(start[1]),
         "ordered: clean"
     );
     let c = b.allocate(D0, PAGE).expect("allocate");
     b.prefetch(&c, 0, PAGE, d0, &s).expect("prefetch");
     free(&*b, c); // the hazard under test: its prefetch may still be queued
-    let seen = H::hazards(&b).map_or(0, |h| h[1]) - start[1];
-    if H::deferred(&b) {
+    let seen = H::inspect(&b).map(|i| i.hazards()).map_or(0, |h| h[1]) - start[1];
+    if H::completion(&b) == Completion::Deferred {
         assert_eq!(seen, 1, "a free over queued work is seen");
-    } else if !H::worker(&b) {
+    } else if H::completion(&b) != Completion::OnItsOwn {
         assert_eq!(seen, 0, "work completes at the call here");
     }
     b.release_stream(s).expect("release"); // the orphaned prefetch runs harmlessly
-    assert_eq!(H::hazards(&b).map(|h| h[2]), Some(start[2]), "no fault");
+    assert_eq!(
+        H::inspect(&b).map(|i| i.hazards()).map(|h| h[2]),
+        Some(start[2]),
+        "no fault"
+    );
     assert_no_leaks::<H>(&b);
 }
 
@@ -1675,18 +1697,18 @@ pub fn pool_block_is_reused_on_another_stream_only_after_an_event<H: Harness>() 
     b.synchronize(&sa).expect("synchronize a");
     b.pool_free(&pool, first, &sa).expect("free on a");
     let second = b.pool_allocate(&pool, PAGE, &sb).expect("second");
-    if H::deferred(&b) {
+    if H::completion(&b) == Completion::Deferred {
         assert_ne!(
             second.device_ptr(),
             address,
             "the free is not ordered before b's work: no reuse"
         );
     }
-    let ordered = H::event_between(&b, &sa, &sb);
+    let ordered = H::kernels(&b).map(|k| k.event_between(&sa, &sb)).is_some();
     b.synchronize(&sb)
         .expect("synchronize b (runs the wait, so a's free)");
     let third = b.pool_allocate(&pool, PAGE, &sb).expect("third");
-    if ordered && H::deferred(&b) {
+    if ordered && H::completion(&b) == Completion::Deferred {
         assert_eq!(
             third.device_ptr(),
             address,

@@ -57,12 +57,10 @@ fn context_isolated_stores_on_two_threads_prefetch_and_leave_nothing() {
         }
     });
     assert_eq!(failed.load(Ordering::Relaxed), 0, "failed prefetches");
+    let counters = CudarcHarness::counters(&backend).expect("a driver backend counts");
     assert_eq!(
-        (
-            CudarcHarness::live_streams(&backend),
-            CudarcHarness::live_contexts(&backend)
-        ),
-        (Some(0), Some(0)),
+        (counters.live_streams(), counters.live_contexts()),
+        (0, 0),
         "(streams, contexts) left, cross-checked against the driver"
     );
     assert_eq!(tenant.stats().touched_bytes, 0);

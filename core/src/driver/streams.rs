@@ -82,7 +82,9 @@ impl<D: DriverApi> DriverBackend<D> {
         })?;
         if raw == DriverStream::DEFAULT {
             let device = stream.device;
-            if matches!(stream.level, IsolationLevel::Shared) && device.0 < self.driver.device_count() {
+            if matches!(stream.level, IsolationLevel::Shared)
+                && device.0 < self.driver.device_count()
+            {
                 return Ok(StreamUse {
                     backend: self,
                     _call: call,
