@@ -276,6 +276,14 @@ pub unsafe trait ManagedAllocator: ErrorType {
         crate::DeviceHealth::default()
     }
 
+    /// Recoveries so far, all devices together ([`DeviceHealth::recoveries`](crate::DeviceHealth)
+    /// summed): a cheap read (no lock) that tells a caller whether any device was recovered
+    /// since it last looked, whoever recovered it. `0` for a backend that never fences (the
+    /// default).
+    fn recoveries(&self) -> u64 {
+        0
+    }
+
     /// Whether `device` is fenced: it refuses new work (typed
     /// [`ErrorKind::ContextLost`](crate::ErrorKind::ContextLost)) until
     /// [`recover_device`](Self::recover_device) succeeds.
@@ -380,6 +388,9 @@ macro_rules! forward_allocator {
             }
             fn device_fenced(&self, device: DeviceId) -> bool {
                 T::device_fenced(self, device)
+            }
+            fn recoveries(&self) -> u64 {
+                T::recoveries(self)
             }
             unsafe fn recover_device(
                 &self,

@@ -804,6 +804,10 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         self.health(device)
     }
 
+    fn recoveries(&self) -> u64 {
+        self.recoveries_so_far()
+    }
+
     unsafe fn recover_device(&self, device: DeviceId) -> Result<Option<Recovery>, D::Error> {
         // SAFETY: the caller upholds the contract, which is `recover`'s.
         unsafe { self.recover(device) }

@@ -9,7 +9,7 @@ use tensor_wasm_mem_core::{
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Memory, Module, Store};
 use tensor_wasm_mem_wasmtime::{
     AccessRange, Backing, ChargeMode, DeviceAccess, Tenant, TenantStore, TensorWasmMemoryCreator,
-    instantiate, new_store,
+    TwmError, instantiate, new_store,
 };
 
 use crate::Harness;
@@ -33,9 +33,20 @@ impl<H: Harness> Rig<H> {
     fn new(backend: &Arc<H::Backend>, backing: Backing) -> Self {
         let builder = TensorWasmMemoryCreator::builder(Arc::clone(backend)).backing(backing);
         // SAFETY: nothing but the creator's backend uses the devices' primary contexts here.
-        let creator = unsafe { builder.recover_automatically() }
-            .build()
-            .expect("creator");
+        Self::with(unsafe { builder.recover_automatically() }.build())
+    }
+
+    /// A rig of managed memory whose creator recovers a device only when asked.
+    fn manual(backend: &Arc<H::Backend>) -> Self {
+        Self::with(
+            TensorWasmMemoryCreator::builder(Arc::clone(backend))
+                .backing(Backing::Managed)
+                .build(),
+        )
+    }
+
+    fn with(creator: Result<TensorWasmMemoryCreator<H::Backend>, TwmError>) -> Self {
+        let creator = creator.expect("creator");
         let engine = creator.engine().expect("engine");
         let module = Module::new(&engine, MEMORY).expect("module");
         let tenant = Tenant::new(1, "books", 64 * PAGE, IsolationLevel::StreamIsolated);
@@ -233,6 +244,50 @@ pub fn recover_waits_for_a_store_the_embedder_keeps<H: Harness>() {
     }
     let _next = rig.store();
     assert_eq!(rig.charged(), Rig::<H>::charge_of(1));
+}
+
+/// A device recovered by another creator on the same backend: this creator's memories kept
+/// since the fault (their frees refused in the lost context) are released on its next call,
+/// and their charges go back; they do not wait for this creator's own recovery, which never
+/// comes (the device is healthy again).
+pub fn recover_by_another_creator_gives_this_creators_charges_back<H: Harness>() {
+    let backend = H::backend();
+    let this = Rig::<H>::manual(&backend);
+    let other = Rig::<H>::manual(&backend);
+    let (mut store, memory) = this.store_and_memory();
+    if !fault_in(&backend, &this, &mut store, &memory) {
+        return skip("no simulated kernel");
+    }
+    drop(store);
+    assert_eq!(
+        this.creator.stats().kept_memories,
+        1,
+        "kept in the lost context"
+    );
+    assert_eq!(this.charged(), Rig::<H>::charge_of(1), "charged while held");
+    // SAFETY: nothing but the creators' backend uses the device's primary context here.
+    let recovery = unsafe { other.creator.recover(DeviceId(0)) }.expect("recovered");
+    assert!(recovery.is_some(), "the other creator reset the device");
+    // Asked to recover a device another creator recovered: nothing to reset, but this
+    // creator catches up with it.
+    // SAFETY: as above.
+    let again = unsafe { this.creator.recover(DeviceId(0)) }.expect("healthy");
+    assert_eq!(again, None);
+    assert_eq!(this.creator.stats().kept_memories, 0, "released");
+    assert_eq!(
+        this.charged(),
+        Rig::<H>::charge_of(0),
+        "its charge went back"
+    );
+    let _next = this.store();
+    assert_eq!(
+        this.charged(),
+        Rig::<H>::charge_of(1),
+        "the next Store is served"
+    );
+    if let Some(live) = H::counters(&backend).map(|c| c.live_allocations()) {
+        assert_eq!(live, 1, "the driver holds the next Store's memory only");
+    }
 }
 
 /// Unregistrations the driver refuses (registered guarded memory): the region is kept with its

@@ -63,6 +63,8 @@ pub(super) struct Faulted {
     fenced: AtomicU64,
     /// Lost records held.
     lost: AtomicU64,
+    /// Resets that succeeded, all devices together.
+    recoveries: AtomicU64,
     /// Per device: the calls a reset must not overlap.
     gates: alloc::vec::Vec<Gate>,
 }
@@ -221,6 +223,11 @@ impl<D: DriverApi> DriverBackend<D> {
             .get(device.0 as usize)
             .is_some_and(|g| g.resetting.load(Ordering::SeqCst));
         health
+    }
+
+    /// Resets that succeeded so far, all devices together (one atomic load).
+    pub(super) fn recoveries_so_far(&self) -> u64 {
+        self.faulted.recoveries.load(Ordering::Acquire)
     }
 
     /// Whether `device` is fenced (its primary context faulted and is not reset yet).
@@ -391,6 +398,7 @@ impl<D: DriverApi> DriverBackend<D> {
         health.recoveries += 1;
         state.stats.fenced_devices -= 1;
         state.stats.recoveries += 1;
+        self.faulted.recoveries.fetch_add(1, Ordering::AcqRel);
         // The fence goes before the gate opens: no call slips in between to a fenced refusal.
         gate.resetting.store(false, Ordering::SeqCst);
         Ok(Some(recovery))

@@ -240,8 +240,10 @@ pub trait KernelLauncher<B: Backend>: Send + Sync + 'static {
     /// `device`'s primary context was reset after a kernel fault (a creator's recovery,
     /// docs/SAFETY.md section 6b): every module and function this launcher loaded there is
     /// gone. Forget them (load them again on the next launch there); never use them. Called
-    /// once per recovery of a device this launcher's creator serves, after the reset, before
-    /// any guest launches there again. The default does nothing, right for a launcher that
+    /// after each recovery of a device this launcher's creator serves (whoever recovered it:
+    /// this creator, or another on the same backend), after the reset, before any guest
+    /// launches there through this creator again; a launcher shared by several creators hears
+    /// of one recovery from each, so forgetting must be idempotent. The default does nothing, right for a launcher that
     /// caches nothing per context.
     fn device_recovered(&self, backend: &B, device: DeviceId) {
         let _ = (backend, device);
@@ -665,6 +667,9 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
         grid: checked.grid,
         block: checked.block,
     };
+    // A recovery of the device by anyone since the creator last looked: the launchers hear
+    // of it before they launch there.
+    creator.settle();
     let backend = creator.backend();
     // The stream is waited for whatever the launcher does: answers an error after queueing
     // work, or panics (the guard waits while unwinding, before the in-flight count goes): the

@@ -87,6 +87,11 @@ pub(crate) struct KeptMemories<B: Backend> {
     last_recovery_ns: AtomicU64,
     /// A fenced device recovers when its last user goes.
     automatic: bool,
+    /// The backend's recoveries (all devices) when this creator last caught up with them, and
+    /// each device's: a recovery by anyone (another creator on the backend included) is
+    /// caught up with on this creator's next call.
+    seen_recoveries: AtomicU64,
+    seen_per_device: Mutex<Vec<u64>>,
 }
 
 impl<B: Backend> KeptMemories<B> {
@@ -104,6 +109,8 @@ impl<B: Backend> KeptMemories<B> {
             retrying: std::sync::atomic::AtomicBool::new(false),
             recoveries: AtomicU64::new(0),
             last_recovery_ns: AtomicU64::new(0),
+            seen_recoveries: AtomicU64::new(0),
+            seen_per_device: Mutex::new(Vec::new()),
         }
     }
 }
@@ -164,10 +171,45 @@ impl<B: Backend> KeptMemories<B> {
         self.released.load(Ordering::Acquire)
     }
 
+    /// Catches up with the recoveries of the backend's devices since this creator last looked,
+    /// whoever made them (this creator, another creator on the same backend, the embedder
+    /// through the backend): the launchers are told of each recovered device before any guest
+    /// launches there again, and the kept memories are released again (those a reset destroyed
+    /// free without the driver, and their charges go back). Then retries the kept memories as
+    /// [`retry_kept`](Self::retry_kept) does. One atomic load when nothing was recovered
+    /// (what the creator does on every memory it makes and every launch).
+    pub(crate) fn settle(&self, backend: &B) {
+        let total = backend.recoveries();
+        if self.seen_recoveries.load(Ordering::Acquire) != total {
+            let mut seen = self
+                .seen_per_device
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let devices = backend.device_count() as usize;
+            let len = devices.max(seen.len());
+            seen.resize(len, 0);
+            for (device, seen) in seen.iter_mut().enumerate().take(devices) {
+                let device = DeviceId(u32::try_from(device).unwrap_or(u32::MAX));
+                let now = backend.device_health(device).recoveries;
+                if now > *seen {
+                    *seen = now;
+                    if let Some(kernels) = &self.kernels {
+                        // Before any guest launches there again: the launchers' modules there
+                        // are gone.
+                        kernels.device_recovered(backend, device);
+                    }
+                }
+            }
+            self.seen_recoveries.store(total, Ordering::Release);
+        }
+        self.retry_kept();
+    }
+
     /// Recovers a fenced `device` on `backend` (its primary context reset: see
     /// [`TensorWasmMemoryCreator::recover`](crate::TensorWasmMemoryCreator::recover)), then
-    /// releases the kept memories again: those the reset destroyed free without the driver, and
-    /// their charges go back. `Ok(None)` for a device that is not fenced.
+    /// [`settle`](Self::settle)s: the launchers are told, the kept memories released again.
+    /// `Ok(None)` for a device that is not fenced (recovered by another caller already: this
+    /// creator catches up with that recovery all the same).
     ///
     /// # Safety
     ///
@@ -178,18 +220,13 @@ impl<B: Backend> KeptMemories<B> {
         device: DeviceId,
     ) -> Result<Option<tensor_wasm_mem_core::Recovery>, TwmError> {
         if !backend.device_fenced(device) {
+            self.settle(backend);
             return Ok(None);
         }
         let started = std::time::Instant::now();
         // SAFETY: the caller's contract is the recovery's.
         let recovery = unsafe { backend.recover_device(device) }.map_err(TwmError::backend)?;
-        if recovery.is_some()
-            && let Some(kernels) = &self.kernels
-        {
-            // Before any guest launches there again: the launchers' modules there are gone.
-            kernels.device_recovered(backend, device);
-        }
-        self.retry_kept();
+        self.settle(backend);
         if let Some(r) = &recovery {
             let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
             self.recoveries.fetch_add(1, Ordering::AcqRel);
@@ -208,6 +245,7 @@ impl<B: Backend> KeptMemories<B> {
     /// must still wait (something of it in use) is not an error here; the last one tries again.
     pub(crate) fn recover_when_free(&self, backend: &B, device: DeviceId) {
         if !self.automatic || !backend.device_fenced(device) {
+            self.settle(backend);
             return;
         }
         // SAFETY: the embedder asserted the recovery's contract when it asked for automatic

@@ -722,7 +722,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// Store could not be released), which are never given back while the creator lives. The
     /// creator also tries on each memory it makes, and a last time when it goes.
     pub fn retry_releases(&self) -> u64 {
-        self.inner.kept.retry_kept();
+        self.inner.kept.settle(self.backend());
         for &device in &self.inner.devices {
             self.inner.kept.recover_when_free(self.backend(), device);
         }
@@ -732,7 +732,9 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// Recovers `device` after a kernel fault in its primary context fenced it: resets that
     /// context once nothing of this layer there is in use (every Store with a memory, a stream
     /// or a device pool on it gone), then releases the memories kept since the fault, whose
-    /// charges go back. `Ok(None)` for a device that is not fenced. With
+    /// charges go back. `Ok(None)` for a device that is not fenced (this creator still catches
+    /// up with a recovery another creator on the backend made: its launchers hear of it, its
+    /// kept memories are released). With
     /// [`CreatorBuilder::recover_automatically`] a device recovers on its own when its last user
     /// goes (its last memory, or its last guest stream); this is for an embedder who wants to
     /// know, or to try at a time of its choosing.
@@ -764,6 +766,13 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// an error here.
     pub(crate) fn recover_when_free(&self, device: DeviceId) {
         self.inner.kept.recover_when_free(self.backend(), device);
+    }
+
+    /// Catches up with device recoveries made since this creator last looked, by anyone: the
+    /// launchers hear of them, kept memories are released again (one atomic load when there
+    /// was none).
+    pub(crate) fn settle(&self) {
+        self.inner.kept.settle(self.backend());
     }
 
     /// The live memory at `view`'s base, if this creator made it (any other is `NotOurMemory`).
@@ -986,7 +995,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         (reserved, guard): (Option<usize>, usize),
         payer: Payer,
     ) -> Result<TensorWasmLinearMemory<B>, TwmError> {
-        self.inner.kept.retry_kept();
+        self.inner.kept.settle(self.backend());
         self.check_engine(ty, reserved, guard)?;
         let plan = self.plan(ty)?;
         let (slot, device) = self.home(payer.tenant())?;

@@ -342,6 +342,18 @@ impl<L: KernelLauncher<MockBackend>> KernelLauncher<MockBackend> for Counting<L>
     }
 }
 
+/// The simulated `fill(ptr, len, 7)` over the launch's one buffer, counting the recoveries it
+/// is told of in `recovered`.
+fn counting_fill(
+    recovered: &Arc<std::sync::Mutex<Vec<DeviceId>>>,
+) -> Counting<impl KernelLauncher<MockBackend>> {
+    Counting {
+        // SAFETY: `fill(ptr, len, value)` over the launch's one buffer, its pointer and length.
+        inner: unsafe { kernels::simulated("fill", |l| vec![l.args()[0], l.buffers()[0].1, 7]) },
+        recovered: Arc::clone(recovered),
+    }
+}
+
 /// A recovery tells every launcher of the creator once (its modules in the reset context are
 /// gone), and the guests after it launch again: the simulated launcher loads its module anew.
 #[test]
@@ -350,19 +362,10 @@ fn a_recovery_tells_each_launcher_and_launches_work_after_it() {
     let mut registry = KernelRegistry::new();
     // SAFETY: deliberately wrong, but only past every allocation (as above): a fault.
     let bad = unsafe { kernels::simulated("fill", |l| vec![l.args()[0] + (1 << 40), 16, 1]) };
-    // SAFETY: `fill(ptr, len, value)` over the launch's one buffer, its pointer and length.
-    let fill = unsafe { kernels::simulated("fill", |l| vec![l.args()[0], l.buffers()[0].1, 7]) };
     registry
         .register("bad", one_byte_buffer(), bad)
         .unwrap()
-        .register(
-            "fill",
-            one_byte_buffer(),
-            Counting {
-                inner: fill,
-                recovered: Arc::clone(&recovered),
-            },
-        )
+        .register("fill", one_byte_buffer(), counting_fill(&recovered))
         .unwrap();
     let creator = creator_with(registry);
     let mut g = guest(&creator);
@@ -383,6 +386,59 @@ fn a_recovery_tells_each_launcher_and_launches_work_after_it() {
         g.launch(fill, &[(0, 16)]),
         0,
         "loaded again after the reset"
+    );
+    assert_eq!(g.memory.data(&g.store)[..16], [7; 16]);
+}
+
+/// A recovery made by another creator on the same backend reaches this creator's launchers too,
+/// before its next launch on the device: their modules in the reset context are gone whoever
+/// reset it.
+#[test]
+fn a_recovery_by_another_creator_tells_this_creators_launchers() {
+    let backend = Arc::new(MockBackend::default());
+    let recovered = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut ours = KernelRegistry::new();
+    ours.register("fill", one_byte_buffer(), counting_fill(&recovered))
+        .unwrap();
+    let mut theirs = KernelRegistry::new();
+    // SAFETY: deliberately wrong, but only past every allocation (as above): a fault.
+    let bad = unsafe { kernels::simulated("fill", |l| vec![l.args()[0] + (1 << 40), 16, 1]) };
+    theirs.register("bad", one_byte_buffer(), bad).unwrap();
+    let this = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .kernels(ours)
+        .build()
+        .unwrap();
+    let builder = TensorWasmMemoryCreator::builder(Arc::clone(&backend)).kernels(theirs);
+    // SAFETY: nothing but the creators' backend uses the device's primary context here (the
+    // simulated launchers load their modules again after a reset).
+    let other = unsafe { builder.recover_automatically() }.build().unwrap();
+    let mut g = guest(&this);
+    let fill = g.kernel("fill");
+    assert_eq!(g.launch(fill, &[(0, 16)]), 0, "loaded, launched");
+    drop(g);
+    let mut bystander = guest(&other);
+    let bad = bystander.kernel("bad");
+    bystander
+        .try_launch(bad, &[(0, 16)])
+        .expect_err("the guest traps");
+    drop(bystander);
+    assert_eq!(
+        other.stats().recoveries,
+        1,
+        "the other creator recovered it"
+    );
+    assert!(recovered.lock().unwrap().is_empty(), "not told yet");
+    let mut g = guest(&this);
+    let fill = g.kernel("fill");
+    assert_eq!(
+        g.launch(fill, &[(0, 16)]),
+        0,
+        "loaded again after the reset"
+    );
+    assert_eq!(
+        *recovered.lock().unwrap(),
+        [DeviceId(0)],
+        "told before it launched"
     );
     assert_eq!(g.memory.data(&g.store)[..16], [7; 16]);
 }
