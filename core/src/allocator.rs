@@ -333,6 +333,15 @@ pub unsafe trait ManagedAllocator: ErrorType {
         allocation: crate::Allocation,
     ) -> Result<(), Refused<crate::Allocation, Self::Error>>;
 
+    /// Gives up, for good, an allocation (or attached host range) whose release the backend
+    /// refused: the caller will never free it again, and the backend keeps it (a driver backend
+    /// frees it when it drops). A driver backend keeps nothing for it past a recovery: where
+    /// the device's reset destroyed it, or destroys it later, no record waits for a free that
+    /// never comes. The default drops the handle (a backend with no such records).
+    fn forget(&self, allocation: crate::Allocation) {
+        let _ = allocation;
+    }
+
     /// Writes zeros to `offset..offset + len` of `allocation`, and returns once the zeros are
     /// visible to the host and to later device work.
     ///
@@ -408,6 +417,9 @@ macro_rules! forward_allocator {
             ) -> Result<(), Refused<Allocation, Self::Error>> {
                 // SAFETY: the caller upholds `free`'s contract, which is `T::free`'s.
                 unsafe { T::free(self, allocation) }
+            }
+            fn forget(&self, allocation: Allocation) {
+                T::forget(self, allocation);
             }
             unsafe fn zero(
                 &self,

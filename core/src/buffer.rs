@@ -350,10 +350,15 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
     /// withdrawn from its pool for good, never handed out again.
     pub fn abandon(mut self) {
         match &mut self.source {
-            Source::Owned { allocation, .. } => {
-                // The handle owns nothing by itself: taken out of the buffer, nothing frees it
-                // and the backend keeps the memory.
-                let _abandoned: Option<Allocation> = allocation.take();
+            Source::Owned {
+                allocator,
+                allocation,
+            } => {
+                // Taken out of the buffer, nothing frees it: the backend keeps the memory, and
+                // is told that no free will come.
+                if let Some(allocation) = allocation.take() {
+                    allocator.forget(allocation);
+                }
             }
             Source::Slot(slot) => slot.withdraw(),
         }
@@ -362,8 +367,8 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
 
 impl<A: ManagedAllocator> Drop for UnifiedBuffer<A> {
     /// Frees the allocation (a slot goes back to its pool when its `PoolSlot` drops). A free
-    /// the backend refuses here leaves the allocation to the backend (a driver backend keeps
-    /// its record and retries when it drops): owners that pay for the memory release it with
+    /// the backend refuses here leaves the allocation to the backend, forgotten
+    /// ([`ManagedAllocator::forget`]: a driver backend frees it when it drops): owners that pay for the memory release it with
     /// [`release`](UnifiedBuffer::release) instead, which hands a refused buffer back.
     fn drop(&mut self) {
         if let Source::Owned {
@@ -374,7 +379,10 @@ impl<A: ManagedAllocator> Drop for UnifiedBuffer<A> {
         {
             // SAFETY: the allocation came from `allocator` and this buffer owned it; nothing
             // derived from it outlives the buffer.
-            drop(unsafe { allocator.free(allocation) });
+            if let Err(refused) = unsafe { allocator.free(allocation) } {
+                // No owner is left to try again.
+                allocator.forget(refused.resource);
+            }
         }
     }
 }

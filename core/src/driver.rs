@@ -542,6 +542,9 @@ struct AllocationRecord {
     generation: u64,
     /// Its owner gave it up (its free or detach was refused): a recovery need not wait for it.
     abandoned: bool,
+    /// Its owner will never free it ([`ManagedAllocator::forget`]): a reset destroys it with
+    /// no lost record (only this backend's drop frees it, if no reset came first).
+    orphaned: bool,
 }
 
 #[derive(Debug, Default)]
@@ -855,6 +858,7 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
                 host: None,
                 generation,
                 abandoned: false,
+                orphaned: false,
             },
         );
         state.stats.live_allocations += 1;
@@ -900,6 +904,10 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
                 Err(refused(allocation, e))
             }
         }
+    }
+
+    fn forget(&self, allocation: Allocation) {
+        self.forget_record(&allocation);
     }
 
     unsafe fn zero(
@@ -1114,6 +1122,23 @@ impl<D: DriverApi> DriverBackend<D> {
         }
     }
 
+    /// Its owner gives `allocation` up for good: a lost record of it goes (nothing waits for
+    /// its free any more), a live record is marked orphaned (a reset destroys it without a lost
+    /// record; this backend's drop frees it otherwise).
+    fn forget_record(&self, allocation: &Allocation) {
+        if self.take_lost(allocation, false) || self.take_lost(allocation, true) {
+            return;
+        }
+        let mut state = self.state.lock();
+        if let Some(r) = state.allocations.get_mut(&allocation.device_ptr())
+            && r.len == allocation.len()
+            && r.generation == allocation.generation()
+        {
+            r.abandoned = true;
+            r.orphaned = true;
+        }
+    }
+
     /// A record whose release was refused (by the driver, or by the fence) goes back to the
     /// table, given up by its owner: no reason for a recovery to wait; a driver's refusal is
     /// counted (`by_driver`).
@@ -1187,6 +1212,7 @@ unsafe impl<D: DriverApi> HostMemory for DriverBackend<D> {
                     host: Some(access),
                     generation,
                     abandoned: false,
+                    orphaned: false,
                 },
             );
             generation

@@ -145,6 +145,9 @@ pub trait Counters {
     fn live_contexts(&self) -> u64;
     /// Device memory pools alive now.
     fn live_pools(&self) -> u64;
+    /// Allocations a recovery's reset destroyed whose owners may still free them (lost
+    /// records).
+    fn lost_allocations(&self) -> u64;
 }
 
 /// Making the driver's calls fail, or hold, on purpose.
@@ -313,6 +316,9 @@ impl Counters for ModelControls<'_> {
             model.live_pool_allocations,
         );
         agree("pools", ours.live_pools, model.live_pools)
+    }
+    fn lost_allocations(&self) -> u64 {
+        self.0.stats().lost_allocations
     }
 }
 
@@ -633,6 +639,9 @@ impl<D: tensor_wasm_mem_core::DriverApi> Counters for DriverCounters<'_, D> {
             s.live_pool_allocations
         });
         self.check("pools", ours.live_pools, |s| s.live_pools)
+    }
+    fn lost_allocations(&self) -> u64 {
+        self.0.stats().lost_allocations
     }
 }
 

@@ -4,9 +4,11 @@
 //! counter is back to what the survivors hold. A fault in a context-isolated tenant's own
 //! context fences nothing.
 
+use std::sync::Arc;
+
 use tensor_wasm_mem_core::{
     Allocation, BackendError, DeviceId, ErrorKind, IsolationLevel, ManagedAllocator, Operation,
-    Stream, StreamProvider, TenantId, TenantKey,
+    Stream, StreamProvider, TenantId, TenantKey, UnifiedBuffer,
 };
 
 use crate::Harness;
@@ -113,6 +115,41 @@ fn fault_then_recover<H: Harness>(level: IsolationLevel) {
     serves::<H>(&b, D0);
     crate::suite::assert_no_leaks::<H>(&b);
     assert_eq!(recover(&*b).expect("healthy"), None, "nothing to do");
+}
+
+/// An allocation its owner gave up for good ([`ManagedAllocator::forget`]: a buffer dropped
+/// while the fence refused its free, or a handle forgotten after the reset) leaves no lost
+/// record: nothing waits for a free that never comes, and the backend's counters go back to
+/// what the survivors hold. An allocation its owner keeps waits, as a lost record, for its free.
+pub fn recover_leaves_no_record_of_a_forgotten_allocation<H: Harness>() {
+    let b = H::backend();
+    let dropped = UnifiedBuffer::new(Arc::clone(&b), D0, PAGE, PAGE).expect("buffer");
+    let kept = b.allocate(D0, PAGE).expect("allocate");
+    let stream = b
+        .acquire_stream_on(key(1), IsolationLevel::StreamIsolated, D0)
+        .expect("stream");
+    if !fault::<H>(&b, &stream) {
+        b.release_stream(stream).expect("release");
+        // SAFETY: ours, not used afterwards.
+        unsafe { b.free(kept) }.expect("free");
+        return skip("no simulated kernel");
+    }
+    let _ = b.release_stream(stream);
+    // Its free is refused on the fenced device, and no owner is left: forgotten.
+    drop(dropped);
+    let kept = give_up(&b, kept);
+    let recovery = recover(&*b).expect("recover").expect("it was fenced");
+    assert_eq!(recovery.allocations, 2, "the reset destroyed both");
+    let Some(counters) = H::counters(&b) else {
+        // SAFETY: the handle of an allocation the reset destroyed.
+        unsafe { b.free(kept) }.expect("free");
+        return skip("no counters");
+    };
+    assert_eq!(counters.lost_allocations(), 1, "only the kept one waits");
+    b.forget(kept);
+    assert_eq!(counters.lost_allocations(), 0, "forgotten: nothing waits");
+    drop(counters);
+    crate::suite::assert_no_leaks::<H>(&b);
 }
 
 /// A kernel faults in a shared tenant's work (the legacy default stream of the primary context).

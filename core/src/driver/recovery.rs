@@ -170,6 +170,12 @@ impl State {
                 }
                 Some(access) => self.stats.count_host(access, record.len, false),
             }
+            recovery.allocations += 1;
+            recovery.bytes += record.len as u64;
+            if record.orphaned {
+                // Its owner is gone for good: nothing will ever free it, so nothing waits.
+                continue;
+            }
             self.lost.insert(
                 (address, record.generation),
                 LostRecord {
@@ -179,8 +185,6 @@ impl State {
             );
             self.stats.lost_allocations += 1;
             self.stats.lost_bytes += record.len as u64;
-            recovery.allocations += 1;
-            recovery.bytes += record.len as u64;
         }
         let before = self.streams.len();
         self.streams.retain(|_, r| r.context != primary);
@@ -387,10 +391,12 @@ impl<D: DriverApi> DriverBackend<D> {
             gate.resetting.store(false, Ordering::SeqCst);
             return Err(e);
         }
+        let lost_before = state.stats.lost_allocations;
         let recovery = state.forget_reset(device, primary);
+        // Lost records made (an orphaned allocation leaves none).
         self.faulted
             .lost
-            .fetch_add(recovery.allocations, Ordering::AcqRel);
+            .fetch_add(state.stats.lost_allocations - lost_before, Ordering::AcqRel);
         self.faulted.fenced.fetch_sub(1, Ordering::AcqRel);
         state.generation += 1;
         let health = &mut state.devices[device.0 as usize];

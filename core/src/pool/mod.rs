@@ -242,9 +242,12 @@ impl<A: ManagedAllocator> Drop for SlotPool<A> {
         if let Some(slab) = self.slab.take() {
             // SAFETY: the slab came from `self.allocator`; every slot holds an `Arc` to the pool,
             // so none is alive when the pool drops, and nothing uses the slab afterwards.
-            // A refused free leaves the slab to the backend (a driver backend keeps its record
-            // and retries when it drops): no tenant pays for a pool's slab.
-            drop(unsafe { self.allocator.free(slab) });
+            // A refused free leaves the slab to the backend, forgotten (a driver backend frees
+            // it when it drops, unless a recovery destroyed it first): no tenant pays for a
+            // pool's slab.
+            if let Err(refused) = unsafe { self.allocator.free(slab) } {
+                self.allocator.forget(refused.resource);
+            }
         }
     }
 }

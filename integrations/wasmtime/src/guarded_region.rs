@@ -437,6 +437,11 @@ impl<B: Backend> GuardedRegion<B> {
     /// an own reservation stays mapped, a slot is withdrawn with its pool's address space kept.
     fn keep_for_the_backend(&mut self) {
         self.kept_mappings.add();
+        // No detach will come: the backend is told, so no record of them waits past a
+        // recovery for a release that never comes.
+        for chunk in self.chunks.drain(..) {
+            self.backend.forget(chunk);
+        }
         match &mut self.home {
             Home::Own(mapping) => mapping.keep_mapped(),
             Home::Slot { pool, .. } => pool.withdraw_held(),

@@ -245,7 +245,6 @@ impl<B: Backend> KeptMemories<B> {
     /// must still wait (something of it in use) is not an error here; the last one tries again.
     pub(crate) fn recover_when_free(&self, backend: &B, device: DeviceId) {
         if !self.automatic || !backend.device_fenced(device) {
-            self.settle(backend);
             return;
         }
         // SAFETY: the embedder asserted the recovery's contract when it asked for automatic
