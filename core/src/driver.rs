@@ -13,7 +13,7 @@ use crate::allocator::{Allocation, ManagedAllocator, Refused};
 use crate::device::{Advice, Capabilities, DeviceId, Location};
 use crate::error::{BackendError, ErrorKind, ErrorType, RangeError};
 use crate::host::{HostAccess, HostMemory};
-use crate::ledger::TenantKey;
+use crate::ledger::{Reservation, TenantKey};
 
 use crate::stream::Stream;
 
@@ -1304,6 +1304,10 @@ impl<D: DriverApi> Drop for DriverBackend<D> {
             }
             let (destroyed, _) = with_context(driver, primary, |d| d.pool_destroy(raw));
             tally(destroyed.is_ok());
+            if destroyed.is_err() {
+                // The driver may still hold its blocks: their charges stay with the tenant.
+                record.charges.into_iter().for_each(Reservation::strand);
+            }
         }
         for (raw, record) in state.streams.drain() {
             let (destroyed, _) = with_context(driver, record.context, |d| {

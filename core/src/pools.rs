@@ -160,6 +160,25 @@ pub trait DevicePools: ErrorType {
     /// Destroys the pool, freeing what is still allocated from it.
     fn destroy_pool(&self, pool: PoolHandle) -> Result<(), Self::Error>;
 
+    /// [`destroy_pool`](Self::destroy_pool), handing over `charges`: what the pool's tenant
+    /// still pays for blocks whose free was refused at teardown. A charge is given back only
+    /// when what it pays for is really gone: with the pool, whenever that is (now, when its
+    /// last call in flight tears it down, a later retry, or a recovery's reset of its device),
+    /// and stranded ([`Reservation::strand`]) where the backend gives the pool up for good.
+    /// The default destroys now: the charges go back if the destroy succeeds, and are
+    /// stranded if it fails (the backend may still hold the blocks).
+    fn destroy_pool_charged(
+        &self,
+        pool: PoolHandle,
+        charges: alloc::vec::Vec<Reservation>,
+    ) -> Result<(), Self::Error> {
+        let destroyed = self.destroy_pool(pool);
+        if destroyed.is_err() {
+            charges.into_iter().for_each(Reservation::strand);
+        }
+        destroyed
+    }
+
     /// Frees an allocation of `pool` at teardown, when the caller has no stream of its own to
     /// order it on: the backend orders the free after the work queued on the stream the
     /// allocation was made on (while that stream lives), or on a stream of its own in the
@@ -207,6 +226,13 @@ macro_rules! forward_pools {
             }
             fn destroy_pool(&self, pool: PoolHandle) -> Result<(), Self::Error> {
                 T::destroy_pool(self, pool)
+            }
+            fn destroy_pool_charged(
+                &self,
+                pool: PoolHandle,
+                charges: alloc::vec::Vec<Reservation>,
+            ) -> Result<(), Self::Error> {
+                T::destroy_pool_charged(self, pool, charges)
             }
             fn pool_free_at_teardown(
                 &self,
@@ -359,11 +385,11 @@ impl<P: DevicePools> TenantDevicePool<P> {
 impl<P: DevicePools> Drop for TenantDevicePool<P> {
     /// Frees every allocation still live (the backend orders each free after the work on the
     /// stream the allocation was made on: [`DevicePools::pool_free_at_teardown`]) and gives its
-    /// bytes back, then destroys the pool, which retries what the backend refused to free. If
-    /// the destroy fails too, the driver may still hold some of those blocks, and which ones is
-    /// not known here: the tenant stays charged for all of them for good
-    /// ([`Reservation::strand`]: never less than what is held, possibly more; the backend counts
-    /// the pool and retries at its own drop).
+    /// bytes back, then destroys the pool, which retries what the backend refused to free,
+    /// handing it the refused blocks' charges ([`DevicePools::destroy_pool_charged`]): they go
+    /// back when the pool is really gone (a driver backend keeps a pool whose destroy is
+    /// refused, and a recovery's reset destroys it, after a kernel fault), and stay with the
+    /// tenant for good ([`Reservation::strand`]) where it never goes.
     fn drop(&mut self) {
         let Some(pool) = self.pool.take() else {
             return;
@@ -379,9 +405,8 @@ impl<P: DevicePools> Drop for TenantDevicePool<P> {
                 Err(_) => refused.push(charge),
             }
         }
-        if self.backend.destroy_pool(pool).is_err() {
-            refused.into_iter().for_each(Reservation::strand);
-        }
+        // The refused blocks' charges go with the pool: back when it is really gone.
+        let _ = self.backend.destroy_pool_charged(pool, refused);
     }
 }
 

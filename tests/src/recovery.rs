@@ -7,8 +7,9 @@
 use std::sync::Arc;
 
 use tensor_wasm_mem_core::{
-    Allocation, BackendError, DeviceId, ErrorKind, IsolationLevel, ManagedAllocator, Operation,
-    Stream, StreamProvider, TenantId, TenantKey, UnifiedBuffer,
+    Allocation, BackendError, DeviceId, DevicePoolConfig, ErrorKind, IsolationLevel,
+    ManagedAllocator, Operation, Stream, StreamProvider, TenantDevicePool, TenantId, TenantKey,
+    TenantLedger, UnifiedBuffer,
 };
 
 use crate::Harness;
@@ -150,6 +151,56 @@ pub fn recover_leaves_no_record_of_a_forgotten_allocation<H: Harness>() {
     assert_eq!(counters.lost_allocations(), 0, "forgotten: nothing waits");
     drop(counters);
     crate::suite::assert_no_leaks::<H>(&b);
+}
+
+/// A device pool dropped on a fenced device: its blocks' frees and its destroy are not sent to
+/// the lost context, so the pool is retired with what its tenant pays for the blocks
+/// ([`destroy_pool_charged`](tensor_wasm_mem_core::DevicePools::destroy_pool_charged)); the recovery's reset destroys the pool, and only
+/// then do those charges go back, to the byte. Nothing is stranded.
+pub fn recover_gives_a_dropped_device_pools_charge_back<H: Harness>() {
+    let b = H::backend();
+    if !H::has_device_pools(&b) {
+        return skip("no device pools");
+    }
+    let t = Arc::new(TenantLedger::new(
+        TenantId(1),
+        64 * PAGE as u64,
+        IsolationLevel::StreamIsolated,
+    ));
+    let pool = TenantDevicePool::new(
+        Arc::clone(&b),
+        Arc::clone(&t),
+        D0,
+        &DevicePoolConfig::default(),
+    )
+    .expect("pool");
+    let stream = b
+        .acquire_stream_on(t.key(), IsolationLevel::StreamIsolated, D0)
+        .expect("stream");
+    let _block = pool.allocate(4 * PAGE, &stream).expect("block");
+    if !fault::<H>(&b, &stream) {
+        drop(pool);
+        b.release_stream(stream).expect("release");
+        return skip("no simulated kernel");
+    }
+    drop(pool);
+    let held = t.stats();
+    assert_eq!(
+        held.device_pool_bytes,
+        4 * PAGE as u64,
+        "charged while the lost context holds the block"
+    );
+    let _ = b.release_stream(stream);
+    let recovery = recover(&*b).expect("recover").expect("it was fenced");
+    assert_eq!(recovery.pools, 1, "the reset destroyed the retired pool");
+    let s = t.stats();
+    assert_eq!(
+        (s.device_pool_bytes, s.touched_bytes, s.stranded_bytes),
+        (0, 0, 0),
+        "the block's charge went back with the pool"
+    );
+    crate::suite::assert_no_leaks::<H>(&b);
+    serves::<H>(&b, D0);
 }
 
 /// A kernel faults in a shared tenant's work (the legacy default stream of the primary context).

@@ -12,7 +12,7 @@ use crate::device::DeviceId;
 use crate::driver::{
     DriverApi, DriverBackend, DriverContext, DriverPool, DriverStream, Life, Refusal,
 };
-use crate::ledger::TenantKey;
+use crate::ledger::{Reservation, TenantKey};
 use crate::pools::{DevicePoolConfig, DevicePoolStats, DevicePools, PoolAllocation, PoolHandle};
 use crate::stream::Stream;
 
@@ -28,6 +28,11 @@ pub(super) struct PoolRecord {
     /// Driver calls using the pool now.
     busy: u32,
     life: Life,
+    /// What its tenant still pays for blocks the driver has not given back (handed over by
+    /// [`DevicePools::destroy_pool_charged`]): dropped (the bytes go back) when the pool is
+    /// really gone, by a destroy or a recovery's reset, stranded if this backend drops without
+    /// destroying it.
+    pub(super) charges: Vec<Reservation>,
 }
 
 impl PoolRecord {
@@ -119,6 +124,11 @@ impl<D: DriverApi> DriverBackend<D> {
     /// table), each ordered on its own stream while that stream lives, then destroys the pool.
     /// What the driver refuses goes back into the table, retired, counted and retried at drop.
     fn release_pool(&self, raw: DriverPool, mut record: PoolRecord) -> Result<(), D::Error> {
+        if self.is_fenced(record.device) {
+            // Not sent to a lost context: retired, for the recovery's reset to destroy.
+            let device = record.device;
+            return Err(self.keep_pool(raw, record, Refusal::DeviceFenced { device }.into()));
+        }
         let blocks: Vec<(u64, PoolBlock)> = record.live.iter().map(|(&p, &b)| (p, b)).collect();
         for (ptr, block) in blocks {
             if let Err(e) = self.free_block_at_teardown(record.device, ptr, block) {
@@ -132,6 +142,8 @@ impl<D: DriverApi> DriverBackend<D> {
             return Err(self.keep_pool(raw, record, e));
         }
         self.state.lock().stats.live_pools -= 1;
+        // Gone: what its tenant paid for its blocks goes back (outside the lock).
+        drop(record);
         Ok(())
     }
 
@@ -240,6 +252,7 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
                 peak_bytes: 0,
                 busy: 0,
                 life: Life::Live,
+                charges: Vec::new(),
             },
         );
         state.stats.live_pools += 1;
@@ -341,18 +354,43 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
     }
 
     fn destroy_pool(&self, pool: PoolHandle) -> Result<(), D::Error> {
+        self.destroy_pool_charged(pool, Vec::new())
+    }
+
+    fn destroy_pool_charged(
+        &self,
+        pool: PoolHandle,
+        charges: Vec<Reservation>,
+    ) -> Result<(), D::Error> {
+        // A reset must not overlap the teardown: it would destroy the pool under its calls,
+        // and a refused destroy would then put back a record of a pool the reset destroyed. A
+        // recovery under way while this pool is live cannot reset (the pool is in use): it
+        // gives up at once, and the teardown goes on.
+        let _call = loop {
+            match self.enter(pool.device(), true) {
+                Ok(call) => break call,
+                Err(Refusal::Recovering { .. }) => core::hint::spin_loop(),
+                Err(refusal) => {
+                    charges.into_iter().for_each(Reservation::strand);
+                    return Err(refusal.into());
+                }
+            }
+        };
         // Decided under the lock: a pool in use is retired (no new use starts) and torn down
-        // by its last user; an idle one leaves the table now.
+        // by its last user; an idle one leaves the table now. The charges go with the record.
         let record = {
             let mut state = self.state.lock();
             let Some(r) = state.pools.get_mut(&pool.driver_pool()).filter(|r| {
                 r.life == Life::Live && r.device == pool.device() && r.tenant == pool.tenant_key()
             }) else {
+                drop(state);
+                charges.into_iter().for_each(Reservation::strand);
                 return Err(Refusal::UnknownPool {
                     pool: pool.driver_pool(),
                 }
                 .into());
             };
+            r.charges.extend(charges);
             if r.busy > 0 {
                 r.life = Life::Releasing;
                 return Ok(());

@@ -145,6 +145,7 @@ impl State {
         &mut self,
         device: DeviceId,
         primary: crate::driver::DriverContext,
+        released: &mut alloc::vec::Vec<crate::ledger::Reservation>,
     ) -> Recovery {
         let mut recovery = Recovery {
             device,
@@ -196,6 +197,9 @@ impl State {
             let keep = r.device != device;
             if !keep {
                 blocks += r.live.len() as u64;
+                // Destroyed with the pool: what its tenant paid for them goes back (dropped
+                // by the caller, outside the lock).
+                released.append(&mut r.charges);
             }
             keep
         });
@@ -392,7 +396,8 @@ impl<D: DriverApi> DriverBackend<D> {
             return Err(e);
         }
         let lost_before = state.stats.lost_allocations;
-        let recovery = state.forget_reset(device, primary);
+        let mut released = alloc::vec::Vec::new();
+        let recovery = state.forget_reset(device, primary, &mut released);
         // Lost records made (an orphaned allocation leaves none).
         self.faulted
             .lost
@@ -407,6 +412,9 @@ impl<D: DriverApi> DriverBackend<D> {
         self.faulted.recoveries.fetch_add(1, Ordering::AcqRel);
         // The fence goes before the gate opens: no call slips in between to a fenced refusal.
         gate.resetting.store(false, Ordering::SeqCst);
+        drop(state);
+        // The charges of the pools the reset destroyed go back, outside the lock.
+        drop(released);
         Ok(Some(recovery))
     }
 }
