@@ -119,7 +119,7 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
                 allocation.as_ref().unwrap_or_else(|| unreachable!()),
                 0,
             ),
-            Source::Slot(slot) => (slot.pool().allocator(), slot.pool().slab(), slot.offset()),
+            Source::Slot(slot) => (slot.pool().allocator(), slot.slab(), slot.offset()),
         }
     }
 

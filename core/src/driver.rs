@@ -811,6 +811,11 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         self.recoveries_so_far()
     }
 
+    fn device_fenced(&self, device: DeviceId) -> bool {
+        // One atomic load while no device is fenced (what a slot pool asks on every slot).
+        self.is_fenced(device)
+    }
+
     unsafe fn recover_device(&self, device: DeviceId) -> Result<Option<Recovery>, D::Error> {
         // SAFETY: the caller upholds the contract, which is `recover`'s.
         unsafe { self.recover(device) }

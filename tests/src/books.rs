@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use tensor_wasm_mem_core::{
     DeviceId, ErrorKind, HostAccess, HostMemory, IsolationLevel, ManagedAllocator, Operation,
+    PoolConfig, SizeClass,
 };
 use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Memory, Module, Store};
 use tensor_wasm_mem_wasmtime::{
@@ -32,6 +33,19 @@ struct Rig<H: Harness> {
 impl<H: Harness> Rig<H> {
     fn new(backend: &Arc<H::Backend>, backing: Backing) -> Self {
         let builder = TensorWasmMemoryCreator::builder(Arc::clone(backend)).backing(backing);
+        // SAFETY: nothing but the creator's backend uses the devices' primary contexts here.
+        Self::with(unsafe { builder.recover_automatically() }.build())
+    }
+
+    /// A rig of pooled managed memory (two 4-page slots) whose creator recovers a device on its
+    /// own.
+    fn pooled(backend: &Arc<H::Backend>) -> Self {
+        let builder = TensorWasmMemoryCreator::builder(Arc::clone(backend))
+            .backing(Backing::Managed)
+            .pool(PoolConfig::new(
+                DeviceId(0),
+                [SizeClass::new(4 * PAGE as usize, 2)],
+            ));
         // SAFETY: nothing but the creator's backend uses the devices' primary contexts here.
         Self::with(unsafe { builder.recover_automatically() }.build())
     }
@@ -287,6 +301,57 @@ pub fn recover_by_another_creator_gives_this_creators_charges_back<H: Harness>()
     );
     if let Some(live) = H::counters(&backend).map(|c| c.live_allocations()) {
         assert_eq!(live, 1, "the driver holds the next Store's memory only");
+    }
+}
+
+/// A pooled creator's device recovers while the creator lives: on the fenced device the pool
+/// hands out no slot (typed), and lets its slab go when its last slot comes back, so the
+/// device recovers when the faulted Store goes; the next Store gets a slot carved from a new
+/// slab, scrubbed, and every charge and driver counter is back to what the survivors hold.
+pub fn recover_a_pooled_creator_while_it_lives<H: Harness>() {
+    let backend = H::backend();
+    let rig = Rig::<H>::pooled(&backend);
+    let pool = Arc::clone(rig.creator.pool().expect("pooled"));
+    let (mut store, memory) = rig.store_and_memory();
+    if !fault_in(&backend, &rig, &mut store, &memory) {
+        return skip("no simulated kernel");
+    }
+    let refused = pool
+        .acquire(4 * PAGE as usize, PAGE as usize)
+        .map(|_| ())
+        .expect_err("no slot on a fenced device");
+    assert_eq!(refused.kind(), ErrorKind::ContextLost, "{refused}");
+    assert_eq!(rig.charged(), Rig::<H>::charge_of(1), "charged while held");
+    drop(store);
+    assert!(
+        !backend.device_fenced(DeviceId(0)),
+        "recovered when the faulted Store went, the pooled creator alive"
+    );
+    assert!(pool.with_slab(|_| ()).is_none(), "the old slab is gone");
+    assert_eq!(rig.creator.stats().recoveries, 1);
+    assert_eq!(
+        rig.charged(),
+        Rig::<H>::charge_of(0),
+        "the charge went back"
+    );
+    if let Some(live) = H::counters(&backend).map(|c| c.live_allocations()) {
+        assert_eq!(
+            live, 0,
+            "the reset destroyed the slab; nothing waits for it"
+        );
+    }
+    if let Some(lost) = H::counters(&backend).map(|c| c.lost_allocations()) {
+        assert_eq!(lost, 0, "no lost record of the forgotten slab");
+    }
+    let _next = rig.store();
+    assert_eq!(
+        rig.charged(),
+        Rig::<H>::charge_of(1),
+        "the next Store is served"
+    );
+    assert!(pool.with_slab(|_| ()).is_some(), "a new slab");
+    if let Some(live) = H::counters(&backend).map(|c| c.live_allocations()) {
+        assert_eq!(live, 1, "the new slab");
     }
 }
 

@@ -786,29 +786,25 @@ pub fn pool_reuse_resets_hints<H: Harness>() {
         match leftover {
             Leftover::Advice(advice) => first.advise(0, 3 * PAGE, advice).expect("advise"),
         }
-        let base = first.as_ptr() as usize - p.slab().as_ptr() as usize;
+        let slab_base = p.with_slab(|s| s.as_ptr() as usize).expect("a slab");
+        let base = first.as_ptr() as usize - slab_base;
         let offsets = [base, base + 3 * PAGE - 1];
-        inspected |= check_pristine::<H>(&b, p.slab(), &offsets, false, &format!("{leftover}"));
+        inspected |= p
+            .with_slab(|s| check_pristine::<H>(&b, s, &offsets, false, &format!("{leftover}")))
+            .expect("a slab");
         drop(first);
         let second = p.acquire(4 * PAGE, 4 * PAGE).expect("slot again");
-        assert_eq!(
-            second.as_ptr() as usize - p.slab().as_ptr() as usize,
-            base,
-            "the same slot"
-        );
+        assert_eq!(second.as_ptr() as usize - slab_base, base, "the same slot");
         resets += 1;
         assert_eq!(
             p.stats().hint_resets,
             resets,
             "the slot's hints were reset: {leftover}"
         );
-        check_pristine::<H>(
-            &b,
-            p.slab(),
-            &offsets,
-            true,
-            &format!("reused after {leftover}"),
-        );
+        p.with_slab(|s| {
+            check_pristine::<H>(&b, s, &offsets, true, &format!("reused after {leftover}"))
+        })
+        .expect("a slab");
         drop(second);
     }
     // A holder that hints nothing costs no reset.

@@ -160,6 +160,16 @@ pub enum PoolError {
     /// The slab size does not fit the address space.
     #[error("pool slab size overflows")]
     SizeOverflow,
+    /// The pool's device is fenced after a kernel fault in its primary context: the pool hands
+    /// out nothing there until the device is recovered (its slab is given up, and made again
+    /// after the recovery).
+    #[error(
+        "{device} is fenced after a kernel fault: the slot pool serves again once it is recovered"
+    )]
+    DeviceFenced {
+        /// The device.
+        device: crate::device::DeviceId,
+    },
 }
 
 impl PoolError {
@@ -173,6 +183,7 @@ impl PoolError {
                 ErrorKind::InvalidArgument
             }
             Self::SizeOverflow => ErrorKind::Overflow,
+            Self::DeviceFenced { .. } => ErrorKind::ContextLost,
         }
     }
 }

@@ -27,7 +27,8 @@
 use alloc::sync::Arc;
 use core::fmt;
 
-use core::sync::atomic::{AtomicBool, Ordering};
+use alloc::boxed::Box;
+use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use crate::allocator::{Allocation, ManagedAllocator};
 use crate::buffer::UnifiedBuffer;
@@ -66,18 +67,36 @@ pub(crate) type ResetHints<A> =
 /// A pool of equally sized slots per size class, carved from one slab. Slots are scrubbed as
 /// they are handed out (the zeroing is the backend's, and may be asynchronous work ordered on
 /// its scrub stream): a slot comes back by recording its high-water mark only.
+///
+/// After a kernel fault fences the pool's device, the pool hands out nothing there
+/// ([`PoolError::DeviceFenced`]) and gives its slab up as soon as no slot is held (the free is
+/// refused in the lost context, and the slab forgotten: a recovery's reset destroys it), so the
+/// pool never keeps the device from being recovered; once the device is recovered, the next
+/// acquisition carves the slots from a new slab.
 pub struct SlotPool<A: ManagedAllocator> {
     allocator: A,
-    slab: Option<Allocation>,
+    device: crate::device::DeviceId,
+    /// Bytes of a slab.
+    slab_bytes: usize,
+    /// The slab every slot lies in (a `Box`ed handle), null once given up. Swapped only under
+    /// the slot table's lock while no slot is held ([`SlotTable::if_idle`],
+    /// [`SlotTable::renew`]), so a held slot's slab is live and unchanged while it is held.
+    slab: AtomicPtr<Allocation>,
+    /// Serialises giving the slab up, making a new one, and [`with_slab`](Self::with_slab).
+    renewing: spin::Mutex<()>,
     slots: SlotTable<Dirt>,
     /// Set by the first slot holder that advises or prefetches (see [`PoolSlot::hinted`]).
     reset_hints: spin::Mutex<Option<ResetHints<A>>>,
+    /// The pool owns the boxed slab behind `slab` (so it is `Send` and `Sync` as that is).
+    _slab: core::marker::PhantomData<Box<Allocation>>,
 }
 
 impl<A: ManagedAllocator> fmt::Debug for SlotPool<A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SlotPool")
-            .field("slab", &self.slab)
+            .field("device", &self.device)
+            .field("slab_bytes", &self.slab_bytes)
+            .field("has_slab", &!self.slab.load(Ordering::Acquire).is_null())
             .field("classes", &self.slots.layout())
             .finish_non_exhaustive()
     }
@@ -90,19 +109,28 @@ impl<A: ManagedAllocator> SlotPool<A> {
         let slab = allocator
             .allocate(config.device, total)
             .map_err(|e| Error::backend(Operation::Allocate, e))?;
-        // A slab that does not come zeroed starts with every slot dirty to its full size.
+        let slots = SlotTable::new(layout, Self::fresh(&allocator));
+        Ok(Self {
+            allocator,
+            device: config.device,
+            slab_bytes: total,
+            slab: AtomicPtr::new(Box::into_raw(Box::new(slab))),
+            renewing: spin::Mutex::new(()),
+            slots,
+            reset_hints: spin::Mutex::new(None),
+            _slab: core::marker::PhantomData,
+        })
+    }
+
+    /// What a slot of a new slab needs: nothing where the allocator hands out zeroed memory,
+    /// else a scrub of its full size, so its first holder sees zeros too.
+    fn fresh(allocator: &A) -> impl Fn(&ClassLayout) -> Dirt {
         let zeroed = allocator.capabilities().comes_zeroed;
-        let slots = SlotTable::new(layout, |c| Dirt {
+        move |c| Dirt {
             dirty: if zeroed { 0 } else { c.slot_bytes },
             hinted: 0,
             device: false,
-        });
-        Ok(Self {
-            allocator,
-            slab: Some(slab),
-            slots,
-            reset_hints: spin::Mutex::new(None),
-        })
+        }
     }
 
     /// The allocator the slab came from.
@@ -110,10 +138,95 @@ impl<A: ManagedAllocator> SlotPool<A> {
         &self.allocator
     }
 
-    /// The slab every slot lies in.
-    pub fn slab(&self) -> &Allocation {
-        // `slab` is `Some` from construction until `drop`.
-        self.slab.as_ref().unwrap_or_else(|| unreachable!())
+    /// The device the slots are on.
+    pub fn device(&self) -> crate::device::DeviceId {
+        self.device
+    }
+
+    /// Runs `f` on the slab every slot lies in (for inspection), while it cannot be given up or
+    /// replaced; `None` while the pool has none (given up on a fenced device, not made again
+    /// yet).
+    pub fn with_slab<R>(&self, f: impl FnOnce(&Allocation) -> R) -> Option<R> {
+        let _renewing = self.renewing.lock();
+        let slab = self.slab.load(Ordering::Acquire);
+        // SAFETY: non-null, the slab is the live box this pool owns; it is only replaced or
+        // given up under `renewing`, held here while `f` runs.
+        (!slab.is_null()).then(|| f(unsafe { &*slab }))
+    }
+
+    /// The slab of a slot that is held.
+    ///
+    /// # Safety
+    ///
+    /// A slot of this pool must be held (taken from the table, not given back) by the caller
+    /// for as long as the reference is used: the slab is swapped only while no slot is held.
+    unsafe fn held_slab(&self) -> &Allocation {
+        let slab = self.slab.load(Ordering::Acquire);
+        debug_assert!(!slab.is_null(), "a held slot's slab is never given up");
+        // SAFETY: by the caller's contract a slot is held, so the slab was installed before it
+        // was taken and is not swapped until every slot is back: a live box of this pool.
+        unsafe { &*slab }
+    }
+
+    /// Gives the slab up if the pool's device is fenced (a kernel fault in its primary context)
+    /// and no slot is held: its free is refused in the lost context, and the slab forgotten
+    /// ([`ManagedAllocator::forget`]), so a recovery's reset destroys it and nothing of the pool
+    /// keeps the device from being recovered. `true` if it was given up now. The next
+    /// acquisition after the recovery makes a new slab.
+    pub fn give_up_if_fenced(&self) -> bool {
+        if !self.allocator.device_fenced(self.device) {
+            return false;
+        }
+        let _renewing = self.renewing.lock();
+        let taken = self
+            .slots
+            .if_idle(|| self.slab.swap(core::ptr::null_mut(), Ordering::AcqRel));
+        match taken {
+            Some(slab) if !slab.is_null() => {
+                // SAFETY: the box this pool installed, swapped out (no slot is held, and none
+                // can be taken on a null slab): owned here alone.
+                let slab = unsafe { Box::from_raw(slab) };
+                self.let_slab_go(*slab);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Frees a slab no slot uses; a refused free leaves it to the backend, forgotten (a driver
+    /// backend frees it when it drops, unless a recovery's reset destroyed it first): no tenant
+    /// pays for a pool's slab.
+    fn let_slab_go(&self, slab: Allocation) {
+        // SAFETY: the slab came from `self.allocator`, and no slot of it is held (the caller
+        // swapped it out under the table's lock while none was), so nothing uses it afterwards.
+        if let Err(refused) = unsafe { self.allocator.free(slab) } {
+            self.allocator.forget(refused.resource);
+        }
+    }
+
+    /// Makes a new slab where the pool gave its slab up (its device was fenced, and is not
+    /// any more), and carves every slot from it, fresh.
+    fn renew(&self) -> Result<(), Error<A::Error>> {
+        let _renewing = self.renewing.lock();
+        if !self.slab.load(Ordering::Acquire).is_null() {
+            return Ok(());
+        }
+        let slab = self
+            .allocator
+            .allocate(self.device, self.slab_bytes)
+            .map_err(|e| Error::backend(Operation::Allocate, e))?;
+        let slab = Box::into_raw(Box::new(slab));
+        let fresh = Self::fresh(&self.allocator);
+        // A slot is held only for a moment here (an acquisition that found no slab puts it back
+        // untouched): wait it out.
+        while self
+            .slots
+            .renew(&fresh, || self.slab.store(slab, Ordering::Release))
+            .is_none()
+        {
+            core::hint::spin_loop();
+        }
+        Ok(())
     }
 
     /// A snapshot of the pool's figures.
@@ -142,8 +255,27 @@ impl<A: ManagedAllocator> SlotPool<A> {
             }
             .into());
         }
+        if self.allocator.device_fenced(self.device) {
+            self.give_up_if_fenced();
+            return Err(PoolError::DeviceFenced {
+                device: self.device,
+            }
+            .into());
+        }
+        if self.slab.load(Ordering::Acquire).is_null() {
+            self.renew()?;
+        }
         let taken = self.slots.take(capacity, |_| true)?;
         let (slot, offset, dirt) = (taken.slot, taken.offset(), taken.meta);
+        if self.slab.load(Ordering::Acquire).is_null() {
+            // Given up between the check and the take (the device was fenced meanwhile): the
+            // slot goes back untouched.
+            self.slots.untake(slot, dirt);
+            return Err(PoolError::DeviceFenced {
+                device: self.device,
+            }
+            .into());
+        }
         if dirt != Dirt::default() {
             self.prepare(slot, offset, dirt)?;
         }
@@ -191,7 +323,8 @@ impl<A: ManagedAllocator> SlotPool<A> {
         if dirty == 0 {
             return Ok(());
         }
-        let slab = self.slab();
+        // SAFETY: the slot at `offset` was just taken by the caller, and is held.
+        let slab = unsafe { self.held_slab() };
         let zeroed = if dirt.device {
             // SAFETY: the slab is live (owned by `self`), and the slot `offset..offset + dirty`
             // was just taken off the free list, so no holder can access it.
@@ -212,7 +345,8 @@ impl<A: ManagedAllocator> SlotPool<A> {
         // A slot is only marked hinted after `reset_hints` is recorded.
         let reset = *self.reset_hints.lock();
         match reset {
-            Some(reset) => reset(&self.allocator, self.slab(), offset, hinted)
+            // SAFETY: the slot at `offset` was just taken by the caller, and is held.
+            Some(reset) => reset(&self.allocator, unsafe { self.held_slab() }, offset, hinted)
                 .map_err(|e| Error::backend(Operation::ResetHints, e)),
             None => Ok(()),
         }
@@ -239,15 +373,12 @@ impl<A: ManagedAllocator> SlotPool<A> {
 
 impl<A: ManagedAllocator> Drop for SlotPool<A> {
     fn drop(&mut self) {
-        if let Some(slab) = self.slab.take() {
-            // SAFETY: the slab came from `self.allocator`; every slot holds an `Arc` to the pool,
-            // so none is alive when the pool drops, and nothing uses the slab afterwards.
-            // A refused free leaves the slab to the backend, forgotten (a driver backend frees
-            // it when it drops, unless a recovery destroyed it first): no tenant pays for a
-            // pool's slab.
-            if let Err(refused) = unsafe { self.allocator.free(slab) } {
-                self.allocator.forget(refused.resource);
-            }
+        let slab = *self.slab.get_mut();
+        if !slab.is_null() {
+            // SAFETY: the box this pool installed; every slot holds an `Arc` to the pool, so
+            // none is alive when the pool drops, and nothing uses the slab afterwards.
+            let slab = unsafe { Box::from_raw(slab) };
+            self.let_slab_go(*slab);
         }
     }
 }
@@ -275,6 +406,12 @@ impl<A: ManagedAllocator> PoolSlot<A> {
 
     pub(crate) fn pool(&self) -> &Arc<SlotPool<A>> {
         &self.pool
+    }
+
+    /// The slab the slot lies in.
+    pub(crate) fn slab(&self) -> &Allocation {
+        // SAFETY: this slot is held for as long as `self` lives (it goes back in `drop`).
+        unsafe { self.pool.held_slab() }
     }
 
     pub(crate) fn offset(&self) -> usize {
@@ -321,11 +458,15 @@ impl<A: ManagedAllocator> fmt::Debug for PoolSlot<A> {
 impl<A: ManagedAllocator> Drop for PoolSlot<A> {
     fn drop(&mut self) {
         if self.withdrawn {
-            return self.pool.slots.withdraw();
+            self.pool.slots.withdraw();
+            self.pool.give_up_if_fenced();
+            return;
         }
         let touched = (*self.hinted.get_mut(), *self.device.get_mut());
         self.pool
             .release(self.id, self.slot_bytes, self.high_water, touched);
+        // The last slot back on a fenced device lets the slab go, for the recovery.
+        self.pool.give_up_if_fenced();
     }
 }
 
@@ -442,11 +583,11 @@ mod tests {
         for w in ranges.windows(2) {
             assert!(w[0].end <= w[1].start);
         }
-        let slab = pool.slab().as_ptr() as usize;
+        let (slab, len) = pool.with_slab(|s| (s.as_ptr() as usize, s.len())).unwrap();
         assert!(
             ranges
                 .iter()
-                .all(|r| r.start >= slab && r.end <= slab + pool.slab().len())
+                .all(|r| r.start >= slab && r.end <= slab + len)
         );
         assert!(ranges.iter().all(|r| (r.start - slab).is_multiple_of(PAGE)));
     }

@@ -71,6 +71,17 @@ struct Class<M> {
 struct TableState<M> {
     classes: Vec<Class<M>>,
     counters: Counters,
+    /// Slots withdrawn for good (off the free lists, held by no one).
+    withdrawn: usize,
+}
+
+impl<M> TableState<M> {
+    /// No slot is held: every slot is free or withdrawn.
+    fn idle(&self, layout: &[ClassLayout]) -> bool {
+        let free: usize = self.classes.iter().map(|c| c.free.len()).sum();
+        let slots: usize = layout.iter().map(|c| c.slots as usize).sum();
+        free + self.withdrawn == slots
+    }
 }
 
 /// Free lists, per-slot records and figures of a slot pool: the bookkeeping every slot pool
@@ -111,8 +122,48 @@ impl<M: Copy> SlotTable<M> {
                     hint_resets: 0,
                     exhaustions: 0,
                 },
+                withdrawn: 0,
             }),
         }
+    }
+
+    /// Runs `f` under the table's lock if no slot is held (every slot free or withdrawn), so
+    /// that no slot is taken while it runs: what a pool swaps its memory under. `None` (and `f`
+    /// not run) while a slot is held.
+    pub fn if_idle<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
+        let state = self.state.lock();
+        state.idle(&self.layout).then(f)
+    }
+
+    /// Makes every slot free again with `initial(class)` recorded (withdrawn ones included),
+    /// and runs `f`, under the table's lock, if no slot is held: what a pool does when it
+    /// carves its slots from new memory. The figures are kept. `None` (nothing changed) while
+    /// a slot is held.
+    pub fn renew<R>(
+        &self,
+        initial: impl Fn(&ClassLayout) -> M,
+        f: impl FnOnce() -> R,
+    ) -> Option<R> {
+        let mut state = self.state.lock();
+        if !state.idle(&self.layout) {
+            return None;
+        }
+        for (class, layout) in state.classes.iter_mut().zip(&self.layout) {
+            class.free = (0..layout.slots).rev().collect();
+            class.meta = alloc::vec![initial(layout); layout.slots as usize];
+        }
+        state.withdrawn = 0;
+        Some(f())
+    }
+
+    /// A slot taken and not handed out after all (nothing done to it): it goes back as it
+    /// was, its acquisition undone.
+    pub fn untake(&self, slot: SlotId, meta: M) {
+        let mut state = self.state.lock();
+        let class = &mut state.classes[slot.class];
+        class.meta[slot.index as usize] = meta;
+        class.free.push(slot.index);
+        state.counters.acquisitions -= 1;
     }
 
     /// The classes, smallest slot first.
@@ -212,6 +263,7 @@ impl<M: Copy> SlotTable<M> {
         let mut state = self.state.lock();
         state.counters.releases += 1;
         state.counters.scrub_failures += 1;
+        state.withdrawn += 1;
     }
 
     /// The figures.

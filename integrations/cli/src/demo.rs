@@ -314,8 +314,8 @@ pub fn demo<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(), Failure>
         after.iter().all(|s| s.touched_bytes == 0)
     );
     let backend = Arc::clone(creator.backend());
-    // The pooled creator's slabs live in the devices' primary contexts: it goes first (with the
-    // engine and module that hold it), so the recovery below has nothing of it to wait for.
+    // The fault is shown on a creator of its own; the pooled one is done (its pools would let
+    // their slabs go on a fenced device, and carve new ones after the recovery).
     drop((linker, module, engine, creator));
     fault_and_recover(backend)
 }

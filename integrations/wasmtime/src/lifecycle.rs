@@ -373,10 +373,16 @@ impl<B: Backend> Drop for MemoryRecord<B> {
             tracing::warn!("twm: work may still use a memory: kept, not given back");
             return self.kept.keep_busy(held);
         }
+        let backend = self
+            .kept
+            .automatic
+            .then(|| Arc::clone(held.storage.allocator()));
         if let Err(held) = held.release() {
-            let backend = Arc::clone(held.storage.allocator());
             self.kept.keep(held);
-            // Its device fenced after a kernel fault: the last memory there to go recovers it.
+        }
+        // Its device fenced after a kernel fault: the last memory there to go recovers it
+        // (a kept one, whose free the fence refused, or a pool slot, which went back).
+        if let Some(backend) = backend {
             self.kept.recover_when_free(&backend, self.device);
         }
     }

@@ -724,7 +724,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     pub fn retry_releases(&self) -> u64 {
         self.inner.kept.settle(self.backend());
         for &device in &self.inner.devices {
-            self.inner.kept.recover_when_free(self.backend(), device);
+            self.recover_when_free(device);
         }
         self.inner.kept.figures().0
     }
@@ -743,8 +743,9 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// [`ErrorKind::ContextLost`](tensor_wasm_mem_core::ErrorKind::ContextLost) that says how
     /// much (an embedder that keeps a Store keeps the device fenced: its guests trap on their
     /// next `twm` call with [`TwmError::DeviceLost`], and its scopes are refused). A managed
-    /// slot pool's slab lives in the primary context: a pooled creator's device stays fenced
-    /// while the creator lives (docs/SAFETY.md section 6b).
+    /// slot pool's slab lives in the primary context: on a fenced device the pool hands out no
+    /// slot and lets its slab go once no slot is held, and carves its slots from a new slab
+    /// after the recovery (docs/SAFETY.md section 6b).
     ///
     /// # Safety
     ///
@@ -758,6 +759,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         &self,
         device: DeviceId,
     ) -> Result<Option<tensor_wasm_mem_core::Recovery>, TwmError> {
+        self.give_up_fenced_slabs(device);
         // SAFETY: the caller's contract is the recovery's.
         unsafe { self.inner.kept.recover(self.backend(), device) }
     }
@@ -765,7 +767,20 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// [`recover`](Self::recover) where a guest's last stream on `device` went: not yet is not
     /// an error here.
     pub(crate) fn recover_when_free(&self, device: DeviceId) {
+        self.give_up_fenced_slabs(device);
         self.inner.kept.recover_when_free(self.backend(), device);
+    }
+
+    /// A managed slot pool on a fenced `device` lets its slab go once no slot is held (its
+    /// last slot's return does it too), so the pool never keeps the device from recovering.
+    fn give_up_fenced_slabs(&self, device: DeviceId) {
+        for pool in &self.inner.pools {
+            if let CreatorPool::Managed(pool) = pool
+                && pool.device() == device
+            {
+                pool.give_up_if_fenced();
+            }
+        }
     }
 
     /// Catches up with device recoveries made since this creator last looked, by anyone: the

@@ -187,30 +187,21 @@ fn read_mostly_is_for_the_scope_and_write_back_returns_written_ranges_to_the_hos
     let ranges = [AccessRange::read(0, 4096), AccessRange::write(8192, 4096)];
     let scope = DeviceAccess::open_with(&mut store, &creator, &memory, &ranges, options).unwrap();
     assert_eq!(scope.slices().len(), 2);
-    assert!(backend.driver().hints(pool.slab(), 0).unwrap().read_mostly);
-    assert!(
-        !backend
-            .driver()
-            .hints(pool.slab(), 8192)
+    let hints = |offset| {
+        pool.with_slab(|slab| backend.driver().hints(slab, offset).unwrap())
             .unwrap()
-            .read_mostly,
-        "written: not advised"
-    );
+    };
+    let residency = |offset| {
+        pool.with_slab(|slab| backend.driver().residency(slab, offset).unwrap())
+            .unwrap()
+    };
+    assert!(hints(0).read_mostly);
+    assert!(!hints(8192).read_mostly, "written: not advised");
     scope.close().unwrap();
-    assert!(
-        !backend.driver().hints(pool.slab(), 0).unwrap().read_mostly,
-        "undone at close"
-    );
+    assert!(!hints(0).read_mostly, "undone at close");
     let d0 = Location::Device(DeviceId(0));
-    assert_eq!(
-        backend.driver().residency(pool.slab(), 0).unwrap(),
-        Some(d0)
-    );
-    assert_eq!(
-        backend.driver().residency(pool.slab(), 8192).unwrap(),
-        Some(Location::Host),
-        "written back"
-    );
+    assert_eq!(residency(0), Some(d0));
+    assert_eq!(residency(8192), Some(Location::Host), "written back");
     drop(store);
     assert_eq!(pool.stats().hint_resets, 0, "nothing reused yet");
 }

@@ -684,8 +684,14 @@ fn a_tenants_hints_do_not_reach_the_next_holder_of_its_slot() {
     )
     .unwrap();
     let pool = Arc::clone(creator.pool().expect("a pooled creator"));
-    let at = |offset: usize| backend.driver().hints(pool.slab(), offset).unwrap();
-    let resident = |offset: usize| backend.driver().residency(pool.slab(), offset).unwrap();
+    let at = |offset: usize| {
+        pool.with_slab(|slab| backend.driver().hints(slab, offset).unwrap())
+            .unwrap()
+    };
+    let resident = |offset: usize| {
+        pool.with_slab(|slab| backend.driver().residency(slab, offset).unwrap())
+            .unwrap()
+    };
 
     let a = tenant(1, 4 * PAGE as u64);
     let mut store = store_for(&creator, &engine, &a, ChargeMode::Touched);
