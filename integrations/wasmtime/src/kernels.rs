@@ -368,6 +368,8 @@ pub(crate) struct KernelCounters {
     pub(crate) failures: AtomicU64,
     /// Host calls that found the tenant's device state lost to a kernel fault (each trapped).
     pub(crate) device_lost: AtomicU64,
+    /// Launches whose own wait saw a sticky fault first (the device was not fenced before).
+    pub(crate) faults: AtomicU64,
     in_flight: AtomicU32,
 }
 
@@ -671,6 +673,9 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
     // of it before they launch there.
     creator.settle();
     let backend = creator.backend();
+    // A fault this launch's wait is the first to see (the device healthy before it) is counted
+    // against this tenant: its kernel is the suspect.
+    let fenced_before = backend.device_fenced(device);
     // The stream is waited for whatever the launcher does: answers an error after queueing
     // work, or panics (the guard waits while unwinding, before the in-flight count goes): the
     // guest never runs, nor its memory goes, while work it launched still writes.
@@ -680,7 +685,13 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
     };
     let launched = entry.launcher.launch(backend, &launch);
     let waited = wait.now();
-    launched.and(waited).map_err(|e| launch_failure(&e))
+    launched.and(waited).map_err(|e| {
+        let code = launch_failure(&e);
+        if code == TWM_ERR_DEVICE_LOST && !fenced_before {
+            counters.faults.fetch_add(1, Ordering::AcqRel);
+        }
+        code
+    })
 }
 
 /// The code of a launch that failed: a fault loses its context for good (the guest traps),

@@ -44,7 +44,7 @@ pub use guest::{
 pub use lifecycle::TensorWasmLinearMemory;
 pub use memory::{
     CreatorBuilder, CreatorDeviceStats, CreatorStats, GuestSlice, HINT_GRANULARITY,
-    TensorWasmMemoryCreator,
+    RecoveryBlocker, TensorWasmMemoryCreator,
 };
 pub use placement::{DevicePlacement, Placement, PlacementPolicy};
 pub use scope::{Access, AccessRange, DeviceAccess, RunScope, ScopeOptions, ScopedSlice};

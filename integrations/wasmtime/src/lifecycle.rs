@@ -295,6 +295,14 @@ pub(crate) struct MemoryRecord<B: Backend> {
 }
 
 impl<B: Backend> MemoryRecord<B> {
+    /// The tenant paying for it (`None`: no tenant pays) and the bytes it holds visible;
+    /// `None` once its storage went.
+    pub(crate) fn holder(&self) -> Option<(Option<Arc<crate::tenancy::Tenant>>, usize)> {
+        self.read()
+            .as_ref()
+            .map(|h| (h.charge.as_ref().map(|c| Arc::clone(c.tenant())), h.len()))
+    }
+
     pub(crate) fn new(
         held: Held<B>,
         device: DeviceId,

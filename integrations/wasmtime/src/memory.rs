@@ -150,6 +150,21 @@ impl<B: Backend> Registry<B> for CreatorInner<B> {
     }
 }
 
+/// A tenant whose live memories keep a fenced device from being recovered
+/// ([`TensorWasmMemoryCreator::recovery_blockers`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RecoveryBlocker {
+    /// The tenant paying for the memories (`None`: memories no tenant pays for).
+    pub tenant: Option<tensor_wasm_mem_core::TenantId>,
+    /// Its name.
+    pub name: Option<String>,
+    /// Its live memories on the device (each in a Store still alive).
+    pub memories: u64,
+    /// Bytes they hold visible.
+    pub bytes: u64,
+}
+
 /// Figures of a creator (and its pool, if it has one).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CreatorStats {
@@ -769,6 +784,44 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     pub(crate) fn recover_when_free(&self, device: DeviceId) {
         self.give_up_fenced_slabs(device);
         self.inner.kept.recover_when_free(self.backend(), device);
+    }
+
+    /// Who keeps a fenced `device` from being recovered: per tenant, the live memories on it
+    /// (each in a Store the embedder still holds; a memory no tenant pays for is listed under
+    /// `tenant: None`). A recovery waits for every one of them to go: an embedder that wants the
+    /// device back drops those Stores (their guests trap on their next `twm` call anyway).
+    /// Empty when no memory of this creator lives there. Guest streams (a Store with no memory
+    /// on the device) and other creators' memories are not listed; `recover`'s refusal counts
+    /// everything of the backend still in use.
+    #[must_use]
+    pub fn recovery_blockers(&self, device: DeviceId) -> Vec<RecoveryBlocker> {
+        let records: Vec<_> = self
+            .inner
+            .registry()
+            .values()
+            .filter(|r| r.device() == device)
+            .cloned()
+            .collect();
+        let mut blockers: Vec<RecoveryBlocker> = Vec::new();
+        for record in records {
+            let Some((tenant, bytes)) = record.holder() else {
+                continue;
+            };
+            let id = tenant.as_ref().map(|t| t.ledger().id());
+            match blockers.iter_mut().find(|b| b.tenant == id) {
+                Some(b) => {
+                    b.memories += 1;
+                    b.bytes += bytes as u64;
+                }
+                None => blockers.push(RecoveryBlocker {
+                    tenant: id,
+                    name: tenant.map(|t| t.name().to_string()),
+                    memories: 1,
+                    bytes: bytes as u64,
+                }),
+            }
+        }
+        blockers
     }
 
     /// A managed slot pool on a fenced `device` lets its slab go once no slot is held (its

@@ -31,6 +31,7 @@
 //! | `twm_tenant_denials_total` | counter | tenant, tenant_id, device, isolation, budget | requests refused, by budget (`touched`, `held`, `memories`) |
 //! | `twm_tenant_refused_growths_total` | counter | tenant, tenant_id, device, isolation | memory growths its guests were refused (`memory.grow` answered `-1`): denied, past capacity, or failed |
 //! | `twm_tenant_device_lost_total` | counter | tenant, tenant_id, device, isolation | host calls that found the tenant's device state lost to a kernel fault (each trapped its guest) |
+//! | `twm_tenant_kernel_faults_total` | counter | tenant, tenant_id, device, isolation | kernel faults attributed to the tenant: its launches whose own wait saw the fault first (the suspect) |
 //! | `twm_tenant_launches_total` | counter | tenant, tenant_id, device, isolation, outcome | kernels its guests launched ([`kernels`](crate::kernels)), by outcome (`ran`, `refused`, `failed`) |
 //! | `twm_creator_live_memories` | gauge | device | memories alive on the device |
 //! | `twm_creator_backing` | gauge | backing | 1, labelled with what the creator's memories are made of (`managed`, `guarded_pageable`, `guarded_registered`) |
@@ -180,7 +181,7 @@ const COUNT_GAUGES: [(&str, &str); 10] = [
 ];
 
 /// Counters, with their help text.
-const COUNTERS: [(&str, &str); 13] = [
+const COUNTERS: [(&str, &str); 14] = [
     (
         "twm_tenant_refused_growths_total",
         "Memory growths the tenant's guests were refused (memory.grow answered -1).",
@@ -192,6 +193,10 @@ const COUNTERS: [(&str, &str); 13] = [
     (
         "twm_tenant_device_lost_total",
         "Host calls that found the tenant's device state lost to a kernel fault (each trapped).",
+    ),
+    (
+        "twm_tenant_kernel_faults_total",
+        "Kernel faults attributed to the tenant: its launches whose wait saw the fault first.",
     ),
     (
         "twm_device_faults_total",
@@ -275,6 +280,7 @@ pub fn record_tenant(tenant: &Tenant) {
     gauge!("twm_tenant_live_memories", &labels).set(s.live_memories as f64);
     counter!("twm_tenant_memories_created_total", &labels).absolute(s.memories_created);
     counter!("twm_tenant_device_lost_total", &labels).absolute(s.device_lost);
+    counter!("twm_tenant_kernel_faults_total", &labels).absolute(s.kernel_faults);
     counter!("twm_tenant_refused_growths_total", &labels).absolute(s.refused_growths);
     for (outcome, n) in [
         ("ran", s.launches),

@@ -152,8 +152,15 @@ pub struct TenantStats {
     /// Launches whose kernel failed on the device.
     pub kernel_failures: u64,
     /// Host calls that found the tenant's device state lost to a kernel fault (each trapped its
-    /// guest with [`TwmError::DeviceLost`](crate::TwmError::DeviceLost)).
+    /// guest with [`TwmError::DeviceLost`](crate::TwmError::DeviceLost)): the tenant that faulted
+    /// and its neighbours in the lost context alike.
     pub device_lost: u64,
+    /// Faults attributed to this tenant: its launches whose own wait was the first to see a
+    /// sticky fault (the device not fenced before the launch; for a context-isolated tenant,
+    /// whose context is its own, any launch that lost it). A fault surfaces at whichever wait
+    /// comes first, so this names the suspect, not a proof; its neighbours' `device_lost`
+    /// counts the cost to them.
+    pub kernel_faults: u64,
 }
 
 impl Tenant {
@@ -303,6 +310,7 @@ impl Tenant {
             refused_launches: self.kernels.refused.load(Ordering::Acquire),
             kernel_failures: self.kernels.failures.load(Ordering::Acquire),
             device_lost: self.kernels.device_lost.load(Ordering::Acquire),
+            kernel_faults: self.kernels.faults.load(Ordering::Acquire),
         }
     }
 

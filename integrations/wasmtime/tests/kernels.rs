@@ -320,6 +320,7 @@ fn a_launch_whose_kernel_faults_is_a_code_and_a_failure_in_the_figures() {
         (stats.launches, stats.kernel_failures, stats.device_lost),
         (0, 1, 1)
     );
+    assert_eq!(stats.kernel_faults, 1, "the fault is attributed to it");
     drop(g);
     assert_eq!(creator.stats().live_memories, 0, "teardown after a fault");
     assert_eq!(creator.stats().recoveries, 1, "the device recovered");
@@ -416,12 +417,17 @@ fn a_recovery_by_another_creator_tells_this_creators_launchers() {
     let fill = g.kernel("fill");
     assert_eq!(g.launch(fill, &[(0, 16)]), 0, "loaded, launched");
     drop(g);
-    let mut bystander = guest(&other);
-    let bad = bystander.kernel("bad");
-    bystander
+    let mut culprit = guest(&other);
+    let bad = culprit.kernel("bad");
+    culprit
         .try_launch(bad, &[(0, 16)])
         .expect_err("the guest traps");
-    drop(bystander);
+    assert_eq!(
+        culprit.tenant.stats().kernel_faults,
+        1,
+        "its launch faulted"
+    );
+    drop(culprit);
     assert_eq!(
         other.stats().recoveries,
         1,

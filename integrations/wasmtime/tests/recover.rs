@@ -124,6 +124,17 @@ fn recover_traps_the_guests_of_a_faulted_device_and_serves_again() {
     );
     fault(&rig, &mut a, &a_memory);
     assert!(rig.backend.device_fenced(D0));
+    // What keeps the device fenced: Alice's and Bob's memories there, not Carol's.
+    let mut blockers = rig.creator.recovery_blockers(D0);
+    blockers.sort_by_key(|b| b.tenant);
+    let named: Vec<_> = blockers
+        .iter()
+        .map(|b| (b.name.clone().unwrap(), b.memories, b.bytes))
+        .collect();
+    assert_eq!(
+        named,
+        [("t1".to_string(), 1, PAGE), ("t2".to_string(), 1, PAGE)]
+    );
 
     // Bob's guest shared the lost context: its next `twm` call traps, typed.
     let trap = prefetch(&mut b, &b_instance, D0).expect_err("the guest traps");
@@ -151,6 +162,13 @@ fn recover_traps_the_guests_of_a_faulted_device_and_serves_again() {
     // Both Stores on the fenced device go: it recovers on its own, every charge back.
     drop(a);
     assert!(rig.backend.device_fenced(D0), "Bob's Store still holds it");
+    let blockers = rig.creator.recovery_blockers(D0);
+    assert_eq!(blockers.len(), 1);
+    assert_eq!(
+        blockers[0].name.as_deref(),
+        Some("t2"),
+        "Bob's Store, named"
+    );
     drop(b);
     assert!(
         !rig.backend.device_fenced(D0),
@@ -166,6 +184,7 @@ fn recover_traps_the_guests_of_a_faulted_device_and_serves_again() {
         "Carol's memory only"
     );
     assert!(!rig.placement.devices()[0].fenced);
+    assert!(rig.creator.recovery_blockers(D0).is_empty());
 
     // The device serves again.
     let frank = rig.tenant_on(D0, 6);
