@@ -669,21 +669,32 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
         grid: checked.grid,
         block: checked.block,
     };
+    launch_and_wait(&creator, &*entry.launcher, &launch, counters)
+}
+
+/// Launches on the checked `launch` and waits for its stream, whatever the launcher does; a
+/// fault this launch's wait is the first to see is counted against the tenant.
+fn launch_and_wait<B: Backend>(
+    creator: &crate::TensorWasmMemoryCreator<B>,
+    launcher: &dyn KernelLauncher<B>,
+    launch: &Launch<'_>,
+    counters: &KernelCounters,
+) -> Result<(), i32> {
     // A recovery of the device by anyone since the creator last looked: the launchers hear
     // of it before they launch there.
     creator.settle();
     let backend = creator.backend();
     // A fault this launch's wait is the first to see (the device healthy before it) is counted
     // against this tenant: its kernel is the suspect.
-    let fenced_before = backend.device_fenced(device);
+    let fenced_before = backend.device_fenced(launch.device);
     // The stream is waited for whatever the launcher does: answers an error after queueing
     // work, or panics (the guard waits while unwinding, before the in-flight count goes): the
     // guest never runs, nor its memory goes, while work it launched still writes.
     let wait = WaitOnDrop {
         backend: &**backend,
-        stream,
+        stream: launch.stream,
     };
-    let launched = entry.launcher.launch(backend, &launch);
+    let launched = launcher.launch(backend, launch);
     let waited = wait.now();
     launched.and(waited).map_err(|e| {
         let code = launch_failure(&e);
