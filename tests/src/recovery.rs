@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use tensor_wasm_mem_core::{
     Allocation, BackendError, DeviceId, DevicePoolConfig, ErrorKind, IsolationLevel,
-    ManagedAllocator, Operation, Stream, StreamProvider, TenantDevicePool, TenantId, TenantKey,
-    TenantLedger, UnifiedBuffer,
+    ManagedAllocator, Operation, PoolConfig, SizeClass, SlotPool, Stream, StreamProvider,
+    TenantDevicePool, TenantId, TenantKey, TenantLedger, UnifiedBuffer,
 };
 
 use crate::Harness;
@@ -366,4 +366,91 @@ pub fn recover_waits_for_a_call_in_flight<H: Harness>() {
         crate::suite::assert_no_leaks::<H>(&b);
         serves::<H>(&b, D0);
     });
+}
+
+/// A slot pool used by threads through faults and recoveries: each round a kernel faults the
+/// device while two threads acquire, write and release slots; the pool refuses slots on the
+/// fenced device (typed), lets its slab go once no slot is held, and after each recovery carves
+/// its slots from a new slab, zeroed. No slot ever reads another holder's bytes, no acquisition
+/// on a fenced device succeeds, and nothing is left held at the end.
+pub fn recover_a_slot_pool_under_threads<H: Harness>() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let b = H::backend();
+    let pool = Arc::new(
+        SlotPool::new(
+            Arc::clone(&b),
+            PoolConfig::new(D0, [SizeClass::new(PAGE, 4)]),
+        )
+        .expect("pool"),
+    );
+    let host = b.capabilities().host_accessible;
+    let rounds = H::rounds(20);
+    let (stop, served) = (AtomicBool::new(false), AtomicU64::new(0));
+    let mut recovered = 0;
+    std::thread::scope(|s| {
+        for id in 0..2u8 {
+            let (pool, stop, served) = (&pool, &stop, &served);
+            s.spawn(move || {
+                while !stop.load(Ordering::Acquire) {
+                    match pool.acquire(PAGE, PAGE) {
+                        Ok(mut slot) => {
+                            if host {
+                                let mut byte = [9u8];
+                                slot.read(PAGE - 1, &mut byte).expect("read");
+                                assert_eq!(byte, [0], "a slot handed out is zero");
+                                slot.write(PAGE - 1, &[id + 1]).expect("write");
+                            }
+                            served.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e) => assert!(
+                            matches!(e.kind(), ErrorKind::ContextLost | ErrorKind::PoolExhausted),
+                            "{e}"
+                        ),
+                    }
+                    std::thread::yield_now();
+                }
+            });
+        }
+        for _ in 0..rounds {
+            // The threads are served on the healthy device before each fault.
+            // (A minute is a bound for a broken case, never a timing it relies on.)
+            let (before, since) = (served.load(Ordering::Acquire), std::time::Instant::now());
+            while served.load(Ordering::Acquire) < before + 2 {
+                if since.elapsed() > std::time::Duration::from_secs(60) {
+                    stop.store(true, Ordering::Release);
+                    panic!("the threads are not served after a recovery");
+                }
+                std::thread::yield_now();
+            }
+            let stream = b
+                .acquire_stream_on(key(1), IsolationLevel::StreamIsolated, D0)
+                .expect("stream");
+            if !fault::<H>(&b, &stream) {
+                b.release_stream(stream).expect("release");
+                break;
+            }
+            let _ = b.release_stream(stream);
+            // The threads' slots come back (nothing new is handed out on the fenced device);
+            // the pool lets its slab go with the last of them.
+            loop {
+                pool.give_up_if_fenced();
+                match recover(&*b) {
+                    Ok(Some(_)) => break,
+                    Ok(None) => panic!("the device was fenced"),
+                    Err(e) => assert_lost(&e, "a recovery while slots are held"),
+                }
+                std::thread::yield_now();
+            }
+            recovered += 1;
+        }
+        stop.store(true, Ordering::Release);
+    });
+    if recovered == 0 {
+        return skip("no simulated kernel");
+    }
+    assert_eq!(b.device_health(D0).recoveries, recovered);
+    assert!(served.load(Ordering::Relaxed) > 0, "slots were served");
+    assert_eq!(pool.stats().in_use(), 0, "nothing held");
+    drop(pool);
+    crate::suite::assert_no_leaks::<H>(&b);
 }

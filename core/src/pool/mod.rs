@@ -145,7 +145,8 @@ impl<A: ManagedAllocator> SlotPool<A> {
 
     /// Runs `f` on the slab every slot lies in (for inspection), while it cannot be given up or
     /// replaced; `None` while the pool has none (given up on a fenced device, not made again
-    /// yet).
+    /// yet). `f` must not use the pool itself (acquiring or releasing a slot there may wait for
+    /// this call to end).
     pub fn with_slab<R>(&self, f: impl FnOnce(&Allocation) -> R) -> Option<R> {
         let _renewing = self.renewing.lock();
         let slab = self.slab.load(Ordering::Acquire);
@@ -276,8 +277,13 @@ impl<A: ManagedAllocator> SlotPool<A> {
             }
             .into());
         }
-        if dirt != Dirt::default() {
-            self.prepare(slot, offset, dirt)?;
+        if dirt != Dirt::default()
+            && let Err(e) = self.prepare(slot, offset, dirt)
+        {
+            // The slot went back: a scrub refused on a device fenced meanwhile lets the slab
+            // go if that was the last slot held.
+            self.give_up_if_fenced();
+            return Err(e);
         }
         let slot = PoolSlot {
             pool: Arc::clone(self),
