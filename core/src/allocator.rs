@@ -276,6 +276,23 @@ pub unsafe trait ManagedAllocator: ErrorType {
         crate::DeviceHealth::default()
     }
 
+    /// Starts device work the caller queues itself on `device` (an embedder's or a guest's
+    /// kernel launch through its own driver calls): until
+    /// [`end_device_work`](Self::end_device_work), no recovery resets the device's primary
+    /// context under it. Refused (typed [`ErrorKind::ContextLost`](crate::ErrorKind::ContextLost))
+    /// on a fenced device and while a reset runs: the work must not start. Every `Ok` must be
+    /// matched by one `end_device_work`. The default answers `Ok` (a backend that never
+    /// resets).
+    fn begin_device_work(&self, device: DeviceId) -> Result<(), Self::Error> {
+        let _ = device;
+        Ok(())
+    }
+
+    /// Ends device work [`begin_device_work`](Self::begin_device_work) started on `device`.
+    fn end_device_work(&self, device: DeviceId) {
+        let _ = device;
+    }
+
     /// Recoveries so far, all devices together ([`DeviceHealth::recoveries`](crate::DeviceHealth)
     /// summed): a cheap read (no lock) that tells a caller whether any device was recovered
     /// since it last looked, whoever recovered it. `0` for a backend that never fences (the
@@ -400,6 +417,12 @@ macro_rules! forward_allocator {
             }
             fn recoveries(&self) -> u64 {
                 T::recoveries(self)
+            }
+            fn begin_device_work(&self, device: DeviceId) -> Result<(), Self::Error> {
+                T::begin_device_work(self, device)
+            }
+            fn end_device_work(&self, device: DeviceId) {
+                T::end_device_work(self, device);
             }
             unsafe fn recover_device(
                 &self,

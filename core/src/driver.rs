@@ -816,6 +816,14 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         self.is_fenced(device)
     }
 
+    fn begin_device_work(&self, device: DeviceId) -> Result<(), D::Error> {
+        self.begin_work(device).map_err(Into::into)
+    }
+
+    fn end_device_work(&self, device: DeviceId) {
+        self.end_work(device);
+    }
+
     unsafe fn recover_device(&self, device: DeviceId) -> Result<Option<Recovery>, D::Error> {
         // SAFETY: the caller upholds the contract, which is `recover`'s.
         unsafe { self.recover(device) }
@@ -1131,10 +1139,19 @@ impl<D: DriverApi> DriverBackend<D> {
     /// its free any more), a live record is marked orphaned (a reset destroys it without a lost
     /// record; this backend's drop frees it otherwise).
     fn forget_record(&self, allocation: &Allocation) {
-        if self.take_lost(allocation, false) || self.take_lost(allocation, true) {
+        // Both tables under one lock (no lock-free shortcut): a recovery between a look at the
+        // live table and one at the lost table would otherwise leave its lost record behind.
+        let key = (allocation.device_ptr(), allocation.generation());
+        let mut state = self.state.lock();
+        if let Some(r) = state.lost.get(&key)
+            && r.len == allocation.len()
+        {
+            state.lost.remove(&key);
+            state.stats.lost_allocations -= 1;
+            state.stats.lost_bytes -= allocation.len() as u64;
+            self.faulted_lost_taken();
             return;
         }
-        let mut state = self.state.lock();
         if let Some(r) = state.allocations.get_mut(&allocation.device_ptr())
             && r.len == allocation.len()
             && r.generation == allocation.generation()

@@ -14,6 +14,7 @@ use tensor_wasm_mem_wasmtime::{
 };
 
 use crate::Harness;
+use crate::harness::Release;
 use crate::runner::skip;
 
 const PAGE: u64 = 1 << 16;
@@ -353,6 +354,58 @@ pub fn recover_a_pooled_creator_while_it_lives<H: Harness>() {
     if let Some(live) = H::counters(&backend).map(|c| c.live_allocations()) {
         assert_eq!(live, 1, "the new slab");
     }
+}
+
+/// A memory kept busy (its Store's stream could not be released, so work queued there might
+/// still run) on a device a kernel fault then fences: that work was in the lost primary
+/// context and never runs, so the memory is given up to the recovery instead of keeping the
+/// device fenced while the creator lives; its charge goes back with the reset.
+pub fn recover_releases_a_busy_memory_whose_work_died<H: Harness>() {
+    let backend = H::backend();
+    let rig = Rig::<H>::new(&backend, Backing::Managed);
+    let (mut busy, busy_memory) = rig.store_and_memory();
+    // Its guest stream is made (a scope borrows it): the one whose destroy is refused below.
+    DeviceAccess::open(
+        &mut busy,
+        &rig.creator,
+        &busy_memory,
+        &[AccessRange::read(0, 64)],
+    )
+    .expect("scope")
+    .close()
+    .expect("close");
+    if H::faults(&backend)
+        .map(|f| f.fail_release(Release::StreamDestroy, 1))
+        .is_none()
+    {
+        drop(busy);
+        return skip("no fault injection");
+    }
+    drop(busy);
+    assert_eq!(rig.creator.stats().kept_memories, 1, "kept busy");
+    let (mut store, memory) = rig.store_and_memory();
+    if !fault_in(&backend, &rig, &mut store, &memory) {
+        return skip("no simulated kernel");
+    }
+    let blockers = rig.creator.recovery_blockers(DeviceId(0));
+    assert_eq!(
+        blockers.iter().map(|b| b.memories).sum::<u64>(),
+        2,
+        "the busy memory and the live Store's are listed"
+    );
+    drop(store);
+    // SAFETY: nothing but the creator's backend uses the device's primary context here.
+    let _ = unsafe { rig.creator.recover(DeviceId(0)) };
+    assert!(
+        !backend.device_fenced(DeviceId(0)),
+        "recovered: the busy memory's work died with the context"
+    );
+    assert_eq!(rig.creator.stats().kept_memories, 0);
+    assert_eq!(
+        rig.charged(),
+        Rig::<H>::charge_of(0),
+        "every charge went back"
+    );
 }
 
 /// Unregistrations the driver refuses (registered guarded memory): the region is kept with its

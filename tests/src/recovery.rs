@@ -7,9 +7,9 @@
 use std::sync::Arc;
 
 use tensor_wasm_mem_core::{
-    Allocation, BackendError, DeviceId, DevicePoolConfig, ErrorKind, IsolationLevel,
-    ManagedAllocator, Operation, PoolConfig, SizeClass, SlotPool, Stream, StreamProvider,
-    TenantDevicePool, TenantId, TenantKey, TenantLedger, UnifiedBuffer,
+    Allocation, BackendError, DeviceId, DevicePoolConfig, DevicePools, ErrorKind, IsolationLevel,
+    ManagedAllocator, Operation, PoolConfig, PoolHandle, Purpose, SizeClass, SlotPool, Stream,
+    StreamProvider, TenantDevicePool, TenantId, TenantKey, TenantLedger, UnifiedBuffer,
 };
 
 use crate::Harness;
@@ -153,6 +153,15 @@ pub fn recover_leaves_no_record_of_a_forgotten_allocation<H: Harness>() {
     crate::suite::assert_no_leaks::<H>(&b);
 }
 
+/// The tenant of the device-pool cases: 64 pages, stream-isolated.
+fn pool_tenant() -> Arc<TenantLedger> {
+    Arc::new(TenantLedger::new(
+        TenantId(1),
+        64 * PAGE as u64,
+        IsolationLevel::StreamIsolated,
+    ))
+}
+
 /// A device pool dropped on a fenced device: its blocks' frees and its destroy are not sent to
 /// the lost context, so the pool is retired with what its tenant pays for the blocks
 /// ([`destroy_pool_charged`](tensor_wasm_mem_core::DevicePools::destroy_pool_charged)); the recovery's reset destroys the pool, and only
@@ -162,11 +171,7 @@ pub fn recover_gives_a_dropped_device_pools_charge_back<H: Harness>() {
     if !H::has_device_pools(&b) {
         return skip("no device pools");
     }
-    let t = Arc::new(TenantLedger::new(
-        TenantId(1),
-        64 * PAGE as u64,
-        IsolationLevel::StreamIsolated,
-    ));
+    let t = pool_tenant();
     let pool = TenantDevicePool::new(
         Arc::clone(&b),
         Arc::clone(&t),
@@ -452,5 +457,105 @@ pub fn recover_a_slot_pool_under_threads<H: Harness>() {
     assert!(served.load(Ordering::Relaxed) > 0, "slots were served");
     assert_eq!(pool.stats().in_use(), 0, "nothing held");
     drop(pool);
+    crate::suite::assert_no_leaks::<H>(&b);
+}
+
+/// Device work a caller queues itself (a kernel launch through its own driver calls, between
+/// `begin_device_work` and `end_device_work`) is never overlapped by a reset: a recovery waits
+/// for it (typed, with the call counted), and new work does not start on the fenced device.
+pub fn recover_waits_for_device_work<H: Harness>() {
+    let b = H::backend();
+    b.begin_device_work(D0)
+        .expect("device work on a healthy device");
+    let stream = b
+        .acquire_stream_on(key(1), IsolationLevel::StreamIsolated, D0)
+        .expect("stream");
+    if !fault::<H>(&b, &stream) {
+        b.end_device_work(D0);
+        b.release_stream(stream).expect("release");
+        return skip("no simulated kernel");
+    }
+    let _ = b.release_stream(stream);
+    let refused = b
+        .begin_device_work(D0)
+        .expect_err("no new work on a fenced device");
+    assert_lost(&refused, "device work on a fenced device");
+    let busy = recover(&*b).expect_err("device work in flight");
+    assert_lost(&busy, "a recovery under device work");
+    assert!(busy.to_string().contains("1 calls in flight"), "{busy}");
+    b.end_device_work(D0);
+    recover(&*b).expect("recover").expect("it was fenced");
+    b.begin_device_work(D0)
+        .expect("device work after the recovery");
+    b.end_device_work(D0);
+    crate::suite::assert_no_leaks::<H>(&b);
+}
+
+/// A pool torn down by its last user (a destroy while another thread's call used it) is torn
+/// down inside its device's gate: a fault and a recovery meanwhile wait for it, and the charges
+/// handed over with the destroy go back only when the reset destroys the pool.
+pub fn recover_does_not_overlap_a_pool_teardown<H: Harness>() {
+    let b = H::backend();
+    if !H::has_device_pools(&b) {
+        return skip("no device pools");
+    }
+    let t = pool_tenant();
+    let pool = b
+        .create_pool(t.key(), D0, &DevicePoolConfig::default())
+        .expect("pool");
+    // The embedder's second handle to the same pool, for the other thread's call.
+    let same = PoolHandle::new(pool.driver_pool(), pool.device(), pool.tenant_key());
+    let stream = b
+        .acquire_stream_on(t.key(), IsolationLevel::StreamIsolated, D0)
+        .expect("stream");
+    let first = b.pool_allocate(&pool, PAGE, &stream).expect("first");
+    let _second = b.pool_allocate(&pool, 2 * PAGE, &stream).expect("second");
+    let charge = t
+        .try_reserve_for(2 * PAGE as u64, Purpose::DevicePool)
+        .expect("charge");
+    let Some(held) = H::faults(&b).and_then(|f| f.hold_next(Operation::PoolFree)) else {
+        b.destroy_pool(pool).expect("destroy");
+        b.release_stream(stream).expect("release");
+        return skip("no holds");
+    };
+    let faulting = b
+        .acquire_stream_on(key(2), IsolationLevel::StreamIsolated, D0)
+        .expect("a neighbour's stream");
+    let faulted = std::thread::scope(|s| {
+        // One thread's free is held in the driver, the pool in use: the destroy retires the
+        // pool (with the charge), and that thread's call tears it down when it returns.
+        let freeing = s.spawn(|| b.pool_free(&same, first, &stream));
+        held.wait_held();
+        b.destroy_pool_charged(pool, vec![charge])
+            .expect("retired, torn down by its last user");
+        let faulted = fault::<H>(&b, &faulting);
+        if faulted {
+            let _ = b.release_stream(faulting);
+            let busy = recover(&*b).expect_err("the teardown's call is in flight");
+            assert_lost(&busy, "a recovery under a pool teardown");
+        } else {
+            b.release_stream(faulting).expect("release");
+        }
+        held.release();
+        let _ = freeing.join().expect("join");
+        faulted
+    });
+    if !faulted {
+        b.release_stream(stream).expect("release");
+        return skip("no simulated kernel");
+    }
+    let _ = b.release_stream(stream);
+    assert_eq!(
+        t.stats().device_pool_bytes,
+        2 * PAGE as u64,
+        "charged while the lost context holds the blocks"
+    );
+    recover(&*b).expect("recover").expect("it was fenced");
+    let s = t.stats();
+    assert_eq!(
+        (s.device_pool_bytes, s.stranded_bytes),
+        (0, 0),
+        "the charge went back with the pool"
+    );
     crate::suite::assert_no_leaks::<H>(&b);
 }

@@ -53,10 +53,14 @@ pub(super) struct PoolBlock {
     pub(super) context: DriverContext,
 }
 
-/// One driver call's use of a pool: the pool cannot be torn down until it is dropped.
+/// One driver call's use of a pool: the pool cannot be torn down until it is dropped. It is
+/// counted in its device's gate until then (a teardown by the last user included), so no
+/// reset overlaps it.
 struct PoolUse<'b, D: DriverApi> {
     backend: &'b DriverBackend<D>,
     raw: DriverPool,
+    /// Dropped after `drop` ran (fields drop after the body).
+    _call: super::recovery::DeviceCall<'b>,
 }
 
 impl<D: DriverApi> Drop for PoolUse<'_, D> {
@@ -82,6 +86,7 @@ impl<D: DriverApi> Drop for PoolUse<'_, D> {
 impl<D: DriverApi> DriverBackend<D> {
     /// Starts a use of a pool handle of ours (live; device and tenant must match).
     fn pool_use(&self, pool: &PoolHandle) -> Result<PoolUse<'_, D>, Refusal> {
+        let call = self.enter(pool.device(), true)?;
         let mut state = self.state.lock();
         match state.pools.get_mut(&pool.driver_pool()) {
             Some(r)
@@ -93,6 +98,7 @@ impl<D: DriverApi> DriverBackend<D> {
                 Ok(PoolUse {
                     backend: self,
                     raw: pool.driver_pool(),
+                    _call: call,
                 })
             }
             _ => Err(Refusal::UnknownPool {

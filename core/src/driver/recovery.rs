@@ -89,6 +89,23 @@ pub(super) struct Gate {
     resetting: AtomicBool,
 }
 
+/// A reset under way, marked in its device's [`Gate`]: the mark goes with [`end`](Self::end),
+/// or when the recovery unwinds (a panic in the driver's reset never leaves the gate shut).
+struct Resetting<'g>(&'g AtomicBool);
+
+impl Resetting<'_> {
+    fn end(self) {
+        self.0.store(false, Ordering::SeqCst);
+        core::mem::forget(self);
+    }
+}
+
+impl Drop for Resetting<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
 /// A driver call counted in its device's [`Gate`] until dropped.
 #[derive(Debug)]
 pub(super) struct DeviceCall<'b>(&'b Gate);
@@ -233,6 +250,23 @@ impl<D: DriverApi> DriverBackend<D> {
         health
     }
 
+    /// Starts device work of the caller's own on `device` (a kernel launch): counted in the
+    /// device's gate, so no reset overlaps it, until [`end_work`](Self::end_work). Refused on
+    /// a fenced device and while a reset runs.
+    pub(super) fn begin_work(&self, device: DeviceId) -> Result<(), Refusal> {
+        let call = self.enter(device, false)?;
+        // Counted until `end_work`, which the caller's guard makes.
+        core::mem::forget(call);
+        Ok(())
+    }
+
+    /// Ends device work [`begin_work`](Self::begin_work) started on `device`.
+    pub(super) fn end_work(&self, device: DeviceId) {
+        if let Some(gate) = self.faulted.gates.get(device.0 as usize) {
+            gate.calls.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
     /// Resets that succeeded so far, all devices together (one atomic load).
     pub(super) fn recoveries_so_far(&self) -> u64 {
         self.faulted.recoveries.load(Ordering::Acquire)
@@ -319,6 +353,11 @@ impl<D: DriverApi> DriverBackend<D> {
         }
     }
 
+    /// One lost record fewer (taken out of the table by the caller, under the lock).
+    pub(super) fn faulted_lost_taken(&self) {
+        self.faulted.lost.fetch_sub(1, Ordering::AcqRel);
+    }
+
     /// A lost allocation's record (destroyed by a reset), taken out if `allocation` names it:
     /// its free or detach then succeeds without a driver call.
     pub(super) fn take_lost(&self, allocation: &Allocation, host: bool) -> bool {
@@ -360,6 +399,7 @@ impl<D: DriverApi> DriverBackend<D> {
         self.check_device(device)?;
         let primary = self.driver.primary_context(device);
         let gate = &self.faulted.gates[device.0 as usize];
+        let resetting;
         {
             let state = self.state.lock();
             if !state.devices[device.0 as usize].fenced {
@@ -371,10 +411,11 @@ impl<D: DriverApi> DriverBackend<D> {
             if gate.resetting.swap(true, Ordering::SeqCst) {
                 return Err(Refusal::Recovering { device }.into());
             }
+            resetting = Resetting(&gate.resetting);
             let calls = gate.calls.load(Ordering::SeqCst);
             let in_use = state.in_use_on(device, primary);
             if calls > 0 || in_use != InUse::default() {
-                gate.resetting.store(false, Ordering::SeqCst);
+                resetting.end();
                 return Err(Refusal::StillInUse {
                     device,
                     allocations: in_use.allocations,
@@ -392,7 +433,7 @@ impl<D: DriverApi> DriverBackend<D> {
         let reset = unsafe { self.driver.reset_primary_context(device) };
         let mut state = self.state.lock();
         if let Err(e) = reset {
-            gate.resetting.store(false, Ordering::SeqCst);
+            resetting.end();
             return Err(e);
         }
         let lost_before = state.stats.lost_allocations;
@@ -411,7 +452,7 @@ impl<D: DriverApi> DriverBackend<D> {
         state.stats.recoveries += 1;
         self.faulted.recoveries.fetch_add(1, Ordering::AcqRel);
         // The fence goes before the gate opens: no call slips in between to a fenced refusal.
-        gate.resetting.store(false, Ordering::SeqCst);
+        resetting.end();
         drop(state);
         // The charges of the pools the reset destroyed go back, outside the lock.
         drop(released);

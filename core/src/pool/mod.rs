@@ -179,6 +179,10 @@ impl<A: ManagedAllocator> SlotPool<A> {
             return false;
         }
         let _renewing = self.renewing.lock();
+        // Again under the lock: a recovery and a renewal may have come since the first look.
+        if !self.allocator.device_fenced(self.device) {
+            return false;
+        }
         let taken = self
             .slots
             .if_idle(|| self.slab.swap(core::ptr::null_mut(), Ordering::AcqRel));

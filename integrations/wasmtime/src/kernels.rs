@@ -680,13 +680,24 @@ fn launch_and_wait<B: Backend>(
     launch: &Launch<'_>,
     counters: &KernelCounters,
 ) -> Result<(), i32> {
-    // A recovery of the device by anyone since the creator last looked: the launchers hear
-    // of it before they launch there.
-    creator.settle();
     let backend = creator.backend();
-    // A fault this launch's wait is the first to see (the device healthy before it) is counted
-    // against this tenant: its kernel is the suspect.
-    let fenced_before = backend.device_fenced(launch.device);
+    // Device work of the layer's own: no reset of the primary context overlaps the launch and
+    // its wait (the launcher's modules there stay valid while it runs). Refused on a fenced
+    // device: the tenant's device state is lost, the guest traps.
+    if let Err(e) = backend.begin_device_work(launch.device) {
+        tracing::debug!(error = %e, "twm: a launch on a fenced device");
+        return Err(TWM_ERR_DEVICE_LOST);
+    }
+    let _work = EndWork(&**backend, launch.device);
+    // A recovery of the device by anyone since the creator last looked: the launchers hear
+    // of it before they launch there (none can come now until the work ends).
+    creator.settle();
+    // Faults seen on the device before the launch: one this launch's wait sees after it is
+    // counted against this tenant if no other launch claimed it first (its kernel is the
+    // suspect). A context-isolated tenant's context is its own: any fault there is its own.
+    let faults_before = backend.device_health(launch.device).faults;
+    let own_context =
+        launch.stream.level() == tensor_wasm_mem_core::IsolationLevel::ContextIsolated;
     // The stream is waited for whatever the launcher does: answers an error after queueing
     // work, or panics (the guard waits while unwinding, before the in-flight count goes): the
     // guest never runs, nor its memory goes, while work it launched still writes.
@@ -698,11 +709,24 @@ fn launch_and_wait<B: Backend>(
     let waited = wait.now();
     launched.and(waited).map_err(|e| {
         let code = launch_failure(&e);
-        if code == TWM_ERR_DEVICE_LOST && !fenced_before {
-            counters.faults.fetch_add(1, Ordering::AcqRel);
+        if code == TWM_ERR_DEVICE_LOST {
+            let faults = backend.device_health(launch.device).faults;
+            if own_context || (faults > faults_before && creator.claim_fault(launch.device, faults))
+            {
+                counters.faults.fetch_add(1, Ordering::AcqRel);
+            }
         }
         code
     })
+}
+
+/// Ends the device work a launch began, when dropped (also while unwinding).
+struct EndWork<'a, B: Backend>(&'a B, DeviceId);
+
+impl<B: Backend> Drop for EndWork<'_, B> {
+    fn drop(&mut self) {
+        self.0.end_device_work(self.1);
+    }
 }
 
 /// The code of a launch that failed: a fault loses its context for good (the guest traps),

@@ -65,6 +65,15 @@ impl<B: Backend> Held<B> {
     }
 }
 
+/// A memory device work may still use: never given back while that work may run.
+pub(crate) struct Busy<B: Backend> {
+    held: Held<B>,
+    device: DeviceId,
+    /// Its unfinished work was all in its device's primary context (not a context-isolated
+    /// tenant's own): a fence of the device ends it for good.
+    primary_only: bool,
+}
+
 /// Memories whose storage the backend refused to release, kept with their charges, released
 /// again by [`retry`](Self::retry) (on the creator's next memory, or when the embedder asks)
 /// and a last time when the creator goes: whatever the backend still refuses then is left to it
@@ -76,7 +85,9 @@ pub(crate) struct KeptMemories<B: Backend> {
     kept: Mutex<Vec<Held<B>>>,
     /// Memories device work may still use (a stream of their Store could not be released):
     /// never given back, nor scrubbed for another tenant, while the creator lives.
-    busy: Mutex<Vec<Held<B>>>,
+    busy: Mutex<Vec<Busy<B>>>,
+    /// Busy now (read without the lock on every memory the creator makes).
+    busy_count: AtomicU64,
     /// Kept now (read without the lock on every memory the creator makes).
     count: AtomicU64,
     released: AtomicU64,
@@ -92,6 +103,8 @@ pub(crate) struct KeptMemories<B: Backend> {
     /// caught up with on this creator's next call.
     seen_recoveries: AtomicU64,
     seen_per_device: Mutex<Vec<u64>>,
+    /// Per device, the last fault number a launch claimed (one suspect per fault).
+    fault_claims: Mutex<Vec<u64>>,
 }
 
 impl<B: Backend> KeptMemories<B> {
@@ -104,6 +117,7 @@ impl<B: Backend> KeptMemories<B> {
             kernels,
             kept: Mutex::new(Vec::new()),
             busy: Mutex::new(Vec::new()),
+            busy_count: AtomicU64::new(0),
             count: AtomicU64::new(0),
             released: AtomicU64::new(0),
             retrying: std::sync::atomic::AtomicBool::new(false),
@@ -111,6 +125,7 @@ impl<B: Backend> KeptMemories<B> {
             last_recovery_ns: AtomicU64::new(0),
             seen_recoveries: AtomicU64::new(0),
             seen_per_device: Mutex::new(Vec::new()),
+            fault_claims: Mutex::new(Vec::new()),
         }
     }
 }
@@ -126,12 +141,51 @@ impl<B: Backend> KeptMemories<B> {
         self.count.store(kept.len() as u64, Ordering::Release);
     }
 
-    /// Keeps a memory device work may still use, for good (while the creator lives).
-    fn keep_busy(&self, held: Held<B>) {
+    /// Keeps a memory device work may still use, for good (while the creator lives), or until
+    /// its device is fenced where that work was all in the lost primary context.
+    fn keep_busy(&self, busy: Busy<B>) {
+        let mut all = self.busy.lock().unwrap_or_else(PoisonError::into_inner);
+        all.push(busy);
+        self.busy_count.store(all.len() as u64, Ordering::Release);
+    }
+
+    /// Busy memories whose device is fenced and whose unfinished work was all in its lost
+    /// primary context (it never runs again): kept, as any memory whose free the fence
+    /// refuses, so the recovery is not kept waiting for them.
+    fn settle_busy_on_fenced(&self) {
+        if self.busy_count.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut busy = self.busy.lock().unwrap_or_else(PoisonError::into_inner);
+        let (dead, alive): (Vec<_>, Vec<_>) = busy
+            .drain(..)
+            .partition(|b| b.primary_only && b.held.storage.allocator().device_fenced(b.device));
+        *busy = alive;
+        self.busy_count.store(busy.len() as u64, Ordering::Release);
+        drop(busy);
+        for b in dead {
+            tracing::warn!("twm: a busy memory's work died with its fenced context: released");
+            if let Err(held) = b.held.release() {
+                self.keep(held);
+            }
+        }
+    }
+
+    /// The tenants (and bytes) of busy memories on `device`: they keep it from recovering.
+    pub(crate) fn busy_on(
+        &self,
+        device: DeviceId,
+    ) -> Vec<(Option<Arc<crate::tenancy::Tenant>>, usize)> {
         self.busy
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push(held);
+            .iter()
+            .filter(|b| b.device == device)
+            .map(|b| {
+                let tenant = b.held.charge.as_ref().map(|c| Arc::clone(c.tenant()));
+                (tenant, b.held.len())
+            })
+            .collect()
     }
 
     /// Releases every kept memory again, without holding the list across the backend's calls
@@ -161,7 +215,7 @@ impl<B: Backend> KeptMemories<B> {
     pub(crate) fn figures(&self) -> (u64, u64) {
         let kept = self.lock();
         let busy = self.busy.lock().unwrap_or_else(PoisonError::into_inner);
-        let all = kept.iter().chain(busy.iter());
+        let all = kept.iter().chain(busy.iter().map(|b| &b.held));
         let bytes = all.map(|h| h.len() as u64).sum();
         ((kept.len() + busy.len()) as u64, bytes)
     }
@@ -179,6 +233,7 @@ impl<B: Backend> KeptMemories<B> {
     /// [`retry_kept`](Self::retry_kept) does. One atomic load when nothing was recovered
     /// (what the creator does on every memory it makes and every launch).
     pub(crate) fn settle(&self, backend: &B) {
+        self.settle_busy_on_fenced();
         let total = backend.recoveries();
         if self.seen_recoveries.load(Ordering::Acquire) != total {
             let mut seen = self
@@ -205,6 +260,23 @@ impl<B: Backend> KeptMemories<B> {
         self.retry_kept();
     }
 
+    /// `true` for the first claim of `device`'s fault number `faults`.
+    pub(crate) fn claim_fault(&self, device: DeviceId, faults: u64) -> bool {
+        let mut claims = self
+            .fault_claims
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let index = device.0 as usize;
+        if claims.len() <= index {
+            claims.resize(index + 1, 0);
+        }
+        if claims[index] >= faults {
+            return false;
+        }
+        claims[index] = faults;
+        true
+    }
+
     /// Recovers a fenced `device` on `backend` (its primary context reset: see
     /// [`TensorWasmMemoryCreator::recover`](crate::TensorWasmMemoryCreator::recover)), then
     /// [`settle`](Self::settle)s: the launchers are told, the kept memories released again.
@@ -224,6 +296,10 @@ impl<B: Backend> KeptMemories<B> {
             return Ok(None);
         }
         let started = std::time::Instant::now();
+        // Memories refused while another recovery was resetting (not yet given up), and busy
+        // ones whose work died with the context, are given up now: the reset need not wait.
+        self.settle_busy_on_fenced();
+        self.retry_kept();
         // SAFETY: the caller's contract is the recovery's.
         let recovery = unsafe { backend.recover_device(device) }.map_err(TwmError::backend)?;
         self.settle(backend);
@@ -270,7 +346,7 @@ impl<B: Backend> Drop for KeptMemories<B> {
         self.retry_kept();
         let busy = self.busy.get_mut().unwrap_or_else(PoisonError::into_inner);
         let kept = self.kept.get_mut().unwrap_or_else(PoisonError::into_inner);
-        for held in kept.drain(..).chain(busy.drain(..)) {
+        for held in kept.drain(..).chain(busy.drain(..).map(|b| b.held)) {
             tracing::warn!(
                 "twm: a memory the backend never released stays with it; its charge stays with its tenant"
             );
@@ -375,11 +451,21 @@ impl<B: Backend> Drop for MemoryRecord<B> {
         else {
             return;
         };
-        // A fenced device runs none of the work of its lost context, and its free is refused
-        // (the memory stays, given up to the recovery): a memory there is never kept busy.
-        if !self.streams_quiet(&held) && !held.storage.allocator().device_fenced(self.device) {
+        // A fenced device runs none of the work of its lost primary context, and its free is
+        // refused (the memory stays, given up to the recovery): a memory whose unfinished work
+        // was all there is never kept busy. A context-isolated tenant's own context is not lost
+        // with the device's: its work may still run.
+        let primary_only = self.books.as_ref().is_none_or(|b| {
+            b.tenant().ledger().isolation() != tensor_wasm_mem_core::IsolationLevel::ContextIsolated
+        });
+        let work_died = primary_only && held.storage.allocator().device_fenced(self.device);
+        if !work_died && !self.streams_quiet(&held) {
             tracing::warn!("twm: work may still use a memory: kept, not given back");
-            return self.kept.keep_busy(held);
+            return self.kept.keep_busy(Busy {
+                held,
+                device: self.device,
+                primary_only,
+            });
         }
         let backend = self
             .kept

@@ -737,7 +737,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// Store could not be released), which are never given back while the creator lives. The
     /// creator also tries on each memory it makes, and a last time when it goes.
     pub fn retry_releases(&self) -> u64 {
-        self.inner.kept.settle(self.backend());
+        self.settle();
         for &device in &self.inner.devices {
             self.recover_when_free(device);
         }
@@ -788,7 +788,9 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
 
     /// Who keeps a fenced `device` from being recovered: per tenant, the live memories on it
     /// (each in a Store the embedder still holds; a memory no tenant pays for is listed under
-    /// `tenant: None`). A recovery waits for every one of them to go: an embedder that wants the
+    /// `tenant: None`), and memories gone whose Store's work may still run (a stream the driver
+    /// would not release: kept busy while that work may run, which a fence ends only for work
+    /// in the device's primary context). A recovery waits for every one of them to go: an embedder that wants the
     /// device back drops those Stores (their guests trap on their next `twm` call anyway).
     /// Empty when no memory of this creator lives there. Guest streams (a Store with no memory
     /// on the device) and other creators' memories are not listed; `recover`'s refusal counts
@@ -803,10 +805,11 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             .cloned()
             .collect();
         let mut blockers: Vec<RecoveryBlocker> = Vec::new();
-        for record in records {
-            let Some((tenant, bytes)) = record.holder() else {
-                continue;
-            };
+        let holders = records
+            .iter()
+            .filter_map(|r| r.holder())
+            .chain(self.inner.kept.busy_on(device));
+        for (tenant, bytes) in holders {
             let id = tenant.as_ref().map(|t| t.ledger().id());
             match blockers.iter_mut().find(|b| b.tenant == id) {
                 Some(b) => {
@@ -836,11 +839,27 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         }
     }
 
+    /// Claims `device`'s fault number `faults` (its [`DeviceHealth::faults`] after the fault)
+    /// for a tenant's launch: `true` for the first claim of it in this creator, so one fault is
+    /// attributed to at most one launch.
+    ///
+    /// [`DeviceHealth::faults`]: tensor_wasm_mem_core::DeviceHealth::faults
+    pub(crate) fn claim_fault(&self, device: DeviceId, faults: u64) -> bool {
+        self.inner.kept.claim_fault(device, faults)
+    }
+
     /// Catches up with device recoveries made since this creator last looked, by anyone: the
     /// launchers hear of them, kept memories are released again (one atomic load when there
     /// was none).
     pub(crate) fn settle(&self) {
         self.inner.kept.settle(self.backend());
+        // A pool's idle slab on a device fenced by anyone (another creator's tenant, say) goes,
+        // so it never keeps that device from recovering (one atomic load per pool otherwise).
+        for pool in &self.inner.pools {
+            if let CreatorPool::Managed(pool) = pool {
+                pool.give_up_if_fenced();
+            }
+        }
     }
 
     /// The live memory at `view`'s base, if this creator made it (any other is `NotOurMemory`).
@@ -1063,7 +1082,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         (reserved, guard): (Option<usize>, usize),
         payer: Payer,
     ) -> Result<TensorWasmLinearMemory<B>, TwmError> {
-        self.inner.kept.settle(self.backend());
+        self.settle();
         self.check_engine(ty, reserved, guard)?;
         let plan = self.plan(ty)?;
         let (slot, device) = self.home(payer.tenant())?;
