@@ -1141,15 +1141,8 @@ impl<D: DriverApi> DriverBackend<D> {
     fn forget_record(&self, allocation: &Allocation) {
         // Both tables under one lock (no lock-free shortcut): a recovery between a look at the
         // live table and one at the lost table would otherwise leave its lost record behind.
-        let key = (allocation.device_ptr(), allocation.generation());
         let mut state = self.state.lock();
-        if let Some(r) = state.lost.get(&key)
-            && r.len == allocation.len()
-        {
-            state.lost.remove(&key);
-            state.stats.lost_allocations -= 1;
-            state.stats.lost_bytes -= allocation.len() as u64;
-            self.faulted_lost_taken();
+        if self.remove_lost(&mut state, allocation, None) {
             return;
         }
         if let Some(r) = state.allocations.get_mut(&allocation.device_ptr())

@@ -353,21 +353,26 @@ impl<D: DriverApi> DriverBackend<D> {
         }
     }
 
-    /// One lost record fewer (taken out of the table by the caller, under the lock).
-    pub(super) fn faulted_lost_taken(&self) {
-        self.faulted.lost.fetch_sub(1, Ordering::AcqRel);
-    }
-
     /// A lost allocation's record (destroyed by a reset), taken out if `allocation` names it:
     /// its free or detach then succeeds without a driver call.
     pub(super) fn take_lost(&self, allocation: &Allocation, host: bool) -> bool {
         if self.faulted.lost.load(Ordering::Acquire) == 0 {
             return false;
         }
+        self.remove_lost(&mut self.state.lock(), allocation, Some(host))
+    }
+
+    /// Takes `allocation`'s lost record out of `state` if there is one (of host memory or not,
+    /// as `host` says; `None`: either), counted out: `true` if it was there.
+    pub(super) fn remove_lost(
+        &self,
+        state: &mut State,
+        allocation: &Allocation,
+        host: Option<bool>,
+    ) -> bool {
         let key = (allocation.device_ptr(), allocation.generation());
-        let mut state = self.state.lock();
         match state.lost.get(&key) {
-            Some(r) if r.len == allocation.len() && r.host.is_some() == host => {
+            Some(r) if r.len == allocation.len() && host.is_none_or(|h| r.host.is_some() == h) => {
                 state.lost.remove(&key);
                 state.stats.lost_allocations -= 1;
                 state.stats.lost_bytes -= allocation.len() as u64;

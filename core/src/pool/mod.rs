@@ -469,12 +469,11 @@ impl<A: ManagedAllocator> Drop for PoolSlot<A> {
     fn drop(&mut self) {
         if self.withdrawn {
             self.pool.slots.withdraw();
-            self.pool.give_up_if_fenced();
-            return;
+        } else {
+            let touched = (*self.hinted.get_mut(), *self.device.get_mut());
+            self.pool
+                .release(self.id, self.slot_bytes, self.high_water, touched);
         }
-        let touched = (*self.hinted.get_mut(), *self.device.get_mut());
-        self.pool
-            .release(self.id, self.slot_bytes, self.high_water, touched);
         // The last slot back on a fenced device lets the slab go, for the recovery.
         self.pool.give_up_if_fenced();
     }

@@ -84,6 +84,20 @@ impl<M> TableState<M> {
     }
 }
 
+/// Every slot of `layout` free, with `initial(class)` recorded.
+fn fresh_classes<M: Copy>(
+    layout: &[ClassLayout],
+    initial: &impl Fn(&ClassLayout) -> M,
+) -> Vec<Class<M>> {
+    layout
+        .iter()
+        .map(|c| Class {
+            free: (0..c.slots).rev().collect(),
+            meta: alloc::vec![initial(c); c.slots as usize],
+        })
+        .collect()
+}
+
 /// Free lists, per-slot records and figures of a slot pool: the bookkeeping every slot pool
 /// shares, whatever its slots are made of (a managed slab, guarded host address space): the
 /// size classes as [`PoolConfig::layout`](super::PoolConfig::layout) placed them, a free list
@@ -103,13 +117,7 @@ impl<M: Copy> SlotTable<M> {
     ///
     /// [`PoolConfig::layout`]: super::PoolConfig::layout
     pub fn new(layout: Vec<ClassLayout>, initial: impl Fn(&ClassLayout) -> M) -> Self {
-        let classes = layout
-            .iter()
-            .map(|c| Class {
-                free: (0..c.slots).rev().collect(),
-                meta: alloc::vec![initial(c); c.slots as usize],
-            })
-            .collect();
+        let classes = fresh_classes(&layout, &initial);
         Self {
             layout,
             state: spin::Mutex::new(TableState {
@@ -148,10 +156,7 @@ impl<M: Copy> SlotTable<M> {
         if !state.idle(&self.layout) {
             return None;
         }
-        for (class, layout) in state.classes.iter_mut().zip(&self.layout) {
-            class.free = (0..layout.slots).rev().collect();
-            class.meta = alloc::vec![initial(layout); layout.slots as usize];
-        }
+        state.classes = fresh_classes(&self.layout, &initial);
         state.withdrawn = 0;
         Some(f())
     }

@@ -692,10 +692,10 @@ fn launch_and_wait<B: Backend>(
     // A recovery of the device by anyone since the creator last looked: the launchers hear
     // of it before they launch there (none can come now until the work ends).
     creator.settle();
-    // Faults seen on the device before the launch: one this launch's wait sees after it is
-    // counted against this tenant if no other launch claimed it first (its kernel is the
-    // suspect). A context-isolated tenant's context is its own: any fault there is its own.
-    let faults_before = backend.device_health(launch.device).faults;
+    // A fault this launch's wait sees happened during it (the work began on a healthy device,
+    // and no recovery comes until it ends): counted against this tenant if no other launch
+    // claimed it first (its kernel is the suspect). A context-isolated tenant's context is its
+    // own: any fault there is its own.
     let own_context =
         launch.stream.level() == tensor_wasm_mem_core::IsolationLevel::ContextIsolated;
     // The stream is waited for whatever the launcher does: answers an error after queueing
@@ -711,8 +711,7 @@ fn launch_and_wait<B: Backend>(
         let code = launch_failure(&e);
         if code == TWM_ERR_DEVICE_LOST {
             let faults = backend.device_health(launch.device).faults;
-            if own_context || (faults > faults_before && creator.claim_fault(launch.device, faults))
-            {
+            if own_context || creator.claim_fault(launch.device, faults) {
                 counters.faults.fetch_add(1, Ordering::AcqRel);
             }
         }

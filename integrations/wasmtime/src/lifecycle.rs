@@ -59,6 +59,12 @@ impl<B: Backend> Held<B> {
         }
     }
 
+    /// The tenant paying for it (`None`: no tenant pays) and the bytes it holds visible.
+    fn holder(&self) -> (Option<Arc<crate::tenancy::Tenant>>, usize) {
+        let tenant = self.charge.as_ref().map(|c| Arc::clone(c.tenant()));
+        (tenant, self.len())
+    }
+
     /// Bytes the storage holds visible (what a kept memory still holds for its tenant).
     fn len(&self) -> usize {
         self.storage.len()
@@ -181,10 +187,7 @@ impl<B: Backend> KeptMemories<B> {
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
             .filter(|b| b.device == device)
-            .map(|b| {
-                let tenant = b.held.charge.as_ref().map(|c| Arc::clone(c.tenant()));
-                (tenant, b.held.len())
-            })
+            .map(|b| b.held.holder())
             .collect()
     }
 
@@ -374,9 +377,7 @@ impl<B: Backend> MemoryRecord<B> {
     /// The tenant paying for it (`None`: no tenant pays) and the bytes it holds visible;
     /// `None` once its storage went.
     pub(crate) fn holder(&self) -> Option<(Option<Arc<crate::tenancy::Tenant>>, usize)> {
-        self.read()
-            .as_ref()
-            .map(|h| (h.charge.as_ref().map(|c| Arc::clone(c.tenant())), h.len()))
+        self.read().as_ref().map(Held::holder)
     }
 
     pub(crate) fn new(

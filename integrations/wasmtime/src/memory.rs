@@ -774,7 +774,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         &self,
         device: DeviceId,
     ) -> Result<Option<tensor_wasm_mem_core::Recovery>, TwmError> {
-        self.give_up_fenced_slabs(device);
+        self.give_up_fenced_slabs();
         // SAFETY: the caller's contract is the recovery's.
         unsafe { self.inner.kept.recover(self.backend(), device) }
     }
@@ -782,7 +782,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// [`recover`](Self::recover) where a guest's last stream on `device` went: not yet is not
     /// an error here.
     pub(crate) fn recover_when_free(&self, device: DeviceId) {
-        self.give_up_fenced_slabs(device);
+        self.give_up_fenced_slabs();
         self.inner.kept.recover_when_free(self.backend(), device);
     }
 
@@ -827,13 +827,12 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         blockers
     }
 
-    /// A managed slot pool on a fenced `device` lets its slab go once no slot is held (its
-    /// last slot's return does it too), so the pool never keeps the device from recovering.
-    fn give_up_fenced_slabs(&self, device: DeviceId) {
+    /// Each managed slot pool on a fenced device lets its slab go if no slot is held (its last
+    /// slot's return does it too), so a pool never keeps its device from recovering (one atomic
+    /// load per pool while no device is fenced).
+    fn give_up_fenced_slabs(&self) {
         for pool in &self.inner.pools {
-            if let CreatorPool::Managed(pool) = pool
-                && pool.device() == device
-            {
+            if let CreatorPool::Managed(pool) = pool {
                 pool.give_up_if_fenced();
             }
         }
@@ -854,12 +853,8 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     pub(crate) fn settle(&self) {
         self.inner.kept.settle(self.backend());
         // A pool's idle slab on a device fenced by anyone (another creator's tenant, say) goes,
-        // so it never keeps that device from recovering (one atomic load per pool otherwise).
-        for pool in &self.inner.pools {
-            if let CreatorPool::Managed(pool) = pool {
-                pool.give_up_if_fenced();
-            }
-        }
+        // so it never keeps that device from recovering.
+        self.give_up_fenced_slabs();
     }
 
     /// The live memory at `view`'s base, if this creator made it (any other is `NotOurMemory`).
