@@ -28,6 +28,17 @@ fn typed(error: &wasmtime::Error) -> &TwmError {
         .unwrap_or_else(|| panic!("not a TwmError: {error:#}"))
 }
 
+/// The memory `memory` that `wat` exports, instantiated in `store`.
+fn exported_memory(
+    store: &mut Store<TenantStore<MockBackend, ()>>,
+    engine: &Engine,
+    wat: &str,
+) -> tensor_wasm_mem_wasmtime::wasmtime::Memory {
+    let module = Module::new(engine, wat).unwrap();
+    let instance = instantiate(&mut *store, &Linker::new(engine), &module).unwrap();
+    instance.get_memory(&mut *store, "memory").unwrap()
+}
+
 fn pooled(slot_bytes: usize, slots: usize) -> TensorWasmMemoryCreator<MockBackend> {
     TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
         .pool(PoolConfig::new(
@@ -91,9 +102,11 @@ fn a_memory_larger_than_every_slot_is_a_typed_limit() {
     assert_eq!(twm.kind(), ErrorKind::LimitExceeded, "{twm:?}");
     // Only its declared maximum is: it gets the largest slot, and growth past it is refused
     // (-1 in the guest), not the instantiation.
-    let module = Module::new(&engine, "(module (memory (export \"memory\") 1 1024))").unwrap();
-    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
-    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    let memory = exported_memory(
+        &mut store,
+        &engine,
+        "(module (memory (export \"memory\") 1 1024))",
+    );
     assert!(
         memory.grow(&mut store, 1).is_err(),
         "no further than the slot"
@@ -167,9 +180,11 @@ fn a_pool_too_small_for_the_default_maximum_is_fitted_to_its_slots() {
     let engine = creator.engine().unwrap();
     let tenant = Tenant::new(1, "t", 1 << 20, IsolationLevel::StreamIsolated);
     let mut store = store(&creator, &engine, &tenant);
-    let module = Module::new(&engine, "(module (memory (export \"memory\") 1))").unwrap();
-    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
-    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    let memory = exported_memory(
+        &mut store,
+        &engine,
+        "(module (memory (export \"memory\") 1))",
+    );
     assert_eq!(memory.grow(&mut store, 15).unwrap(), 1, "grows to the slot");
     assert!(memory.grow(&mut store, 1).is_err(), "and no further");
     // A plan that fits is left alone.
@@ -533,9 +548,11 @@ fn the_c_guest_preset_gives_every_memory_a_slot() {
     let tenant = Tenant::new(1, "c", 16 << 20, IsolationLevel::StreamIsolated);
     let mut store = store(&creator, &engine, &tenant);
     // What clang emits for a C program: a memory with no maximum.
-    let module = Module::new(&engine, "(module (memory (export \"memory\") 2))").unwrap();
-    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
-    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    let memory = exported_memory(
+        &mut store,
+        &engine,
+        "(module (memory (export \"memory\") 2))",
+    );
     assert_eq!(memory.grow(&mut store, 126).unwrap(), 2, "up to the slot");
     assert!(memory.grow(&mut store, 1).is_err());
     assert!(matches!(
@@ -590,9 +607,11 @@ fn a_per_memory_limit_past_the_slots_is_fitted_whatever_the_default() {
     let engine = creator.engine().unwrap();
     let tenant = Tenant::new(1, "t", 8 << 20, IsolationLevel::StreamIsolated);
     let mut store = store(&creator, &engine, &tenant);
-    let module = Module::new(&engine, "(module (memory (export \"memory\") 1 512))").unwrap();
-    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
-    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    let memory = exported_memory(
+        &mut store,
+        &engine,
+        "(module (memory (export \"memory\") 1 512))",
+    );
     assert_eq!(memory.grow(&mut store, 63).unwrap(), 1, "grows to the slot");
     assert!(memory.grow(&mut store, 1).is_err(), "and no further");
 }

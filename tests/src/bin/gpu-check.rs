@@ -344,18 +344,23 @@ fn slot_release(
     .map_err(|e| e.to_string())?;
     let ones = vec![1u8; 1 << 20];
     let (mut host, mut kernel, mut fresh) = (Vec::new(), Vec::new(), Vec::new());
+    // Releases `slot`, reacquires it, touches every page: both times go to `figures`.
+    let reacquire = |slot, figures: &mut Vec<(f64, f64)>| -> Result<_, String> {
+        let (slot, again) = millis(|| {
+            drop(slot);
+            pool.acquire(BYTES, BYTES).map_err(|e| e.to_string())
+        })?;
+        let ((), touch) = millis(|| touch_all(&slot))?;
+        figures.push((again, touch));
+        Ok(slot)
+    };
     for _ in 0..ROUNDS {
         // Written by the host: scrubbed on the host, where its pages are.
         let mut slot = pool.acquire(BYTES, BYTES).map_err(|e| e.to_string())?;
         for offset in (0..BYTES).step_by(ones.len()) {
             slot.write(offset, &ones).map_err(|e| e.to_string())?;
         }
-        let (slot, reacquire) = millis(|| {
-            drop(slot);
-            pool.acquire(BYTES, BYTES).map_err(|e| e.to_string())
-        })?;
-        let ((), touch) = millis(|| touch_all(&slot))?;
-        host.push((reacquire, touch));
+        let slot = reacquire(slot, &mut host)?;
         // Written by a kernel: scrubbed on the device, where its pages are.
         let device_ptr = slot.device_ptr();
         launch_increment(
@@ -364,12 +369,7 @@ fn slot_release(
             lease.stream().raw(),
             lease.stream().context(),
         )?;
-        let (slot, reacquire) = millis(|| {
-            drop(slot);
-            pool.acquire(BYTES, BYTES).map_err(|e| e.to_string())
-        })?;
-        let ((), touch) = millis(|| touch_all(&slot))?;
-        kernel.push((reacquire, touch));
+        let slot = reacquire(slot, &mut kernel)?;
         drop(slot);
         // A fresh managed allocation, touched the same way.
         let (buffer, allocate) = millis(|| {
