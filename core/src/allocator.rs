@@ -293,6 +293,16 @@ pub unsafe trait ManagedAllocator: ErrorType {
         let _ = device;
     }
 
+    /// Registers `holder`, which keeps memory of this backend idle (a slot pool's slab, with
+    /// every slot free), to be asked to let it go ([`IdleHolder::let_go_if_fenced`]) when a
+    /// recovery of a fenced device counts what is still in use: so a device is recovered
+    /// without waiting for an idle holder's own next call. Held weakly (a holder that is gone
+    /// is skipped, and dropped from the list). The default keeps nothing (a backend that never
+    /// recovers).
+    fn watch_idle(&self, holder: alloc::sync::Weak<dyn IdleHolder>) {
+        let _ = holder;
+    }
+
     /// Recoveries so far, all devices together ([`DeviceHealth::recoveries`](crate::DeviceHealth)
     /// summed): a cheap read (no lock) that tells a caller whether any device was recovered
     /// since it last looked, whoever recovered it. `0` for a backend that never fences (the
@@ -393,6 +403,18 @@ pub unsafe trait ManagedAllocator: ErrorType {
     }
 }
 
+/// Something that holds memory of a backend idle in a device's primary context (a slot pool's
+/// slab while no slot is held) and lets it go when that device is fenced, so nothing idle keeps
+/// the device from being recovered. Registered with [`ManagedAllocator::watch_idle`];
+/// [`SlotPool::shared`](crate::SlotPool::shared) registers its pool.
+pub trait IdleHolder: Send + Sync {
+    /// Lets go what it holds idle on any fenced device of its backend (freed, or given up with
+    /// [`ManagedAllocator::forget`] where the free is refused); nothing where no device is
+    /// fenced, or where what it holds is in use. Called without any lock of the backend held,
+    /// from the thread that recovers.
+    fn let_go_if_fenced(&self);
+}
+
 macro_rules! forward_allocator {
     ($($ty:ty),*) => {$(
         // SAFETY: forwards every call unchanged to `T`, which upholds the contract.
@@ -420,6 +442,9 @@ macro_rules! forward_allocator {
             }
             fn begin_device_work(&self, device: DeviceId) -> Result<(), Self::Error> {
                 T::begin_device_work(self, device)
+            }
+            fn watch_idle(&self, holder: alloc::sync::Weak<dyn IdleHolder>) {
+                T::watch_idle(self, holder);
             }
             fn end_device_work(&self, device: DeviceId) {
                 T::end_device_work(self, device);

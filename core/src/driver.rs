@@ -829,6 +829,10 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         unsafe { self.recover(device) }
     }
 
+    fn watch_idle(&self, holder: alloc::sync::Weak<dyn crate::allocator::IdleHolder>) {
+        Self::watch_idle(self, holder);
+    }
+
     fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> bool {
         device != peer
             && self.check_device(device).is_ok()

@@ -29,7 +29,7 @@ pub mod doc_support;
 pub mod mocks;
 
 pub use advisor::Advisor;
-pub use allocator::{Allocation, MIN_ALIGN, ManagedAllocator, Refused};
+pub use allocator::{Allocation, IdleHolder, MIN_ALIGN, ManagedAllocator, Refused};
 pub use buffer::{DeviceSlice, UnifiedBuffer};
 pub use device::{Advice, Capabilities, DeviceId, DeviceReport, Location, ParseNameError};
 pub use driver::{

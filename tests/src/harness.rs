@@ -691,6 +691,8 @@ impl FaultControl for SimControls {
     fn hold_next(&self, op: Operation) -> Option<Held> {
         let entry = match op {
             Operation::PoolFree => "cuMemFreeAsync",
+            Operation::TrimPool => "cuMemPoolTrimTo",
+            Operation::DestroyPool => "cuMemPoolDestroy",
             Operation::Free => "cuMemFree_v2",
             Operation::Allocate => "cuMemAllocManaged",
             _ => return None,

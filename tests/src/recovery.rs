@@ -154,6 +154,24 @@ pub fn recover_leaves_no_record_of_a_forgotten_allocation<H: Harness>() {
 }
 
 /// The tenant of the device-pool cases: 64 pages, stream-isolated.
+/// A pool tenant, its device pool on device 0, and a second handle to the same pool (the
+/// embedder's, for another thread's call); `None`, the case skipped, where the backend has no
+/// device pools.
+fn pool_with_two_handles<H: Harness>(
+    b: &H::Backend,
+) -> Option<(Arc<TenantLedger>, PoolHandle, PoolHandle)> {
+    if !H::has_device_pools(b) {
+        skip("no device pools");
+        return None;
+    }
+    let t = pool_tenant();
+    let pool = b
+        .create_pool(t.key(), D0, &DevicePoolConfig::default())
+        .expect("pool");
+    let same = PoolHandle::new(pool.driver_pool(), pool.device(), pool.tenant_key());
+    Some((t, pool, same))
+}
+
 fn pool_tenant() -> Arc<TenantLedger> {
     Arc::new(TenantLedger::new(
         TenantId(1),
@@ -460,6 +478,119 @@ pub fn recover_a_slot_pool_under_threads<H: Harness>() {
     crate::suite::assert_no_leaks::<H>(&b);
 }
 
+/// An idle slot pool never keeps its device fenced: a pool made with `SlotPool::shared` (as the
+/// Wasmtime integration's creators make theirs) is asked by the recovery itself to give its
+/// slab up, so whoever recovers the device (another creator, say) need not wait for the pool's
+/// own next call; a pool made with `new` keeps the device fenced until it gives its slab up
+/// itself. Either pool then serves zeroed slots from a new slab.
+pub fn recover_lets_an_idle_shared_slot_pool_go<H: Harness>() {
+    let b = H::backend();
+    let config = || PoolConfig::new(D0, [SizeClass::new(PAGE, 2)]);
+    let shared = SlotPool::shared(Arc::clone(&b), config()).expect("a shared pool");
+    let own = Arc::new(SlotPool::new(Arc::clone(&b), config()).expect("a pool of its own"));
+    let host = b.capabilities().host_accessible;
+    for pool in [&shared, &own] {
+        let mut slot = pool.acquire(PAGE, PAGE).expect("a slot");
+        if host {
+            slot.write(0, &[7]).expect("write");
+        }
+    }
+    let stream = b
+        .acquire_stream_on(key(1), IsolationLevel::StreamIsolated, D0)
+        .expect("stream");
+    if !fault::<H>(&b, &stream) {
+        b.release_stream(stream).expect("release");
+        return skip("no simulated kernel");
+    }
+    let _ = b.release_stream(stream);
+    // The recovery lets the shared pool's slab go; the other pool's slab keeps the device.
+    let busy = recover(&*b).expect_err("the pool of its own holds its slab");
+    assert_lost(
+        &busy,
+        "a recovery while an unregistered pool keeps its slab",
+    );
+    assert!(
+        shared.with_slab(|_| ()).is_none() && shared.stats().slab_given_up,
+        "the shared pool gave its slab up to the recovery"
+    );
+    assert!(
+        own.with_slab(|_| ()).is_some(),
+        "no one asked the other pool"
+    );
+    assert!(own.give_up_if_fenced(), "its own call gives it up");
+    recover(&*b).expect("recover").expect("it was fenced");
+    for pool in [&shared, &own] {
+        let slot = pool.acquire(PAGE, PAGE).expect("a slot from a new slab");
+        assert!(!pool.stats().slab_given_up, "a new slab");
+        if host {
+            let mut byte = [9u8];
+            slot.read(0, &mut byte).expect("read");
+            assert_eq!(byte, [0], "a new slab's slot is zero");
+        }
+    }
+    drop((shared, own));
+    crate::suite::assert_no_leaks::<H>(&b);
+}
+
+/// A pool's teardown by its last user (a destroy came while a call used the pool) is counted
+/// in the device's gate until its last driver call returns: a recovery meanwhile is refused,
+/// though the pool's record already left the tables, so no reset destroys the pool under the
+/// teardown's call; the tenant's charge goes back with the pool, to the byte.
+pub fn recover_does_not_overlap_a_last_users_pool_teardown<H: Harness>() {
+    let b = H::backend();
+    let Some((t, pool, same)) = pool_with_two_handles::<H>(&b) else {
+        return;
+    };
+    let charge = t
+        .try_reserve_for(PAGE as u64, Purpose::DevicePool)
+        .expect("charge");
+    let faults = H::faults(&b);
+    let Some(trim) = faults
+        .as_ref()
+        .and_then(|f| f.hold_next(Operation::TrimPool))
+    else {
+        b.destroy_pool(pool).expect("destroy");
+        return skip("no holds");
+    };
+    let faulting = b
+        .acquire_stream_on(key(2), IsolationLevel::StreamIsolated, D0)
+        .expect("a neighbour's stream");
+    let faulted = std::thread::scope(|s| {
+        // The trim is held in the driver: the destroy retires the pool, and the trim's call
+        // tears it down when it returns; that teardown's destroy is held in turn.
+        let trimming = s.spawn(|| b.trim_pool(&same, 0));
+        trim.wait_held();
+        b.destroy_pool_charged(pool, vec![charge])
+            .expect("retired, torn down by its last user");
+        let destroy = faults
+            .as_ref()
+            .and_then(|f| f.hold_next(Operation::DestroyPool))
+            .expect("a hold on the destroy");
+        trim.release();
+        destroy.wait_held();
+        let faulted = fault::<H>(&b, &faulting);
+        let _ = b.release_stream(faulting);
+        if faulted {
+            let busy = recover(&*b).expect_err("the teardown's call is in flight");
+            assert_lost(&busy, "a recovery under a last user's teardown");
+        }
+        destroy.release();
+        trimming.join().expect("join").expect("the trim");
+        faulted
+    });
+    if !faulted {
+        return skip("no simulated kernel");
+    }
+    assert_eq!(
+        t.stats().device_pool_bytes,
+        0,
+        "the pool was destroyed before the fault: its charge went with it"
+    );
+    recover(&*b).expect("recover").expect("it was fenced");
+    crate::suite::assert_no_leaks::<H>(&b);
+    serves::<H>(&b, D0);
+}
+
 /// Device work a caller queues itself (a kernel launch through its own driver calls, between
 /// `begin_device_work` and `end_device_work`) is never overlapped by a reset: a recovery waits
 /// for it (typed, with the call counted), and new work does not start on the fenced device.
@@ -496,15 +627,9 @@ pub fn recover_waits_for_device_work<H: Harness>() {
 /// handed over with the destroy go back only when the reset destroys the pool.
 pub fn recover_does_not_overlap_a_pool_teardown<H: Harness>() {
     let b = H::backend();
-    if !H::has_device_pools(&b) {
-        return skip("no device pools");
-    }
-    let t = pool_tenant();
-    let pool = b
-        .create_pool(t.key(), D0, &DevicePoolConfig::default())
-        .expect("pool");
-    // The embedder's second handle to the same pool, for the other thread's call.
-    let same = PoolHandle::new(pool.driver_pool(), pool.device(), pool.tenant_key());
+    let Some((t, pool, same)) = pool_with_two_handles::<H>(&b) else {
+        return;
+    };
     let stream = b
         .acquire_stream_on(t.key(), IsolationLevel::StreamIsolated, D0)
         .expect("stream");

@@ -18,9 +18,10 @@
 //! without a driver call and an address the driver hands out again after the reset is never
 //! mistaken for the old allocation. The device then takes work again.
 
+use alloc::sync::Weak;
 use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use crate::allocator::Allocation;
+use crate::allocator::{Allocation, IdleHolder};
 use crate::device::DeviceId;
 use crate::driver::{DriverApi, DriverBackend, Life, Refusal, State};
 use crate::error::{BackendError, ErrorKind};
@@ -67,6 +68,11 @@ pub(super) struct Faulted {
     recoveries: AtomicU64,
     /// Per device: the calls a reset must not overlap.
     gates: alloc::vec::Vec<Gate>,
+    /// What holds memory of ours idle and lets it go on a fenced device, asked by each
+    /// recovery before it counts what is in use ([`ManagedAllocator::watch_idle`]).
+    ///
+    /// [`ManagedAllocator::watch_idle`]: crate::ManagedAllocator::watch_idle
+    idle: spin::Mutex<alloc::vec::Vec<Weak<dyn IdleHolder>>>,
 }
 
 impl Faulted {
@@ -383,6 +389,31 @@ impl<D: DriverApi> DriverBackend<D> {
         }
     }
 
+    /// Registers an [`IdleHolder`] (see [`ManagedAllocator::watch_idle`]); holders gone are
+    /// dropped from the list on the way.
+    ///
+    /// [`ManagedAllocator::watch_idle`]: crate::ManagedAllocator::watch_idle
+    pub(super) fn watch_idle(&self, holder: Weak<dyn IdleHolder>) {
+        let mut idle = self.faulted.idle.lock();
+        idle.retain(|h| h.strong_count() > 0);
+        idle.push(holder);
+    }
+
+    /// Asks every live [`IdleHolder`] to let go what it holds idle on fenced devices, with no
+    /// lock of ours held (a holder frees, and a holder dropped here may free at its drop).
+    fn let_idle_go(&self) {
+        let holders: alloc::vec::Vec<_> = self
+            .faulted
+            .idle
+            .lock()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for holder in holders {
+            holder.let_go_if_fenced();
+        }
+    }
+
     /// Recovers a fenced `device`: resets its primary context (`cuDevicePrimaryCtxReset`),
     /// takes what the reset destroyed out of the tables (allocations become lost records, see
     /// `docs/SAFETY.md` section 6b), and lifts the fence. `Ok(None)` for a device that is not fenced.
@@ -402,6 +433,9 @@ impl<D: DriverApi> DriverBackend<D> {
     /// device), or it must make them again. What this backend made is handled.
     pub unsafe fn recover(&self, device: DeviceId) -> Result<Option<Recovery>, D::Error> {
         self.check_device(device)?;
+        if self.is_fenced(device) {
+            self.let_idle_go();
+        }
         let primary = self.driver.primary_context(device);
         let gate = &self.faulted.gates[device.0 as usize];
         let resetting;

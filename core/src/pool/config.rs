@@ -219,6 +219,10 @@ pub struct PoolStats {
     pub hint_resets: u64,
     /// Requests refused because every fitting slot was busy.
     pub exhaustions: u64,
+    /// The pool has no slab now: it gave it up on a fenced device (a kernel fault in its
+    /// primary context), so its free slots hand nothing out until the device is recovered and
+    /// the next acquisition carves them from a new slab.
+    pub slab_given_up: bool,
 }
 
 impl PoolStats {

@@ -13,7 +13,7 @@
 //! use tensor_wasm_mem_core::{DeviceId, PoolConfig, SizeClass, SlotPool};
 //!
 //! let config = PoolConfig::new(DeviceId(0), [SizeClass::new(1 << 20, 4)]);
-//! let pool = Arc::new(SlotPool::new(HeapAllocator::default(), config).unwrap());
+//! let pool = SlotPool::shared(HeapAllocator::default(), config).unwrap();
 //! let mut memory = pool.acquire(1 << 20, 65536).unwrap(); // capacity 1 MiB, 64 KiB visible
 //! memory.write(0, &[0xff; 16]).unwrap();
 //! drop(memory); // back to the pool
@@ -120,6 +120,22 @@ impl<A: ManagedAllocator> SlotPool<A> {
             reset_hints: spin::Mutex::new(None),
             _slab: core::marker::PhantomData,
         })
+    }
+
+    /// [`new`](Self::new), shared, and registered with its allocator
+    /// ([`ManagedAllocator::watch_idle`]): when the pool's device is fenced and no slot is
+    /// held, a recovery of that device (by whoever recovers it) has the pool give its slab up
+    /// first, so an idle pool never keeps its device fenced until its own next call. The way to
+    /// make a pool that lives as long as its users (a pool made with `new` gives its slab up on
+    /// its own calls only).
+    pub fn shared(allocator: A, config: PoolConfig) -> Result<Arc<Self>, Error<A::Error>>
+    where
+        A: Send + Sync + 'static,
+    {
+        let pool = Arc::new(Self::new(allocator, config)?);
+        let weak: alloc::sync::Weak<Self> = Arc::downgrade(&pool);
+        pool.allocator.watch_idle(weak);
+        Ok(pool)
     }
 
     /// What a slot of a new slab needs: nothing where the allocator hands out zeroed memory,
@@ -236,7 +252,10 @@ impl<A: ManagedAllocator> SlotPool<A> {
 
     /// A snapshot of the pool's figures.
     pub fn stats(&self) -> PoolStats {
-        self.slots.stats()
+        PoolStats {
+            slab_given_up: self.slab.load(Ordering::Acquire).is_null(),
+            ..self.slots.stats()
+        }
     }
 
     /// The size of the smallest slot class that can hold `capacity` bytes (what a memory of that
@@ -378,6 +397,12 @@ impl<A: ManagedAllocator> SlotPool<A> {
             device,
         };
         self.slots.give_back(slot, dirt, Returned::default());
+    }
+}
+
+impl<A: ManagedAllocator + Send + Sync> crate::allocator::IdleHolder for SlotPool<A> {
+    fn let_go_if_fenced(&self) {
+        self.give_up_if_fenced();
     }
 }
 

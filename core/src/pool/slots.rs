@@ -293,6 +293,7 @@ impl<M: Copy> SlotTable<M> {
             scrub_failures: c.scrub_failures,
             hint_resets: c.hint_resets,
             exhaustions: c.exhaustions,
+            slab_given_up: false,
         }
     }
 }

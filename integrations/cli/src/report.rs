@@ -44,6 +44,7 @@ pub fn creator_json(s: &CreatorStats) -> Value {
             "bytes_scrubbed": p.bytes_scrubbed,
             "hint_resets": p.hint_resets,
             "exhaustions": p.exhaustions,
+            "slab_given_up": p.slab_given_up,
         })
     });
     let devices: Vec<Value> = s
@@ -162,6 +163,9 @@ pub fn stats_table<B: Backend>(
             p.hint_resets,
             p.exhaustions
         );
+        if p.slab_given_up {
+            out += " (slab given up on the fenced device)";
+        }
     }
     out.push('\n');
     out

@@ -444,9 +444,9 @@ impl<B: Backend> CreatorBuilder<B> {
                 };
                 let backend = Arc::clone(&self.backend);
                 pools.push(match backing {
-                    Backing::Managed => CreatorPool::Managed(Arc::new(
-                        SlotPool::new(backend, config).map_err(TwmError::from_core)?,
-                    )),
+                    Backing::Managed => CreatorPool::Managed(
+                        SlotPool::shared(backend, config).map_err(TwmError::from_core)?,
+                    ),
                     Backing::Guarded(access) => CreatorPool::Guarded(Arc::new(GuardedPool::new(
                         backend,
                         device,

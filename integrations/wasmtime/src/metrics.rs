@@ -45,6 +45,7 @@
 //! | `twm_device_recoveries_total` | counter | device | resets of its primary context after a fault |
 //! | `twm_pool_slots` | gauge | device | slots of the device's pool |
 //! | `twm_pool_slots_in_use` | gauge | device | of them, in use |
+//! | `twm_pool_slab_given_up` | gauge | device | 1 while the pool has no slab: given up on the fenced device, renewed at the first acquisition after its recovery |
 //! | `twm_pool_exhaustions_total` | counter | device | acquisitions refused for want of a slot |
 //! | `twm_pool_scrub_failures_total` | counter | device | slots retired because a scrub failed |
 //! | `twm_device_memory_total_bytes` | gauge | device | the device's memory (`cuMemGetInfo`) |
@@ -143,7 +144,7 @@ const BYTE_GAUGES: [(&str, &str); 15] = [
 ];
 
 /// Gauges that count, with their help text.
-const COUNT_GAUGES: [(&str, &str); 10] = [
+const COUNT_GAUGES: [(&str, &str); 11] = [
     (
         "twm_tenant_live_memories",
         "Memories of the tenant alive now.",
@@ -164,6 +165,10 @@ const COUNT_GAUGES: [(&str, &str); 10] = [
     (
         "twm_pool_slots_in_use",
         "Slots of the device's pool in use.",
+    ),
+    (
+        "twm_pool_slab_given_up",
+        "1 while the device's pool has no slab (given up on the fenced device).",
     ),
     ("twm_device_tenants", "Tenants placed on the device, alive."),
     (
@@ -321,6 +326,7 @@ pub fn record_creator<B: Backend>(creator: &TensorWasmMemoryCreator<B>) {
         if let Some(pool) = &d.pool {
             gauge!("twm_pool_slots", &labels).set((pool.in_use() + pool.free()) as f64);
             gauge!("twm_pool_slots_in_use", &labels).set(pool.in_use() as f64);
+            gauge!("twm_pool_slab_given_up", &labels).set(f64::from(u8::from(pool.slab_given_up)));
             counter!("twm_pool_exhaustions_total", &labels).absolute(pool.exhaustions);
             counter!("twm_pool_scrub_failures_total", &labels).absolute(pool.scrub_failures);
         }

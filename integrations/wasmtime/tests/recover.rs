@@ -196,3 +196,60 @@ fn recover_traps_the_guests_of_a_faulted_device_and_serves_again() {
         "Carol never noticed"
     );
 }
+
+/// Another creator's idle slot pool on the same backend never keeps the device fenced: the
+/// automatic recovery (when the faulting tenant's Store goes) has the pool give its slab up,
+/// though that creator makes no call meanwhile; the pool serves again from a new slab.
+#[test]
+fn recover_does_not_wait_for_another_creators_idle_pool() {
+    let rig = Rig::new();
+    let pooled = TensorWasmMemoryCreator::builder(Arc::clone(&rig.backend))
+        .device(D0)
+        .backing(Backing::Managed)
+        .pool(tensor_wasm_mem_core::PoolConfig::new(
+            D0,
+            [tensor_wasm_mem_core::SizeClass::new(4 * PAGE as usize, 2)],
+        ))
+        .build()
+        .unwrap();
+    let engine = pooled.engine().unwrap();
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).unwrap();
+    let module = Module::new(&engine, GUEST).unwrap();
+    let pooled_guest = |id: u64| {
+        let tenant = Tenant::new(
+            id,
+            format!("p{id}"),
+            16 * PAGE,
+            IsolationLevel::StreamIsolated,
+        );
+        let data = TenantStore::new(&pooled, &tenant, ChargeMode::Touched, ());
+        let mut store = new_store(&engine, data);
+        let instance = instantiate(&mut store, &linker, &module).unwrap();
+        let result = prefetch(&mut store, &instance, D0);
+        (store, result)
+    };
+    let (store, result) = pooled_guest(10);
+    assert_eq!(result.unwrap(), 0, "the pool serves before");
+    drop(store);
+    assert_eq!(pooled.stats().pool.unwrap().in_use(), 0, "the pool is idle");
+
+    let alice = rig.tenant_on(D0, 1);
+    let (mut a, _, a_memory) = rig.guest(&alice);
+    fault(&rig, &mut a, &a_memory);
+    assert!(rig.backend.device_fenced(D0));
+    drop(a);
+    assert!(
+        !rig.backend.device_fenced(D0),
+        "recovered when Alice's Store went, the idle pool's slab given up"
+    );
+    assert!(pooled.stats().pool.unwrap().slab_given_up);
+    assert_eq!(alice.stats().held_bytes, 0);
+
+    let (_store, result) = pooled_guest(11);
+    assert_eq!(result.unwrap(), 0, "the pool serves again");
+    assert!(
+        !pooled.stats().pool.unwrap().slab_given_up,
+        "from a new slab"
+    );
+}

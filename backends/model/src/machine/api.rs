@@ -452,6 +452,8 @@ unsafe impl DriverApi for ModelDriver {
         if state.pools.get(&pool).is_some_and(|p| p.live == 0) {
             state.pools.remove(&pool);
         }
+        drop(state);
+        self.late_return(call);
         Ok(())
     }
 
@@ -502,6 +504,8 @@ unsafe impl DriverApi for ModelDriver {
             return Err(error(call, code::INVALID_HANDLE));
         }
         state.trim(pool, keep_bytes);
+        drop(state);
+        self.late_return(call);
         Ok(())
     }
 

@@ -150,7 +150,8 @@ impl ModelDriver {
     /// Holds the next call of the entry point `call` after it took effect, with the machine
     /// unlocked (a slow driver, or a thread preempted right after the call), until
     /// the [`HeldCall`](crate::HeldCall) is released (or dropped): races are staged by the
-    /// test, not by time.
+    /// test, not by time. The calls that can be held: `AllocManaged`, `Free`, `PoolFree`,
+    /// `PoolTrim`, `PoolDestroy` and `PrimaryCtxReset` (a hold on any other is never reached).
     pub fn hold_next(&self, call: Call) -> crate::HeldCall {
         crate::HeldCall::new(Arc::clone(&self.holds), call)
     }
