@@ -80,6 +80,8 @@ pub struct GuestContext<B: Backend> {
     store: Option<Arc<StoreBooks>>,
     /// The tenant's launch figures (shared by all its Stores).
     kernels: Arc<KernelCounters>,
+    /// The device work the Store's open device-access scope holds.
+    scope_work: ScopeWork<B>,
     calls: u64,
     failed_calls: u64,
 }
@@ -98,6 +100,7 @@ impl<B: Backend> fmt::Debug for GuestContext<B> {
 impl<B: Backend> GuestContext<B> {
     /// State for a guest of `tenant` using memories from `creator`.
     pub fn new(creator: TensorWasmMemoryCreator<B>, tenant: &Tenant) -> Self {
+        let backend = Arc::clone(creator.backend());
         Self {
             creator,
             tenant: tenant.ledger().key(),
@@ -106,6 +109,10 @@ impl<B: Backend> GuestContext<B> {
             stream: None,
             store: None,
             kernels: Arc::clone(tenant.kernel_counters()),
+            scope_work: ScopeWork {
+                backend,
+                held: std::sync::Mutex::new(None),
+            },
             calls: 0,
             failed_calls: 0,
         }
@@ -167,6 +174,60 @@ impl<B: Backend> GuestContext<B> {
         // Set just above when it was empty.
         Ok(self.stream.as_ref().unwrap_or_else(|| unreachable!()))
     }
+
+    /// The instance's stream (acquired as [`stream`](Self::stream) does) and the device work
+    /// a device-access scope over this Store holds, for the scope's life.
+    pub(crate) fn scope_parts(
+        &mut self,
+    ) -> Result<(&tensor_wasm_mem_core::Stream, &ScopeWork<B>), B::Error> {
+        self.stream()?;
+        let lease = self.stream.as_ref().unwrap_or_else(|| unreachable!());
+        Ok((lease.stream(), &self.scope_work))
+    }
+}
+
+/// The device work ([`ManagedAllocator::begin_device_work`]) a Store's open device-access
+/// scope holds, so no recovery resets the device's primary context under the kernels the
+/// embedder launches in the scope: at most one per Store, ended when the scope closes, or, for
+/// a scope forgotten with `mem::forget`, when its Store goes (so a forgotten scope keeps the
+/// device fenced no longer than a live Store does).
+pub(crate) struct ScopeWork<B: Backend> {
+    backend: Arc<B>,
+    held: std::sync::Mutex<Option<DeviceId>>,
+}
+
+impl<B: Backend> ScopeWork<B> {
+    /// Begins device work on `device` (already begun by a forgotten scope of this Store on the
+    /// same device: kept). Refused, typed, on a fenced device.
+    pub(crate) fn begin(&self, device: DeviceId) -> Result<(), TwmError> {
+        let mut held = self
+            .held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match *held {
+            Some(d) if d == device => return Ok(()),
+            Some(d) => self.backend.end_device_work(d),
+            None => {}
+        }
+        *held = None;
+        self.backend
+            .begin_device_work(device)
+            .map_err(TwmError::backend)?;
+        *held = Some(device);
+        Ok(())
+    }
+
+    /// Ends the device work held, if any.
+    pub(crate) fn end(&self) {
+        let held = self
+            .held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(device) = held {
+            self.backend.end_device_work(device);
+        }
+    }
 }
 
 impl<B: Backend> Drop for GuestContext<B> {
@@ -174,6 +235,8 @@ impl<B: Backend> Drop for GuestContext<B> {
     /// release the backend refuses (a wait or a destroy) leaves work that may still run, and
     /// the Store's memories are then kept rather than given back (`docs/SAFETY.md`, teardown).
     fn drop(&mut self) {
+        // A scope forgotten over this Store held device work: it ends with the Store.
+        self.scope_work.end();
         let Some(lease) = self.stream.take() else {
             return;
         };

@@ -46,7 +46,7 @@ use wasmtime::{Memory, Store};
 
 use crate::Backend;
 use crate::error::TwmError;
-use crate::guest::HasGuestContext;
+use crate::guest::{HasGuestContext, ScopeWork};
 use crate::lifecycle::ScopedMemory;
 use crate::memory::{GuestSlice, MemoryView, TensorWasmMemoryCreator, guest_range};
 
@@ -175,13 +175,22 @@ type Invariant<'a> = fn(&'a ()) -> &'a ();
 /// A scope that is forgotten (`mem::forget`) skips its wait: launching a kernel is unsafe, and
 /// its contract includes closing or dropping the scope; [`run`](Self::run) cannot be made to
 /// skip it. A forgotten scope holds no memory, slot, stream or charge (it refers to its memory
-/// weakly): what it leaks is its own few hundred bytes.
+/// weakly): what it leaks is its own few hundred bytes, and its device work lasts until its
+/// Store goes.
+///
+/// An open scope is device work ([`ManagedAllocator::begin_device_work`]): no recovery resets
+/// its device's primary context under the kernels launched in it (a recovery meanwhile is
+/// refused, the scope counted among the calls in flight), and no scope opens on a fenced
+/// device. A forgotten scope's device work ends when its Store goes.
 pub struct DeviceAccess<'s, T: 'static, B: Backend> {
     _store: PhantomData<(&'s mut Store<T>, Invariant<'s>)>,
     memory: ScopedMemory<B>,
     /// The Store's guest stream, borrowed from its guest context for the scope's life (the
     /// scope holds the Store's borrow): the stream itself, never a copy of its handle.
     stream: &'s Stream,
+    /// The device work the scope holds (in the Store's guest context, so a forgotten scope's
+    /// ends with the Store).
+    work: &'s ScopeWork<B>,
     device: DeviceId,
     entries: Vec<Entry>,
     /// Ranges this scope advised read-mostly (unset on close).
@@ -245,7 +254,7 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
                 slice,
             });
         }
-        let stream = guest.stream().map_err(TwmError::backend)?.stream();
+        let (stream, work) = guest.scope_parts().map_err(TwmError::backend)?;
         let device = scoped.device();
         if stream.device() != device {
             // A memory made where its Store named no tenant (the creator's default device)
@@ -256,10 +265,14 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
                 stream: stream.device(),
             });
         }
+        // Device work until the scope closes: no recovery resets the primary context under
+        // the kernels launched in it; refused on a fenced device.
+        work.begin(device)?;
         let mut scope = Self {
             _store: PhantomData,
             memory: scoped,
             stream,
+            work,
             device,
             entries,
             advised: Vec::new(),
@@ -508,6 +521,14 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
             return Ok(());
         }
         self.open = false;
+        let result = self.wait_and_undo();
+        // Whatever the wait said: nothing the scope queued runs any more, or the device is
+        // fenced and it never will.
+        self.work.end();
+        result
+    }
+
+    fn wait_and_undo(&mut self) -> Result<(), TwmError> {
         let backend = self.memory.backend()?;
         let waited = backend.synchronize(self.stream).map_err(TwmError::backend);
         let mut result = waited;

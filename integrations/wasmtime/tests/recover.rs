@@ -253,3 +253,58 @@ fn recover_does_not_wait_for_another_creators_idle_pool() {
         "from a new slab"
     );
 }
+
+/// An open device-access scope is device work: a recovery meanwhile is refused with the scope
+/// counted among the calls in flight (the kernels the embedder launches in it are never under
+/// a reset), and the count goes when the scope closes. A scope forgotten with `mem::forget`
+/// holds the device only until its Store goes.
+#[test]
+fn recover_waits_for_an_open_device_access_scope() {
+    let rig = Rig::new();
+    let (alice, bob) = (rig.tenant_on(D0, 1), rig.tenant_on(D0, 2));
+    let (mut a, _, a_memory) = rig.guest(&alice);
+    let (mut b, _, b_memory) = rig.guest(&bob);
+    let refusal = |expect: &str| {
+        // SAFETY: nothing but the creator's backend uses the devices' primary contexts here.
+        let err = unsafe { rig.creator.recover(D0) }.expect_err("still in use");
+        assert_eq!(err.kind(), ErrorKind::ContextLost, "{err}");
+        assert!(err.to_string().contains(expect), "{err}");
+    };
+    let scope = DeviceAccess::open(&mut b, &rig.creator, &b_memory, &[AccessRange::read(0, 64)])
+        .expect("a scope on the healthy device");
+    fault(&rig, &mut a, &a_memory);
+    refusal("(1 calls in flight)");
+    let closed = scope.close().expect_err("its wait sees the lost context");
+    assert_eq!(closed.kind(), ErrorKind::ContextLost, "{closed}");
+    refusal("(0 calls in flight)");
+    let refused = DeviceAccess::open(&mut b, &rig.creator, &b_memory, &[AccessRange::read(0, 64)]);
+    let err = refused.expect_err("no scope opens on the fenced device");
+    assert_eq!(err.kind(), ErrorKind::ContextLost, "{err}");
+    drop((a, b));
+    assert!(
+        !rig.backend.device_fenced(D0),
+        "recovered when the Stores went"
+    );
+
+    // A forgotten scope: its device work ends with its Store.
+    let carol = rig.tenant_on(D0, 3);
+    let dave = rig.tenant_on(D0, 4);
+    let (mut c, _, c_memory) = rig.guest(&carol);
+    let (mut d, _, d_memory) = rig.guest(&dave);
+    let scope = DeviceAccess::open(&mut c, &rig.creator, &c_memory, &[AccessRange::read(0, 64)])
+        .expect("a scope");
+    std::mem::forget(scope);
+    fault(&rig, &mut d, &d_memory);
+    drop(d);
+    assert!(
+        rig.backend.device_fenced(D0),
+        "Carol's Store (and its scope) hold it"
+    );
+    refusal("(1 calls in flight)");
+    drop(c);
+    assert!(
+        !rig.backend.device_fenced(D0),
+        "recovered when the forgotten scope's Store went"
+    );
+    assert_eq!((carol.stats().held_bytes, dave.stats().held_bytes), (0, 0));
+}
