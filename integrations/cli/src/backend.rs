@@ -111,6 +111,8 @@ pub enum SimulatedHostAccess {
 /// The simulated machine a command asks for (`--devices N`, `--simulate-host-access`): the
 /// mock's, which a real driver refuses (it reports its own devices and attributes).
 #[derive(Clone, Copy, Debug)]
+// Read by the simulated backend only: a build without `mock` makes one and ignores it.
+#[cfg_attr(not(feature = "mock"), allow(dead_code))]
 pub struct SimulatedMachine {
     /// Devices.
     pub devices: u32,
@@ -213,7 +215,10 @@ pub fn simulated_machine(
 /// `$sim` is the simulated machine ([`simulated_machine`]).
 #[macro_export]
 macro_rules! with_backend {
-    ($kind:expr, $sim:expr, |$b:ident| $body:expr) => {
+    ($kind:expr, $sim:expr, |$b:ident| $body:expr) => {{
+        let sim: $crate::backend::SimulatedMachine = $sim;
+        // Read by the simulated backend only (a build without `mock` has none).
+        let _ = &sim;
         match $kind {
             #[cfg(feature = "cudarc")]
             $crate::backend::BackendKind::Cudarc => {
@@ -237,7 +242,6 @@ macro_rules! with_backend {
             }
             #[cfg(feature = "mock")]
             $crate::backend::BackendKind::Mock => {
-                let sim: $crate::backend::SimulatedMachine = $sim;
                 let config = tensor_wasm_mem_mock::MockConfig {
                     device_count: sim.devices,
                     pageable_memory_access: sim.pageable,
@@ -255,5 +259,5 @@ macro_rules! with_backend {
                 $body
             }
         }
-    };
+    }};
 }
