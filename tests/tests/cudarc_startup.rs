@@ -43,6 +43,10 @@ fn startup_child() {
             sim.reset();
             start(&DriverSource::SystemOr(SIM_PATH.into()))
         }
+        "interop_context_refused" => {
+            println!("OUTCOME {}", interop_context_refused());
+            return;
+        }
         other => panic!("unknown scenario {other}"),
     };
     match result {
@@ -54,6 +58,50 @@ fn startup_child() {
         ),
         Err(e) => println!("OUTCOME {} {e} | {e:?}", e.kind()),
     }
+}
+
+/// cudarc's view of a device-access scope when cudarc's `CudaContext::new` is refused by the
+/// driver: the typed error, `<kind> <message>`.
+fn interop_context_refused() -> String {
+    use std::sync::Arc;
+    use tensor_wasm_mem_tests::sim::code;
+    use tensor_wasm_mem_wasmtime::interop::cudarc::CudarcScope;
+    use tensor_wasm_mem_wasmtime::wasmtime::{Linker, Module};
+    use tensor_wasm_mem_wasmtime::{
+        AccessRange, ChargeMode, DeviceAccess, Tenant, TenantStore, TensorWasmMemoryCreator,
+        instantiate, new_store,
+    };
+    let sim = Sim::get().expect("no real driver in the child");
+    let backend = start(&DriverSource::SystemOr(SIM_PATH.into())).expect("cudarc on the simulator");
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(backend))
+        .build()
+        .expect("creator");
+    let engine = creator.engine().expect("engine");
+    let module = Module::new(&engine, r#"(module (memory (export "memory") 1))"#).expect("module");
+    let tenant = Tenant::new(
+        1,
+        "t",
+        1 << 20,
+        tensor_wasm_mem_core::IsolationLevel::StreamIsolated,
+    );
+    let mut store = new_store(
+        &engine,
+        TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()),
+    );
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).expect("instance");
+    let memory = instance.get_memory(&mut store, "memory").expect("memory");
+    let scope = DeviceAccess::open(
+        &mut store,
+        &creator,
+        &memory,
+        &[AccessRange::read_write(0, 64)],
+    )
+    .expect("scope");
+    sim.fail_nth("cuDevicePrimaryCtxRetain", 1, code::OUT_OF_MEMORY);
+    // SAFETY: nothing cudarc makes outlives this call (it is refused).
+    let err = unsafe { CudarcScope::new(&scope) }.expect_err("cudarc's context is refused");
+    scope.close().expect("the scope closes");
+    format!("{} {err}", err.kind())
 }
 
 fn child(scenario: &str) -> Option<String> {
@@ -136,6 +184,18 @@ fn capabilities_come_from_every_device() {
         return;
     };
     assert_eq!(outcome, "ok devices=2 concurrent=false");
+}
+
+/// A driver refusal under cudarc's `CudaContext::new` (in `CudarcScope::new`) keeps its code
+/// and kind: a typed backend error naming `CUDA_ERROR_OUT_OF_MEMORY`, not opaque text.
+#[test]
+fn cudarc_interop_keeps_the_drivers_error() {
+    let Some(outcome) = child("interop_context_refused") else {
+        return;
+    };
+    assert!(outcome.starts_with("out_of_memory"), "{outcome}");
+    assert!(outcome.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{outcome}");
+    assert!(outcome.contains("cuDevicePrimaryCtxRetain"), "{outcome}");
 }
 
 #[test]

@@ -72,8 +72,15 @@ pub mod cudarc {
             scope: &'a DeviceAccess<'_, T, B>,
         ) -> Result<Self, TwmError> {
             let ordinal = scope.device().0 as usize;
-            let context = CudaContext::new(ordinal)
-                .map_err(|e| TwmError::Interop(format!("cudarc context: {e:?}")))?;
+            // A driver failure keeps its code and kind (a lost context is `ContextLost`).
+            let context = CudaContext::new(ordinal).map_err(|e| {
+                TwmError::backend(tensor_wasm_mem_cudarc::CudarcError::Driver(
+                    tensor_wasm_mem_cudarc::DriverError {
+                        call: "cuDevicePrimaryCtxRetain (cudarc's CudaContext::new)",
+                        code: e.0 as u32,
+                    },
+                ))
+            })?;
             let raw_context = context.cu_ctx() as usize as u64;
             if scope.stream().context() != raw_context {
                 return Err(TwmError::Interop(
