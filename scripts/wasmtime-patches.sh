@@ -3,8 +3,9 @@
 # Cargo.lock (take them: `cargo update -p wasmtime`, then the full tests and `twm bench`), and
 # newer majors with the Rust version they need. Run by hand or on a schedule; it is not a CI
 # gate (someone else's release day must not turn our CI red). Needs only cargo and the registry.
-# Exit status: 0 nothing newer in our major, 10 a newer patch release is out, 1 the registry
-# could not be asked.
+# Exit status: 0 nothing newer in our major, 10 a newer patch release is out, 11 one is out
+# but does not resolve yet (not every crate it pins is published), 1 the registry could not be
+# asked.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,8 +32,15 @@ for package in wasmtime wasmtime-wasi; do
         exit 1
     }
     if [ "$patch" != "$ours" ]; then
-        echo "$package: Cargo.lock has $ours; $patch is out (same major): take it"
-        status=10
+        # A release is published crate by crate: until every crate it pins is on the registry,
+        # it does not resolve (48.0.11 on 2026-12-05: wasmtime-internal-wit-bindgen was not).
+        if why=$(cargo update --dry-run -p "$package" --precise "$patch" 2>&1); then
+            echo "$package: Cargo.lock has $ours; $patch is out (same major): take it"
+            status=10
+        else
+            echo "$package: Cargo.lock has $ours; $patch is out but does not resolve yet: $(grep -m1 '^error' <<<"$why")"
+            [ "$status" = 10 ] || status=11
+        fi
     else
         echo "$package: Cargo.lock has $ours, the newest $major.x"
     fi
