@@ -298,7 +298,10 @@ pub unsafe trait ManagedAllocator: ErrorType {
     /// recovery of a fenced device counts what is still in use: so a device is recovered
     /// without waiting for an idle holder's own next call. Held weakly (a holder that is gone
     /// is skipped, and dropped from the list). The default keeps nothing (a backend that never
-    /// recovers).
+    /// recovers). The holder is called from inside the recovery, on the recovering thread: it
+    /// must not recover (nor drop what recovers) itself, and a recovery must not be started
+    /// while the holder's own lock is held (a slot pool's [`with_slab`](crate::SlotPool::with_slab)
+    /// closure), or that thread waits for itself.
     fn watch_idle(&self, holder: alloc::sync::Weak<dyn IdleHolder>) {
         let _ = holder;
     }
@@ -411,7 +414,7 @@ pub trait IdleHolder: Send + Sync {
     /// Lets go what it holds idle on any fenced device of its backend (freed, or given up with
     /// [`ManagedAllocator::forget`] where the free is refused); nothing where no device is
     /// fenced, or where what it holds is in use. Called without any lock of the backend held,
-    /// from the thread that recovers.
+    /// from the thread that recovers (inside its recovery: it must not recover itself).
     fn let_go_if_fenced(&self);
 }
 

@@ -402,13 +402,11 @@ impl<D: DriverApi> DriverBackend<D> {
     /// Asks every live [`IdleHolder`] to let go what it holds idle on fenced devices, with no
     /// lock of ours held (a holder frees, and a holder dropped here may free at its drop).
     fn let_idle_go(&self) {
-        let holders: alloc::vec::Vec<_> = self
-            .faulted
-            .idle
-            .lock()
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect();
+        let holders: alloc::vec::Vec<_> = {
+            let mut idle = self.faulted.idle.lock();
+            idle.retain(|h| h.strong_count() > 0);
+            idle.iter().filter_map(Weak::upgrade).collect()
+        };
         for holder in holders {
             holder.let_go_if_fenced();
         }

@@ -221,7 +221,8 @@ pub struct PoolStats {
     pub exhaustions: u64,
     /// The pool has no slab now: it gave it up on a fenced device (a kernel fault in its
     /// primary context), so its free slots hand nothing out until the device is recovered and
-    /// the next acquisition carves them from a new slab.
+    /// an acquisition carves them from a new slab (one that cannot make the new slab, out of
+    /// memory say, leaves it so, and the next tries again).
     pub slab_given_up: bool,
 }
 

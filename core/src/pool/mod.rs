@@ -163,6 +163,9 @@ impl<A: ManagedAllocator> SlotPool<A> {
     /// replaced; `None` while the pool has none (given up on a fenced device, not made again
     /// yet). `f` must not use the pool itself (acquiring or releasing a slot there may wait for
     /// this call to end).
+    ///
+    /// `f` runs under the pool's lock that a recovery of its device takes too (to have the
+    /// pool give its slab up): `f` must not recover the device, nor drop what recovers it.
     pub fn with_slab<R>(&self, f: impl FnOnce(&Allocation) -> R) -> Option<R> {
         let _renewing = self.renewing.lock();
         let slab = self.slab.load(Ordering::Acquire);

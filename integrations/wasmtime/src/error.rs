@@ -192,7 +192,8 @@ pub enum TwmError {
     /// The export named is missing or not a memory.
     #[error("the instance exports no memory named {0:?}")]
     NoMemoryExport(String),
-    /// A memory of another Store than the one given.
+    /// A memory of another Store than the one given (or, for a device-access scope, made by a
+    /// creator on another backend than the Store's guest context uses).
     #[error("this memory belongs to another Store than the one given")]
     ForeignMemory,
     /// A memory no tenant would pay for: its Store has no tenant limiter announcing it (made

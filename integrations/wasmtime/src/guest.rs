@@ -33,7 +33,7 @@
 //! advice (and costs a constant per call, not one growing with its advice's fragmentation).
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 
 use tensor_wasm_mem_core::{
     Advice, BackendError, DeviceId, ErrorKind, IsolationLevel, Location, ManagedAllocator,
@@ -100,7 +100,10 @@ impl<B: Backend> fmt::Debug for GuestContext<B> {
 impl<B: Backend> GuestContext<B> {
     /// State for a guest of `tenant` using memories from `creator`.
     pub fn new(creator: TensorWasmMemoryCreator<B>, tenant: &Tenant) -> Self {
-        let backend = Arc::clone(creator.backend());
+        let scope_work = ScopeWork {
+            creator: creator.clone(),
+            held: std::sync::Mutex::new(None),
+        };
         Self {
             creator,
             tenant: tenant.ledger().key(),
@@ -109,10 +112,7 @@ impl<B: Backend> GuestContext<B> {
             stream: None,
             store: None,
             kernels: Arc::clone(tenant.kernel_counters()),
-            scope_work: ScopeWork {
-                backend,
-                held: std::sync::Mutex::new(None),
-            },
+            scope_work,
             calls: 0,
             failed_calls: 0,
         }
@@ -190,43 +190,67 @@ impl<B: Backend> GuestContext<B> {
 /// scope holds, so no recovery resets the device's primary context under the kernels the
 /// embedder launches in the scope: at most one per Store, ended when the scope closes, or, for
 /// a scope forgotten with `mem::forget`, when its Store goes (so a forgotten scope keeps the
-/// device fenced no longer than a live Store does).
+/// device fenced no longer than a live Store does). Where it ends on a fenced device, the
+/// automatic recovery it held back is tried again.
 pub(crate) struct ScopeWork<B: Backend> {
-    backend: Arc<B>,
+    creator: TensorWasmMemoryCreator<B>,
     held: std::sync::Mutex<Option<DeviceId>>,
 }
 
 impl<B: Backend> ScopeWork<B> {
-    /// Begins device work on `device` (already begun by a forgotten scope of this Store on the
-    /// same device: kept). Refused, typed, on a fenced device.
+    /// Whether the work is on `creator`'s backend (a scope's memory must be).
+    pub(crate) fn same_backend(&self, creator: &TensorWasmMemoryCreator<B>) -> bool {
+        Arc::ptr_eq(self.creator.backend(), creator.backend())
+    }
+
+    /// Begins device work on `device`. Already begun there by a forgotten scope of this Store:
+    /// kept, but a fenced device refuses the new scope all the same. Refused, typed
+    /// ([`ErrorKind::ContextLost`]), on a fenced device.
     pub(crate) fn begin(&self, device: DeviceId) -> Result<(), TwmError> {
-        let mut held = self
-            .held
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match *held {
-            Some(d) if d == device => return Ok(()),
-            Some(d) => self.backend.end_device_work(d),
-            None => {}
+        let backend = self.creator.backend();
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        if *held == Some(device) {
+            // The gate's own check, typed as any other refusal; the work stays counted once.
+            backend
+                .begin_device_work(device)
+                .map_err(TwmError::backend)?;
+            backend.end_device_work(device);
+            return Ok(());
         }
-        *held = None;
-        self.backend
+        if let Some(d) = held.take() {
+            backend.end_device_work(d);
+        }
+        backend
             .begin_device_work(device)
             .map_err(TwmError::backend)?;
         *held = Some(device);
         Ok(())
     }
 
-    /// Ends the device work held, if any.
+    /// Ends the device work held, if any; on a fenced device the recovery it held back runs
+    /// now (where the creator recovers automatically).
     pub(crate) fn end(&self) {
         let held = self
             .held
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .unwrap_or_else(PoisonError::into_inner)
             .take();
         if let Some(device) = held {
-            self.backend.end_device_work(device);
+            let backend = self.creator.backend();
+            backend.end_device_work(device);
+            if backend.device_fenced(device) {
+                self.creator.recover_when_free(device);
+            }
         }
+    }
+}
+
+/// Ends a scope's device work when dropped (a panicking wait included).
+pub(crate) struct EndScopeWork<'a, B: Backend>(pub(crate) &'a ScopeWork<B>);
+
+impl<B: Backend> Drop for EndScopeWork<'_, B> {
+    fn drop(&mut self) {
+        self.0.end();
     }
 }
 
@@ -235,8 +259,9 @@ impl<B: Backend> Drop for GuestContext<B> {
     /// release the backend refuses (a wait or a destroy) leaves work that may still run, and
     /// the Store's memories are then kept rather than given back (`docs/SAFETY.md`, teardown).
     fn drop(&mut self) {
-        // A scope forgotten over this Store held device work: it ends with the Store.
-        self.scope_work.end();
+        // A scope forgotten over this Store held device work: it ends with the Store, once the
+        // stream (its kernels included) was waited for.
+        let _end = EndScopeWork(&self.scope_work);
         let Some(lease) = self.stream.take() else {
             return;
         };
@@ -251,6 +276,7 @@ impl<B: Backend> Drop for GuestContext<B> {
                     store.remove_stream(id);
                 }
                 // The device's last user may have been this stream: it recovers now.
+                self.scope_work.end();
                 self.creator.recover_when_free(id.device());
             }
             (Err(e), store) => {

@@ -46,7 +46,7 @@ use wasmtime::{Memory, Store};
 
 use crate::Backend;
 use crate::error::TwmError;
-use crate::guest::{HasGuestContext, ScopeWork};
+use crate::guest::{EndScopeWork, HasGuestContext, ScopeWork};
 use crate::lifecycle::ScopedMemory;
 use crate::memory::{GuestSlice, MemoryView, TensorWasmMemoryCreator, guest_range};
 
@@ -266,7 +266,11 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
             });
         }
         // Device work until the scope closes: no recovery resets the primary context under
-        // the kernels launched in it; refused on a fenced device.
+        // the kernels launched in it; refused on a fenced device. Counted on the backend of
+        // the memory (the Store's guest context must use the same).
+        if !work.same_backend(creator) {
+            return Err(TwmError::ForeignMemory);
+        }
         work.begin(device)?;
         let mut scope = Self {
             _store: PhantomData,
@@ -521,11 +525,10 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
             return Ok(());
         }
         self.open = false;
-        let result = self.wait_and_undo();
-        // Whatever the wait said: nothing the scope queued runs any more, or the device is
-        // fenced and it never will.
-        self.work.end();
-        result
+        // Whatever the wait says (or if it panics): nothing the scope queued runs any more, or
+        // the device is fenced and it never will; the work ends after the wait.
+        let _end = EndScopeWork(self.work);
+        self.wait_and_undo()
     }
 
     fn wait_and_undo(&mut self) -> Result<(), TwmError> {

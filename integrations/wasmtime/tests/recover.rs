@@ -301,10 +301,66 @@ fn recover_waits_for_an_open_device_access_scope() {
         "Carol's Store (and its scope) hold it"
     );
     refusal("(1 calls in flight)");
+    let again = DeviceAccess::open(&mut c, &rig.creator, &c_memory, &[AccessRange::read(0, 64)]);
+    let err = again.expect_err("no scope opens on the fenced device, a forgotten one held or not");
+    assert_eq!(err.kind(), ErrorKind::ContextLost, "{err}");
+    refusal("(1 calls in flight)");
     drop(c);
     assert!(
         !rig.backend.device_fenced(D0),
         "recovered when the forgotten scope's Store went"
     );
     assert_eq!((carol.stats().held_bytes, dave.stats().held_bytes), (0, 0));
+}
+
+/// Where nothing of a live Store is in the primary context (guarded pageable memory, shared
+/// tenants on the default stream), an open scope is what holds the device: the automatic
+/// recovery refused while it was open runs when it closes, with the Store still alive.
+#[test]
+fn recover_runs_when_the_scope_that_held_it_closes() {
+    let backend = Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
+        device_count: 1,
+        pageable_memory_access: true,
+        ..MockConfig::default()
+    }));
+    let builder = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .backing(Backing::Guarded(tensor_wasm_mem_core::HostAccess::Pageable));
+    // SAFETY: nothing but the creator's backend uses the device's primary context here.
+    let creator = unsafe { builder.recover_automatically() }.build().unwrap();
+    let engine = creator.engine().unwrap();
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).unwrap();
+    let module = Module::new(&engine, GUEST).unwrap();
+    let guest = |id: u64| {
+        let tenant = Tenant::new(id, format!("s{id}"), 16 * PAGE, IsolationLevel::Shared);
+        let data = TenantStore::new(&creator, &tenant, ChargeMode::Touched, ());
+        let mut store = new_store(&engine, data);
+        let instance = instantiate(&mut store, &linker, &module).unwrap();
+        let memory = instance.get_memory(&mut store, "memory").unwrap();
+        (store, memory)
+    };
+    let (mut x, x_memory) = guest(1);
+    let (mut y, y_memory) = guest(2);
+    let scope = DeviceAccess::open(&mut y, &creator, &y_memory, &[AccessRange::read(0, 64)])
+        .expect("Y's scope on the healthy device");
+    {
+        let faulting =
+            DeviceAccess::open(&mut x, &creator, &x_memory, &[AccessRange::write(0, 64)]).unwrap();
+        // SAFETY: address 64 lies in the never-mapped first page: the simulated kernel faults.
+        let _ = unsafe { backend.driver().enqueue_fill(faulting.stream(), 64, 64, 1) };
+        let err = faulting.close().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::ContextLost, "{err}");
+    }
+    assert!(backend.device_fenced(D0));
+    drop(x);
+    assert!(backend.device_fenced(D0), "Y's open scope holds it");
+    let _ = scope.close();
+    assert!(
+        !backend.device_fenced(D0),
+        "recovered when the scope closed, Y's Store alive"
+    );
+    assert_eq!(creator.stats().recoveries, 1);
+    let scope = DeviceAccess::open(&mut y, &creator, &y_memory, &[AccessRange::read(0, 64)])
+        .expect("Y's scopes open again");
+    scope.close().expect("and close");
 }

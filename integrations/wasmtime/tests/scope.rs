@@ -342,3 +342,24 @@ fn try_run_returns_the_closures_error_over_the_waits() {
     let again = DeviceAccess::open(&mut store, &creator, &memory, &[AccessRange::read(0, 64)]);
     assert!(again.is_err());
 }
+
+/// A Store whose guest context uses a creator on another backend than the memory's: the scope
+/// is refused (its stream and its device work would be on the wrong driver), typed.
+#[test]
+fn a_scope_over_another_backends_memory_is_refused() {
+    let (ours, theirs) = (deferred(), deferred());
+    let creator = fresh(&ours);
+    let other = fresh(&theirs);
+    let engine = creator.engine().unwrap();
+    let tenant = Tenant::new(1, "t1", 4 * PAGE as u64, IsolationLevel::StreamIsolated);
+    let mut store = new_store(
+        &engine,
+        TenantStore::new(&other, &tenant, ChargeMode::Touched, ()),
+    );
+    let module = Module::new(&engine, GUEST).unwrap();
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    let err = DeviceAccess::open(&mut store, &creator, &memory, &[AccessRange::read(0, 1)])
+        .expect_err("another backend's guest context");
+    assert!(matches!(err, TwmError::ForeignMemory), "{err}");
+}
