@@ -359,10 +359,24 @@ pub fn recover_a_pooled_creator_while_it_lives<H: Harness>() {
 /// A memory kept busy (its Store's stream could not be released, so work queued there might
 /// still run) on a device a kernel fault then fences: that work was in the lost primary
 /// context and never runs, so the memory is given up to the recovery instead of keeping the
-/// device fenced while the creator lives; its charge goes back with the reset.
+/// device fenced while the creator lives; its charge goes back with the reset. Here the
+/// creator recovers when asked.
 pub fn recover_releases_a_busy_memory_whose_work_died<H: Harness>() {
     let backend = H::backend();
-    let rig = Rig::<H>::new(&backend, Backing::Managed);
+    busy_memory_through_a_fault(&backend, &Rig::<H>::manual(&backend), 2);
+}
+
+/// As [`recover_releases_a_busy_memory_whose_work_died`], where the creator recovers on its
+/// own: its first try (when the faulting scope closes) already gives the busy memory up, so
+/// only the live Store's memory is left to wait for.
+pub fn recover_releases_a_busy_memory_at_its_first_try<H: Harness>() {
+    let backend = H::backend();
+    busy_memory_through_a_fault(&backend, &Rig::<H>::new(&backend, Backing::Managed), 1);
+}
+
+/// Keeps a memory busy, faults the device through another Store, checks that the recovery's
+/// blockers are `blocking` memories, then drops the Store and recovers: every charge back.
+fn busy_memory_through_a_fault<H: Harness>(backend: &Arc<H::Backend>, rig: &Rig<H>, blocking: u64) {
     let (mut busy, busy_memory) = rig.store_and_memory();
     // Its guest stream is made (a scope borrows it): the one whose destroy is refused below.
     DeviceAccess::open(
@@ -374,7 +388,7 @@ pub fn recover_releases_a_busy_memory_whose_work_died<H: Harness>() {
     .expect("scope")
     .close()
     .expect("close");
-    if H::faults(&backend)
+    if H::faults(backend)
         .map(|f| f.fail_release(Release::StreamDestroy, 1))
         .is_none()
     {
@@ -384,14 +398,14 @@ pub fn recover_releases_a_busy_memory_whose_work_died<H: Harness>() {
     drop(busy);
     assert_eq!(rig.creator.stats().kept_memories, 1, "kept busy");
     let (mut store, memory) = rig.store_and_memory();
-    if !fault_in(&backend, &rig, &mut store, &memory) {
+    if !fault_in(backend, rig, &mut store, &memory) {
         return skip("no simulated kernel");
     }
     let blockers = rig.creator.recovery_blockers(DeviceId(0));
     assert_eq!(
         blockers.iter().map(|b| b.memories).sum::<u64>(),
-        2,
-        "the busy memory and the live Store's are listed"
+        blocking,
+        "the live Store's memory is listed, and the busy one until a recovery is tried"
     );
     drop(store);
     // SAFETY: nothing but the creator's backend uses the device's primary context here.
