@@ -80,8 +80,13 @@ pub struct GuestContext<B: Backend> {
     store: Option<Arc<StoreBooks>>,
     /// The tenant's launch figures (shared by all its Stores).
     kernels: Arc<KernelCounters>,
-    /// The device work the Store's open device-access scope holds.
-    scope_work: ScopeWork<B>,
+    /// The device an open device-access scope over the Store holds device work on
+    /// ([`ManagedAllocator::begin_device_work`]), so no recovery resets that device's primary
+    /// context under the kernels the embedder launches in the scope: at most one per Store,
+    /// ended when the scope closes, or, for a scope forgotten with `mem::forget`, when the
+    /// Store goes (so a forgotten scope keeps the device fenced no longer than a live Store
+    /// does).
+    scope_work: std::sync::Mutex<Option<DeviceId>>,
     calls: u64,
     failed_calls: u64,
 }
@@ -100,10 +105,6 @@ impl<B: Backend> fmt::Debug for GuestContext<B> {
 impl<B: Backend> GuestContext<B> {
     /// State for a guest of `tenant` using memories from `creator`.
     pub fn new(creator: TensorWasmMemoryCreator<B>, tenant: &Tenant) -> Self {
-        let scope_work = ScopeWork {
-            creator: creator.clone(),
-            held: std::sync::Mutex::new(None),
-        };
         Self {
             creator,
             tenant: tenant.ledger().key(),
@@ -112,7 +113,7 @@ impl<B: Backend> GuestContext<B> {
             stream: None,
             store: None,
             kernels: Arc::clone(tenant.kernel_counters()),
-            scope_work,
+            scope_work: std::sync::Mutex::new(None),
             calls: 0,
             failed_calls: 0,
         }
@@ -175,82 +176,65 @@ impl<B: Backend> GuestContext<B> {
         Ok(self.stream.as_ref().unwrap_or_else(|| unreachable!()))
     }
 
-    /// The instance's stream (acquired as [`stream`](Self::stream) does) and the device work
-    /// a device-access scope over this Store holds, for the scope's life.
+    /// The instance's stream, acquired as [`stream`](Self::stream) does, and this context, for
+    /// a device-access scope's life.
     pub(crate) fn scope_parts(
         &mut self,
-    ) -> Result<(&tensor_wasm_mem_core::Stream, &ScopeWork<B>), B::Error> {
+    ) -> Result<(&tensor_wasm_mem_core::Stream, &Self), B::Error> {
         self.stream()?;
         let lease = self.stream.as_ref().unwrap_or_else(|| unreachable!());
-        Ok((lease.stream(), &self.scope_work))
-    }
-}
-
-/// The device work ([`ManagedAllocator::begin_device_work`]) a Store's open device-access
-/// scope holds, so no recovery resets the device's primary context under the kernels the
-/// embedder launches in the scope: at most one per Store, ended when the scope closes, or, for
-/// a scope forgotten with `mem::forget`, when its Store goes (so a forgotten scope keeps the
-/// device fenced no longer than a live Store does). Where it ends on a fenced device, the
-/// automatic recovery it held back is tried again.
-pub(crate) struct ScopeWork<B: Backend> {
-    creator: TensorWasmMemoryCreator<B>,
-    held: std::sync::Mutex<Option<DeviceId>>,
-}
-
-impl<B: Backend> ScopeWork<B> {
-    /// Whether the work is on `creator`'s backend (a scope's memory must be).
-    pub(crate) fn same_backend(&self, creator: &TensorWasmMemoryCreator<B>) -> bool {
-        Arc::ptr_eq(self.creator.backend(), creator.backend())
+        Ok((lease.stream(), self))
     }
 
-    /// Begins device work on `device`. Already begun there by a forgotten scope of this Store:
-    /// kept, but a fenced device refuses the new scope all the same. Refused, typed
-    /// ([`ErrorKind::ContextLost`]), on a fenced device.
-    pub(crate) fn begin(&self, device: DeviceId) -> Result<(), TwmError> {
-        let backend = self.creator.backend();
-        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+    /// Begins a device-access scope's device work on `device`. Already begun there by a
+    /// forgotten scope of this Store: kept, but a fenced device refuses the new scope all the
+    /// same. Refused, typed ([`ErrorKind::ContextLost`]), on a fenced device.
+    pub(crate) fn begin_scope_work(&self, device: DeviceId) -> Result<(), TwmError> {
+        let mut held = self
+            .scope_work
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         if *held == Some(device) {
             // The gate's own check, typed as any other refusal; the work stays counted once.
-            backend
-                .begin_device_work(device)
-                .map_err(TwmError::backend)?;
-            backend.end_device_work(device);
+            self.creator.begin_device_work(device)?;
+            self.creator.backend().end_device_work(device);
             return Ok(());
         }
         if let Some(d) = held.take() {
-            backend.end_device_work(d);
+            self.creator.end_device_work(d);
         }
-        backend
-            .begin_device_work(device)
-            .map_err(TwmError::backend)?;
+        self.creator.begin_device_work(device)?;
         *held = Some(device);
         Ok(())
     }
+}
 
-    /// Ends the device work held, if any; on a fenced device the recovery it held back runs
-    /// now (where the creator recovers automatically).
-    pub(crate) fn end(&self) {
+/// Ends a device-access scope's device work when dropped (a panicking wait included): the
+/// guest context's two fields it needs, so the context's other fields stay free to use.
+pub(crate) struct EndScopeWork<'a, B: Backend> {
+    held: &'a std::sync::Mutex<Option<DeviceId>>,
+    creator: &'a TensorWasmMemoryCreator<B>,
+}
+
+impl<'a, B: Backend> EndScopeWork<'a, B> {
+    pub(crate) fn of(guest: &'a GuestContext<B>) -> Self {
+        Self {
+            held: &guest.scope_work,
+            creator: &guest.creator,
+        }
+    }
+}
+
+impl<B: Backend> Drop for EndScopeWork<'_, B> {
+    fn drop(&mut self) {
         let held = self
             .held
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         if let Some(device) = held {
-            let backend = self.creator.backend();
-            backend.end_device_work(device);
-            if backend.device_fenced(device) {
-                self.creator.recover_when_free(device);
-            }
+            self.creator.end_device_work(device);
         }
-    }
-}
-
-/// Ends a scope's device work when dropped (a panicking wait included).
-pub(crate) struct EndScopeWork<'a, B: Backend>(pub(crate) &'a ScopeWork<B>);
-
-impl<B: Backend> Drop for EndScopeWork<'_, B> {
-    fn drop(&mut self) {
-        self.0.end();
     }
 }
 
@@ -261,7 +245,11 @@ impl<B: Backend> Drop for GuestContext<B> {
     fn drop(&mut self) {
         // A scope forgotten over this Store held device work: it ends with the Store, once the
         // stream (its kernels included) was waited for.
-        let _end = EndScopeWork(&self.scope_work);
+        // (Its fields, not the context: the stream is taken meanwhile.)
+        let _end = EndScopeWork {
+            held: &self.scope_work,
+            creator: &self.creator,
+        };
         let Some(lease) = self.stream.take() else {
             return;
         };
@@ -276,7 +264,7 @@ impl<B: Backend> Drop for GuestContext<B> {
                     store.remove_stream(id);
                 }
                 // The device's last user may have been this stream: it recovers now.
-                self.scope_work.end();
+                // (Refused while a forgotten scope's work is held: its end, below, tries again.)
                 self.creator.recover_when_free(id.device());
             }
             (Err(e), store) => {

@@ -684,11 +684,13 @@ fn launch_and_wait<B: Backend>(
     // Device work of the layer's own: no reset of the primary context overlaps the launch and
     // its wait (the launcher's modules there stay valid while it runs). Refused on a fenced
     // device: the tenant's device state is lost, the guest traps.
-    if let Err(e) = backend.begin_device_work(launch.device) {
+    if let Err(e) = creator.begin_device_work(launch.device) {
         tracing::debug!(error = %e, "twm: a launch on a fenced device");
         return Err(TWM_ERR_DEVICE_LOST);
     }
-    let _work = EndWork(&**backend, launch.device);
+    // Ended after the wait (also while unwinding); on a fenced device the automatic recovery
+    // it held back runs then.
+    let _work = EndWork(creator, launch.device);
     // A recovery of the device by anyone since the creator last looked: the launchers hear
     // of it before they launch there (none can come now until the work ends).
     creator.settle();
@@ -720,7 +722,7 @@ fn launch_and_wait<B: Backend>(
 }
 
 /// Ends the device work a launch began, when dropped (also while unwinding).
-struct EndWork<'a, B: Backend>(&'a B, DeviceId);
+struct EndWork<'a, B: Backend>(&'a crate::TensorWasmMemoryCreator<B>, DeviceId);
 
 impl<B: Backend> Drop for EndWork<'_, B> {
     fn drop(&mut self) {

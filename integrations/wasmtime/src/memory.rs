@@ -779,6 +779,27 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         unsafe { self.inner.kept.recover(self.backend(), device) }
     }
 
+    /// Starts device work of the layer's own on `device` (a guest's kernel launch, an open
+    /// device-access scope): no recovery resets the device's primary context until
+    /// [`end_device_work`](Self::end_device_work). Refused, typed
+    /// ([`ErrorKind::ContextLost`](tensor_wasm_mem_core::ErrorKind::ContextLost)), on a
+    /// fenced device.
+    pub(crate) fn begin_device_work(&self, device: DeviceId) -> Result<(), TwmError> {
+        self.backend()
+            .begin_device_work(device)
+            .map_err(TwmError::backend)
+    }
+
+    /// Ends device work [`begin_device_work`](Self::begin_device_work) started; on a fenced
+    /// device the automatic recovery that work held back runs now.
+    pub(crate) fn end_device_work(&self, device: DeviceId) {
+        let backend = self.backend();
+        backend.end_device_work(device);
+        if backend.device_fenced(device) {
+            self.recover_when_free(device);
+        }
+    }
+
     /// [`recover`](Self::recover) where a guest's last stream on `device` went: not yet is not
     /// an error here.
     pub(crate) fn recover_when_free(&self, device: DeviceId) {

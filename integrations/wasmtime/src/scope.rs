@@ -46,7 +46,7 @@ use wasmtime::{Memory, Store};
 
 use crate::Backend;
 use crate::error::TwmError;
-use crate::guest::{EndScopeWork, HasGuestContext, ScopeWork};
+use crate::guest::{EndScopeWork, GuestContext, HasGuestContext};
 use crate::lifecycle::ScopedMemory;
 use crate::memory::{GuestSlice, MemoryView, TensorWasmMemoryCreator, guest_range};
 
@@ -188,9 +188,9 @@ pub struct DeviceAccess<'s, T: 'static, B: Backend> {
     /// The Store's guest stream, borrowed from its guest context for the scope's life (the
     /// scope holds the Store's borrow): the stream itself, never a copy of its handle.
     stream: &'s Stream,
-    /// The device work the scope holds (in the Store's guest context, so a forgotten scope's
+    /// The Store's guest context, which holds the scope's device work (so a forgotten scope's
     /// ends with the Store).
-    work: &'s ScopeWork<B>,
+    guest: &'s GuestContext<B>,
     device: DeviceId,
     entries: Vec<Entry>,
     /// Ranges this scope advised read-mostly (unset on close).
@@ -254,7 +254,7 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
                 slice,
             });
         }
-        let (stream, work) = guest.scope_parts().map_err(TwmError::backend)?;
+        let (stream, guest) = guest.scope_parts().map_err(TwmError::backend)?;
         let device = scoped.device();
         if stream.device() != device {
             // A memory made where its Store named no tenant (the creator's default device)
@@ -268,15 +268,15 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
         // Device work until the scope closes: no recovery resets the primary context under
         // the kernels launched in it; refused on a fenced device. Counted on the backend of
         // the memory (the Store's guest context must use the same).
-        if !work.same_backend(creator) {
+        if !std::sync::Arc::ptr_eq(guest.creator().backend(), creator.backend()) {
             return Err(TwmError::ForeignMemory);
         }
-        work.begin(device)?;
+        guest.begin_scope_work(device)?;
         let mut scope = Self {
             _store: PhantomData,
             memory: scoped,
             stream,
-            work,
+            guest,
             device,
             entries,
             advised: Vec::new(),
@@ -527,7 +527,7 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
         self.open = false;
         // Whatever the wait says (or if it panics): nothing the scope queued runs any more, or
         // the device is fenced and it never will; the work ends after the wait.
-        let _end = EndScopeWork(self.work);
+        let _end = EndScopeWork::of(self.guest);
         self.wait_and_undo()
     }
 

@@ -41,6 +41,22 @@ fn creator_with(registry: KernelRegistry<MockBackend>) -> TensorWasmMemoryCreato
     unsafe { builder.recover_automatically() }.build().unwrap()
 }
 
+/// A registry with `bad`: an embedder's buggy launcher, which passes a pointer past the guest's
+/// memory.
+fn faulting_registry() -> KernelRegistry<MockBackend> {
+    let mut registry = KernelRegistry::new();
+    registry
+        .register(
+            "bad",
+            one_byte_buffer(),
+            // SAFETY: deliberately wrong, but only past every allocation (1 TiB beyond the
+            // guest's memory): the model finds no allocation there and reports a fault.
+            unsafe { kernels::simulated("fill", |l| vec![l.args()[0] + (1 << 40), 16, 1]) },
+        )
+        .unwrap();
+    registry
+}
+
 /// One byte buffer written, one block of one thread.
 fn one_byte_buffer() -> KernelSignature {
     KernelSignature {
@@ -293,18 +309,7 @@ fn a_launch_on_a_memory_that_grew_sees_its_new_size() {
 
 #[test]
 fn a_launch_whose_kernel_faults_is_a_code_and_a_failure_in_the_figures() {
-    let mut registry = KernelRegistry::new();
-    // An embedder's buggy launcher: it passes a pointer past the guest's memory.
-    registry
-        .register(
-            "bad",
-            one_byte_buffer(),
-            // SAFETY: deliberately wrong, but only past every allocation (1 TiB beyond the
-            // guest's memory): the model finds no allocation there and reports a fault.
-            unsafe { kernels::simulated("fill", |l| vec![l.args()[0] + (1 << 40), 16, 1]) },
-        )
-        .unwrap();
-    let creator = creator_with(registry);
+    let creator = creator_with(faulting_registry());
     let mut g = guest(&creator);
     let bad = g.kernel("bad");
     // The kernel faults: its context is lost for good, so the guest traps, typed.
@@ -324,6 +329,41 @@ fn a_launch_whose_kernel_faults_is_a_code_and_a_failure_in_the_figures() {
     drop(g);
     assert_eq!(creator.stats().live_memories, 0, "teardown after a fault");
     assert_eq!(creator.stats().recoveries, 1, "the device recovered");
+}
+
+/// Where nothing of the faulting guest's Store lives in the primary context (guarded pageable
+/// memory, a shared tenant on the default stream), its own launch's device work is all that
+/// holds the fenced device: the automatic recovery runs when that launch ends, the Store alive.
+#[test]
+fn a_faulting_launch_that_held_the_device_lets_it_recover_when_it_ends() {
+    let backend = Arc::new(tensor_wasm_mem_mock::with_config(
+        tensor_wasm_mem_mock::MockConfig {
+            pageable_memory_access: true,
+            ..tensor_wasm_mem_mock::MockConfig::default()
+        },
+    ));
+    let builder = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .backing(tensor_wasm_mem_wasmtime::Backing::Guarded(
+            tensor_wasm_mem_core::HostAccess::Pageable,
+        ))
+        .kernels(faulting_registry());
+    // SAFETY: nothing but the creator's backend uses the device's primary context here.
+    let creator = unsafe { builder.recover_automatically() }.build().unwrap();
+    let tenant = Tenant::new(1, "t", 1 << 20, IsolationLevel::Shared);
+    let mut g = guest_on(&creator, &tenant);
+    let bad = g.kernel("bad");
+    let trap = g.try_launch(bad, &[(0, 16)]).expect_err("the guest traps");
+    let err = trap.downcast_ref::<TwmError>().expect("typed");
+    assert!(
+        matches!(err, TwmError::DeviceLost { op: "launch" }),
+        "{err}"
+    );
+    let device = tensor_wasm_mem_core::DeviceId(0);
+    assert!(
+        !tensor_wasm_mem_core::ManagedAllocator::device_fenced(&*backend, device),
+        "recovered when the launch ended, its Store alive"
+    );
+    assert_eq!(creator.stats().recoveries, 1);
 }
 
 /// A launcher that counts the recoveries it is told of, launching through a simulated one.
