@@ -50,7 +50,7 @@ pub use plan::{
     WASM_PAGE_SIZE,
 };
 pub use pool::{
-    ClassLayout, ClassStats, MAX_POOL_SLOTS, PoolConfig, PoolError, PoolStats, Returned,
+    Ahead, ClassLayout, ClassStats, MAX_POOL_SLOTS, PoolConfig, PoolError, PoolStats, Returned,
     SLOT_ALIGN, SizeClass, SlotId, SlotPool, SlotTable, Taken,
 };
 pub use pools::{

@@ -219,6 +219,10 @@ pub struct PoolStats {
     pub hint_resets: u64,
     /// Requests refused because every fitting slot was busy.
     pub exhaustions: u64,
+    /// Slots scrubbed while free, ahead of their next acquisition
+    /// ([`SlotPool::scrub_ahead`](crate::SlotPool::scrub_ahead)): an acquisition that takes one
+    /// zeroes nothing. Their bytes count in `bytes_scrubbed` too.
+    pub scrubbed_ahead: u64,
     /// The pool has no slab now: it gave it up on a fenced device (a kernel fault in its
     /// primary context), so its free slots hand nothing out until the device is recovered and
     /// an acquisition carves them from a new slab (one that cannot make the new slab, out of

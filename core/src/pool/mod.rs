@@ -28,7 +28,7 @@ use alloc::sync::Arc;
 use core::fmt;
 
 use alloc::boxed::Box;
-use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicIsize, AtomicPtr, AtomicUsize, Ordering};
 
 use crate::allocator::{Allocation, ManagedAllocator};
 use crate::buffer::UnifiedBuffer;
@@ -41,7 +41,7 @@ pub use config::{
     ClassLayout, ClassStats, MAX_POOL_SLOTS, PoolConfig, PoolError, PoolStats, SLOT_ALIGN,
     SizeClass,
 };
-pub use slots::{Returned, SlotId, SlotTable, Taken};
+pub use slots::{Ahead, Returned, SlotId, SlotTable, Taken};
 
 /// What a managed slot's next scrub must do.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -56,6 +56,11 @@ struct Dirt {
     /// link for a scrub.
     device: bool,
 }
+
+/// A value alone on its cache line: one a thread polls while others write the lines beside it.
+#[derive(Debug, Default)]
+#[repr(align(64))]
+struct CacheLine<T>(T);
 
 /// Resets advice and residency over a range of the slab: [`Advisor::reset_hints`] of the
 /// allocator, recorded by the first holder that hints (the pool itself needs no `Advisor`).
@@ -87,6 +92,19 @@ pub struct SlotPool<A: ManagedAllocator> {
     slots: SlotTable<Dirt>,
     /// Set by the first slot holder that advises or prefetches (see [`PoolSlot::hinted`]).
     reset_hints: spin::Mutex<Option<ResetHints<A>>>,
+    /// How many free slots wait for a scrub: every change of a slot's state counts here, after
+    /// the table's lock (so a reader without it may see a count a moment behind, never one that
+    /// drifts). What [`has_dirty_free`](Self::has_dirty_free) reads; never trusted for what a
+    /// slot needs.
+    dirty_free: CacheLine<AtomicIsize>,
+    /// Slots held for a moment to be scrubbed ahead: a recovery's request to let the slab go
+    /// waits for them ([`IdleHolder`] below). Alone on its line: the acquisition path never
+    /// touches it.
+    ///
+    /// [`IdleHolder`]: crate::allocator::IdleHolder
+    scrubbing: CacheLine<AtomicUsize>,
+    /// Called as a slot that needs a scrub comes back ([`on_dirty_release`](Self::on_dirty_release)).
+    signal: spin::Once<Arc<dyn Fn() + Send + Sync>>,
     /// The pool owns the boxed slab behind `slab` (so it is `Send` and `Sync` as that is).
     _slab: core::marker::PhantomData<Box<Allocation>>,
 }
@@ -109,6 +127,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
         let slab = allocator
             .allocate(config.device, total)
             .map_err(|e| Error::backend(Operation::Allocate, e))?;
+        let dirty = Self::fresh_dirty(&allocator, &layout);
         let slots = SlotTable::new(layout, Self::fresh(&allocator));
         Ok(Self {
             allocator,
@@ -118,6 +137,9 @@ impl<A: ManagedAllocator> SlotPool<A> {
             renewing: spin::Mutex::new(()),
             slots,
             reset_hints: spin::Mutex::new(None),
+            dirty_free: CacheLine(AtomicIsize::new(dirty)),
+            scrubbing: CacheLine(AtomicUsize::new(0)),
+            signal: spin::Once::new(),
             _slab: core::marker::PhantomData,
         })
     }
@@ -146,6 +168,19 @@ impl<A: ManagedAllocator> SlotPool<A> {
             dirty: if zeroed { 0 } else { c.slot_bytes },
             hinted: 0,
             device: false,
+        }
+    }
+
+    /// How many slots of a new slab wait for a scrub: all of them where the allocator does not
+    /// hand out zeroed memory.
+    fn fresh_dirty(allocator: &A, layout: &[ClassLayout]) -> isize {
+        if allocator.capabilities().comes_zeroed {
+            0
+        } else {
+            layout
+                .iter()
+                .map(|c| isize::try_from(c.slots).unwrap_or(isize::MAX))
+                .fold(0, isize::saturating_add)
         }
     }
 
@@ -241,13 +276,14 @@ impl<A: ManagedAllocator> SlotPool<A> {
             .map_err(|e| Error::backend(Operation::Allocate, e))?;
         let slab = Box::into_raw(Box::new(slab));
         let fresh = Self::fresh(&self.allocator);
+        let dirty = Self::fresh_dirty(&self.allocator, self.slots.layout());
+        let install = || {
+            self.slab.store(slab, Ordering::Release);
+            self.dirty_free.0.store(dirty, Ordering::Relaxed);
+        };
         // A slot is held only for a moment here (an acquisition that found no slab puts it back
-        // untouched): wait it out.
-        while self
-            .slots
-            .renew(&fresh, || self.slab.store(slab, Ordering::Release))
-            .is_none()
-        {
+        // untouched, a scrub ahead its slot): wait it out.
+        while self.slots.renew(&fresh, install).is_none() {
             core::hint::spin_loop();
         }
         Ok(())
@@ -303,13 +339,14 @@ impl<A: ManagedAllocator> SlotPool<A> {
             }
             .into());
         }
-        if dirt != Dirt::default()
-            && let Err(e) = self.prepare(slot, offset, dirt)
-        {
-            // The slot went back: a scrub refused on a device fenced meanwhile lets the slab
-            // go if that was the last slot held.
-            self.give_up_if_fenced();
-            return Err(e);
+        if dirt != Dirt::default() {
+            self.dirty_free.0.fetch_sub(1, Ordering::Relaxed);
+            if let Err(e) = self.prepare(slot, offset, dirt) {
+                // The slot went back: a scrub refused on a device fenced meanwhile lets the
+                // slab go if that was the last slot held.
+                self.give_up_if_fenced();
+                return Err(e);
+            }
         }
         let slot = PoolSlot {
             pool: Arc::clone(self),
@@ -328,22 +365,121 @@ impl<A: ManagedAllocator> SlotPool<A> {
     /// zeroing, which may itself move pages). A failure hands nothing out: the slot goes back
     /// free, still dirty (a failed zeroing) or still hinted, and is scrubbed again next time.
     fn prepare(&self, slot: SlotId, offset: usize, dirt: Dirt) -> Result<(), Error<A::Error>> {
-        if let Err(e) = self.zero(offset, dirt) {
-            self.slots.refuse(slot, dirt, 0);
-            return Err(e);
+        match self.scrub(offset, dirt) {
+            Ok(returned) => {
+                self.slots.scrubbed(slot, Dirt::default(), returned);
+                Ok(())
+            }
+            Err((left, scrubbed, e)) => {
+                self.slots.refuse(slot, left, scrubbed);
+                self.dirty_free.0.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
         }
+    }
+
+    /// Zeroes a held slot's dirty bytes, then resets its hints: what was done, or what is left
+    /// to do with the bytes zeroed before the failure.
+    fn scrub(&self, offset: usize, dirt: Dirt) -> Result<Returned, (Dirt, u64, Error<A::Error>)> {
+        self.zero(offset, dirt).map_err(|e| (dirt, 0, e))?;
         let scrubbed = dirt.dirty as u64;
         if let Err(e) = self.reset(offset, dirt.hinted) {
-            let hinted = Dirt { dirty: 0, ..dirt };
-            self.slots.refuse(slot, hinted, scrubbed);
-            return Err(e);
+            return Err((Dirt { dirty: 0, ..dirt }, scrubbed, e));
         }
-        let returned = Returned {
+        Ok(Returned {
             scrubbed,
             hints_reset: dirt.hinted > 0,
-        };
-        self.slots.scrubbed(slot, Dirt::default(), returned);
-        Ok(())
+        })
+    }
+
+    /// Scrubs up to `max` free slots that wait for it (zeroes what their last holders could
+    /// have written and resets their hints, as an acquisition would), so that the acquisitions
+    /// that take them do no scrub of their own: the work moves off the acquisition's path, to
+    /// a thread with time to spare (the Wasmtime integration's `CreatorBuilder::scrub_ahead`
+    /// runs one). The number of slots scrubbed; 0 when none waits (or the pool's device is
+    /// fenced: an acquisition there is refused anyway).
+    ///
+    /// Each slot is taken off its free list while it is scrubbed, so no one can be handed it
+    /// half zeroed; it then goes back on top, the next handed out. A failed scrub puts the slot
+    /// back still dirty (counted in [`PoolStats::scrub_failures`]; the acquisition that takes
+    /// it scrubs it, or fails as it would have) and returns the error: a caller in a loop
+    /// should back off rather than retry at once.
+    pub fn scrub_ahead(&self, max: usize) -> Result<usize, Error<A::Error>> {
+        /// How deep in a free list a waiting slot is looked for: the next ones handed out (one
+        /// deeper is scrubbed by its acquisition).
+        const DEPTH: usize = 64;
+        let dirty = |dirt: &Dirt| *dirt != Dirt::default();
+        let mut done = 0;
+        while done < max {
+            // Counted before the fence is looked at: a recovery that asks the pool to let its
+            // slab go either sees this scrub and waits for it, or comes after and is seen here.
+            self.scrubbing.0.fetch_add(1, Ordering::SeqCst);
+            let taken = if self.allocator.device_fenced(self.device)
+                || self.slab.load(Ordering::Acquire).is_null()
+            {
+                None
+            } else {
+                self.slots.take_dirty(DEPTH, dirty)
+            };
+            let Some(taken) = taken else {
+                self.scrubbing.0.fetch_sub(1, Ordering::SeqCst);
+                break;
+            };
+            self.dirty_free.0.fetch_sub(1, Ordering::Relaxed);
+            let scrubbed = self.scrub_taken(&taken);
+            self.scrubbing.0.fetch_sub(1, Ordering::SeqCst);
+            // The slot is back: on a device fenced meanwhile, it may have been the last held.
+            self.give_up_if_fenced();
+            if !scrubbed? {
+                break;
+            }
+            done += 1;
+        }
+        Ok(done)
+    }
+
+    /// Scrubs a slot [`scrub_ahead`](Self::scrub_ahead) took and puts it back: `true` if it was
+    /// scrubbed, `false` if the slab went meanwhile (the slot back as it was).
+    fn scrub_taken(&self, taken: &Taken<Dirt>) -> Result<bool, Error<A::Error>> {
+        if self.slab.load(Ordering::Acquire).is_null() {
+            self.slots
+                .ahead_done(taken.slot, taken.meta, Ahead::Untouched);
+            self.dirty_free.0.fetch_add(1, Ordering::Relaxed);
+            return Ok(false);
+        }
+        match self.scrub(taken.offset(), taken.meta) {
+            Ok(returned) => {
+                self.slots
+                    .ahead_done(taken.slot, Dirt::default(), Ahead::Scrubbed(returned));
+                Ok(true)
+            }
+            Err((left, scrubbed, e)) => {
+                self.slots
+                    .ahead_done(taken.slot, left, Ahead::Failed { scrubbed });
+                self.dirty_free.0.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+
+    /// Some free slot waits for a scrub, as far as the pool can tell without its lock (a
+    /// hint: [`scrub_ahead`](Self::scrub_ahead) finds out for sure).
+    #[must_use]
+    pub fn has_dirty_free(&self) -> bool {
+        self.dirty_free.0.load(Ordering::Relaxed) > 0
+    }
+
+    /// Has `signal` called each time a slot that needs a scrub comes back (on the releasing
+    /// thread, right after the slot is free: it must be quick, and must not use the pool), so
+    /// a thread that scrubs ahead can sleep while there is nothing to scrub. One signal per
+    /// pool: `false` (and `signal` dropped) if the pool has one.
+    pub fn on_dirty_release(&self, signal: Arc<dyn Fn() + Send + Sync>) -> bool {
+        let mut set = false;
+        self.signal.call_once(|| {
+            set = true;
+            signal
+        });
+        set
     }
 
     /// Zeroes the first `dirt.dirty` bytes of the slot at `offset` where its pages are: on
@@ -400,11 +536,29 @@ impl<A: ManagedAllocator> SlotPool<A> {
             device,
         };
         self.slots.give_back(slot, dirt, Returned::default());
+        if dirt != Dirt::default() {
+            self.dirty_free.0.fetch_add(1, Ordering::Relaxed);
+            if let Some(signal) = self.signal.get() {
+                signal();
+            }
+        }
     }
 }
 
 impl<A: ManagedAllocator + Send + Sync> crate::allocator::IdleHolder for SlotPool<A> {
+    /// Lets the slab go if the device is fenced and no slot is held; a slot held only for a
+    /// moment to be scrubbed ahead (a call refused at once on the fenced device, or a host
+    /// memset) is waited for first, so the recovery that asks now finds the pool idle rather
+    /// than being refused for a slot that is back a moment later. (An acquisition's own scrub
+    /// is not waited for: the acquisition fails on the fenced device, and its Store's end
+    /// tries the recovery again.)
     fn let_go_if_fenced(&self) {
+        if !self.allocator.device_fenced(self.device) {
+            return;
+        }
+        while self.scrubbing.0.load(Ordering::SeqCst) > 0 {
+            core::hint::spin_loop();
+        }
         self.give_up_if_fenced();
     }
 }
@@ -810,8 +964,54 @@ mod tests {
         drop(next);
     }
 
+    /// A slot scrubbed ahead is zero when it is handed out, and its acquisition zeroes
+    /// nothing: the scrub is counted once, where it ran.
     #[test]
-    fn failed_scrub_hands_out_nothing_and_charges_nothing() {
+    fn a_slot_scrubbed_ahead_is_handed_out_zeroed_without_a_second_scrub() {
+        let pool = heap_pool(&[SizeClass::new(PAGE, 2)]);
+        let signals = Arc::new(core::sync::atomic::AtomicUsize::new(0));
+        let counted = Arc::clone(&signals);
+        assert!(pool.on_dirty_release(Arc::new(move || {
+            counted.fetch_add(1, Ordering::Relaxed);
+        })));
+        assert!(
+            !pool.on_dirty_release(Arc::new(|| {})),
+            "one signal per pool"
+        );
+        drop(pool.acquire(PAGE, 0).unwrap());
+        assert_eq!(
+            signals.load(Ordering::Relaxed),
+            0,
+            "nothing visible, nothing dirty"
+        );
+        assert!(!pool.has_dirty_free());
+        assert_eq!(pool.scrub_ahead(8).unwrap(), 0);
+        let mut first = pool.acquire(PAGE, PAGE).unwrap();
+        first.write(100, &[0xa5; 64]).unwrap();
+        drop(first);
+        assert_eq!(signals.load(Ordering::Relaxed), 1);
+        assert!(pool.has_dirty_free());
+        assert_eq!(pool.scrub_ahead(8).unwrap(), 1);
+        assert!(!pool.has_dirty_free());
+        assert_eq!(pool.scrub_ahead(8).unwrap(), 0, "scrubbed once");
+        let s = pool.stats();
+        assert_eq!((s.scrubbed_ahead, s.bytes_scrubbed), (1, PAGE as u64));
+        assert_eq!((s.acquisitions, s.releases, s.free()), (2, 2, 2));
+        let second = pool.acquire(PAGE, PAGE).unwrap();
+        let mut bytes = [1u8; 64];
+        second.read(100, &mut bytes).unwrap();
+        assert_eq!(bytes, [0; 64]);
+        assert_eq!(
+            pool.stats().bytes_scrubbed,
+            PAGE as u64,
+            "no scrub at hand-out"
+        );
+        drop(second);
+    }
+
+    /// A pool of one page-sized slot whose first zeroing fails and whose second (of the slot's
+    /// page) succeeds.
+    fn pool_whose_first_zeroing_fails() -> Arc<SlotPool<MockBackend>> {
         let mut mock = mock_backend(true);
         let mut seq = mockall::Sequence::new();
         mock.expect_zero()
@@ -824,7 +1024,302 @@ mod tests {
             .in_sequence(&mut seq)
             .returning(|_, _, _| Ok(()));
         let config = PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 1)]);
-        let pool = Arc::new(SlotPool::new(mock, config).unwrap());
+        Arc::new(SlotPool::new(mock, config).unwrap())
+    }
+
+    /// A scrub ahead that fails puts its slot back still dirty, last in its class, with the
+    /// failure counted: the acquisition that takes it scrubs it itself.
+    #[test]
+    fn a_failed_scrub_ahead_leaves_the_slot_to_its_acquisition() {
+        let pool = pool_whose_first_zeroing_fails();
+        drop(pool.acquire(PAGE, PAGE).unwrap());
+        let err = pool.scrub_ahead(4).unwrap_err();
+        assert!(matches!(
+            err,
+            Error::Backend {
+                op: Operation::Zero,
+                ..
+            }
+        ));
+        let s = pool.stats();
+        assert_eq!((s.scrub_failures, s.scrubbed_ahead, s.free()), (1, 0, 1));
+        assert!(pool.has_dirty_free(), "still waiting for its scrub");
+        drop(pool.acquire(PAGE, PAGE).unwrap());
+        let s = pool.stats();
+        assert_eq!((s.bytes_scrubbed, s.acquisitions), (PAGE as u64, 2));
+    }
+
+    /// Threads take, write and give back slots while another scrubs ahead without pause:
+    /// every holder finds its slot zeroed, whoever scrubbed it, and finds one free.
+    #[test]
+    fn scrubbing_ahead_beside_acquisitions_never_hands_out_a_dirty_slot() {
+        // As many slots as holders: a slot being scrubbed ahead is free, never an exhaustion.
+        let pool = heap_pool(&[SizeClass::new(PAGE, 3)]);
+        let stop = Arc::new(AtomicBool::new(false));
+        std::thread::scope(|scope| {
+            let scrubber = {
+                let (pool, stop) = (Arc::clone(&pool), Arc::clone(&stop));
+                scope.spawn(move || {
+                    while !stop.load(Ordering::Acquire) {
+                        pool.scrub_ahead(usize::MAX).unwrap();
+                        core::hint::spin_loop();
+                    }
+                })
+            };
+            let holders: Vec<_> = (0..3u8)
+                .map(|t| {
+                    let pool = Arc::clone(&pool);
+                    scope.spawn(move || {
+                        for round in 0..300u32 {
+                            let mut slot = pool.acquire(PAGE, PAGE).unwrap();
+                            let mut bytes = [1u8; 256];
+                            slot.read(PAGE - 256, &mut bytes).unwrap();
+                            assert_eq!(bytes, [0; 256], "thread {t} round {round}");
+                            slot.write(PAGE - 256, &[t + 1; 256]).unwrap();
+                        }
+                    })
+                })
+                .collect();
+            for holder in holders {
+                holder.join().unwrap();
+            }
+            stop.store(true, Ordering::Release);
+            scrubber.join().unwrap();
+        });
+        let s = pool.stats();
+        assert_eq!((s.acquisitions, s.releases, s.free()), (900, 900, 3));
+        assert_eq!(s.exhaustions, 0);
+        assert!(s.scrubbed_ahead <= 900, "{s:?}");
+        assert_eq!(s.scrub_failures, 0);
+    }
+
+    /// Heap memory that counts where it is zeroed, can hold a zeroing until told to go, and
+    /// has a fence the test sets: what the scrub-ahead cases need to see.
+    #[derive(Default)]
+    struct Watched {
+        heap: HeapAllocator,
+        not_zeroed: bool,
+        fenced: AtomicBool,
+        device_zeroes: core::sync::atomic::AtomicUsize,
+        host_zeroes: core::sync::atomic::AtomicUsize,
+        /// While set, a zeroing meets the test at the first barrier and waits at the second.
+        hold: Option<(std::sync::Barrier, std::sync::Barrier)>,
+    }
+
+    impl ErrorType for Watched {
+        type Error = <HeapAllocator as ErrorType>::Error;
+    }
+
+    // SAFETY: every call is `HeapAllocator`'s, which upholds the contract.
+    unsafe impl ManagedAllocator for Watched {
+        fn capabilities(&self) -> Capabilities {
+            Capabilities {
+                comes_zeroed: !self.not_zeroed,
+                ..self.heap.capabilities()
+            }
+        }
+        fn device_count(&self) -> u32 {
+            1
+        }
+        fn device_fenced(&self, _: DeviceId) -> bool {
+            self.fenced.load(Ordering::SeqCst)
+        }
+        fn allocate(&self, device: DeviceId, bytes: usize) -> Result<Allocation, Self::Error> {
+            self.heap.allocate(device, bytes)
+        }
+        unsafe fn free(
+            &self,
+            allocation: Allocation,
+        ) -> Result<(), crate::Refused<Allocation, Self::Error>> {
+            // SAFETY: the caller's contract, which is the heap's.
+            unsafe { self.heap.free(allocation) }
+        }
+        unsafe fn zero(&self, a: &Allocation, at: usize, len: usize) -> Result<(), Self::Error> {
+            // SAFETY: the caller's contract, which is the heap's.
+            unsafe { self.zeroing(&self.device_zeroes, a, at, len) }
+        }
+        unsafe fn zero_on_host(
+            &self,
+            a: &Allocation,
+            at: usize,
+            len: usize,
+        ) -> Result<(), Self::Error> {
+            // SAFETY: the caller's contract, which is the heap's.
+            unsafe { self.zeroing(&self.host_zeroes, a, at, len) }
+        }
+    }
+
+    impl Watched {
+        /// A zeroing, held if the test holds them, counted in `count`.
+        ///
+        /// # Safety
+        ///
+        /// [`ManagedAllocator::zero`]'s contract.
+        unsafe fn zeroing(
+            &self,
+            count: &core::sync::atomic::AtomicUsize,
+            a: &Allocation,
+            at: usize,
+            len: usize,
+        ) -> Result<(), <HeapAllocator as ErrorType>::Error> {
+            if let Some((entered, go)) = &self.hold {
+                entered.wait();
+                go.wait();
+            }
+            count.fetch_add(1, Ordering::SeqCst);
+            // SAFETY: the caller's contract, which is the heap's.
+            unsafe { self.heap.zero(a, at, len) }
+        }
+    }
+
+    impl crate::Advisor for Watched {
+        fn advise(&self, a: &Allocation, o: usize, l: usize, v: Advice) -> Result<(), Self::Error> {
+            self.heap.advise(a, o, l, v)
+        }
+        fn prefetch(
+            &self,
+            a: &Allocation,
+            o: usize,
+            l: usize,
+            at: Location,
+            s: &Stream,
+        ) -> Result<(), Self::Error> {
+            self.heap.prefetch(a, o, l, at, s)
+        }
+        fn reset_hints(&self, a: &Allocation, o: usize, l: usize) -> Result<(), Self::Error> {
+            self.heap.reset_hints(a, o, l)
+        }
+    }
+
+    fn watched_pool(watched: Watched, slots: usize) -> Arc<SlotPool<Watched>> {
+        let config = PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, slots)]);
+        SlotPool::shared(watched, config).unwrap()
+    }
+
+    fn zeroes(pool: &SlotPool<Watched>) -> (usize, usize) {
+        let w = pool.allocator();
+        (
+            w.host_zeroes.load(Ordering::SeqCst),
+            w.device_zeroes.load(Ordering::SeqCst),
+        )
+    }
+
+    /// A slab that does not come zeroed starts with every slot waiting for a scrub: the pool
+    /// says so, and a scrub ahead does them all, on the host, where nothing else touched them.
+    #[test]
+    fn fresh_slots_of_an_allocator_that_does_not_zero_are_scrubbed_ahead() {
+        let pool = watched_pool(
+            Watched {
+                not_zeroed: true,
+                ..Watched::default()
+            },
+            2,
+        );
+        assert!(pool.has_dirty_free());
+        assert_eq!(pool.scrub_ahead(usize::MAX).unwrap(), 2);
+        assert!(!pool.has_dirty_free());
+        assert_eq!(zeroes(&pool), (2, 0));
+        let held = [
+            pool.acquire(PAGE, 0).unwrap(),
+            pool.acquire(PAGE, 0).unwrap(),
+        ];
+        assert_eq!(zeroes(&pool), (2, 0), "nothing left to zero at hand-out");
+        drop(held);
+        assert_eq!(pool.stats().scrubbed_ahead, 2);
+    }
+
+    /// A slot device work touched, and whose holder advised it, is scrubbed ahead as its
+    /// acquisition would: zeroed on the device, its hints reset.
+    #[test]
+    fn a_device_touched_hinted_slot_is_scrubbed_ahead_on_the_device() {
+        let pool = watched_pool(Watched::default(), 1);
+        let slot = pool.acquire(PAGE, PAGE).unwrap();
+        slot.advise(0, PAGE, Advice::SetReadMostly).unwrap();
+        slot.device_slice(0, PAGE).unwrap();
+        drop(slot);
+        assert_eq!(pool.scrub_ahead(1).unwrap(), 1);
+        assert_eq!(zeroes(&pool), (0, 1), "on the device");
+        let s = pool.stats();
+        assert_eq!(
+            (s.hint_resets, s.scrubbed_ahead, s.bytes_scrubbed),
+            (1, 1, PAGE as u64)
+        );
+        drop(pool.acquire(PAGE, PAGE).unwrap());
+        assert_eq!(zeroes(&pool), (0, 1), "nothing at hand-out");
+        assert_eq!(pool.stats().hint_resets, 1);
+    }
+
+    /// A one-slot pool whose slot, dirty, is being scrubbed ahead on another thread (its
+    /// zeroing held) while `during` starts a thread, and for 50 ms more (time for a call that
+    /// should wait but does not to end); then the scrub goes on. The pool, that thread, and
+    /// whether it had ended before the scrub went on (it should have waited for it).
+    fn while_a_scrub_ahead_is_held<T>(
+        during: impl FnOnce(&Arc<SlotPool<Watched>>) -> std::thread::JoinHandle<T>,
+    ) -> (Arc<SlotPool<Watched>>, std::thread::JoinHandle<T>, bool) {
+        let pool = watched_pool(
+            Watched {
+                hold: Some((std::sync::Barrier::new(2), std::sync::Barrier::new(2))),
+                ..Watched::default()
+            },
+            1,
+        );
+        drop(pool.acquire(PAGE, PAGE).unwrap());
+        let scrubber = {
+            let pool = Arc::clone(&pool);
+            std::thread::spawn(move || pool.scrub_ahead(1))
+        };
+        let (entered, go) = pool.allocator().hold.as_ref().unwrap();
+        entered.wait(); // the slot is off its free list, being zeroed
+        let during = during(&pool);
+        std::thread::sleep(core::time::Duration::from_millis(50));
+        let ended = during.is_finished();
+        go.wait();
+        assert_eq!(scrubber.join().unwrap().unwrap(), 1);
+        (pool, during, ended)
+    }
+
+    /// An acquisition that finds its class's only free slot being scrubbed ahead waits for it
+    /// (one scrub) rather than calling the pool exhausted.
+    #[test]
+    fn an_acquisition_waits_for_the_slot_being_scrubbed_ahead() {
+        let (pool, acquirer, ended) = while_a_scrub_ahead_is_held(|pool| {
+            assert_eq!(
+                pool.stats().free(),
+                1,
+                "a slot scrubbed ahead counts as free"
+            );
+            let pool = Arc::clone(pool);
+            std::thread::spawn(move || pool.acquire(PAGE, PAGE).map(drop))
+        });
+        acquirer.join().unwrap().expect("the slot, once scrubbed");
+        assert!(!ended, "the acquisition waited for the scrub");
+        let s = pool.stats();
+        assert_eq!((s.exhaustions, s.acquisitions), (0, 2));
+        assert_eq!(zeroes(&pool), (1, 0));
+    }
+
+    /// A recovery that asks the pool to let its slab go while a slot is being scrubbed ahead
+    /// (the device fenced meanwhile) waits for that slot rather than finding the pool busy and
+    /// leaving the device fenced: the slab is given up once the scrub is back.
+    #[test]
+    fn letting_go_on_a_fenced_device_waits_for_a_scrub_ahead() {
+        use crate::allocator::IdleHolder;
+        let (pool, recovery, ended) = while_a_scrub_ahead_is_held(|pool| {
+            pool.allocator().fenced.store(true, Ordering::SeqCst);
+            let pool = Arc::clone(pool);
+            std::thread::spawn(move || pool.let_go_if_fenced())
+        });
+        recovery.join().unwrap();
+        assert!(
+            !ended,
+            "the recovery's request returned while the slot was held"
+        );
+        assert!(pool.stats().slab_given_up, "{:?}", pool.stats());
+    }
+
+    #[test]
+    fn failed_scrub_hands_out_nothing_and_charges_nothing() {
+        let pool = pool_whose_first_zeroing_fails();
         drop(pool.acquire(PAGE, PAGE).unwrap()); // dirty to one page
         let tenant = Arc::new(TenantLedger::new(
             TenantId(3),
@@ -952,7 +1447,8 @@ mod tests {
 
 #[cfg(test)]
 mod model {
-    //! The slot pool against a plain model: random sequences of acquire, grow, write and release.
+    //! The slot pool against a plain model: random sequences of acquire, grow, write, release
+    //! and scrubs ahead.
     use super::*;
     use crate::doc_support::HeapAllocator;
     use crate::{DeviceId, ErrorKind};
@@ -972,6 +1468,8 @@ mod model {
         Write(usize, u8),
         /// Release holder `i`.
         Release(usize),
+        /// Scrub every free slot that waits for it, ahead of its acquisition.
+        ScrubAhead,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -980,6 +1478,7 @@ mod model {
             (any::<usize>(), 0usize..=4).prop_map(|(i, p)| Op::Grow(i, p)),
             (any::<usize>(), 1u8..=255).prop_map(|(i, b)| Op::Write(i, b)),
             any::<usize>().prop_map(Op::Release),
+            Just(Op::ScrubAhead),
         ]
     }
 
@@ -1045,11 +1544,17 @@ mod model {
                         let (buf, _, visible) = holders.swap_remove(i);
                         dirty.insert(buf.as_ptr() as usize, visible);
                     }
+                    Op::ScrubAhead => {
+                        let waiting = dirty.values().filter(|&&d| d > 0).count();
+                        prop_assert_eq!(pool.scrub_ahead(usize::MAX).unwrap(), waiting);
+                        scrubbed += dirty.drain().map(|(_, d)| d as u64).sum::<u64>();
+                    }
                     _ => {}
                 }
                 let s = pool.stats();
                 prop_assert_eq!(s.in_use(), holders.len());
                 prop_assert_eq!(s.bytes_scrubbed, scrubbed, "scrubbing is exactly the high-water marks");
+                prop_assert_eq!(pool.has_dirty_free(), dirty.values().any(|&d| d > 0), "the count of slots waiting is exact");
             }
         }
     }

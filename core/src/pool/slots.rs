@@ -40,6 +40,21 @@ impl<M> Taken<M> {
     }
 }
 
+/// How a slot taken to be scrubbed ahead ([`SlotTable::take_dirty`]) goes back
+/// ([`SlotTable::ahead_done`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ahead {
+    /// Scrubbed: what was done.
+    Scrubbed(Returned),
+    /// The scrub failed after zeroing `scrubbed` bytes.
+    Failed {
+        /// Bytes zeroed before the failure.
+        scrubbed: u64,
+    },
+    /// Nothing was done (the pool could not scrub it after all).
+    Untouched,
+}
+
 /// How a slot came back to its pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Returned {
@@ -57,12 +72,15 @@ struct Counters {
     scrub_failures: u64,
     hint_resets: u64,
     exhaustions: u64,
+    scrubbed_ahead: u64,
 }
 
 #[derive(Debug)]
 struct Class<M> {
     /// Free slot indices; the last is handed out first.
     free: Vec<u32>,
+    /// Free slots taken off `free` to be scrubbed ahead ([`SlotTable::take_dirty`]), back soon.
+    ahead: u32,
     /// Per slot: what its next scrub needs to know.
     meta: Vec<M>,
 }
@@ -93,6 +111,7 @@ fn fresh_classes<M: Copy>(
         .iter()
         .map(|c| Class {
             free: (0..c.slots).rev().collect(),
+            ahead: 0,
             meta: alloc::vec![initial(c); c.slots as usize],
         })
         .collect()
@@ -129,6 +148,7 @@ impl<M: Copy> SlotTable<M> {
                     scrub_failures: 0,
                     hint_resets: 0,
                     exhaustions: 0,
+                    scrubbed_ahead: 0,
                 },
                 withdrawn: 0,
             }),
@@ -200,32 +220,41 @@ impl<M: Copy> SlotTable<M> {
                 largest: largest as u64,
             });
         }
-        let mut state = self.state.lock();
-        let found = self
-            .layout
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.slot_bytes >= capacity && fits(c))
-            .find_map(|(class, layout)| {
-                let index = state.classes[class].free.pop()?;
-                let meta = state.classes[class].meta[index as usize];
-                Some(Taken {
-                    slot: SlotId { class, index },
-                    layout: *layout,
-                    meta,
-                })
-            });
-        match found {
-            Some(taken) => {
+        loop {
+            let mut state = self.state.lock();
+            let found = self
+                .layout
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.slot_bytes >= capacity && fits(c))
+                .find_map(|(class, layout)| {
+                    let index = state.classes[class].free.pop()?;
+                    let meta = state.classes[class].meta[index as usize];
+                    Some(Taken {
+                        slot: SlotId { class, index },
+                        layout: *layout,
+                        meta,
+                    })
+                });
+            if let Some(taken) = found {
                 state.counters.acquisitions += 1;
-                Ok(taken)
+                return Ok(taken);
             }
-            None => {
+            // A fitting slot being scrubbed ahead is free, and back within one scrub: wait for
+            // it rather than call the pool exhausted.
+            let ahead = self
+                .layout
+                .iter()
+                .zip(&state.classes)
+                .any(|(c, class)| class.ahead > 0 && c.slot_bytes >= capacity && fits(c));
+            if !ahead {
                 state.counters.exhaustions += 1;
-                Err(PoolError::Exhausted {
+                return Err(PoolError::Exhausted {
                     requested: capacity as u64,
-                })
+                });
             }
+            drop(state);
+            core::hint::spin_loop();
         }
     }
 
@@ -262,6 +291,64 @@ impl<M: Copy> SlotTable<M> {
         state.counters.hint_resets += u64::from(returned.hints_reset);
     }
 
+    /// Takes, to scrub it ahead of its next acquisition, the free slot nearest the top of its
+    /// class's free list (the next to be handed out) among the top `depth` whose record
+    /// `dirty` accepts, smallest class first. It is held by the caller until it goes back
+    /// ([`ahead_done`](Self::ahead_done)): no acquisition is counted, and no one else can take
+    /// it meanwhile.
+    pub fn take_dirty(&self, depth: usize, dirty: impl Fn(&M) -> bool) -> Option<Taken<M>> {
+        let mut state = self.state.lock();
+        for (class, layout) in self.layout.iter().enumerate() {
+            let free = &state.classes[class].free;
+            let meta = &state.classes[class].meta;
+            let found = free
+                .iter()
+                .enumerate()
+                .rev()
+                .take(depth)
+                .find(|(_, index)| dirty(&meta[**index as usize]))
+                .map(|(at, _)| at);
+            if let Some(at) = found {
+                let class_state = &mut state.classes[class];
+                let index = class_state.free.remove(at);
+                class_state.ahead += 1;
+                return Some(Taken {
+                    slot: SlotId { class, index },
+                    layout: *layout,
+                    meta: class_state.meta[index as usize],
+                });
+            }
+        }
+        None
+    }
+
+    /// A slot taken by [`take_dirty`](Self::take_dirty) goes back free with `meta`, as
+    /// `ahead` says: scrubbed (on top of its class's free list, the next handed out, counted as
+    /// a slot scrubbed ahead), failed part way (last in it, a scrub failure counted), or
+    /// untouched (on top, as it was, nothing counted).
+    pub fn ahead_done(&self, slot: SlotId, meta: M, ahead: Ahead) {
+        let mut state = self.state.lock();
+        let class = &mut state.classes[slot.class];
+        class.meta[slot.index as usize] = meta;
+        class.ahead -= 1;
+        match ahead {
+            Ahead::Scrubbed(returned) => {
+                class.free.push(slot.index);
+                let c = &mut state.counters;
+                c.scrubbed_ahead += 1;
+                c.hint_resets += u64::from(returned.hints_reset);
+                c.bytes_scrubbed += returned.scrubbed;
+            }
+            Ahead::Failed { scrubbed } => {
+                class.free.insert(0, slot.index);
+                let c = &mut state.counters;
+                c.scrub_failures += 1;
+                c.bytes_scrubbed += scrubbed;
+            }
+            Ahead::Untouched => class.free.push(slot.index),
+        }
+    }
+
     /// A slot came back that cannot be handed out again (its scrub failed, or what it holds is
     /// unknown): it stays off the free lists for good, counting a release and a scrub failure.
     pub fn withdraw(&self) {
@@ -283,8 +370,9 @@ impl<M: Copy> SlotTable<M> {
                 .map(|(layout, class)| ClassStats {
                     slot_bytes: layout.slot_bytes,
                     slots: layout.slots as usize,
-                    in_use: layout.slots as usize - class.free.len(),
-                    free: class.free.len(),
+                    // A slot being scrubbed ahead is free: it is back within one scrub.
+                    in_use: layout.slots as usize - class.free.len() - class.ahead as usize,
+                    free: class.free.len() + class.ahead as usize,
                 })
                 .collect(),
             acquisitions: c.acquisitions,
@@ -293,6 +381,7 @@ impl<M: Copy> SlotTable<M> {
             scrub_failures: c.scrub_failures,
             hint_resets: c.hint_resets,
             exhaustions: c.exhaustions,
+            scrubbed_ahead: c.scrubbed_ahead,
             slab_given_up: false,
         }
     }

@@ -20,8 +20,8 @@ use tensor_wasm_mem_wasmtime::wasmtime::{
     PoolingAllocationConfig, Store,
 };
 use tensor_wasm_mem_wasmtime::{
-    Access, Backing, ChargeMode, GuardedHostCreator, Tenant, TenantStore, TensorWasmMemoryCreator,
-    TwmError, instantiate_pre, new_store,
+    Access, Backing, ChargeMode, CreatorBuilder, GuardedHostCreator, Tenant, TenantStore,
+    TensorWasmMemoryCreator, TwmError, instantiate_pre, new_store,
 };
 
 use crate::run::Failure;
@@ -159,6 +159,9 @@ enum Setup {
     /// `TwmPooled` for a tenant: its Store made by `new_store` (the limiter installed), the
     /// instance made by `instantiate`, the memory charged to the tenant.
     TwmPooledTenant,
+    /// `TwmPooled` with the pool's scrub-ahead thread (`CreatorBuilder::scrub_ahead`): the
+    /// slot an instantiation takes was zeroed on another core.
+    TwmPooledScrubAhead,
     /// `TwmFresh` with epoch interruption compiled in (what `twm run --timeout` costs).
     TwmEpochs,
     /// `TwmFresh` with fuel compiled in (what `twm run --fuel` costs).
@@ -194,6 +197,7 @@ impl Setup {
             Self::TwmDeviceGuardedPooled => "twm_device_guarded_pooled",
             Self::NoMemoryFloor => "no_memory_floor",
             Self::TwmPooledTenant => "twm_pooled_tenant",
+            Self::TwmPooledScrubAhead => "twm_pooled_scrub_ahead",
             Self::TwmEpochs => "twm_checked_epochs",
             Self::TwmFuel => "twm_checked_fuel",
         }
@@ -211,6 +215,7 @@ impl Setup {
             Self::TwmDeviceGuardedPooled,
             Self::NoMemoryFloor,
             Self::TwmPooledTenant,
+            Self::TwmPooledScrubAhead,
             Self::TwmEpochs,
             Self::TwmFuel,
         ]
@@ -241,6 +246,9 @@ impl Setup {
                 pooled_engine(mock(), slots)
             }
             Self::TwmPooledTenant => pooled_creator(mock(), slots).and_then(|c| c.engine()),
+            Self::TwmPooledScrubAhead => {
+                pooled_builder(mock(), slots).and_then(|b| built(b.scrub_ahead())?.engine())
+            }
             Self::TwmGuarded => GuardedHostCreator::new(PlanLimits::default()).engine(),
             Self::TwmDeviceGuarded => fresh_engine(pageable_mock(), Interruption::NONE),
             Self::TwmDeviceGuardedPooled => pooled_engine(pageable_mock(), slots),
@@ -271,16 +279,28 @@ fn pooled_creator(
     backend: Arc<MockBackend>,
     slots: usize,
 ) -> wasmtime::Result<TensorWasmMemoryCreator<MockBackend>> {
-    TensorWasmMemoryCreator::builder(backend)
+    built(pooled_builder(backend, slots)?)
+}
+
+/// The builder of [`pooled_creator`].
+fn pooled_builder(
+    backend: Arc<MockBackend>,
+    slots: usize,
+) -> wasmtime::Result<CreatorBuilder<MockBackend>> {
+    Ok(TensorWasmMemoryCreator::builder(backend)
         .limits(PlanLimits::new(16 << 16).map_err(wasmtime::Error::new)?)
         .pool(PoolConfig::new(
             DeviceId(0),
             [SizeClass::new(16 << 16, slots)],
         ))
         .slots_per_tenant(slots)
-        .allow_untenanted()
-        .build()
-        .map_err(wasmtime::Error::new)
+        .allow_untenanted())
+}
+
+fn built(
+    builder: CreatorBuilder<MockBackend>,
+) -> wasmtime::Result<TensorWasmMemoryCreator<MockBackend>> {
+    builder.build().map_err(wasmtime::Error::new)
 }
 
 /// The steps of a pooled instantiation that are the pool's, in microseconds, on the mock's
@@ -458,6 +478,38 @@ fn instantiate_us(setup: Setup, sizes: Sizes, bar: &ProgressBar) -> Result<f64, 
     }
     let pre = pre(&engine, SMALL)?;
     median_lives(sizes, bar, || small_life(&engine, &pre, ()).map(drop))
+}
+
+/// The pooled setups whose process CPU per life is measured beside their wall time.
+const CPU_SETUPS: [Setup; 2] = [Setup::TwmPooled, Setup::TwmPooledScrubAhead];
+
+/// Microseconds of the process's CPU (every thread's: a scrub-ahead thread's included) per
+/// instantiate + call + drop of `(memory 1 16)` from one thread: what a life
+/// costs the host, where [`instantiate_us`] is what it costs the caller's latency.
+fn process_cpu_us(setup: Setup, sizes: Sizes, bar: &ProgressBar) -> Result<f64, Failure> {
+    let engine = setup.engine(16)?;
+    let pre = pre(&engine, SMALL)?;
+    let lives = sizes.instantiate_iters;
+    for _ in 0..200 {
+        small_life(&engine, &pre, ())?;
+    }
+    let mut samples = Vec::new();
+    for _ in 0..3 {
+        let start = process_cpu_s();
+        for _ in 0..lives {
+            small_life(&engine, &pre, ())?;
+        }
+        samples.push((process_cpu_s() - start) * 1e6 / lives as f64);
+    }
+    bar.inc(1);
+    Ok(median(&mut samples))
+}
+
+/// Seconds of CPU the process has used so far, every thread's (`CLOCK_PROCESS_CPUTIME_ID`,
+/// which counts running threads up to now, not up to their last tick).
+fn process_cpu_s() -> f64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
 }
 
 /// Thread counts of the threaded instantiation row.
@@ -882,6 +934,10 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         (Setup::TwmPooled, Some((Setup::WasmtimePooling, 0.8))),
         (Setup::TwmPooledWasi, Some((Setup::TwmPooled, 1.1))),
         (Setup::TwmPooledTenant, Some((Setup::NoMemoryFloor, 1.5))),
+        (
+            Setup::TwmPooledScrubAhead,
+            Some((Setup::NoMemoryFloor, 1.5)),
+        ),
         (Setup::TwmDeviceGuarded, None),
         (
             Setup::TwmDeviceGuardedPooled,
@@ -904,7 +960,8 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         + ROUNDTRIP_SIZES.len()
         + 4 * sizes.instantiate_batches
         + 4
-        + THREADED_SETUPS.len() * THREADS.len();
+        + THREADED_SETUPS.len() * THREADS.len()
+        + CPU_SETUPS.len();
     let bar = ProgressBar::new(steps as u64);
     bar.set_style(
         ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len}")
@@ -963,6 +1020,11 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             ));
         }
     }
+    let mut process_cpu = Vec::new();
+    for setup in CPU_SETUPS {
+        bar.set_message(format!("{} process cpu", setup.key()));
+        process_cpu.push((setup, process_cpu_us(setup, sizes, &bar)?));
+    }
     bar.set_message("placement, 8 devices");
     let placement = placement_figures(args.quick, &bar)?;
     bar.finish_and_clear();
@@ -1017,6 +1079,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
                 "driver_fill_4KiB": launch_fill - launch_host,
             },
             "instantiate_threads_cpu_us": THREADED_SETUPS.iter().map(|&s| (s.key().to_string(), json!(threaded.iter().filter(|(k, _, _)| *k == s).map(|(_, t, v)| (t.to_string(), json!(v))).collect::<serde_json::Map<_, _>>()))).collect::<serde_json::Map<_, _>>(),
+            "instantiate_process_cpu_us": process_cpu.iter().map(|(s, v)| (s.key().to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "pool_steps_us": {
                 "acquire_release_untouched": pool_untouched,
                 "acquire_release_scrub_64KiB": pool_scrubbed,
@@ -1089,7 +1152,9 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
                     get(&instantiate, Setup::WasmtimePooling)
                 }
                 Setup::TwmPooledWasi => get(&instantiate, Setup::TwmPooled),
-                Setup::TwmPooledTenant => get(&instantiate, Setup::NoMemoryFloor),
+                Setup::TwmPooledTenant | Setup::TwmPooledScrubAhead => {
+                    get(&instantiate, Setup::NoMemoryFloor)
+                }
                 _ => base,
             };
             let ratio = value / base;
@@ -1119,6 +1184,15 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             us,
             "us",
             us / single
+        );
+    }
+    for (setup, us) in &process_cpu {
+        println!(
+            "{:<26} {:<18} {:>9.3} {:<3}",
+            "instantiate (process cpu)",
+            setup.key(),
+            us,
+            "us"
         );
     }
     for (name, (scope, copy, guest)) in &roundtrips {

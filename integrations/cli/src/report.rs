@@ -44,6 +44,7 @@ pub fn creator_json(s: &CreatorStats) -> Value {
             "bytes_scrubbed": p.bytes_scrubbed,
             "hint_resets": p.hint_resets,
             "exhaustions": p.exhaustions,
+            "scrubbed_ahead": p.scrubbed_ahead,
             "slab_given_up": p.slab_given_up,
         })
     });

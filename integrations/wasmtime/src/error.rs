@@ -176,6 +176,11 @@ pub enum TwmError {
     /// The host could not map memory for the guarded backing.
     #[error("host memory mapping failed: {0}")]
     HostMapping(#[source] std::io::Error),
+    /// A thread the creator runs (a pool's scrub-ahead thread,
+    /// [`CreatorBuilder::scrub_ahead`](crate::CreatorBuilder::scrub_ahead)) could not be
+    /// started.
+    #[error("could not start a pool's scrub-ahead thread: {0}")]
+    Thread(#[source] std::io::Error),
     /// A memory that did not come from this creator (made with `Memory::new`, by the pooling
     /// allocator, or by another engine) was given where a device-visible memory is required.
     #[error(
@@ -314,7 +319,7 @@ impl TwmError {
             Self::CapacityExceeded { .. } | Self::Limit { .. } => ErrorKind::LimitExceeded,
             Self::GuestRange(e) => e.kind(),
             Self::Backend { kind, .. } => *kind,
-            Self::HostMapping(_) => ErrorKind::OutOfMemory,
+            Self::HostMapping(_) | Self::Thread(_) => ErrorKind::OutOfMemory,
             Self::GuardedMemoryBroken => ErrorKind::Driver,
             Self::GuardNotHonoured { .. }
             | Self::ReservationNotHonoured { .. }

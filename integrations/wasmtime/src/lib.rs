@@ -21,6 +21,7 @@ mod memory;
 pub mod metrics;
 mod placement;
 pub mod scope;
+mod scrub_ahead;
 mod shares;
 mod storage;
 mod tenancy;

@@ -47,7 +47,8 @@
 //! | `twm_pool_slots_in_use` | gauge | device | of them, in use |
 //! | `twm_pool_slab_given_up` | gauge | device | 1 while the pool has no slab: given up on the fenced device, renewed at the first acquisition after its recovery |
 //! | `twm_pool_exhaustions_total` | counter | device | acquisitions refused for want of a slot |
-//! | `twm_pool_scrub_failures_total` | counter | device | slots retired because a scrub failed |
+//! | `twm_pool_scrub_failures_total` | counter | device | scrubs that failed (a managed slot stays free and dirty, and is scrubbed again; a guarded slot is retired) |
+//! | `twm_pool_scrubbed_ahead_total` | counter | device | slots zeroed while free, ahead of their acquisition (`CreatorBuilder::scrub_ahead`) |
 //! | `twm_device_memory_total_bytes` | gauge | device | the device's memory (`cuMemGetInfo`) |
 //! | `twm_device_memory_free_bytes` | gauge | device | its free memory now |
 //! | `twm_device_capacity_bytes` | gauge | device | caps the placement lets it hold |
@@ -186,7 +187,7 @@ const COUNT_GAUGES: [(&str, &str); 11] = [
 ];
 
 /// Counters, with their help text.
-const COUNTERS: [(&str, &str); 14] = [
+const COUNTERS: [(&str, &str); 15] = [
     (
         "twm_tenant_refused_growths_total",
         "Memory growths the tenant's guests were refused (memory.grow answered -1).",
@@ -236,8 +237,12 @@ const COUNTERS: [(&str, &str); 14] = [
         "Pool acquisitions refused for want of a slot.",
     ),
     (
+        "twm_pool_scrubbed_ahead_total",
+        "Pool slots zeroed while free, ahead of their acquisition.",
+    ),
+    (
         "twm_pool_scrub_failures_total",
-        "Pool slots retired after a failed scrub.",
+        "Pool scrubs that failed (a managed slot is scrubbed again, a guarded one retired).",
     ),
     (
         "twm_placement_refusals_total",
@@ -329,6 +334,7 @@ pub fn record_creator<B: Backend>(creator: &TensorWasmMemoryCreator<B>) {
             gauge!("twm_pool_slab_given_up", &labels).set(f64::from(u8::from(pool.slab_given_up)));
             counter!("twm_pool_exhaustions_total", &labels).absolute(pool.exhaustions);
             counter!("twm_pool_scrub_failures_total", &labels).absolute(pool.scrub_failures);
+            counter!("twm_pool_scrubbed_ahead_total", &labels).absolute(pool.scrubbed_ahead);
         }
     }
     record_devices(&**creator.backend());

@@ -202,16 +202,30 @@ fn recover_traps_the_guests_of_a_faulted_device_and_serves_again() {
 /// though that creator makes no call meanwhile; the pool serves again from a new slab.
 #[test]
 fn recover_does_not_wait_for_another_creators_idle_pool() {
+    idle_pool_lets_the_device_recover(false);
+}
+
+/// The same with the pool's scrub-ahead thread (`CreatorBuilder::scrub_ahead`), which holds the
+/// pool (and scrubbed the first guest's device-touched slot before the fault): the pool still
+/// lets its slab go, and its new slab serves.
+#[test]
+fn recover_does_not_wait_for_a_pool_that_scrubs_ahead() {
+    idle_pool_lets_the_device_recover(true);
+}
+
+fn idle_pool_lets_the_device_recover(scrub_ahead: bool) {
     let rig = Rig::new();
-    let pooled = TensorWasmMemoryCreator::builder(Arc::clone(&rig.backend))
+    let mut builder = TensorWasmMemoryCreator::builder(Arc::clone(&rig.backend))
         .device(D0)
         .backing(Backing::Managed)
         .pool(tensor_wasm_mem_core::PoolConfig::new(
             D0,
             [tensor_wasm_mem_core::SizeClass::new(4 * PAGE as usize, 2)],
-        ))
-        .build()
-        .unwrap();
+        ));
+    if scrub_ahead {
+        builder = builder.scrub_ahead();
+    }
+    let pooled = builder.build().unwrap();
     let engine = pooled.engine().unwrap();
     let mut linker = Linker::new(&engine);
     add_to_linker(&mut linker).unwrap();
@@ -232,6 +246,14 @@ fn recover_does_not_wait_for_another_creators_idle_pool() {
     let (store, result) = pooled_guest(10);
     assert_eq!(result.unwrap(), 0, "the pool serves before");
     drop(store);
+    if scrub_ahead {
+        // Bounded, never timed: a loaded machine only waits longer.
+        let start = std::time::Instant::now();
+        while pooled.stats().pool.unwrap().scrubbed_ahead == 0 {
+            assert!(start.elapsed().as_secs() < 60, "never scrubbed ahead");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
     assert_eq!(pooled.stats().pool.unwrap().in_use(), 0, "the pool is idle");
 
     let alice = rig.tenant_on(D0, 1);

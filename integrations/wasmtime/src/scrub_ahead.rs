@@ -1,0 +1,122 @@
+//! Scrubbing ahead: a thread per managed slot pool that zeroes the slots guests gave back while
+//! they are free ([`SlotPool::scrub_ahead`]), so the instantiation that takes one next does no
+//! scrub of its own ([`CreatorBuilder::scrub_ahead`](crate::CreatorBuilder::scrub_ahead)).
+//!
+//! The work moves, it does not vanish: the same bytes are zeroed, on a core that has time to
+//! spare, and a host with no spare core pays it there instead. The thread keeps looking for a
+//! short while after its last scrub (yielding its core to anything runnable), so a steady stream
+//! of instantiations never has to wake it; after that it sleeps until a slot comes back dirty.
+//! A slot it has not reached yet is scrubbed by its acquisition, as without it: correctness
+//! never waits for the thread.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tensor_wasm_mem_core::{DeviceId, SlotPool};
+
+use crate::Backend;
+use crate::TwmError;
+
+/// How long the thread keeps looking after its last scrub before it sleeps: longer than the
+/// gap between two instantiations of a busy host, short enough that an idle one sleeps.
+const LINGER: Duration = Duration::from_micros(200);
+
+/// Slots scrubbed between two looks at whether the creator is going.
+const BATCH: usize = 16;
+
+/// A pool's scrub-ahead thread: stopped and joined when dropped (the creator's last handle goes).
+pub(crate) struct Scrubber {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Scrubber {
+    /// Starts the thread for `pool` (on `device`) and has the pool wake it when a slot comes
+    /// back dirty. `recover` is called when the thread put a slot back on a fenced device (a
+    /// kernel fault came while it scrubbed): the automatic recovery that slot held back.
+    /// [`TwmError::Thread`] if the thread cannot be started.
+    pub(crate) fn start<B: Backend>(
+        pool: &Arc<SlotPool<Arc<B>>>,
+        device: DeviceId,
+        recover: impl Fn() + Send + 'static,
+    ) -> Result<Self, TwmError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = std::thread::Builder::new()
+            .name(format!("twm-scrub-{}", device.0))
+            .spawn({
+                let (pool, stop) = (Arc::clone(pool), Arc::clone(&stop));
+                move || run(&pool, device, &stop, recover)
+            })
+            .map_err(TwmError::Thread)?;
+        let waker = thread.thread().clone();
+        // A pool gets one signal; a creator starts one thread per pool it made.
+        pool.on_dirty_release(Arc::new(move || waker.unpark()));
+        Ok(Self {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+/// Scrubs while there is work, lingers, then sleeps until a dirty release or the stop.
+fn run<B: Backend>(
+    pool: &SlotPool<Arc<B>>,
+    device: DeviceId,
+    stop: &AtomicBool,
+    recover: impl Fn(),
+) {
+    use tensor_wasm_mem_core::ManagedAllocator;
+    let mut last_work = Instant::now();
+    while !stop.load(Ordering::Acquire) {
+        let scrubbed = if pool.has_dirty_free() {
+            pool.scrub_ahead(BATCH)
+        } else {
+            Ok(0)
+        };
+        // A slot was held here (scrubbed, or its scrub failed): if the device was fenced
+        // meanwhile, the pool has let its slab go, and a recovery refused while the slot was
+        // held may run now.
+        if !matches!(scrubbed, Ok(0)) && pool.allocator().device_fenced(device) {
+            recover();
+        }
+        match scrubbed {
+            Ok(0) if last_work.elapsed() < LINGER => std::thread::yield_now(),
+            Ok(0) => {
+                std::thread::park();
+                last_work = Instant::now();
+            }
+            Ok(_) => last_work = Instant::now(),
+            // Counted in the pool's figures; the slot went back dirty, and its acquisition
+            // scrubs it (or fails as it would have). Retrying at once would only count more
+            // failures: wait for the next slot to come back.
+            Err(_) => std::thread::park(),
+        }
+    }
+}
+
+impl Drop for Scrubber {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            thread.thread().unpark();
+            if thread.thread().id() == std::thread::current().id() {
+                // The creator's last handle went on the thread itself (an embedder's callback
+                // run by a recovery it tried): it stops at its next look, detached.
+                return;
+            }
+            // It ends at its next look (a batch of scrubs at most). A panic there (a bug) was
+            // reported by the panic hook already; the creator still goes.
+            let _ = thread.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for Scrubber {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scrubber")
+            .field("running", &self.thread.is_some())
+            .finish_non_exhaustive()
+    }
+}
