@@ -28,7 +28,7 @@ use alloc::sync::Arc;
 use core::fmt;
 
 use alloc::boxed::Box;
-use core::sync::atomic::{AtomicBool, AtomicIsize, AtomicPtr, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 
 use crate::allocator::{Allocation, ManagedAllocator};
 use crate::buffer::UnifiedBuffer;
@@ -55,6 +55,17 @@ struct Dirt {
     /// host touched it, and it is zeroed on the host, where its pages are: no page crosses the
     /// link for a scrub.
     device: bool,
+    /// A slot of a new slab from an allocator that does not hand out zeroed memory, never
+    /// handed out: zeroed in full by its acquisition, never ahead (a slot scrubbed ahead that
+    /// no one takes would have its pages committed for nothing).
+    fresh: bool,
+}
+
+impl Dirt {
+    /// A free slot with this record waits for a scrub ahead: a holder left it dirty or hinted.
+    fn waits(&self) -> bool {
+        !self.fresh && *self != Dirt::default()
+    }
 }
 
 /// A value alone on its cache line: one a thread polls while others write the lines beside it.
@@ -92,11 +103,6 @@ pub struct SlotPool<A: ManagedAllocator> {
     slots: SlotTable<Dirt>,
     /// Set by the first slot holder that advises or prefetches (see [`PoolSlot::hinted`]).
     reset_hints: spin::Mutex<Option<ResetHints<A>>>,
-    /// How many free slots wait for a scrub: every change of a slot's state counts here, after
-    /// the table's lock (so a reader without it may see a count a moment behind, never one that
-    /// drifts). What [`has_dirty_free`](Self::has_dirty_free) reads; never trusted for what a
-    /// slot needs.
-    dirty_free: CacheLine<AtomicIsize>,
     /// Slots held for a moment to be scrubbed ahead: a recovery's request to let the slab go
     /// waits for them ([`IdleHolder`] below). Alone on its line: the acquisition path never
     /// touches it.
@@ -127,8 +133,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
         let slab = allocator
             .allocate(config.device, total)
             .map_err(|e| Error::backend(Operation::Allocate, e))?;
-        let dirty = Self::fresh_dirty(&allocator, &layout);
-        let slots = SlotTable::new(layout, Self::fresh(&allocator));
+        let slots = SlotTable::new(layout, Self::fresh(&allocator)).waiting_when(Dirt::waits);
         Ok(Self {
             allocator,
             device: config.device,
@@ -137,7 +142,6 @@ impl<A: ManagedAllocator> SlotPool<A> {
             renewing: spin::Mutex::new(()),
             slots,
             reset_hints: spin::Mutex::new(None),
-            dirty_free: CacheLine(AtomicIsize::new(dirty)),
             scrubbing: CacheLine(AtomicUsize::new(0)),
             signal: spin::Once::new(),
             _slab: core::marker::PhantomData,
@@ -168,19 +172,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
             dirty: if zeroed { 0 } else { c.slot_bytes },
             hinted: 0,
             device: false,
-        }
-    }
-
-    /// How many slots of a new slab wait for a scrub: all of them where the allocator does not
-    /// hand out zeroed memory.
-    fn fresh_dirty(allocator: &A, layout: &[ClassLayout]) -> isize {
-        if allocator.capabilities().comes_zeroed {
-            0
-        } else {
-            layout
-                .iter()
-                .map(|c| isize::try_from(c.slots).unwrap_or(isize::MAX))
-                .fold(0, isize::saturating_add)
+            fresh: !zeroed,
         }
     }
 
@@ -276,11 +268,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
             .map_err(|e| Error::backend(Operation::Allocate, e))?;
         let slab = Box::into_raw(Box::new(slab));
         let fresh = Self::fresh(&self.allocator);
-        let dirty = Self::fresh_dirty(&self.allocator, self.slots.layout());
-        let install = || {
-            self.slab.store(slab, Ordering::Release);
-            self.dirty_free.0.store(dirty, Ordering::Relaxed);
-        };
+        let install = || self.slab.store(slab, Ordering::Release);
         // A slot is held only for a moment here (an acquisition that found no slab puts it back
         // untouched, a scrub ahead its slot): wait it out.
         while self.slots.renew(&fresh, install).is_none() {
@@ -339,14 +327,13 @@ impl<A: ManagedAllocator> SlotPool<A> {
             }
             .into());
         }
-        if dirt != Dirt::default() {
-            self.dirty_free.0.fetch_sub(1, Ordering::Relaxed);
-            if let Err(e) = self.prepare(slot, offset, dirt) {
-                // The slot went back: a scrub refused on a device fenced meanwhile lets the
-                // slab go if that was the last slot held.
-                self.give_up_if_fenced();
-                return Err(e);
-            }
+        if dirt != Dirt::default()
+            && let Err(e) = self.prepare(slot, offset, dirt)
+        {
+            // The slot went back: a scrub refused on a device fenced meanwhile lets the slab
+            // go if that was the last slot held.
+            self.give_up_if_fenced();
+            return Err(e);
         }
         let slot = PoolSlot {
             pool: Arc::clone(self),
@@ -372,7 +359,6 @@ impl<A: ManagedAllocator> SlotPool<A> {
             }
             Err((left, scrubbed, e)) => {
                 self.slots.refuse(slot, left, scrubbed);
-                self.dirty_free.0.fetch_add(1, Ordering::Relaxed);
                 Err(e)
             }
         }
@@ -408,26 +394,23 @@ impl<A: ManagedAllocator> SlotPool<A> {
         /// How deep in a free list a waiting slot is looked for: the next ones handed out (one
         /// deeper is scrubbed by its acquisition).
         const DEPTH: usize = 64;
-        let dirty = |dirt: &Dirt| *dirt != Dirt::default();
         let mut done = 0;
         while done < max {
             // Counted before the fence is looked at: a recovery that asks the pool to let its
             // slab go either sees this scrub and waits for it, or comes after and is seen here.
-            self.scrubbing.0.fetch_add(1, Ordering::SeqCst);
-            let taken = if self.allocator.device_fenced(self.device)
+            let mut held = AheadHeld::new(self);
+            if self.allocator.device_fenced(self.device)
                 || self.slab.load(Ordering::Acquire).is_null()
             {
-                None
-            } else {
-                self.slots.take_dirty(DEPTH, dirty)
-            };
-            let Some(taken) = taken else {
-                self.scrubbing.0.fetch_sub(1, Ordering::SeqCst);
+                break;
+            }
+            let Some(taken) = self.slots.take_dirty(DEPTH) else {
                 break;
             };
-            self.dirty_free.0.fetch_sub(1, Ordering::Relaxed);
+            held.taken = Some(taken);
             let scrubbed = self.scrub_taken(&taken);
-            self.scrubbing.0.fetch_sub(1, Ordering::SeqCst);
+            held.taken = None; // back on its free list
+            drop(held);
             // The slot is back: on a device fenced meanwhile, it may have been the last held.
             self.give_up_if_fenced();
             if !scrubbed? {
@@ -444,7 +427,6 @@ impl<A: ManagedAllocator> SlotPool<A> {
         if self.slab.load(Ordering::Acquire).is_null() {
             self.slots
                 .ahead_done(taken.slot, taken.meta, Ahead::Untouched);
-            self.dirty_free.0.fetch_add(1, Ordering::Relaxed);
             return Ok(false);
         }
         match self.scrub(taken.offset(), taken.meta) {
@@ -456,7 +438,6 @@ impl<A: ManagedAllocator> SlotPool<A> {
             Err((left, scrubbed, e)) => {
                 self.slots
                     .ahead_done(taken.slot, left, Ahead::Failed { scrubbed });
-                self.dirty_free.0.fetch_add(1, Ordering::Relaxed);
                 Err(e)
             }
         }
@@ -466,7 +447,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
     /// hint: [`scrub_ahead`](Self::scrub_ahead) finds out for sure).
     #[must_use]
     pub fn has_dirty_free(&self) -> bool {
-        self.dirty_free.0.load(Ordering::Relaxed) > 0
+        self.slots.waiting() > 0
     }
 
     /// Has `signal` called each time a slot that needs a scrub comes back (on the releasing
@@ -534,13 +515,13 @@ impl<A: ManagedAllocator> SlotPool<A> {
             dirty: high_water,
             hinted: if hinted { high_water } else { 0 },
             device,
+            fresh: false,
         };
         self.slots.give_back(slot, dirt, Returned::default());
-        if dirt != Dirt::default() {
-            self.dirty_free.0.fetch_add(1, Ordering::Relaxed);
-            if let Some(signal) = self.signal.get() {
-                signal();
-            }
+        if dirt.waits()
+            && let Some(signal) = self.signal.get()
+        {
+            signal();
         }
     }
 }
@@ -572,6 +553,31 @@ impl<A: ManagedAllocator> Drop for SlotPool<A> {
             let slab = unsafe { Box::from_raw(slab) };
             self.let_slab_go(*slab);
         }
+    }
+}
+
+/// A scrub ahead in progress ([`SlotPool::scrub_ahead`]): counted while it lives (a recovery
+/// waits for it); if it is dropped still holding its slot (the backend panicked mid-scrub), the
+/// slot goes back dirty, so no acquisition or recovery waits for it for ever.
+struct AheadHeld<'a, A: ManagedAllocator> {
+    pool: &'a SlotPool<A>,
+    taken: Option<Taken<Dirt>>,
+}
+
+impl<'a, A: ManagedAllocator> AheadHeld<'a, A> {
+    fn new(pool: &'a SlotPool<A>) -> Self {
+        pool.scrubbing.0.fetch_add(1, Ordering::SeqCst);
+        Self { pool, taken: None }
+    }
+}
+
+impl<A: ManagedAllocator> Drop for AheadHeld<'_, A> {
+    fn drop(&mut self) {
+        if let Some(taken) = self.taken.take() {
+            let failed = Ahead::Failed { scrubbed: 0 };
+            self.pool.slots.ahead_done(taken.slot, taken.meta, failed);
+        }
+        self.pool.scrubbing.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -1089,6 +1095,7 @@ mod tests {
         let s = pool.stats();
         assert_eq!((s.acquisitions, s.releases, s.free()), (900, 900, 3));
         assert_eq!(s.exhaustions, 0);
+        assert!(s.scrubbed_ahead > 0, "the scrubber took part: {s:?}");
         assert!(s.scrubbed_ahead <= 900, "{s:?}");
         assert_eq!(s.scrub_failures, 0);
     }
@@ -1104,6 +1111,8 @@ mod tests {
         host_zeroes: core::sync::atomic::AtomicUsize,
         /// While set, a zeroing meets the test at the first barrier and waits at the second.
         hold: Option<(std::sync::Barrier, std::sync::Barrier)>,
+        /// While set, a zeroing panics (a backend's bug).
+        panics: AtomicBool,
     }
 
     impl ErrorType for Watched {
@@ -1166,6 +1175,7 @@ mod tests {
                 entered.wait();
                 go.wait();
             }
+            assert!(!self.panics.load(Ordering::SeqCst), "a backend's bug");
             count.fetch_add(1, Ordering::SeqCst);
             // SAFETY: the caller's contract, which is the heap's.
             unsafe { self.heap.zero(a, at, len) }
@@ -1204,10 +1214,11 @@ mod tests {
         )
     }
 
-    /// A slab that does not come zeroed starts with every slot waiting for a scrub: the pool
-    /// says so, and a scrub ahead does them all, on the host, where nothing else touched them.
+    /// A slab that does not come zeroed starts with every slot dirty in full, but none waits
+    /// for a scrub ahead: a slot no one takes keeps no pages committed; its acquisition zeroes
+    /// it in full, on the host.
     #[test]
-    fn fresh_slots_of_an_allocator_that_does_not_zero_are_scrubbed_ahead() {
+    fn fresh_slots_are_left_to_their_acquisition() {
         let pool = watched_pool(
             Watched {
                 not_zeroed: true,
@@ -1215,17 +1226,52 @@ mod tests {
             },
             2,
         );
-        assert!(pool.has_dirty_free());
-        assert_eq!(pool.scrub_ahead(usize::MAX).unwrap(), 2);
         assert!(!pool.has_dirty_free());
-        assert_eq!(zeroes(&pool), (2, 0));
-        let held = [
-            pool.acquire(PAGE, 0).unwrap(),
-            pool.acquire(PAGE, 0).unwrap(),
-        ];
-        assert_eq!(zeroes(&pool), (2, 0), "nothing left to zero at hand-out");
+        assert_eq!(pool.scrub_ahead(usize::MAX).unwrap(), 0);
+        assert_eq!(zeroes(&pool), (0, 0));
+        let held = pool.acquire(PAGE, 0).unwrap();
+        assert_eq!(zeroes(&pool), (1, 0));
+        assert_eq!(pool.stats().bytes_scrubbed, PAGE as u64, "in full");
+        drop(held); // nothing visible: clean
+        assert!(!pool.has_dirty_free());
+        let mut held = pool.acquire(PAGE, PAGE).unwrap();
+        held.write(0, &[1; 8]).unwrap();
         drop(held);
-        assert_eq!(pool.stats().scrubbed_ahead, 2);
+        assert!(pool.has_dirty_free(), "a holder's dirt waits");
+        assert_eq!(pool.scrub_ahead(usize::MAX).unwrap(), 1);
+        assert_eq!(pool.stats().scrubbed_ahead, 1);
+    }
+
+    /// A scrub ahead whose backend panics mid-scrub puts its slot back dirty and leaves no
+    /// count behind: an acquisition is not kept waiting for it, nor a recovery.
+    #[test]
+    fn a_panic_in_a_scrub_ahead_loses_no_slot() {
+        use crate::allocator::IdleHolder;
+        let pool = watched_pool(
+            Watched {
+                panics: AtomicBool::new(true),
+                ..Watched::default()
+            },
+            1,
+        );
+        drop(pool.acquire(PAGE, PAGE).unwrap());
+        let unwound =
+            std::panic::catch_unwind(core::panic::AssertUnwindSafe(|| pool.scrub_ahead(1)));
+        assert!(unwound.is_err());
+        let s = pool.stats();
+        assert_eq!((s.free(), s.in_use(), s.scrub_failures), (1, 0, 1));
+        assert!(pool.has_dirty_free(), "still waiting");
+        pool.allocator().panics.store(false, Ordering::SeqCst);
+        let again = pool
+            .acquire(PAGE, PAGE)
+            .expect("the slot, scrubbed by its acquisition");
+        let mut bytes = [1u8; 8];
+        again.read(0, &mut bytes).unwrap();
+        assert_eq!(bytes, [0; 8]);
+        drop(again);
+        pool.allocator().fenced.store(true, Ordering::SeqCst);
+        pool.let_go_if_fenced(); // returns: no scrub is counted as running
+        assert!(pool.stats().slab_given_up);
     }
 
     /// A slot device work touched, and whose holder advised it, is scrubbed ahead as its

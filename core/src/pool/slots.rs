@@ -9,6 +9,7 @@
 //! [`PoolConfig::layout`]: super::PoolConfig::layout
 
 use alloc::vec::Vec;
+use core::sync::atomic::{AtomicUsize, Ordering};
 
 use super::config::{ClassLayout, ClassStats, PoolError, PoolStats};
 
@@ -91,6 +92,8 @@ struct TableState<M> {
     counters: Counters,
     /// Slots withdrawn for good (off the free lists, held by no one).
     withdrawn: usize,
+    /// Free slots whose record the table's `waits` accepts (waiting for a scrub ahead).
+    waiting: usize,
 }
 
 impl<M> TableState<M> {
@@ -100,6 +103,19 @@ impl<M> TableState<M> {
         let slots: usize = layout.iter().map(|c| c.slots as usize).sum();
         free + self.withdrawn == slots
     }
+}
+
+/// The free slots of `classes` whose record `waits` accepts.
+fn count_waiting<M>(classes: &[Class<M>], waits: fn(&M) -> bool) -> usize {
+    classes
+        .iter()
+        .map(|c| {
+            c.free
+                .iter()
+                .filter(|&&i| waits(&c.meta[i as usize]))
+                .count()
+        })
+        .sum()
 }
 
 /// Every slot of `layout` free, with `initial(class)` recorded.
@@ -128,6 +144,11 @@ fn fresh_classes<M: Copy>(
 pub struct SlotTable<M> {
     layout: Vec<ClassLayout>,
     state: spin::Mutex<TableState<M>>,
+    /// Which free slots wait for a scrub ahead ([`waiting_when`](Self::waiting_when)).
+    waits: fn(&M) -> bool,
+    /// `TableState::waiting`, stored under the lock at each change, for readers without it;
+    /// alone on its cache line (a scrubbing thread polls it while acquisitions write beside).
+    waiting: super::CacheLine<AtomicUsize>,
 }
 
 impl<M: Copy> SlotTable<M> {
@@ -139,6 +160,8 @@ impl<M: Copy> SlotTable<M> {
         let classes = fresh_classes(&layout, &initial);
         Self {
             layout,
+            waits: |_| false,
+            waiting: super::CacheLine(AtomicUsize::new(0)),
             state: spin::Mutex::new(TableState {
                 classes,
                 counters: Counters {
@@ -151,7 +174,39 @@ impl<M: Copy> SlotTable<M> {
                     scrubbed_ahead: 0,
                 },
                 withdrawn: 0,
+                waiting: 0,
             }),
+        }
+    }
+
+    /// Counts the free slots whose record `waits` accepts ([`waiting`](Self::waiting)), and has
+    /// [`take_dirty`](Self::take_dirty) take them: the slots a pool scrubs ahead. None by
+    /// default.
+    #[must_use]
+    pub fn waiting_when(mut self, waits: fn(&M) -> bool) -> Self {
+        self.waits = waits;
+        let state = self.state.get_mut();
+        state.waiting = count_waiting(&state.classes, waits);
+        self.waiting.0.store(state.waiting, Ordering::Relaxed);
+        self
+    }
+
+    /// Free slots that wait for a scrub ahead, as last counted under the lock (a reader
+    /// without it may see the count a moment behind; it never drifts).
+    pub fn waiting(&self) -> usize {
+        self.waiting.0.load(Ordering::Relaxed)
+    }
+
+    /// Counts `meta`'s slot in (`came`) or out of the free slots that wait, and publishes the
+    /// count if it changed.
+    fn count(&self, state: &mut TableState<M>, meta: &M, came: bool) {
+        if (self.waits)(meta) {
+            if came {
+                state.waiting += 1;
+            } else {
+                state.waiting -= 1;
+            }
+            self.waiting.0.store(state.waiting, Ordering::Relaxed);
         }
     }
 
@@ -178,6 +233,8 @@ impl<M: Copy> SlotTable<M> {
         }
         state.classes = fresh_classes(&self.layout, &initial);
         state.withdrawn = 0;
+        state.waiting = count_waiting(&state.classes, self.waits);
+        self.waiting.0.store(state.waiting, Ordering::Relaxed);
         Some(f())
     }
 
@@ -189,6 +246,7 @@ impl<M: Copy> SlotTable<M> {
         class.meta[slot.index as usize] = meta;
         class.free.push(slot.index);
         state.counters.acquisitions -= 1;
+        self.count(&mut state, &meta, true);
     }
 
     /// The classes, smallest slot first.
@@ -238,6 +296,7 @@ impl<M: Copy> SlotTable<M> {
                 });
             if let Some(taken) = found {
                 state.counters.acquisitions += 1;
+                self.count(&mut state, &taken.meta, false);
                 return Ok(taken);
             }
             // A fitting slot being scrubbed ahead is free, and back within one scrub: wait for
@@ -254,7 +313,10 @@ impl<M: Copy> SlotTable<M> {
                 });
             }
             drop(state);
-            core::hint::spin_loop();
+            // Off the lock while the scrub runs: the scrubber needs it to put the slot back.
+            for _ in 0..64 {
+                core::hint::spin_loop();
+            }
         }
     }
 
@@ -264,6 +326,7 @@ impl<M: Copy> SlotTable<M> {
     /// undone and a scrub failure counted.
     pub fn refuse(&self, slot: SlotId, meta: M, scrubbed: u64) {
         let mut state = self.state.lock();
+        self.count(&mut state, &meta, true);
         let class = &mut state.classes[slot.class];
         class.meta[slot.index as usize] = meta;
         class.free.insert(0, slot.index);
@@ -283,6 +346,7 @@ impl<M: Copy> SlotTable<M> {
     /// A slot comes back, free, with `meta` for its next scrub, counting a release.
     pub fn give_back(&self, slot: SlotId, meta: M, returned: Returned) {
         let mut state = self.state.lock();
+        self.count(&mut state, &meta, true);
         let class = &mut state.classes[slot.class];
         class.meta[slot.index as usize] = meta;
         class.free.push(slot.index);
@@ -292,30 +356,33 @@ impl<M: Copy> SlotTable<M> {
     }
 
     /// Takes, to scrub it ahead of its next acquisition, the free slot nearest the top of its
-    /// class's free list (the next to be handed out) among the top `depth` whose record
-    /// `dirty` accepts, smallest class first. It is held by the caller until it goes back
-    /// ([`ahead_done`](Self::ahead_done)): no acquisition is counted, and no one else can take
-    /// it meanwhile.
-    pub fn take_dirty(&self, depth: usize, dirty: impl Fn(&M) -> bool) -> Option<Taken<M>> {
+    /// class's free list (the next to be handed out) among the top `depth` that waits
+    /// ([`waiting_when`](Self::waiting_when)), smallest class first. It is held by the caller
+    /// until it goes back ([`ahead_done`](Self::ahead_done)): no acquisition is counted, and no
+    /// one else can take it meanwhile (an acquisition that finds no other fitting slot waits
+    /// for it).
+    pub fn take_dirty(&self, depth: usize) -> Option<Taken<M>> {
         let mut state = self.state.lock();
         for (class, layout) in self.layout.iter().enumerate() {
-            let free = &state.classes[class].free;
-            let meta = &state.classes[class].meta;
-            let found = free
+            let c = &state.classes[class];
+            let found = c
+                .free
                 .iter()
                 .enumerate()
                 .rev()
                 .take(depth)
-                .find(|(_, index)| dirty(&meta[**index as usize]))
+                .find(|(_, index)| (self.waits)(&c.meta[**index as usize]))
                 .map(|(at, _)| at);
             if let Some(at) = found {
-                let class_state = &mut state.classes[class];
-                let index = class_state.free.remove(at);
-                class_state.ahead += 1;
+                let c = &mut state.classes[class];
+                let index = c.free.remove(at);
+                c.ahead += 1;
+                let meta = c.meta[index as usize];
+                self.count(&mut state, &meta, false);
                 return Some(Taken {
                     slot: SlotId { class, index },
                     layout: *layout,
-                    meta: class_state.meta[index as usize],
+                    meta,
                 });
             }
         }
@@ -328,6 +395,7 @@ impl<M: Copy> SlotTable<M> {
     /// untouched (on top, as it was, nothing counted).
     pub fn ahead_done(&self, slot: SlotId, meta: M, ahead: Ahead) {
         let mut state = self.state.lock();
+        self.count(&mut state, &meta, true);
         let class = &mut state.classes[slot.class];
         class.meta[slot.index as usize] = meta;
         class.ahead -= 1;

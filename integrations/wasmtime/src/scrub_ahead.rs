@@ -26,6 +26,11 @@ const LINGER: Duration = Duration::from_micros(200);
 /// Slots scrubbed between two looks at whether the creator is going.
 const BATCH: usize = 16;
 
+std::thread_local! {
+    /// This thread is a scrub-ahead thread.
+    static ON_A_SCRUBBER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// A pool's scrub-ahead thread: stopped and joined when dropped (the creator's last handle goes).
 pub(crate) struct Scrubber {
     stop: Arc<AtomicBool>,
@@ -68,6 +73,7 @@ fn run<B: Backend>(
     recover: impl Fn(),
 ) {
     use tensor_wasm_mem_core::ManagedAllocator;
+    ON_A_SCRUBBER.set(true);
     let mut last_work = Instant::now();
     while !stop.load(Ordering::Acquire) {
         let scrubbed = if pool.has_dirty_free() {
@@ -82,6 +88,12 @@ fn run<B: Backend>(
             recover();
         }
         match scrubbed {
+            // Waiting slots it cannot take (deeper in a free list than it looks, or the device
+            // fenced): their acquisitions scrub them. Sleep until the next dirty release.
+            Ok(0) if pool.has_dirty_free() => {
+                std::thread::park();
+                last_work = Instant::now();
+            }
             Ok(0) if last_work.elapsed() < LINGER => std::thread::yield_now(),
             Ok(0) => {
                 std::thread::park();
@@ -101,9 +113,10 @@ impl Drop for Scrubber {
         self.stop.store(true, Ordering::Release);
         if let Some(thread) = self.thread.take() {
             thread.thread().unpark();
-            if thread.thread().id() == std::thread::current().id() {
-                // The creator's last handle went on the thread itself (an embedder's callback
-                // run by a recovery it tried): it stops at its next look, detached.
+            if ON_A_SCRUBBER.get() {
+                // The creator's last handle went on a scrub-ahead thread (an embedder's
+                // callback run by a recovery it tried), maybe this one, maybe while holding
+                // what a sibling waits for: it stops at its next look, detached.
                 return;
             }
             // It ends at its next look (a batch of scrubs at most). A panic there (a bug) was
