@@ -320,8 +320,8 @@ impl<B: Backend> CreatorBuilder<B> {
     /// Give each managed slot pool a thread that zeroes the slots guests gave back while they
     /// are free ([`SlotPool::scrub_ahead`]), so the instantiation that takes a slot does no
     /// scrub of its own: with 64 KiB touched, about 0.5 us less per pooled instantiation on
-    /// this project's bench machine (2.15 to 1.67 us, docs/BENCHMARKS.md). The same bytes are
-    /// zeroed, on another core, and handing them over costs: the process spent 1.55x the CPU
+    /// this project's bench machine (2.09 to 1.64 us, docs/BENCHMARKS.md). The same bytes are
+    /// zeroed, on another core, and handing them over costs: the process spent 1.56x the CPU
     /// per instantiation there. Worth it where instantiation latency matters and a core has
     /// time to spare; not where every core is busy. The thread lingers about 200 us after its
     /// last scrub (yielding its core), then sleeps until a slot comes back dirty; it is stopped
