@@ -306,6 +306,16 @@ pub unsafe trait ManagedAllocator: ErrorType {
         let _ = holder;
     }
 
+    /// Claims `device`'s fault number `fault` (its [`DeviceHealth::faults`](crate::DeviceHealth)
+    /// after a fault that a caller's wait saw) for that caller: `true` for the first claim of
+    /// that fault on this backend, whoever claims it (every creator on the backend asks here),
+    /// so one fault names at most one suspect. The default answers `true` (a backend that never
+    /// faults keeps no record).
+    fn claim_fault(&self, device: DeviceId, fault: u64) -> bool {
+        let _ = (device, fault);
+        true
+    }
+
     /// Recoveries so far, all devices together ([`DeviceHealth::recoveries`](crate::DeviceHealth)
     /// summed): a cheap read (no lock) that tells a caller whether any device was recovered
     /// since it last looked, whoever recovered it. `0` for a backend that never fences (the
@@ -442,6 +452,9 @@ macro_rules! forward_allocator {
             }
             fn recoveries(&self) -> u64 {
                 T::recoveries(self)
+            }
+            fn claim_fault(&self, device: DeviceId, fault: u64) -> bool {
+                T::claim_fault(self, device, fault)
             }
             fn begin_device_work(&self, device: DeviceId) -> Result<(), Self::Error> {
                 T::begin_device_work(self, device)

@@ -811,6 +811,10 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
         self.recoveries_so_far()
     }
 
+    fn claim_fault(&self, device: DeviceId, fault: u64) -> bool {
+        Self::claim_fault(self, device, fault)
+    }
+
     fn device_fenced(&self, device: DeviceId) -> bool {
         // One atomic load while no device is fenced (what a slot pool asks on every slot).
         self.is_fenced(device)

@@ -68,6 +68,10 @@ pub(super) struct Faulted {
     recoveries: AtomicU64,
     /// Per device: the calls a reset must not overlap.
     gates: alloc::vec::Vec<Gate>,
+    /// Per device: the last fault number claimed ([`ManagedAllocator::claim_fault`]).
+    ///
+    /// [`ManagedAllocator::claim_fault`]: crate::ManagedAllocator::claim_fault
+    claims: alloc::vec::Vec<AtomicU64>,
     /// What holds memory of ours idle and lets it go on a fenced device, asked by each
     /// recovery before it counts what is in use ([`ManagedAllocator::watch_idle`]).
     ///
@@ -79,6 +83,7 @@ impl Faulted {
     pub(super) fn new(devices: u32) -> Self {
         Self {
             gates: (0..devices).map(|_| Gate::default()).collect(),
+            claims: (0..devices).map(|_| AtomicU64::new(0)).collect(),
             ..Self::default()
         }
     }
@@ -239,6 +244,16 @@ impl State {
 
 impl<D: DriverApi> DriverBackend<D> {
     /// `device`'s fault record (a device it does not have: healthy, nothing counted).
+    /// `true` for the first claim of `device`'s fault number `fault` (see
+    /// [`ManagedAllocator::claim_fault`](crate::ManagedAllocator::claim_fault)); `false` for a
+    /// device this backend does not have.
+    pub(super) fn claim_fault(&self, device: DeviceId, fault: u64) -> bool {
+        self.faulted
+            .claims
+            .get(device.0 as usize)
+            .is_some_and(|last| last.fetch_max(fault, Ordering::AcqRel) < fault)
+    }
+
     pub(super) fn health(&self, device: DeviceId) -> DeviceHealth {
         let mut health = self
             .state

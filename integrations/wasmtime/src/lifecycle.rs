@@ -109,8 +109,6 @@ pub(crate) struct KeptMemories<B: Backend> {
     /// caught up with on this creator's next call.
     seen_recoveries: AtomicU64,
     seen_per_device: Mutex<Vec<u64>>,
-    /// Per device, the last fault number a launch claimed (one suspect per fault).
-    fault_claims: Mutex<Vec<u64>>,
 }
 
 impl<B: Backend> KeptMemories<B> {
@@ -131,7 +129,6 @@ impl<B: Backend> KeptMemories<B> {
             last_recovery_ns: AtomicU64::new(0),
             seen_recoveries: AtomicU64::new(0),
             seen_per_device: Mutex::new(Vec::new()),
-            fault_claims: Mutex::new(Vec::new()),
         }
     }
 }
@@ -261,23 +258,6 @@ impl<B: Backend> KeptMemories<B> {
             self.seen_recoveries.store(total, Ordering::Release);
         }
         self.retry_kept();
-    }
-
-    /// `true` for the first claim of `device`'s fault number `faults`.
-    pub(crate) fn claim_fault(&self, device: DeviceId, faults: u64) -> bool {
-        let mut claims = self
-            .fault_claims
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let index = device.0 as usize;
-        if claims.len() <= index {
-            claims.resize(index + 1, 0);
-        }
-        if claims[index] >= faults {
-            return false;
-        }
-        claims[index] = faults;
-        true
     }
 
     /// Recovers a fenced `device` on `backend` (its primary context reset: see

@@ -894,12 +894,12 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     }
 
     /// Claims `device`'s fault number `faults` (its [`DeviceHealth::faults`] after the fault)
-    /// for a tenant's launch: `true` for the first claim of it in this creator, so one fault is
-    /// attributed to at most one launch.
+    /// for a tenant's launch: `true` for the first claim of it on the backend (whichever
+    /// creator's launch claims it), so one fault is attributed to at most one launch.
     ///
     /// [`DeviceHealth::faults`]: tensor_wasm_mem_core::DeviceHealth::faults
     pub(crate) fn claim_fault(&self, device: DeviceId, faults: u64) -> bool {
-        self.inner.kept.claim_fault(device, faults)
+        self.backend().claim_fault(device, faults)
     }
 
     /// Catches up with device recoveries made since this creator last looked, by anyone: the

@@ -393,3 +393,27 @@ fn recover_runs_when_the_scope_that_held_it_closes() {
         .expect("Y's scopes open again");
     scope.close().expect("and close");
 }
+
+/// A fault names one suspect on the backend, whichever creator's launch claims it first (every
+/// creator on the backend asks the backend, so two creators' tenants whose waits both saw it
+/// are not both counted in `TenantStats::kernel_faults`).
+#[test]
+fn a_fault_is_claimed_once_on_the_backend() {
+    let rig = Rig::new();
+    let backend = &rig.backend;
+    assert!(backend.claim_fault(D0, 1), "the first claimant");
+    assert!(
+        !backend.claim_fault(D0, 1),
+        "a second claimant of the same fault"
+    );
+    assert!(
+        backend.claim_fault(D1, 1),
+        "another device's fault is its own"
+    );
+    assert!(backend.claim_fault(D0, 2), "the next fault");
+    assert!(!backend.claim_fault(D0, 1), "an older fault");
+    assert!(
+        !backend.claim_fault(DeviceId(9), 1),
+        "a device the backend does not have"
+    );
+}
