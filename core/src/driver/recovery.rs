@@ -243,7 +243,6 @@ impl State {
 }
 
 impl<D: DriverApi> DriverBackend<D> {
-    /// `device`'s fault record (a device it does not have: healthy, nothing counted).
     /// `true` for the first claim of `device`'s fault number `fault` (see
     /// [`ManagedAllocator::claim_fault`](crate::ManagedAllocator::claim_fault)); `false` for a
     /// device this backend does not have.
@@ -254,6 +253,7 @@ impl<D: DriverApi> DriverBackend<D> {
             .is_some_and(|last| last.fetch_max(fault, Ordering::AcqRel) < fault)
     }
 
+    /// `device`'s fault record (a device it does not have: healthy, nothing counted).
     pub(super) fn health(&self, device: DeviceId) -> DeviceHealth {
         let mut health = self
             .state

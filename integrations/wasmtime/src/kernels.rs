@@ -709,7 +709,18 @@ fn launch_and_wait<B: Backend>(
     };
     let launched = launcher.launch(backend, launch);
     let waited = wait.now();
-    launched.and(waited).map_err(|e| {
+    // A lost context is the answer whichever of the two saw it (a launcher that failed after
+    // queueing the kernel does not hide the fault its wait saw): the fault is counted.
+    let lost = |r: &Result<(), TwmError>| {
+        r.as_ref()
+            .is_err_and(|e| e.kind() == tensor_wasm_mem_core::ErrorKind::ContextLost)
+    };
+    let result = if lost(&waited) && !lost(&launched) {
+        waited
+    } else {
+        launched.and(waited)
+    };
+    result.map_err(|e| {
         let code = launch_failure(&e);
         if code == TWM_ERR_DEVICE_LOST {
             let faults = backend.device_health(launch.device).faults;
