@@ -105,9 +105,10 @@ impl<M> TableState<M> {
     }
 }
 
-/// The free slots of `classes` whose record `waits` accepts.
-fn count_waiting<M>(classes: &[Class<M>], waits: fn(&M) -> bool) -> usize {
-    classes
+/// Counts afresh the free slots whose record `waits` accepts, and publishes the count.
+fn recount<M>(state: &mut TableState<M>, waits: fn(&M) -> bool, published: &AtomicUsize) {
+    state.waiting = state
+        .classes
         .iter()
         .map(|c| {
             c.free
@@ -115,7 +116,8 @@ fn count_waiting<M>(classes: &[Class<M>], waits: fn(&M) -> bool) -> usize {
                 .filter(|&&i| waits(&c.meta[i as usize]))
                 .count()
         })
-        .sum()
+        .sum();
+    published.store(state.waiting, Ordering::Relaxed);
 }
 
 /// Every slot of `layout` free, with `initial(class)` recorded.
@@ -185,9 +187,7 @@ impl<M: Copy> SlotTable<M> {
     #[must_use]
     pub fn waiting_when(mut self, waits: fn(&M) -> bool) -> Self {
         self.waits = waits;
-        let state = self.state.get_mut();
-        state.waiting = count_waiting(&state.classes, waits);
-        self.waiting.0.store(state.waiting, Ordering::Relaxed);
+        recount(self.state.get_mut(), waits, &self.waiting.0);
         self
     }
 
@@ -195,6 +195,19 @@ impl<M: Copy> SlotTable<M> {
     /// without it may see the count a moment behind; it never drifts).
     pub fn waiting(&self) -> usize {
         self.waiting.0.load(Ordering::Relaxed)
+    }
+
+    /// Puts `slot` on its class's free list with `meta` recorded: on top (the next handed out),
+    /// or `last`; counted among the slots that wait if it does.
+    fn free(&self, state: &mut TableState<M>, slot: SlotId, meta: M, last: bool) {
+        self.count(state, &meta, true);
+        let class = &mut state.classes[slot.class];
+        class.meta[slot.index as usize] = meta;
+        if last {
+            class.free.insert(0, slot.index);
+        } else {
+            class.free.push(slot.index);
+        }
     }
 
     /// Counts `meta`'s slot in (`came`) or out of the free slots that wait, and publishes the
@@ -233,8 +246,7 @@ impl<M: Copy> SlotTable<M> {
         }
         state.classes = fresh_classes(&self.layout, &initial);
         state.withdrawn = 0;
-        state.waiting = count_waiting(&state.classes, self.waits);
-        self.waiting.0.store(state.waiting, Ordering::Relaxed);
+        recount(&mut state, self.waits, &self.waiting.0);
         Some(f())
     }
 
@@ -242,11 +254,8 @@ impl<M: Copy> SlotTable<M> {
     /// was, its acquisition undone.
     pub fn untake(&self, slot: SlotId, meta: M) {
         let mut state = self.state.lock();
-        let class = &mut state.classes[slot.class];
-        class.meta[slot.index as usize] = meta;
-        class.free.push(slot.index);
+        self.free(&mut state, slot, meta, false);
         state.counters.acquisitions -= 1;
-        self.count(&mut state, &meta, true);
     }
 
     /// The classes, smallest slot first.
@@ -326,10 +335,7 @@ impl<M: Copy> SlotTable<M> {
     /// undone and a scrub failure counted.
     pub fn refuse(&self, slot: SlotId, meta: M, scrubbed: u64) {
         let mut state = self.state.lock();
-        self.count(&mut state, &meta, true);
-        let class = &mut state.classes[slot.class];
-        class.meta[slot.index as usize] = meta;
-        class.free.insert(0, slot.index);
+        self.free(&mut state, slot, meta, true);
         state.counters.acquisitions -= 1;
         state.counters.scrub_failures += 1;
         state.counters.bytes_scrubbed += scrubbed;
@@ -346,10 +352,7 @@ impl<M: Copy> SlotTable<M> {
     /// A slot comes back, free, with `meta` for its next scrub, counting a release.
     pub fn give_back(&self, slot: SlotId, meta: M, returned: Returned) {
         let mut state = self.state.lock();
-        self.count(&mut state, &meta, true);
-        let class = &mut state.classes[slot.class];
-        class.meta[slot.index as usize] = meta;
-        class.free.push(slot.index);
+        self.free(&mut state, slot, meta, false);
         state.counters.releases += 1;
         state.counters.bytes_scrubbed += returned.scrubbed;
         state.counters.hint_resets += u64::from(returned.hints_reset);
@@ -395,25 +398,25 @@ impl<M: Copy> SlotTable<M> {
     /// untouched (on top, as it was, nothing counted).
     pub fn ahead_done(&self, slot: SlotId, meta: M, ahead: Ahead) {
         let mut state = self.state.lock();
-        self.count(&mut state, &meta, true);
-        let class = &mut state.classes[slot.class];
-        class.meta[slot.index as usize] = meta;
-        class.ahead -= 1;
+        state.classes[slot.class].ahead -= 1;
+        self.free(
+            &mut state,
+            slot,
+            meta,
+            matches!(ahead, Ahead::Failed { .. }),
+        );
+        let c = &mut state.counters;
         match ahead {
             Ahead::Scrubbed(returned) => {
-                class.free.push(slot.index);
-                let c = &mut state.counters;
                 c.scrubbed_ahead += 1;
                 c.hint_resets += u64::from(returned.hints_reset);
                 c.bytes_scrubbed += returned.scrubbed;
             }
             Ahead::Failed { scrubbed } => {
-                class.free.insert(0, slot.index);
-                let c = &mut state.counters;
                 c.scrub_failures += 1;
                 c.bytes_scrubbed += scrubbed;
             }
-            Ahead::Untouched => class.free.push(slot.index),
+            Ahead::Untouched => {}
         }
     }
 

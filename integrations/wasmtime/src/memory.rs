@@ -488,7 +488,7 @@ impl<B: Backend> CreatorBuilder<B> {
             self.kernels.clone(),
         ));
         let scrubbers = if self.scrub_ahead {
-            start_scrubbers(&pools, &self.devices, &self.backend, &kept)?
+            start_scrubbers(&pools, &self.backend, &kept)?
         } else {
             Vec::new()
         };
@@ -1406,23 +1406,22 @@ fn laid_out(class: &tensor_wasm_mem_core::SizeClass) -> u64 {
     class.slot_bytes.next_multiple_of(SLOT_ALIGN) as u64
 }
 
-/// A scrub-ahead thread per managed pool (`pools` in `devices`' order). A thread that held a
-/// slot as the pool's device was fenced tries the automatic recovery the slot held back (as the
-/// end of any other use of the device does), through `kept`.
+/// A scrub-ahead thread per managed pool. A thread that held a slot as the pool's device was
+/// fenced tries the automatic recovery the slot held back (as the end of any other use of the
+/// device does), through `kept`.
 fn start_scrubbers<B: Backend>(
     pools: &[CreatorPool<B>],
-    devices: &[DeviceId],
     backend: &Arc<B>,
     kept: &Arc<KeptMemories<B>>,
 ) -> Result<Vec<crate::scrub_ahead::Scrubber>, TwmError> {
     pools
         .iter()
-        .zip(devices)
-        .filter_map(|(pool, &device)| match pool {
+        .filter_map(|pool| match pool {
             CreatorPool::Managed(pool) => {
-                let (backend, kept) = (Arc::clone(backend), Arc::clone(kept));
+                let (backend, kept, device) =
+                    (Arc::clone(backend), Arc::clone(kept), pool.device());
                 let recover = move || kept.recover_when_free(&backend, device);
-                Some(crate::scrub_ahead::Scrubber::start(pool, device, recover))
+                Some(crate::scrub_ahead::Scrubber::start(pool, recover))
             }
             CreatorPool::Guarded(_) => None,
         })

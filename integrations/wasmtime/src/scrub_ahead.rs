@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tensor_wasm_mem_core::{DeviceId, SlotPool};
+use tensor_wasm_mem_core::SlotPool;
 
 use crate::Backend;
 use crate::TwmError;
@@ -38,21 +38,19 @@ pub(crate) struct Scrubber {
 }
 
 impl Scrubber {
-    /// Starts the thread for `pool` (on `device`) and has the pool wake it when a slot comes
-    /// back dirty. `recover` is called when the thread put a slot back on a fenced device (a
+    /// Starts the thread for `pool` and has the pool wake it when a slot comes back dirty. `recover` is called when the thread put a slot back on a fenced device (a
     /// kernel fault came while it scrubbed): the automatic recovery that slot held back.
     /// [`TwmError::Thread`] if the thread cannot be started.
     pub(crate) fn start<B: Backend>(
         pool: &Arc<SlotPool<Arc<B>>>,
-        device: DeviceId,
         recover: impl Fn() + Send + 'static,
     ) -> Result<Self, TwmError> {
         let stop = Arc::new(AtomicBool::new(false));
         let thread = std::thread::Builder::new()
-            .name(format!("twm-scrub-{}", device.0))
+            .name(format!("twm-scrub-{}", pool.device().0))
             .spawn({
                 let (pool, stop) = (Arc::clone(pool), Arc::clone(&stop));
-                move || run(&pool, device, &stop, recover)
+                move || run(&pool, &stop, recover)
             })
             .map_err(TwmError::Thread)?;
         let waker = thread.thread().clone();
@@ -66,12 +64,7 @@ impl Scrubber {
 }
 
 /// Scrubs while there is work, lingers, then sleeps until a dirty release or the stop.
-fn run<B: Backend>(
-    pool: &SlotPool<Arc<B>>,
-    device: DeviceId,
-    stop: &AtomicBool,
-    recover: impl Fn(),
-) {
+fn run<B: Backend>(pool: &SlotPool<Arc<B>>, stop: &AtomicBool, recover: impl Fn()) {
     use tensor_wasm_mem_core::ManagedAllocator;
     ON_A_SCRUBBER.set(true);
     let mut last_work = Instant::now();
@@ -84,7 +77,7 @@ fn run<B: Backend>(
         // A slot was held here (scrubbed, or its scrub failed): if the device was fenced
         // meanwhile, the pool has let its slab go, and a recovery refused while the slot was
         // held may run now.
-        if !matches!(scrubbed, Ok(0)) && pool.allocator().device_fenced(device) {
+        if !matches!(scrubbed, Ok(0)) && pool.allocator().device_fenced(pool.device()) {
             recover();
         }
         match scrubbed {

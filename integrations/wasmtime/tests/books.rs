@@ -397,10 +397,7 @@ fn review_a_larger_slot_is_charged_what_it_holds(
     #[case] backing: tensor_wasm_mem_wasmtime::Backing,
 ) {
     use tensor_wasm_mem_core::{PoolConfig, SizeClass};
-    let backend = Arc::new(with_config(MockConfig {
-        pageable_memory_access: true,
-        ..MockConfig::default()
-    }));
+    let backend = pageable_mock();
     let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
         .backing(backing)
         .pool(PoolConfig::new(

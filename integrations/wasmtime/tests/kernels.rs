@@ -1,6 +1,8 @@
 //! Guest-launched kernels (`kernels`): a guest launches a registered kernel on its own memory,
 //! and every hostile launch is refused with a code before anything is queued.
 
+mod common;
+
 use std::sync::{Arc, Barrier};
 
 use tensor_wasm_mem_wasmtime::kernels::{
@@ -111,6 +113,18 @@ impl Guest {
     /// Launches `handle` with `args` (`(a, b)` pairs) written at [`ARGS`]: the code.
     fn launch(&mut self, handle: i32, args: &[(u64, u64)]) -> i32 {
         self.try_launch(handle, args).unwrap()
+    }
+
+    /// Launches `handle` on `args` expecting the guest to trap with the typed loss of its
+    /// device ([`TwmError::DeviceLost`] at `launch`); the error.
+    fn launch_losing_the_device(&mut self, handle: i32, args: &[(u64, u64)]) -> TwmError {
+        let trap = self.try_launch(handle, args).expect_err("the guest traps");
+        let err = trap.downcast::<TwmError>().expect("typed");
+        assert!(
+            matches!(err, TwmError::DeviceLost { op: "launch" }),
+            "{err}"
+        );
+        err
     }
 
     /// [`launch`](Self::launch), with a trap as the error.
@@ -313,12 +327,7 @@ fn a_launch_whose_kernel_faults_is_a_code_and_a_failure_in_the_figures() {
     let mut g = guest(&creator);
     let bad = g.kernel("bad");
     // The kernel faults: its context is lost for good, so the guest traps, typed.
-    let trap = g.try_launch(bad, &[(0, 16)]).expect_err("the guest traps");
-    let err = trap.downcast_ref::<TwmError>().expect("typed");
-    assert!(
-        matches!(err, TwmError::DeviceLost { op: "launch" }),
-        "{err}"
-    );
+    let err = g.launch_losing_the_device(bad, &[(0, 16)]);
     assert_eq!(err.kind(), tensor_wasm_mem_core::ErrorKind::ContextLost);
     let stats = g.tenant.stats();
     assert_eq!(
@@ -336,12 +345,7 @@ fn a_launch_whose_kernel_faults_is_a_code_and_a_failure_in_the_figures() {
 /// holds the fenced device: the automatic recovery runs when that launch ends, the Store alive.
 #[test]
 fn a_faulting_launch_that_held_the_device_lets_it_recover_when_it_ends() {
-    let backend = Arc::new(tensor_wasm_mem_mock::with_config(
-        tensor_wasm_mem_mock::MockConfig {
-            pageable_memory_access: true,
-            ..tensor_wasm_mem_mock::MockConfig::default()
-        },
-    ));
+    let backend = common::pageable_mock();
     let builder = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
         .backing(tensor_wasm_mem_wasmtime::Backing::Guarded(
             tensor_wasm_mem_core::HostAccess::Pageable,
@@ -352,12 +356,7 @@ fn a_faulting_launch_that_held_the_device_lets_it_recover_when_it_ends() {
     let tenant = Tenant::new(1, "t", 1 << 20, IsolationLevel::Shared);
     let mut g = guest_on(&creator, &tenant);
     let bad = g.kernel("bad");
-    let trap = g.try_launch(bad, &[(0, 16)]).expect_err("the guest traps");
-    let err = trap.downcast_ref::<TwmError>().expect("typed");
-    assert!(
-        matches!(err, TwmError::DeviceLost { op: "launch" }),
-        "{err}"
-    );
+    g.launch_losing_the_device(bad, &[(0, 16)]);
     let device = tensor_wasm_mem_core::DeviceId(0);
     assert!(
         !tensor_wasm_mem_core::ManagedAllocator::device_fenced(&*backend, device),

@@ -3,6 +3,8 @@
 //! call with a typed error, placement admits no one there, another device never notices, and
 //! the device recovers when its last Store goes, with every charge back.
 
+mod common;
+
 use std::sync::Arc;
 
 use tensor_wasm_mem_core::{DeviceId, ErrorKind, IsolationLevel, ManagedAllocator, TenantBudgets};
@@ -347,11 +349,7 @@ fn recover_waits_for_an_open_device_access_scope() {
 /// recovery refused while it was open runs when it closes, with the Store still alive.
 #[test]
 fn recover_runs_when_the_scope_that_held_it_closes() {
-    let backend = Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
-        device_count: 1,
-        pageable_memory_access: true,
-        ..MockConfig::default()
-    }));
+    let backend = common::pageable_mock();
     let builder = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
         .backing(Backing::Guarded(tensor_wasm_mem_core::HostAccess::Pageable));
     // SAFETY: nothing but the creator's backend uses the device's primary context here.

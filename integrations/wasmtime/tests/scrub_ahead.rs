@@ -92,16 +92,11 @@ fn a_slot_scrubbed_ahead_reaches_the_next_guest_zeroed_and_the_thread_goes_with_
     assert_eq!(scrubbers(), 0, "stopped and joined with the creator");
 
     // A guarded pool scrubs as a slot comes back: no thread to start.
-    let guarded = TensorWasmMemoryCreator::builder(std::sync::Arc::new(
-        tensor_wasm_mem_mock::with_config(tensor_wasm_mem_mock::MockConfig {
-            pageable_memory_access: true,
-            ..tensor_wasm_mem_mock::MockConfig::default()
-        }),
-    ))
-    .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 * PAGE, 1)]))
-    .scrub_ahead()
-    .build()
-    .expect("guarded pooled creator");
+    let guarded = TensorWasmMemoryCreator::builder(pageable_mock())
+        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 * PAGE, 1)]))
+        .scrub_ahead()
+        .build()
+        .expect("guarded pooled creator");
     assert!(matches!(guarded.backing(), Backing::Guarded(_)));
     assert_eq!(scrubbers(), 0);
 }

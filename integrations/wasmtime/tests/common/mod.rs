@@ -18,6 +18,17 @@ pub fn mock() -> Arc<MockBackend> {
     Arc::new(MockBackend::default())
 }
 
+/// One simulated device with pageable memory access (HMM): where `Backing::detect` picks the
+/// guarded pageable backing.
+pub fn pageable_mock() -> Arc<MockBackend> {
+    Arc::new(tensor_wasm_mem_mock::with_config(
+        tensor_wasm_mem_mock::MockConfig {
+            pageable_memory_access: true,
+            ..tensor_wasm_mem_mock::MockConfig::default()
+        },
+    ))
+}
+
 pub fn fresh(backend: &Arc<MockBackend>) -> TensorWasmMemoryCreator<MockBackend> {
     TensorWasmMemoryCreator::builder(Arc::clone(backend))
         .build()
