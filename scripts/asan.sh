@@ -18,7 +18,7 @@ export RUSTFLAGS="-Zsanitizer=address"
 # Line tables are enough for the reports' stacks, and keep the instrumented build's disk and link
 # memory small (full debug info made CI's ASan build of one test run out of room once); no
 # incremental cache for a one-off build.
-export CARGO_PROFILE_DEV_DEBUG=line-tables-only CARGO_INCREMENTAL=0
+export CARGO_PROFILE_DEV_DEBUG=line-tables-only CARGO_PROFILE_DEV_STRIP=none CARGO_INCREMENTAL=0
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"
 log="$(mktemp)"
 set +e

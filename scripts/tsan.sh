@@ -25,7 +25,7 @@ target="$(rustc -vV | sed -n 's/^host: //p')"
 # The precompiled std is not instrumented: the ABI check would refuse to link it.
 export RUSTFLAGS="-Zsanitizer=thread -Cunsafe-allow-abi-mismatch=sanitizer"
 # As in asan.sh: line tables only, no incremental cache.
-export CARGO_PROFILE_DEV_DEBUG=line-tables-only CARGO_INCREMENTAL=0
+export CARGO_PROFILE_DEV_DEBUG=line-tables-only CARGO_PROFILE_DEV_STRIP=none CARGO_INCREMENTAL=0
 export TSAN_OPTIONS="halt_on_error=0 second_deadlock_stack=1 print_suppressions=1 suppressions=$PWD/scripts/tsan.supp"
 log="$(mktemp)"
 set +e
