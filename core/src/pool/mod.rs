@@ -354,7 +354,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
     fn prepare(&self, slot: SlotId, offset: usize, dirt: Dirt) -> Result<(), Error<A::Error>> {
         match self.scrub(offset, dirt) {
             Ok(returned) => {
-                self.slots.scrubbed(slot, Dirt::default(), returned);
+                self.slots.scrubbed(returned);
                 Ok(())
             }
             Err((left, scrubbed, e)) => {

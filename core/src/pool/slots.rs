@@ -9,7 +9,7 @@
 //! [`PoolConfig::layout`]: super::PoolConfig::layout
 
 use alloc::vec::Vec;
-use core::sync::atomic::{AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::config::{ClassLayout, ClassStats, PoolError, PoolStats};
 
@@ -151,6 +151,10 @@ pub struct SlotTable<M> {
     /// `TableState::waiting`, stored under the lock at each change, for readers without it;
     /// alone on its cache line (a scrubbing thread polls it while acquisitions write beside).
     waiting: super::CacheLine<AtomicUsize>,
+    /// What acquisitions scrubbed ([`scrubbed`](Self::scrubbed)): bytes, and hint resets.
+    /// Counted without the lock (an acquisition takes it once, to take its slot), and added
+    /// to the counters under the lock in [`stats`](Self::stats).
+    scrubbed_on_take: (AtomicU64, AtomicU64),
 }
 
 impl<M: Copy> SlotTable<M> {
@@ -164,6 +168,7 @@ impl<M: Copy> SlotTable<M> {
             layout,
             waits: |_| false,
             waiting: super::CacheLine(AtomicUsize::new(0)),
+            scrubbed_on_take: (AtomicU64::new(0), AtomicU64::new(0)),
             state: spin::Mutex::new(TableState {
                 classes,
                 counters: Counters {
@@ -341,12 +346,14 @@ impl<M: Copy> SlotTable<M> {
         state.counters.bytes_scrubbed += scrubbed;
     }
 
-    /// Records a scrub done as a slot was handed out.
-    pub fn scrubbed(&self, slot: SlotId, meta: M, returned: Returned) {
-        let mut state = self.state.lock();
-        state.classes[slot.class].meta[slot.index as usize] = meta;
-        state.counters.bytes_scrubbed += returned.scrubbed;
-        state.counters.hint_resets += u64::from(returned.hints_reset);
+    /// Counts a scrub done as a slot was handed out (the slot's record is not touched: a held
+    /// slot's is written when it goes back free, and read only while it is free).
+    pub fn scrubbed(&self, returned: Returned) {
+        let (bytes, resets) = &self.scrubbed_on_take;
+        bytes.fetch_add(returned.scrubbed, Ordering::Relaxed);
+        if returned.hints_reset {
+            resets.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// A slot comes back, free, with `meta` for its next scrub, counting a release.
@@ -448,9 +455,9 @@ impl<M: Copy> SlotTable<M> {
                 .collect(),
             acquisitions: c.acquisitions,
             releases: c.releases,
-            bytes_scrubbed: c.bytes_scrubbed,
+            bytes_scrubbed: c.bytes_scrubbed + self.scrubbed_on_take.0.load(Ordering::Relaxed),
             scrub_failures: c.scrub_failures,
-            hint_resets: c.hint_resets,
+            hint_resets: c.hint_resets + self.scrubbed_on_take.1.load(Ordering::Relaxed),
             exhaustions: c.exhaustions,
             scrubbed_ahead: c.scrubbed_ahead,
             slab_given_up: false,

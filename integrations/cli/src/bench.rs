@@ -38,6 +38,10 @@ pub struct BenchArgs {
     /// Internal: measure resident memory of one configuration in this (child) process.
     #[arg(long, hide = true, value_name = "CONFIG")]
     pub rss_child: Option<String>,
+    /// Internal: run 1,000,000 instantiate+call+drop lives of one setup (its `--json` key) and
+    /// print the microseconds per life: a loop to put under `perf record`.
+    #[arg(long, hide = true, value_name = "SETUP")]
+    pub lives_of: Option<String>,
 }
 
 const SMALL: &str = r#"(module
@@ -558,6 +562,31 @@ fn threaded_instantiate_us(
     Ok(median(&mut samples))
 }
 
+/// `--lives-of`: a million lives of one setup's small module in one thread, for a profiler.
+fn lives_of(key: &str) -> Result<(), Failure> {
+    let setup = Setup::from_key(key)
+        .ok_or_else(|| Failure::Usage(format!("--lives-of: no setup named {key:?}")))?;
+    let engine = setup.engine(16)?;
+    let pre = pre(
+        &engine,
+        if setup == Setup::NoMemoryFloor {
+            NO_MEMORY
+        } else {
+            SMALL
+        },
+    )?;
+    let lives = 1_000_000;
+    let start = Instant::now();
+    for _ in 0..lives {
+        small_life(&engine, &pre, ())?;
+    }
+    println!(
+        "{key}: {:.3} us per life",
+        start.elapsed().as_secs_f64() * 1e6 / f64::from(lives)
+    );
+    Ok(())
+}
+
 /// Microseconds per call of `once`: warmed up, then the median over batches.
 fn median_lives(
     sizes: Sizes,
@@ -925,6 +954,9 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
     let sizes = Sizes::new(args.quick);
     if let Some(key) = &args.rss_child {
         return rss_child(key, sizes.rss_instances);
+    }
+    if let Some(key) = &args.lives_of {
+        return lives_of(key);
     }
     let instantiate_setups = [
         (Setup::WasmtimeDefault, None),

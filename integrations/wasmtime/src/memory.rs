@@ -115,14 +115,12 @@ struct CreatorInner<B: Backend> {
     shares: Option<Arc<PoolShares>>,
     /// The kernels its guests may launch.
     kernels: Option<Arc<KernelRegistry<B>>>,
-    /// Live memories by base address.
-    registry: Mutex<HashMap<usize, Arc<MemoryRecord<B>>>>,
+    /// Live memories by base address, and the count of those made and gone.
+    registry: Mutex<Live<B>>,
     /// Memories whose storage the backend refused to release, with their charges.
     kept: Arc<KeptMemories<B>>,
     /// Guarded regions kept mapped for good because the backend never let go of them.
     kept_mappings: KeptMappings,
-    created: AtomicU64,
-    dropped: AtomicU64,
     refused: AtomicU64,
     /// Memories refused at their tenant's slot share.
     share_denials: AtomicU64,
@@ -140,16 +138,25 @@ struct CreatorInner<B: Backend> {
 /// The most threads whose last untaken refusal a creator keeps (the oldest goes first).
 const KEPT_REFUSALS: usize = 64;
 
+/// A creator's live memories, and its counts of memories made and gone (kept under the same
+/// lock as the map: one lock per memory made, one per memory gone).
+struct Live<B: Backend> {
+    memories: HashMap<usize, Arc<MemoryRecord<B>>>,
+    created: u64,
+    dropped: u64,
+}
+
 impl<B: Backend> CreatorInner<B> {
-    fn registry(&self) -> std::sync::MutexGuard<'_, HashMap<usize, Arc<MemoryRecord<B>>>> {
+    fn registry(&self) -> std::sync::MutexGuard<'_, Live<B>> {
         self.registry.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
 impl<B: Backend> Registry<B> for CreatorInner<B> {
     fn unregister(&self, base: usize) {
-        self.registry().remove(&base);
-        self.dropped.fetch_add(1, Ordering::AcqRel);
+        let mut live = self.registry();
+        live.memories.remove(&base);
+        live.dropped += 1;
     }
 }
 
@@ -505,11 +512,13 @@ impl<B: Backend> CreatorBuilder<B> {
                 interruption: self.interruption,
                 shares,
                 kernels: self.kernels.clone(),
-                registry: Mutex::new(HashMap::new()),
+                registry: Mutex::new(Live {
+                    memories: HashMap::new(),
+                    created: 0,
+                    dropped: 0,
+                }),
                 kept,
                 kept_mappings,
-                created: AtomicU64::new(0),
-                dropped: AtomicU64::new(0),
                 refused: AtomicU64::new(0),
                 share_denials: AtomicU64::new(0),
                 bound_exempt,
@@ -706,8 +715,10 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// A snapshot of the creator's figures.
     #[must_use]
     pub fn stats(&self) -> CreatorStats {
-        let created = self.inner.created.load(Ordering::Acquire);
-        let dropped = self.inner.dropped.load(Ordering::Acquire);
+        let (created, dropped) = {
+            let live = self.inner.registry();
+            (live.created, live.dropped)
+        };
         let (kept_memories, kept_bytes) = self.inner.kept.figures();
         let (recoveries, last_recovery_ns) = self.inner.kept.recoveries();
         CreatorStats {
@@ -729,7 +740,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
 
     fn device_stats(&self) -> Vec<CreatorDeviceStats> {
         let mut live = vec![0u64; self.inner.devices.len()];
-        for record in self.inner.registry().values() {
+        for record in self.inner.registry().memories.values() {
             if let Some(i) = self
                 .inner
                 .devices
@@ -855,6 +866,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         let records: Vec<_> = self
             .inner
             .registry()
+            .memories
             .values()
             .filter(|r| r.device() == device)
             .cloned()
@@ -916,6 +928,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     fn record(&self, view: MemoryView) -> Result<Arc<MemoryRecord<B>>, TwmError> {
         self.inner
             .registry()
+            .memories
             .get(&view.base)
             .cloned()
             .ok_or(TwmError::NotOurMemory)
@@ -1271,7 +1284,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         reserved: usize,
         guard: usize,
     ) -> Result<Storage<B>, TwmError> {
-        let backend = Arc::clone(&self.inner.backend);
+        let backend = || Arc::clone(&self.inner.backend);
         let capacity = sizes.allocate;
         // Nothing visible yet: `open` makes the initial bytes reachable, through the path that
         // keeps a storage the backend refuses to take back.
@@ -1285,10 +1298,10 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
                     .map_err(|e| e.on_device(device))?,
             ),
             (None, Backing::Managed) => Storage::Managed(
-                UnifiedBuffer::new(backend, device, capacity, 0).map_err(TwmError::from_core)?,
+                UnifiedBuffer::new(backend(), device, capacity, 0).map_err(TwmError::from_core)?,
             ),
             (None, Backing::Guarded(access)) => Storage::Guarded(GuardedRegion::new(
-                backend,
+                backend(),
                 (device, access),
                 capacity,
                 reserved,
@@ -1309,8 +1322,11 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         let base = held.storage.as_ptr() as usize;
         let kept = Arc::clone(&self.inner.kept);
         let record = Arc::new(MemoryRecord::new(held, device, books, kept));
-        self.inner.registry().insert(base, Arc::clone(&record));
-        self.inner.created.fetch_add(1, Ordering::AcqRel);
+        {
+            let mut live = self.inner.registry();
+            live.memories.insert(base, Arc::clone(&record));
+            live.created += 1;
+        }
         let registry: Arc<dyn Registry<B>> = self.inner.clone();
         TensorWasmLinearMemory::new(registry, record, (base, sizes.initial, sizes.capacity))
     }
