@@ -90,6 +90,12 @@ pub struct RunArgs {
     /// 65536).
     #[arg(long, value_name = "SLOTS", value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_POOL)))]
     pub pool: Option<u32>,
+    /// With --pool: a thread zeroes each slot a run gave back while it is free, so the next
+    /// run's instantiation does no scrub of its own: lower latency per run for one more busy
+    /// core (docs/BENCHMARKS.md, "Scrubbing ahead"). A managed pool's; a guarded pool zeroes a
+    /// slot as it comes back.
+    #[arg(long, requires = "pool")]
+    pub scrub_ahead: bool,
     /// The most bytes one linear memory may have (at most 4GiB); also the capacity of memories
     /// that declare no maximum (what clang's C programs declare).
     #[arg(long, value_name = "BYTES", default_value = "256MiB", value_parser = crate::bytes::parse_bytes)]
@@ -532,6 +538,9 @@ fn creator<B: BuiltinKernels>(
             DeviceId(0),
             [SizeClass::new(slot_bytes, slots as usize)],
         ));
+        if args.scrub_ahead {
+            builder = builder.scrub_ahead();
+        }
     }
     builder
         .build()

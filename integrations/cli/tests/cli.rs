@@ -157,6 +157,50 @@ fn repeat_reuses_the_pool_and_scrubs() {
     assert_eq!(v["creator"]["pool"]["acquisitions"], 2);
 }
 
+/// `--scrub-ahead`: every run still sees a zeroed slot, each slot a run gave back is scrubbed
+/// once (by the thread, or by the next acquisition if the thread had not reached it; the last
+/// one maybe not yet when the figures are read), and the flag needs a pool.
+#[test]
+fn scrubbing_ahead_keeps_every_run_zeroed_and_scrubs_each_slot_once() {
+    let runs = 200;
+    let repeat = runs.to_string();
+    let (code, out, err) = run(&[
+        "--invoke",
+        "first",
+        "--repeat",
+        &repeat,
+        "--pool",
+        "1",
+        "--scrub-ahead",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        v["runs"],
+        serde_json::json!(vec![[0]; runs]),
+        "each run sees a zeroed slot"
+    );
+    let pool = &v["creator"]["pool"];
+    assert_eq!(pool["acquisitions"], runs, "{v}");
+    let page = 64 << 10;
+    let scrubbed = pool["bytes_scrubbed"].as_u64().unwrap();
+    assert!(
+        scrubbed == (runs as u64 - 1) * page || scrubbed == runs as u64 * page,
+        "one scrub per slot given back: {v}"
+    );
+    assert!(
+        pool["scrubbed_ahead"].as_u64().unwrap() <= runs as u64,
+        "{v}"
+    );
+    let (code, _, err) = run(&["--invoke", "first", "--scrub-ahead"]);
+    assert_eq!(
+        code, 2,
+        "--scrub-ahead without --pool is a usage error: {err}"
+    );
+    assert!(err.contains("--pool"), "{err}");
+}
+
 /// Attack 3 through `twm run`: each run advises its pooled memory; the next run's memory in the
 /// same slot has its hints reset first (a run that hints nothing costs no reset).
 #[test]

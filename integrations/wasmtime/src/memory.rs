@@ -715,9 +715,10 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// A snapshot of the creator's figures.
     #[must_use]
     pub fn stats(&self) -> CreatorStats {
-        let (created, dropped) = {
+        // The totals and the counts per device from one look at the registry (they agree).
+        let (created, dropped, per_device) = {
             let live = self.inner.registry();
-            (live.created, live.dropped)
+            (live.created, live.dropped, self.live_per_device(&live))
         };
         let (kept_memories, kept_bytes) = self.inner.kept.figures();
         let (recoveries, last_recovery_ns) = self.inner.kept.recoveries();
@@ -734,13 +735,14 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
             recoveries,
             last_recovery_us: last_recovery_ns / 1000,
             pool: self.inner.pools.first().map(CreatorPool::stats),
-            devices: self.device_stats(),
+            devices: self.device_stats(per_device),
         }
     }
 
-    fn device_stats(&self) -> Vec<CreatorDeviceStats> {
+    /// The live memories on each served device, in the served order.
+    fn live_per_device(&self, registry: &Live<B>) -> Vec<u64> {
         let mut live = vec![0u64; self.inner.devices.len()];
-        for record in self.inner.registry().memories.values() {
+        for record in registry.memories.values() {
             if let Some(i) = self
                 .inner
                 .devices
@@ -750,6 +752,11 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
                 live[i] += 1;
             }
         }
+        live
+    }
+
+    /// Each served device's figures, with `live` its live memories (in the served order).
+    fn device_stats(&self, live: Vec<u64>) -> Vec<CreatorDeviceStats> {
         self.inner
             .devices
             .iter()
