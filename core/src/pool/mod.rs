@@ -327,13 +327,22 @@ impl<A: ManagedAllocator> SlotPool<A> {
             }
             .into());
         }
-        if dirt != Dirt::default()
-            && let Err(e) = self.prepare(slot, offset, dirt)
-        {
-            // The slot went back: a scrub refused on a device fenced meanwhile lets the slab
-            // go if that was the last slot held.
-            self.give_up_if_fenced();
-            return Err(e);
+        if dirt != Dirt::default() {
+            // A backend that panics mid-scrub (a bug) puts the slot back dirty, counted as a
+            // failed scrub: the pool neither loses it nor waits for it for ever.
+            let unwinding = TakenHeld {
+                pool: self,
+                slot,
+                dirt,
+            };
+            let prepared = self.prepare(slot, offset, dirt);
+            core::mem::forget(unwinding);
+            if let Err(e) = prepared {
+                // The slot went back: a scrub refused on a device fenced meanwhile lets the
+                // slab go if that was the last slot held.
+                self.give_up_if_fenced();
+                return Err(e);
+            }
         }
         let slot = PoolSlot {
             pool: Arc::clone(self),
@@ -578,6 +587,21 @@ impl<A: ManagedAllocator> Drop for AheadHeld<'_, A> {
             self.pool.slots.ahead_done(taken.slot, taken.meta, failed);
         }
         self.pool.scrubbing.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A slot an acquisition took and is scrubbing: dropped only if the scrub unwinds (it is
+/// forgotten once the scrub returns), it puts the slot back as it was taken, dirty, with a
+/// failed scrub counted.
+struct TakenHeld<'a, A: ManagedAllocator> {
+    pool: &'a SlotPool<A>,
+    slot: SlotId,
+    dirt: Dirt,
+}
+
+impl<A: ManagedAllocator> Drop for TakenHeld<'_, A> {
+    fn drop(&mut self) {
+        self.pool.slots.refuse(self.slot, self.dirt, 0);
     }
 }
 
@@ -1270,6 +1294,38 @@ mod tests {
         drop(again);
         pool.allocator().fenced.store(true, Ordering::SeqCst);
         pool.let_go_if_fenced(); // returns: no scrub is counted as running
+        assert!(pool.stats().slab_given_up);
+    }
+
+    /// An acquisition whose backend panics mid-scrub puts its slot back dirty, counted as a
+    /// failed scrub: the slot is not lost, the next acquisition scrubs it, and a fenced device
+    /// lets the slab go (no slot is left held for ever).
+    #[test]
+    fn a_panic_in_an_acquisitions_scrub_loses_no_slot() {
+        use crate::allocator::IdleHolder;
+        let pool = watched_pool(Watched::default(), 1);
+        let mut first = pool.acquire(PAGE, PAGE).unwrap();
+        first.write(0, &[0xa5; 8]).unwrap();
+        drop(first);
+        pool.allocator().panics.store(true, Ordering::SeqCst);
+        let unwound =
+            std::panic::catch_unwind(core::panic::AssertUnwindSafe(|| pool.acquire(PAGE, PAGE)));
+        assert!(unwound.is_err());
+        let s = pool.stats();
+        assert_eq!(
+            (s.free(), s.in_use(), s.scrub_failures, s.acquisitions),
+            (1, 0, 1, 1)
+        );
+        pool.allocator().panics.store(false, Ordering::SeqCst);
+        let again = pool
+            .acquire(PAGE, PAGE)
+            .expect("the slot, scrubbed by this acquisition");
+        let mut bytes = [1u8; 8];
+        again.read(0, &mut bytes).unwrap();
+        assert_eq!(bytes, [0; 8]);
+        drop(again);
+        pool.allocator().fenced.store(true, Ordering::SeqCst);
+        pool.let_go_if_fenced();
         assert!(pool.stats().slab_given_up);
     }
 
