@@ -327,22 +327,13 @@ impl<A: ManagedAllocator> SlotPool<A> {
             }
             .into());
         }
-        if dirt != Dirt::default() {
-            // A backend that panics mid-scrub (a bug) puts the slot back dirty, counted as a
-            // failed scrub: the pool neither loses it nor waits for it for ever.
-            let unwinding = TakenHeld {
-                pool: self,
-                slot,
-                dirt,
-            };
-            let prepared = self.prepare(slot, offset, dirt);
-            core::mem::forget(unwinding);
-            if let Err(e) = prepared {
-                // The slot went back: a scrub refused on a device fenced meanwhile lets the
-                // slab go if that was the last slot held.
-                self.give_up_if_fenced();
-                return Err(e);
-            }
+        if dirt != Dirt::default()
+            && let Err(e) = self.prepare(slot, offset, dirt)
+        {
+            // The slot went back: a scrub refused on a device fenced meanwhile lets the slab
+            // go if that was the last slot held.
+            self.give_up_if_fenced();
+            return Err(e);
         }
         let slot = PoolSlot {
             pool: Arc::clone(self),
@@ -359,9 +350,18 @@ impl<A: ManagedAllocator> SlotPool<A> {
 
     /// Scrubs a slot just taken: zeroes its dirty bytes, then resets its hints (after the
     /// zeroing, which may itself move pages). A failure hands nothing out: the slot goes back
-    /// free, still dirty (a failed zeroing) or still hinted, and is scrubbed again next time.
+    /// free, still dirty (a failed zeroing) or still hinted, and is scrubbed again next time;
+    /// so does a backend that panics mid-scrub (a bug): the pool neither loses the slot nor
+    /// waits for it for ever.
     fn prepare(&self, slot: SlotId, offset: usize, dirt: Dirt) -> Result<(), Error<A::Error>> {
-        match self.scrub(offset, dirt) {
+        let unwinding = TakenHeld {
+            pool: self,
+            slot,
+            dirt,
+        };
+        let scrubbed = self.scrub(offset, dirt);
+        core::mem::forget(unwinding);
+        match scrubbed {
             Ok(returned) => {
                 self.slots.scrubbed(returned);
                 Ok(())

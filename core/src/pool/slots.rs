@@ -76,6 +76,14 @@ struct Counters {
     scrubbed_ahead: u64,
 }
 
+impl Counters {
+    /// Counts a scrub that was done.
+    fn scrubbed(&mut self, returned: Returned) {
+        self.bytes_scrubbed += returned.scrubbed;
+        self.hint_resets += u64::from(returned.hints_reset);
+    }
+}
+
 #[derive(Debug)]
 struct Class<M> {
     /// Free slot indices; the last is handed out first.
@@ -361,8 +369,7 @@ impl<M: Copy> SlotTable<M> {
         let mut state = self.state.lock();
         self.free(&mut state, slot, meta, false);
         state.counters.releases += 1;
-        state.counters.bytes_scrubbed += returned.scrubbed;
-        state.counters.hint_resets += u64::from(returned.hints_reset);
+        state.counters.scrubbed(returned);
     }
 
     /// Takes, to scrub it ahead of its next acquisition, the free slot nearest the top of its
@@ -416,8 +423,7 @@ impl<M: Copy> SlotTable<M> {
         match ahead {
             Ahead::Scrubbed(returned) => {
                 c.scrubbed_ahead += 1;
-                c.hint_resets += u64::from(returned.hints_reset);
-                c.bytes_scrubbed += returned.scrubbed;
+                c.scrubbed(returned);
             }
             Ahead::Failed { scrubbed } => {
                 c.scrub_failures += 1;
