@@ -415,14 +415,16 @@ const NO_MEMORY: &str = r#"(module
   (global $g (mut i32) (i32.const 0))
   (func (export "run") (global.set $g (i32.const 1))))"#;
 
-/// Microseconds per instantiate + call + drop of the small module for a tenant: `new_store`,
-/// `instantiate_pre`, the memory charged to it.
-fn tenant_instantiate_us(sizes: Sizes, bar: &ProgressBar) -> Result<f64, Failure> {
+/// Hands `measure` one life of the small module for a tenant: `new_store`, `instantiate_pre`,
+/// the memory charged to it.
+fn tenant_lives<R>(
+    measure: impl FnOnce(&mut dyn FnMut() -> Result<(), Failure>) -> R,
+) -> Result<R, Failure> {
     let creator = pooled_creator(Arc::new(MockBackend::default()), 16).map_err(other)?;
     let engine = creator.engine().map_err(other)?;
     let pre = pre_with(&Linker::new(&engine), &engine, SMALL)?;
     let tenant = Tenant::new(1, "bench", 1 << 30, IsolationLevel::StreamIsolated);
-    median_lives(sizes, bar, || {
+    Ok(measure(&mut || {
         let mut store = new_store(
             &engine,
             TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()),
@@ -432,7 +434,7 @@ fn tenant_instantiate_us(sizes: Sizes, bar: &ProgressBar) -> Result<f64, Failure
             .get_typed_func::<(), ()>(&mut store, "run")
             .map_err(other)?;
         run.call(&mut store, ()).map_err(other)
-    })
+    }))
 }
 
 fn pre(engine: &Engine, wat: &str) -> Result<InstancePre<()>, Failure> {
@@ -466,22 +468,32 @@ fn small_life<T: 'static>(
 
 /// Microseconds per instantiate + call + drop of `(memory 1 16)`, one Store each.
 fn instantiate_us(setup: Setup, sizes: Sizes, bar: &ProgressBar) -> Result<f64, Failure> {
+    with_lives(setup, |once| median_lives(sizes, bar, once))?
+}
+
+/// Hands `measure` one life of `setup`'s small module (instantiate + call + drop, a new Store
+/// each): the life its `instantiate_us` row measures (the floor's module has a global where
+/// the memory was; the tenant's Store is made by `new_store`; the WASI setup's linker has WASI).
+fn with_lives<R>(
+    setup: Setup,
+    measure: impl FnOnce(&mut dyn FnMut() -> Result<(), Failure>) -> R,
+) -> Result<R, Failure> {
     if setup == Setup::TwmPooledTenant {
-        return tenant_instantiate_us(sizes, bar);
+        return tenant_lives(measure);
     }
     let engine = setup.engine(16)?;
     if setup == Setup::NoMemoryFloor {
         let pre = pre(&engine, NO_MEMORY)?;
-        return median_lives(sizes, bar, || small_life(&engine, &pre, ()).map(drop));
+        return Ok(measure(&mut || small_life(&engine, &pre, ()).map(drop)));
     }
     if setup == Setup::TwmPooledWasi {
         let mut linker = Linker::<Option<WasiP1Ctx>>::new(&engine);
         add_wasi_to_linker(&mut linker).map_err(other)?;
         let pre = pre_with(&linker, &engine, SMALL)?;
-        return median_lives(sizes, bar, || small_life(&engine, &pre, None).map(drop));
+        return Ok(measure(&mut || small_life(&engine, &pre, None).map(drop)));
     }
     let pre = pre(&engine, SMALL)?;
-    median_lives(sizes, bar, || small_life(&engine, &pre, ()).map(drop))
+    Ok(measure(&mut || small_life(&engine, &pre, ()).map(drop)))
 }
 
 /// The pooled setups whose process CPU per life is measured beside their wall time.
@@ -562,28 +574,20 @@ fn threaded_instantiate_us(
     Ok(median(&mut samples))
 }
 
-/// `--lives-of`: a million lives of one setup's small module in one thread, for a profiler.
+/// `--lives-of`: a million lives of one setup in one thread (each as its `instantiate_us` row
+/// measures it), for a profiler.
 fn lives_of(key: &str) -> Result<(), Failure> {
     let setup = Setup::from_key(key)
         .ok_or_else(|| Failure::Usage(format!("--lives-of: no setup named {key:?}")))?;
-    let engine = setup.engine(16)?;
-    let pre = pre(
-        &engine,
-        if setup == Setup::NoMemoryFloor {
-            NO_MEMORY
-        } else {
-            SMALL
-        },
-    )?;
     let lives = 1_000_000;
-    let start = Instant::now();
-    for _ in 0..lives {
-        small_life(&engine, &pre, ())?;
-    }
-    println!(
-        "{key}: {:.3} us per life",
-        start.elapsed().as_secs_f64() * 1e6 / f64::from(lives)
-    );
+    let seconds = with_lives(setup, |once| {
+        let start = Instant::now();
+        for _ in 0..lives {
+            once()?;
+        }
+        Ok::<_, Failure>(start.elapsed().as_secs_f64())
+    })??;
+    println!("{key}: {:.3} us per life", seconds * 1e6 / f64::from(lives));
     Ok(())
 }
 
