@@ -50,6 +50,6 @@ for package in wasmtime wasmtime-wasi; do
     fi
 done
 if [ -d third_party/wiggle ]; then
-    echo "third_party/wiggle is patched until wasmtime-wasi $(locked wasmtime) is published (third_party/README.md)"
+    echo "third_party/wiggle is patched until a wasmtime-wasi newer than $(locked wasmtime-wasi) is published (third_party/README.md)"
 fi
 exit "$status"

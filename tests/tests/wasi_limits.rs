@@ -18,6 +18,7 @@ use tensor_wasm_mem_wasmtime::{
 const EMFILE: i32 = 33;
 const EINVAL: i32 = 28;
 const CREATE: i32 = 1;
+const TRUNCATE: i32 = 8;
 /// `fd_read`, `fd_seek`, `fd_tell`, `fd_filestat_get`: what reading a file needs.
 const READ: i64 = (1 << 1) | (1 << 2) | (1 << 5) | (1 << 21);
 /// Every right preview 1 defines.
@@ -30,10 +31,52 @@ const GUEST: &str = r#"(module
     (func $poll (param i32 i32 i32 i32) (result i32)))
   (import "wasi_snapshot_preview1" "path_symlink"
     (func $symlink (param i32 i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "fd_write"
+    (func $write (param i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "fd_filestat_set_size"
+    (func $set_size (param i32 i64) (result i32)))
+  (import "wasi_snapshot_preview1" "path_rename"
+    (func $rename (param i32 i32 i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_unlink_file"
+    (func $unlink (param i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_create_directory"
+    (func $mkdir (param i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_remove_directory"
+    (func $rmdir (param i32 i32 i32) (result i32)))
   (memory (export "memory") 2)
   (data (i32.const 16) "file.txt")
   (data (i32.const 32) "../../../../../../../../etc/passwd")
   (data (i32.const 80) "escape")
+  (data (i32.const 96) "other.txt")
+  (data (i32.const 112) "moved")
+  (data (i32.const 128) "made")
+  (data (i32.const 144) "sub")
+  (data (i32.const 160) "y")
+  ;; One iovec: the byte at 160.
+  (data (i32.const 176) "\a0\00\00\00\01\00\00\00")
+  ;; Opens file.txt with every right (no flags): the errno, the descriptor at 8.
+  (func $open_file (result i32)
+    (call $open (i32.const 3) (i32.const 0) (i32.const 16) (i32.const 8) (i32.const 0)
+      (i64.const 0x1FFFFFFF) (i64.const 0x1FFFFFFF) (i32.const 0) (i32.const 8)))
+  ;; Writes "y" into file.txt: the errno of the open or the write.
+  (func (export "write_file") (result i32) (local $e i32)
+    (local.set $e (call $open_file))
+    (if (local.get $e) (then (return (local.get $e))))
+    (call $write (i32.load (i32.const 8)) (i32.const 176) (i32.const 1) (i32.const 184)))
+  ;; Truncates file.txt to 0 bytes through a descriptor: the errno of the open or the call.
+  (func (export "truncate_file") (result i32) (local $e i32)
+    (local.set $e (call $open_file))
+    (if (local.get $e) (then (return (local.get $e))))
+    (call $set_size (i32.load (i32.const 8)) (i64.const 0)))
+  (func (export "rename_file") (result i32)
+    (call $rename (i32.const 3) (i32.const 96) (i32.const 9) (i32.const 3) (i32.const 112)
+      (i32.const 5)))
+  (func (export "unlink_file") (result i32)
+    (call $unlink (i32.const 3) (i32.const 16) (i32.const 8)))
+  (func (export "make_dir") (result i32)
+    (call $mkdir (i32.const 3) (i32.const 128) (i32.const 4)))
+  (func (export "remove_dir") (result i32)
+    (call $rmdir (i32.const 3) (i32.const 144) (i32.const 3)))
   ;; Makes the symlink "escape" -> ../../(...)/etc/passwd: the errno.
   (func (export "symlink_out") (result i32)
     (call $symlink (i32.const 32) (i32.const 34) (i32.const 3) (i32.const 80) (i32.const 6)))
@@ -94,6 +137,8 @@ fn guest(limits: WasiLimits, perms: FsPerms) -> Guest {
     let dir = std::env::temp_dir().join(format!("twm-wasi-limits-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     std::fs::write(dir.join("file.txt"), b"x").expect("file");
+    std::fs::write(dir.join("other.txt"), b"o").expect("file");
+    std::fs::create_dir(dir.join("sub")).expect("directory");
     let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
         .build()
         .expect("creator");
@@ -222,8 +267,15 @@ fn the_resource_table_has_a_ceiling_of_its_own() {
         resources: 8,
     };
     let mut guest = guest(limits, FsPerms::ReadWrite);
+    // A descriptor limit above the table's ceiling counts as the ceiling: opening stops with
+    // the errno a program handles, not a trap.
+    assert_eq!(limits.open_files(), 8);
+    assert_eq!(guest.open(10_000, 0, ALL).expect("no trap"), EMFILE);
+    let opened = guest.opened();
+    assert!((1..8).contains(&opened), "{opened} opened");
+    // Anything else that would add an entry past the ceiling (a poll's clocks) traps.
     let error = guest
-        .open(10_000, 0, ALL)
+        .poll(4)
         .expect_err("a call past the table's ceiling traps");
     assert!(
         format!("{error:?}").contains("resource table has no free keys"),
@@ -231,14 +283,60 @@ fn the_resource_table_has_a_ceiling_of_its_own() {
     );
 }
 
+/// Every way preview 1 changes a directory or a file: each call's errno.
+fn every_change(guest: &mut Guest) -> Vec<(&'static str, i32)> {
+    let mut errnos = vec![
+        ("O_CREAT", guest.open(1, CREATE, ALL).unwrap()),
+        ("O_TRUNC", guest.open(1, TRUNCATE, ALL).unwrap()),
+    ];
+    for name in [
+        "write_file",
+        "truncate_file",
+        "make_dir",
+        "remove_dir",
+        "rename_file",
+        "unlink_file",
+        "symlink_out",
+    ] {
+        errnos.push((name, guest.nullary(name).unwrap()));
+    }
+    errnos
+}
+
+/// The names in `dir`, sorted, and file.txt's bytes.
+fn contents(dir: &std::path::Path) -> (Vec<String>, Option<Vec<u8>>) {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    (names, std::fs::read(dir.join("file.txt")).ok())
+}
+
 #[test]
 fn a_read_only_preopen_cannot_be_written_through() {
     let mut guest = guest(WasiLimits::DEFAULT, FsPerms::ReadOnly);
+    let before = contents(&guest.dir.0);
     // Reading is allowed.
     assert_eq!(guest.open(1, 0, READ).unwrap(), 0);
-    // Creating (or truncating) is refused with an errno, and nothing on the host changes.
-    let errno = guest.open(1, CREATE, ALL).unwrap();
-    assert_ne!(errno, 0, "O_CREAT in a read-only preopen is refused");
+    // Every change is refused with an errno (no trap), and nothing on the host changes.
+    for (call, errno) in every_change(&mut guest) {
+        assert_ne!(errno, 0, "{call} in a read-only preopen is refused");
+    }
+    assert_eq!(contents(&guest.dir.0), before);
+    assert_eq!(before.1.as_deref(), Some(&b"x"[..]));
+}
+
+#[test]
+fn a_writable_preopen_takes_every_change_the_read_only_one_refuses() {
+    // The same calls succeed with write access: the refusals above are the permission's.
+    let mut guest = guest(WasiLimits::DEFAULT, FsPerms::ReadWrite);
+    for (call, errno) in every_change(&mut guest) {
+        assert_eq!(errno, 0, "{call} in a writable preopen");
+    }
+    let (names, file) = contents(&guest.dir.0);
+    assert_eq!(names, ["escape", "made", "moved"]);
+    assert_eq!(file, None, "file.txt was unlinked");
 }
 
 #[test]

@@ -33,8 +33,8 @@ struct Cli {
 enum Command {
     /// Several tenants, pooled memories, a host "kernel" on guest data, and the figures.
     Demo(demo::DemoArgs),
-    /// Run a .wat or .wasm module (exit 0 ok, 2 bad command line, 3 trap, 4 refused, 1 other;
-    /// a WASI guest's own `proc_exit` status otherwise).
+    /// Run a .wat or .wasm module (exit 0 ok, 2 bad command line, 3 trap, 4 refused, 124
+    /// timed out, 1 other; a WASI guest's own `proc_exit` status otherwise).
     Run(run::RunArgs),
     /// What the backend and device offer.
     Probe(probe::ProbeArgs),

@@ -116,8 +116,9 @@ pub struct RunArgs {
     /// status 3).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub fuel: Option<u64>,
-    /// Descriptors a WASI guest may hold open, preopens included (1 to 65536; default 256):
-    /// past them, opening a file answers EMFILE.
+    /// Descriptors a WASI guest may hold open, preopens included (1 to 65536, at most
+    /// --wasi-max-resources and the process's `ulimit -n` less 64; default 256, lowered to fit
+    /// those): past them, opening a file answers EMFILE.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65_536))]
     pub wasi_max_fds: Option<u32>,
     /// Subscriptions one WASI `poll_oneoff` may pass (1 to 65536; default 256): more is EINVAL.
@@ -222,12 +223,7 @@ impl WasiSetup {
                 Ok((PathBuf::from(host), guest.to_owned(), perms))
             })
             .collect::<Result<_, _>>()?;
-        let defaults = WasiLimits::DEFAULT;
-        let limits = WasiLimits {
-            descriptors: args.wasi_max_fds.unwrap_or(defaults.descriptors),
-            poll_subscriptions: args.wasi_max_poll.unwrap_or(defaults.poll_subscriptions),
-            resources: args.wasi_max_resources.unwrap_or(defaults.resources),
-        };
+        let limits = wasi_limits(args, open_files_limit())?;
         Ok(Self {
             argv,
             env,
@@ -463,18 +459,46 @@ fn open_files_limit() -> Option<u64> {
     line.split_whitespace().nth(3)?.parse().ok()
 }
 
-/// Refuses a `--wasi-max-fds` the process cannot give while keeping descriptors of its own.
-fn check_fd_limit(args: &RunArgs) -> Result<(), Failure> {
-    const KEPT: u64 = 64;
-    if let (Some(asked), Some(limit)) = (args.wasi_max_fds, open_files_limit())
-        && u64::from(asked) + KEPT > limit
-    {
-        return Err(Failure::Usage(format!(
-            "--wasi-max-fds {asked}: this process may open {limit} descriptors, and keeps {KEPT} \
-             of its own (raise the limit with ulimit -n, or ask for fewer)"
-        )));
-    }
-    Ok(())
+/// Descriptors `twm` keeps for itself out of the process's limit: a guest never gets them.
+const KEPT_DESCRIPTORS: u64 = 64;
+
+/// The WASI limits `args` ask for, given the process's descriptor limit (`ulimit -n`, if
+/// known). An explicit `--wasi-max-fds` the process cannot give while keeping
+/// [`KEPT_DESCRIPTORS`], or that passes `--wasi-max-resources` (the table whose entries hold the
+/// descriptors), is a usage error; the default is lowered to fit both.
+fn wasi_limits(args: &RunArgs, process_limit: Option<u64>) -> Result<WasiLimits, Failure> {
+    let defaults = WasiLimits::DEFAULT;
+    let resources = args.wasi_max_resources.unwrap_or(defaults.resources);
+    let room = process_limit.map(|limit| limit.saturating_sub(KEPT_DESCRIPTORS));
+    let descriptors = match args.wasi_max_fds {
+        Some(asked) => {
+            if let (Some(room), Some(limit)) = (room, process_limit)
+                && u64::from(asked) > room
+            {
+                return Err(Failure::Usage(format!(
+                    "--wasi-max-fds {asked}: this process may open {limit} descriptors, and \
+                     keeps {KEPT_DESCRIPTORS} of its own (raise the limit with ulimit -n, or ask \
+                     for fewer)"
+                )));
+            }
+            if asked > resources {
+                return Err(Failure::Usage(format!(
+                    "--wasi-max-fds {asked} is more than --wasi-max-resources {resources}: the \
+                     descriptors are entries of that table (ask for at most {resources})"
+                )));
+            }
+            asked
+        }
+        None => {
+            let room = room.map_or(u32::MAX, |r| u32::try_from(r).unwrap_or(u32::MAX));
+            defaults.descriptors.min(resources).min(room).max(1)
+        }
+    };
+    Ok(WasiLimits {
+        descriptors,
+        poll_subscriptions: args.wasi_max_poll.unwrap_or(defaults.poll_subscriptions),
+        resources,
+    })
 }
 
 /// The tenant's budgets from the command line.
@@ -640,7 +664,8 @@ pub fn early_report(file: &str, backend: &str, exit_code: u8, message: &str) -> 
 
 /// Runs `args` on `backend`; prints results to stdout (and stats to stderr).
 pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
-    check_fd_limit(args)?;
+    // Every usage check before the module is read or compiled.
+    let wasi = WasiSetup::parse(args)?;
     let bytes = read_module(&args.file, args.max_module_size.unwrap_or(MAX_MODULE_BYTES))?;
     let creator = creator(backend, args)?;
     let engine = creator
@@ -658,7 +683,6 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
             ))
         })?;
     drop(bytes);
-    let wasi = WasiSetup::parse(args)?;
     let mut linker = Linker::new(&engine);
     add_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
     add_wasi_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
@@ -687,11 +711,18 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
                         out(text)?;
                     }
                 }
-                let run = Value::Array(results.into_iter().map(|(_, v)| v).collect());
-                completed().push(run);
+                // Kept only for the JSON report (a million plain runs keep nothing).
+                if args.json {
+                    let run = Value::Array(results.into_iter().map(|(_, v)| v).collect());
+                    completed().push(run);
+                }
             }
             // A guest that ends with status 0 ran to completion.
-            Err(Failure::Exit(0)) => completed().push(Value::Array(Vec::new())),
+            Err(Failure::Exit(0)) => {
+                if args.json {
+                    completed().push(Value::Array(Vec::new()));
+                }
+            }
             Err(failure) => {
                 outcome = Err(failure);
                 break;

@@ -21,10 +21,36 @@ const MODULE: &str = r#"(module
     (local.get $v)))"#;
 
 fn twm(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_twm"))
-        .args(args)
-        .output()
-        .expect("run twm")
+    output(Command::new(env!("CARGO_BIN_EXE_twm")).args(args))
+}
+
+/// How long any process a test starts may run: a run that hangs (a watchdog that never fires, a
+/// guest sleeping 10^5 s) fails its test instead of stalling the suite.
+const PROCESS_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// `cmd`'s output (stdout and stderr captured), the process killed (and the test failed) past
+/// [`PROCESS_LIMIT`].
+fn output(cmd: &mut Command) -> Output {
+    bounded(
+        cmd.stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped()),
+    )
+}
+
+/// Runs `cmd` with the streams it was given (a stream not given is inherited), killed (and the
+/// test failed) past [`PROCESS_LIMIT`].
+fn bounded(cmd: &mut Command) -> Output {
+    let child = cmd.spawn().expect("start the process");
+    let pid = child.id();
+    let (done, waited) = std::sync::mpsc::channel();
+    std::thread::spawn(move || done.send(child.wait_with_output()));
+    match waited.recv_timeout(PROCESS_LIMIT) {
+        Ok(output) => output.expect("wait for the process"),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            panic!("{cmd:?} ran past {PROCESS_LIMIT:?}: killed");
+        }
+    }
 }
 
 /// Writes `contents` to a file of its own (tests run in parallel: never share a path).
@@ -835,8 +861,10 @@ fn the_watchdog_ends_the_run_whatever_its_streams_and_bounds_compilation() {
         cmd.args(args).stderr(a);
         if stdout_full {
             cmd.stdout(b);
+        } else {
+            cmd.stdout(std::process::Stdio::piped());
         }
-        Some(cmd.output().expect("run twm"))
+        Some(bounded(&mut cmd))
     };
     let s = sleep.to_str().unwrap();
     for (args, stdout_full) in [
@@ -861,39 +889,189 @@ fn the_watchdog_ends_the_run_whatever_its_streams_and_bounds_compilation() {
     assert!(started.elapsed() < std::time::Duration::from_secs(5));
 }
 
-#[test]
-fn a_full_wasi_resource_table_is_a_trap() {
-    let guest = module_file(
-        "open.wat",
-        br#"(module
+/// A WASI guest that opens `f` in its preopen (fd 3) and polls clocks, through `--invoke`.
+const WASI_GUEST: &str = r#"(module
   (import "wasi_snapshot_preview1" "path_open"
     (func $open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))
-  (memory (export "memory") 1)
+  (import "wasi_snapshot_preview1" "poll_oneoff"
+    (func $poll (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 2)
   (data (i32.const 16) "f")
-  (func (export "_start")
-    (loop $again
-      (br_if $again (i32.eqz (call $open (i32.const 3) (i32.const 0) (i32.const 16)
-        (i32.const 1) (i32.const 1) (i64.const 0x1FFFFFFF) (i64.const 0x1FFFFFFF) (i32.const 0)
-        (i32.const 8)))))))"#,
+  ;; Opens f with $oflags and $rights until refused or $max opens: opens * 100 + the refusal's
+  ;; errno.
+  (func (export "open_until") (param $max i32) (param $oflags i32) (param $rights i64)
+    (result i32)
+    (local $n i32) (local $e i32)
+    (block $done
+      (loop $again
+        (br_if $done (i32.ge_u (local.get $n) (local.get $max)))
+        (local.set $e (call $open (i32.const 3) (i32.const 0) (i32.const 16) (i32.const 1)
+          (local.get $oflags) (local.get $rights) (local.get $rights) (i32.const 0)
+          (i32.const 8)))
+        (br_if $done (local.get $e))
+        (local.set $n (i32.add (local.get $n) (i32.const 1)))
+        (br $again)))
+    (i32.add (i32.mul (local.get $n) (i32.const 100)) (local.get $e)))
+  ;; One poll of $n monotonic clocks with timeout 0 (at most 1000): the errno.
+  (func (export "poll") (param $n i32) (result i32)
+    (local $i i32)
+    (block $done
+      (loop $next
+        (br_if $done (i32.ge_u (local.get $i) (local.get $n)))
+        (br_if $done (i32.ge_u (local.get $i) (i32.const 1000)))
+        (i32.store (i32.add (i32.const 4112) (i32.mul (local.get $i) (i32.const 48)))
+          (i32.const 1))
+        (local.set $i (i32.add (local.get $i) (i32.const 1)))
+        (br $next)))
+    (call $poll (i32.const 4096) (i32.const 65536) (local.get $n) (i32.const 12))))"#;
+
+const EMFILE: i32 = 33;
+const EINVAL: i32 = 28;
+/// Every right preview 1 defines, and the ones reading a file needs (`fd_read`, `fd_seek`,
+/// `fd_tell`, `fd_filestat_get`).
+const ALL_RIGHTS: &str = "0x1FFFFFFF";
+const READ_RIGHTS: &str = "0x200026";
+
+/// A directory of its own holding `f` ("data"), removed when dropped.
+struct GuestDir(PathBuf);
+
+impl GuestDir {
+    fn new() -> Self {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("twm-cli-dir-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("f"), b"data").unwrap();
+        Self(dir)
+    }
+
+    fn spec(&self) -> String {
+        format!("{}::/", self.0.display())
+    }
+}
+
+impl Drop for GuestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `twm run WASI_GUEST FLAGS --invoke CALL`: the exit status and the number printed.
+fn wasi_call(flags: &[&str], call: &[&str]) -> (i32, Option<i32>, String) {
+    let guest = module_file("wasi.wat", WASI_GUEST.as_bytes());
+    let mut args = vec!["run", guest.to_str().unwrap()];
+    args.extend_from_slice(flags);
+    args.push("--invoke");
+    args.extend_from_slice(call);
+    let o = twm(&args);
+    (
+        o.status.code().expect("no signal"),
+        stdout(&o).trim().parse().ok(),
+        stderr(&o),
+    )
+}
+
+#[test]
+fn wasi_max_fds_is_emfile_for_the_guest_and_the_default_fits_ulimit() {
+    let dir = GuestDir::new();
+    let spec = dir.spec();
+    // Under the default (256), 100 opens all succeed.
+    let (code, result, err) = wasi_call(&["--dir", &spec], &["open_until", "100", "0", ALL_RIGHTS]);
+    assert_eq!((code, result), (0, Some(100 * 100)), "{err}");
+    // With --wasi-max-fds 8, the opens stop at EMFILE (the preopen counts).
+    let (code, result, err) = wasi_call(
+        &["--dir", &spec, "--wasi-max-fds", "8"],
+        &["open_until", "100", "0", ALL_RIGHTS],
     );
-    let dir = std::env::temp_dir().join(format!("twm-cli-table-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let spec = format!("{}::/", dir.display());
-    let o = twm(&[
-        "run",
-        guest.to_str().unwrap(),
-        "--dir",
-        &spec,
-        "--wasi-max-resources",
-        "10",
-    ]);
-    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
-    assert!(
-        stderr(&o).contains("--wasi-max-resources"),
-        "{}",
-        stderr(&o)
+    assert_eq!(code, 0, "{err}");
+    let result = result.expect("a number");
+    assert_eq!(result % 100, EMFILE, "{result}");
+    assert!((1..8).contains(&(result / 100)), "{result}");
+    // Without the flag, a process limit of 100 lowers the default to 100 - 64: EMFILE, not the
+    // host's own descriptors exhausted.
+    let guest = module_file("wasi.wat", WASI_GUEST.as_bytes());
+    let o = output(
+        Command::new("sh")
+            .arg("-c")
+            .arg(concat!(
+                "ulimit -n 100 && exec \"$0\" run \"$1\" --dir \"$2\" ",
+                "--invoke open_until 1000 0 0x1FFFFFFF"
+            ))
+            .arg(env!("CARGO_BIN_EXE_twm"))
+            .arg(&guest)
+            .arg(&spec),
     );
-    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let result: i32 = stdout(&o).trim().parse().expect("a number");
+    assert_eq!(result % 100, EMFILE, "{result}");
+    assert!(result / 100 < 36, "{result}");
+}
+
+#[test]
+fn contradictory_wasi_limits_are_usage_errors() {
+    let dir = GuestDir::new();
+    let spec = dir.spec();
+    let (code, _, err) = wasi_call(
+        &[
+            "--dir",
+            &spec,
+            "--wasi-max-fds",
+            "20",
+            "--wasi-max-resources",
+            "10",
+        ],
+        &["open_until", "1", "0", READ_RIGHTS],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--wasi-max-resources 10"), "{err}");
+}
+
+#[test]
+fn wasi_max_poll_is_einval_past_it() {
+    let (code, result, err) = wasi_call(&["--wasi-max-poll", "4"], &["poll", "4"]);
+    assert_eq!((code, result), (0, Some(0)), "{err}");
+    let (code, result, err) = wasi_call(&["--wasi-max-poll", "4"], &["poll", "5"]);
+    assert_eq!((code, result), (0, Some(EINVAL)), "{err}");
+    // The default is 256.
+    let (_, result, _) = wasi_call(&[], &["poll", "256"]);
+    assert_eq!(result, Some(0));
+    let (_, result, _) = wasi_call(&[], &["poll", "257"]);
+    assert_eq!(result, Some(EINVAL));
+}
+
+#[test]
+fn a_full_wasi_resource_table_is_a_trap() {
+    // Each clock a poll waits on is an entry of the table: 50 of them pass 10 entries.
+    let (code, _, err) = wasi_call(&["--wasi-max-resources", "10"], &["poll", "50"]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("--wasi-max-resources"), "{err}");
+    let (code, result, err) = wasi_call(&["--wasi-max-resources", "100"], &["poll", "50"]);
+    assert_eq!((code, result), (0, Some(0)), "{err}");
+}
+
+#[test]
+fn dir_ro_preopens_are_read_not_changed() {
+    const CREATE_TRUNCATE: &str = "9";
+    let dir = GuestDir::new();
+    let spec = dir.spec();
+    // Read-only: opening to read works, creating or truncating is refused, the file stays.
+    let (code, result, err) =
+        wasi_call(&["--dir-ro", &spec], &["open_until", "1", "0", READ_RIGHTS]);
+    assert_eq!((code, result), (0, Some(100)), "{err}");
+    let (code, result, err) = wasi_call(
+        &["--dir-ro", &spec],
+        &["open_until", "1", CREATE_TRUNCATE, ALL_RIGHTS],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(result.is_some_and(|r| r > 0 && r < 100), "{result:?}");
+    assert_eq!(std::fs::read(dir.0.join("f")).unwrap(), b"data");
+    // Writable: the same open truncates it.
+    let (code, result, err) = wasi_call(
+        &["--dir", &spec],
+        &["open_until", "1", CREATE_TRUNCATE, ALL_RIGHTS],
+    );
+    assert_eq!((code, result), (0, Some(100)), "{err}");
+    assert_eq!(std::fs::read(dir.0.join("f")).unwrap(), b"");
 }
 
 #[test]

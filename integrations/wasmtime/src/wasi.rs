@@ -85,7 +85,9 @@ pub use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct WasiLimits {
     /// Entries of the context's resource table when a `path_open` begins (its open
-    /// descriptors, preopens included): at this many, `path_open` answers `EMFILE`.
+    /// descriptors, preopens included): at this many, `path_open` answers `EMFILE`. A value
+    /// above [`resources`](Self::resources) counts as `resources` (the table's ceiling would
+    /// otherwise trap the guest first): see [`open_files`](Self::open_files).
     pub descriptors: u32,
     /// Subscriptions one `poll_oneoff` may pass: more is `EINVAL`, before anything is read.
     pub poll_subscriptions: u32,
@@ -102,6 +104,20 @@ impl WasiLimits {
         poll_subscriptions: 256,
         resources: 1024,
     };
+}
+
+impl WasiLimits {
+    /// The entries at which `path_open` answers `EMFILE`: [`descriptors`](Self::descriptors),
+    /// never more than [`resources`](Self::resources), so that a guest past its descriptors
+    /// always gets the errno a program can handle rather than a trap.
+    #[must_use]
+    pub const fn open_files(&self) -> u32 {
+        if self.descriptors < self.resources {
+            self.descriptors
+        } else {
+            self.resources
+        }
+    }
 }
 
 impl Default for WasiLimits {
@@ -231,7 +247,7 @@ fn define_limited_calls<T: HasWasi>(linker: &mut Linker<T>) -> wasmtime::Result<
          fdflags: i32,
          fd_out: i32|
          -> wasmtime::Result<i32> {
-            let limit = caller.data().wasi_limits().descriptors;
+            let limit = caller.data().wasi_limits().open_files();
             let open = limited(caller.data_mut()).ctx().table.iter_mut().count();
             if u32::try_from(open).unwrap_or(u32::MAX) >= limit {
                 return Ok(Errno::Mfile as i32);
