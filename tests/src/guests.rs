@@ -16,11 +16,9 @@ fn clang() -> String {
     std::env::var("TWM_CLANG").unwrap_or_else(|_| "clang".to_owned())
 }
 
-/// The workspace root.
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ has a parent")
+/// The workspace root, found at run time ([`crate::workspace_root`]).
+fn root() -> PathBuf {
+    crate::workspace_root()
 }
 
 /// The source of a guest.

@@ -28,6 +28,32 @@ pub mod sim;
 pub mod suite;
 
 pub use harness::Harness;
+
+/// The folder of the package whose test is running: `CARGO_MANIFEST_DIR` as cargo sets it when
+/// it runs a test (this checkout's), else the one this crate was compiled in. Never the
+/// compiled-in path alone: two checkouts that share a target directory share compiled test
+/// binaries, and a path baked into one names the checkout that built it, which may be gone.
+#[must_use]
+pub fn package_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(
+        || std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")),
+        std::path::PathBuf::from,
+    )
+}
+
+/// The workspace root: the nearest folder at or above [`package_dir`] with a `Cargo.lock`.
+///
+/// # Panics
+/// If there is none (a test run outside its workspace).
+#[must_use]
+pub fn workspace_root() -> std::path::PathBuf {
+    let package = package_dir();
+    package
+        .ancestors()
+        .find(|dir| dir.join("Cargo.lock").is_file())
+        .unwrap_or_else(|| panic!("no Cargo.lock at or above {}", package.display()))
+        .to_path_buf()
+}
 /// The core, for the macros.
 pub use tensor_wasm_mem_core as core;
 

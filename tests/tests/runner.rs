@@ -94,7 +94,7 @@ fn on_the_mock_no_case_is_ignored() {
 /// of the suite's modules is a case, under its own name, once.
 #[test]
 fn the_case_list_is_every_case_in_the_sources() {
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let src = tensor_wasm_mem_tests::package_dir().join("src");
     let mut in_sources = Vec::new();
     for module in ["recovery", "suite", "books", "races"] {
         let source = std::fs::read_to_string(src.join(format!("{module}.rs"))).unwrap();

@@ -79,7 +79,7 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 
 #[test]
 fn no_function_in_the_core_or_the_integration_is_longer_than_80_lines() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = tensor_wasm_mem_tests::workspace_root();
     let mut files = Vec::new();
     for dir in ["core/src", "integrations/wasmtime/src"] {
         rust_files(&root.join(dir), &mut files);
@@ -95,7 +95,7 @@ fn no_function_in_the_core_or_the_integration_is_longer_than_80_lines() {
 /// The simulated driver is split by concern: no file of the model over 800 lines.
 #[test]
 fn no_model_file_is_longer_than_800_lines() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = tensor_wasm_mem_tests::workspace_root();
     let mut files = Vec::new();
     rust_files(&root.join("backends/model/src"), &mut files);
     assert!(files.len() > 5, "the sources were found");
@@ -110,7 +110,7 @@ fn no_model_file_is_longer_than_800_lines() {
 /// Races are staged by the model's holds, released by the test, never by time.
 #[test]
 fn no_race_case_sleeps() {
-    let races = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/races.rs");
+    let races = tensor_wasm_mem_tests::package_dir().join("src/races.rs");
     let source = std::fs::read_to_string(races).expect("read");
     assert!(!source.contains("sleep("), "a race case sleeps");
     assert!(
@@ -180,8 +180,7 @@ fn reaches_outside(package: &Path, nested: &[PathBuf], file: &Path, source: &str
 /// their inputs from their build's environment at run time, never from a path compiled in.
 #[test]
 fn every_crate_reads_only_its_own_package() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
+    let root = tensor_wasm_mem_tests::workspace_root()
         .canonicalize()
         .expect("workspace");
     let members = members(&root);
@@ -220,9 +219,58 @@ fn every_crate_reads_only_its_own_package() {
     );
 }
 
+/// Every `env!("CARGO_MANIFEST_DIR")` in the code of `source` (not its comments) that is not
+/// the fallback of a run-time lookup (`var_os("CARGO_MANIFEST_DIR")` on one of the three lines
+/// before it).
+fn compiled_in_package_dirs(file: &Path, source: &str) -> Vec<String> {
+    let lines: Vec<&str> = source.lines().collect();
+    let compiled = concat!("env!(\"CARGO_", "MANIFEST_DIR\")");
+    let looked_up = concat!("var_os(\"CARGO_", "MANIFEST_DIR\")");
+    (0..lines.len())
+        .filter(|&i| lines[i].contains(compiled) && !lines[i].trim_start().starts_with("//"))
+        .filter(|&i| {
+            !lines[i.saturating_sub(3)..=i]
+                .iter()
+                .any(|l| l.contains(looked_up))
+        })
+        .map(|i| format!("{}:{}: {}", file.display(), i + 1, lines[i].trim()))
+        .collect()
+}
+
+/// Two checkouts that share a target directory share compiled test binaries (cargo gives a
+/// workspace member the same artifact wherever its checkout is): a path compiled into one names
+/// the checkout that built it, which may be gone. Files are found from `CARGO_MANIFEST_DIR` at
+/// run time (`package_dir`, `workspace_root`), the compiled-in value only where it is unset.
+#[test]
+fn no_test_finds_its_files_by_a_path_compiled_in() {
+    let root = tensor_wasm_mem_tests::workspace_root();
+    let mut found = Vec::new();
+    for member in members(&root) {
+        let mut files = Vec::new();
+        rust_files(&member, &mut files);
+        for file in files {
+            if file.components().any(|c| c.as_os_str() == "target") {
+                continue;
+            }
+            let source = std::fs::read_to_string(&file).expect("read");
+            found.extend(compiled_in_package_dirs(&file, &source));
+        }
+    }
+    assert!(found.is_empty(), "paths compiled in: {found:#?}");
+    // The checker sees one.
+    let baked = concat!("let p = env!(\"CARGO_", "MANIFEST_DIR\");\n");
+    let looked_up = concat!(
+        "let p = std::env::var_os(\"CARGO_",
+        "MANIFEST_DIR\")\n    .unwrap_or(env!(\"CARGO_",
+        "MANIFEST_DIR\").into());\n"
+    );
+    assert_eq!(compiled_in_package_dirs(Path::new("x.rs"), baked).len(), 1);
+    assert!(compiled_in_package_dirs(Path::new("x.rs"), looked_up).is_empty());
+}
+
 #[test]
 fn the_package_check_sees_a_file_outside() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = &tensor_wasm_mem_tests::package_dir();
     let nested = [root.join("cuda-sim").canonicalize().expect("cuda-sim")];
     let file = root.join("src/sim.rs");
     let outside = "#[path = \"../../core/src/lib.rs\"]\nmod x;\n";

@@ -62,7 +62,13 @@ fn advice() -> [(&'static str, i32); 6] {
 
 /// The `#define NAME value` lines of the C header with an integer value.
 fn header_defines() -> HashMap<String, i32> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../sdk/c/twm.h");
+    // This checkout's (cargo sets the variable when it runs the test), not the compiled-in
+    // one: checkouts that share a target directory share this binary.
+    let package = std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(
+        || env!("CARGO_MANIFEST_DIR").into(),
+        std::path::PathBuf::from,
+    );
+    let path = package.join("../../sdk/c/twm.h");
     let text = std::fs::read_to_string(path).expect("sdk/c/twm.h");
     text.lines()
         .filter_map(|line| {
