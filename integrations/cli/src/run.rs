@@ -104,10 +104,10 @@ pub struct RunArgs {
     /// 1000000).
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_REPEAT)))]
     pub repeat: u32,
-    /// End each run (instantiation and call), and the module's compilation, that takes longer
-    /// than DURATION (`500ms`, `10s`, `2m`; 1ms to 24h), with exit status 124: guest code is
-    /// interrupted (epoch interruption); a guest blocked in a host call (a WASI sleep) or a
-    /// compilation ends the process.
+    /// End each run (instantiation and call), and reading and compiling the module and writing
+    /// results, that takes longer than DURATION (`500ms`, `10s`, `2m`; 1ms to 24h), with exit
+    /// status 124: guest code is interrupted (epoch interruption); a guest blocked in a host
+    /// call (a WASI sleep), a compilation or a blocked read or write ends the process.
     #[arg(long, value_name = "DURATION", value_parser = crate::watchdog::parse_duration)]
     pub timeout: Option<Duration>,
     /// Give each run N units of fuel (about one a Wasm instruction, checked at function entries
@@ -223,7 +223,20 @@ impl WasiSetup {
                 Ok((PathBuf::from(host), guest.to_owned(), perms))
             })
             .collect::<Result<_, _>>()?;
-        let limits = wasi_limits(args, open_files_limit())?;
+        let limits = wasi_limits(args, descriptor_room())?;
+        // Each preopen is a host descriptor and an entry of the table from the start, beside
+        // stdio's three: the limit must hold them, or they alone would pass it.
+        let needed = dirs_len(args) + 3;
+        if needed > 3 && u64::from(limits.open_files()) < needed {
+            return Err(Failure::Usage(format!(
+                "{} preopened director{} and stdio need {needed} WASI descriptors; the guest may \
+                 hold {} (--wasi-max-fds, --wasi-max-resources, and ulimit -n less the \
+                 descriptors open and {KEPT_DESCRIPTORS} twm keeps)",
+                needed - 3,
+                if needed == 4 { "y" } else { "ies" },
+                limits.open_files()
+            )));
+        }
         Ok(Self {
             argv,
             env,
@@ -452,33 +465,64 @@ pub fn clip(message: &str) -> String {
     clipped
 }
 
-/// The soft limit on this process's open descriptors (`/proc/self/limits`), if known.
-fn open_files_limit() -> Option<u64> {
+/// The process's descriptor limit (its soft `ulimit -n`) and the descriptors it has open now
+/// (inherited ones included), if known.
+fn descriptor_room() -> Option<DescriptorRoom> {
     let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
     let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
-    line.split_whitespace().nth(3)?.parse().ok()
+    let limit = line.split_whitespace().nth(3)?.parse().ok()?;
+    // Less the one reading the folder.
+    let open = std::fs::read_dir("/proc/self/fd").ok()?.count() as u64;
+    Some(DescriptorRoom {
+        limit,
+        open: open.saturating_sub(1),
+    })
+}
+
+/// How many more descriptors the process may open.
+#[derive(Clone, Copy, Debug)]
+struct DescriptorRoom {
+    /// Its soft limit.
+    limit: u64,
+    /// Open now.
+    open: u64,
+}
+
+impl DescriptorRoom {
+    /// What a guest may have: the limit less what is open and [`KEPT_DESCRIPTORS`].
+    fn for_guests(self) -> u64 {
+        self.limit
+            .saturating_sub(self.open)
+            .saturating_sub(KEPT_DESCRIPTORS)
+    }
+}
+
+/// The preopens `args` ask for.
+fn dirs_len(args: &RunArgs) -> u64 {
+    (args.dirs.len() + args.dirs_ro.len()) as u64
 }
 
 /// Descriptors `twm` keeps for itself out of the process's limit: a guest never gets them.
 const KEPT_DESCRIPTORS: u64 = 64;
 
-/// The WASI limits `args` ask for, given the process's descriptor limit (`ulimit -n`, if
-/// known). An explicit `--wasi-max-fds` the process cannot give while keeping
+/// The WASI limits `args` ask for, given the process's descriptors (`ulimit -n` and those open,
+/// if known). An explicit `--wasi-max-fds` the process cannot give while keeping
 /// [`KEPT_DESCRIPTORS`], or that passes `--wasi-max-resources` (the table whose entries hold the
 /// descriptors), is a usage error; the default is lowered to fit both.
-fn wasi_limits(args: &RunArgs, process_limit: Option<u64>) -> Result<WasiLimits, Failure> {
+fn wasi_limits(args: &RunArgs, process: Option<DescriptorRoom>) -> Result<WasiLimits, Failure> {
     let defaults = WasiLimits::DEFAULT;
     let resources = args.wasi_max_resources.unwrap_or(defaults.resources);
-    let room = process_limit.map(|limit| limit.saturating_sub(KEPT_DESCRIPTORS));
+    let room = process.map(DescriptorRoom::for_guests);
     let descriptors = match args.wasi_max_fds {
         Some(asked) => {
-            if let (Some(room), Some(limit)) = (room, process_limit)
+            if let (Some(room), Some(process)) = (room, process)
                 && u64::from(asked) > room
             {
                 return Err(Failure::Usage(format!(
-                    "--wasi-max-fds {asked}: this process may open {limit} descriptors, and \
-                     keeps {KEPT_DESCRIPTORS} of its own (raise the limit with ulimit -n, or ask \
-                     for fewer)"
+                    "--wasi-max-fds {asked}: this process may open {} descriptors, has {} open, \
+                     and keeps {KEPT_DESCRIPTORS} of its own (raise the limit with ulimit -n, or \
+                     ask for fewer)",
+                    process.limit, process.open
                 )));
             }
             if asked > resources {
@@ -566,25 +610,34 @@ fn creator<B: BuiltinKernels>(
             builder = builder.scrub_ahead();
         }
     }
-    builder
-        .build()
-        .map_err(|e| Failure::Other(format!("cannot set up memory: {e}")))
+    builder.build().map_err(|e| {
+        let message = format!("cannot set up memory: {e}");
+        // A pool the device cannot hold is refused, as an exhausted budget is (exit 4).
+        if e.is_denial() || e.kind() == tensor_wasm_mem_wasmtime::core::ErrorKind::OutOfMemory {
+            Failure::Refused(message)
+        } else {
+            Failure::Other(message)
+        }
+    })
 }
 
 /// What stops a run: its deadline (the engine's epoch ticker and the process's watchdog) and
 /// its fuel.
 struct RunLimits {
-    deadline: Option<(EpochTicker, Watchdog, Duration)>,
+    timeout: Option<Duration>,
+    /// Started first: it bounds reading the module, compiling it and writing results too.
+    watchdog: Option<Watchdog>,
+    /// Started once the engine exists ([`ticking`](Self::ticking)).
+    ticker: Option<EpochTicker>,
     fuel: Option<u64>,
 }
 
 impl RunLimits {
-    fn start(engine: &wasmtime::Engine, args: &RunArgs) -> Result<Self, Failure> {
-        let deadline = match args.timeout {
+    /// The limits `args` ask for; the watchdog starts now, the epoch ticker with the engine.
+    fn start(args: &RunArgs) -> Result<Self, Failure> {
+        let watchdog = match args.timeout {
             None => None,
             Some(timeout) => {
-                let ticker = EpochTicker::start(engine, tick_for(timeout))
-                    .map_err(|e| Failure::Other(e.to_string()))?;
                 let (json, file, backend) = (
                     args.json,
                     args.file.display().to_string(),
@@ -592,8 +645,9 @@ impl RunLimits {
                 );
                 let watchdog = Watchdog::start(move |_| {
                     let message = format!(
-                        "timed out after {timeout:?} (in a host call or compiling, which cannot \
-                         be interrupted: the process ends)"
+                        "timed out after {timeout:?} (in a host call, reading the module, \
+                         compiling it or writing results, which cannot be interrupted: the \
+                         process ends)"
                     );
                     // One JSON object: none if the report is already out.
                     if json && !REPORTED.swap(true, Ordering::AcqRel) {
@@ -604,50 +658,88 @@ impl RunLimits {
                     write_fd(2, &format!("twm: {message}\n"));
                 })
                 .map_err(|e| Failure::Other(format!("cannot start the watchdog: {e}")))?;
-                Some((ticker, watchdog, timeout))
+                Some(watchdog)
             }
         };
         Ok(Self {
-            deadline,
+            timeout: args.timeout,
+            watchdog,
+            ticker: None,
             fuel: args.fuel,
         })
     }
 
-    /// Runs `compile` with the watchdog armed for the timeout (compilation cannot be
-    /// interrupted otherwise).
-    fn compiling<R>(&self, compile: impl FnOnce() -> R) -> R {
-        let Some((ticker, watchdog, timeout)) = &self.deadline else {
-            return compile();
+    /// Starts the epoch ticker on `engine` (with a timeout).
+    fn ticking(&mut self, engine: &wasmtime::Engine) -> Result<(), Failure> {
+        if let Some(timeout) = self.timeout {
+            self.ticker = Some(
+                EpochTicker::start(engine, tick_for(timeout))
+                    .map_err(|e| Failure::Other(e.to_string()))?,
+            );
+        }
+        Ok(())
+    }
+
+    /// Runs `work`, which nothing can interrupt (reading the module, compiling it, writing
+    /// results), with the watchdog armed for the timeout: past it (and a grace), the process
+    /// ends with status 124.
+    fn bounded<R>(&self, work: impl FnOnce() -> R) -> R {
+        let (Some(watchdog), Some(timeout)) = (&self.watchdog, self.timeout) else {
+            return work();
         };
-        watchdog.arm(*timeout + ticker.tick() * 2 + Duration::from_millis(250));
-        let result = compile();
+        watchdog.arm(timeout + self.grace());
+        let result = work();
         watchdog.disarm();
         result
     }
 
-    /// Runs `guest` on `store` within the deadline and the fuel.
+    /// How long past the deadline the watchdog waits for the epoch check to end a run first.
+    fn grace(&self) -> Duration {
+        self.ticker
+            .as_ref()
+            .map_or(Duration::ZERO, |t| t.tick() * 2)
+            + Duration::from_millis(250)
+    }
+
+    /// Runs `guest` on `store` within the deadline and the fuel. A run that took longer than
+    /// the timeout is a timeout, even one that ended in a host call before the watchdog fired.
     fn within<T: 'static, R>(
         &self,
         store: &mut Store<T>,
         guest: impl FnOnce(&mut Store<T>) -> R,
     ) -> Result<R, Failure> {
-        let timed = |store: &mut Store<T>| match &self.deadline {
-            Some((ticker, watchdog, timeout)) => {
-                // The watchdog fires only when the deadline could not: a little after it.
-                watchdog.arm(*timeout + ticker.tick() * 2 + Duration::from_millis(250));
-                let result = ticker.call_within(store, *timeout, |store| Ok(guest(store)));
-                watchdog.disarm();
+        let timed = |store: &mut Store<T>| match (&self.ticker, self.timeout) {
+            (Some(ticker), Some(timeout)) => {
+                let started = std::time::Instant::now();
+                let result =
+                    self.bounded(|| ticker.call_within(store, timeout, |store| Ok(guest(store))));
+                if started.elapsed() > timeout {
+                    return Err(wasmtime::Error::msg(PAST_ITS_TIME));
+                }
                 result
             }
-            None => Ok(guest(store)),
+            _ => Ok(guest(store)),
         };
-        match self.fuel {
+        let result = match self.fuel {
             Some(fuel) => call_with_fuel(store, fuel, timed),
             None => timed(store),
-        }
-        .map_err(|e| Failure::Other(format!("{e:#}")))
+        };
+        result.map_err(|e| {
+            if e.to_string() == PAST_ITS_TIME {
+                Failure::Timeout(format!(
+                    "the run timed out (--timeout {:?}): it ended in a host call after its \
+                     deadline",
+                    self.timeout.unwrap_or_default()
+                ))
+            } else {
+                Failure::Other(format!("{e:#}"))
+            }
+        })
     }
 }
+
+/// The error of a run that ended after its deadline without being interrupted.
+const PAST_ITS_TIME: &str = "twm: the run ended after its deadline";
 
 /// The JSON object of a run that failed before its report: what `--json` prints instead.
 pub fn early_report(file: &str, backend: &str, exit_code: u8, message: &str) -> Value {
@@ -666,15 +758,18 @@ pub fn early_report(file: &str, backend: &str, exit_code: u8, message: &str) -> 
 pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Failure> {
     // Every usage check before the module is read or compiled.
     let wasi = WasiSetup::parse(args)?;
-    let bytes = read_module(&args.file, args.max_module_size.unwrap_or(MAX_MODULE_BYTES))?;
+    let mut limits = RunLimits::start(args)?;
+    // Reading (a FIFO, a slow disk) and compiling cannot be interrupted: the watchdog bounds
+    // them by the same timeout.
+    let bytes = limits
+        .bounded(|| read_module(&args.file, args.max_module_size.unwrap_or(MAX_MODULE_BYTES)))?;
     let creator = creator(backend, args)?;
     let engine = creator
         .engine()
         .map_err(|e| Failure::Other(format!("cannot build the engine: {e:#}")))?;
-    let limits = RunLimits::start(&engine, args)?;
-    // Compilation cannot be interrupted: the watchdog bounds it by the same timeout.
+    limits.ticking(&engine)?;
     let module = limits
-        .compiling(|| Module::new(&engine, &bytes))
+        .bounded(|| Module::new(&engine, &bytes))
         .map_err(|e| {
             Failure::Other(format!(
                 "{}: {}",
@@ -685,7 +780,10 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
     drop(bytes);
     let mut linker = Linker::new(&engine);
     add_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
-    add_wasi_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
+    // Only for a guest that imports WASI: its runtime (threads, descriptors) is started here.
+    if imports_wasi(&module) {
+        add_wasi_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
+    }
     let tenant = Tenant::with_devices(
         1,
         "cli",
@@ -707,9 +805,8 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
         match run_once(&engine, &setup, args) {
             Ok(results) => {
                 if !args.json {
-                    for (text, _) in &results {
-                        out(text)?;
-                    }
+                    // A stdout nobody reads blocks: bounded by the timeout too.
+                    limits.bounded(|| results.iter().try_for_each(|(text, _)| out(text)))?;
                 }
                 // Kept only for the JSON report (a million plain runs keep nothing).
                 if args.json {
@@ -729,9 +826,8 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
             }
         }
     }
-    drop(limits);
     let runs = std::mem::take(&mut *completed());
-    report(args, &tenant, &creator, runs, outcome)
+    limits.bounded(|| report(args, &tenant, &creator, runs, outcome))
 }
 
 /// Prints what the runs left: the stats (stderr), the metrics and the JSON report.

@@ -55,17 +55,28 @@ struct Armed {
 /// How long the watchdog lets its report take before it ends the process all the same.
 const REPORT_GRACE: Duration = Duration::from_millis(200);
 
-/// Writes `text` to the process's file descriptor `fd` (1 or 2) through a descriptor of its
-/// own (`/proc/self/fd/N`, opened for appending): never through Rust's `stdout()` / `stderr()`,
-/// whose locks a guest blocked in a write may hold, and never panicking on a closed, full or
-/// broken stream.
+/// Writes `text` to the process's file descriptor `fd` (1 or 2) with `write(2)`: never through
+/// Rust's `stdout()` / `stderr()`, whose locks a guest blocked in a write may hold, without
+/// opening a descriptor (a process that has none left still reports), and never panicking on a
+/// closed, full or broken stream.
 pub fn write_fd(fd: u8, text: &str) {
-    use std::io::Write;
-    if let Ok(mut file) = std::fs::OpenOptions::new()
-        .append(true)
-        .open(format!("/proc/self/fd/{fd}"))
-    {
-        let _ = file.write_all(text.as_bytes());
+    // Straight to the descriptor: no lock a blocked writer holds, and no descriptor of its
+    // own to open (a process out of descriptors still reports). A short or failed write is
+    // given up on: the process ends either way.
+    use std::os::fd::AsFd;
+    let (stdout, stderr) = (std::io::stdout(), std::io::stderr());
+    // The streams' descriptors, borrowed without their locks.
+    let target = if fd == 1 {
+        stdout.as_fd()
+    } else {
+        stderr.as_fd()
+    };
+    let mut rest = text.as_bytes();
+    while !rest.is_empty() {
+        match rustix::io::write(target, rest) {
+            Ok(written @ 1..) => rest = &rest[written.min(rest.len())..],
+            Ok(0) | Err(_) => return,
+        }
     }
 }
 

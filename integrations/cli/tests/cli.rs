@@ -923,7 +923,12 @@ const WASI_GUEST: &str = r#"(module
           (i32.const 1))
         (local.set $i (i32.add (local.get $i) (i32.const 1)))
         (br $next)))
-    (call $poll (i32.const 4096) (i32.const 65536) (local.get $n) (i32.const 12))))"#;
+    (call $poll (i32.const 4096) (i32.const 65536) (local.get $n) (i32.const 12)))
+  ;; Sleeps $ms milliseconds in one poll of one monotonic clock: the errno.
+  (func (export "sleep") (param $ms i64) (result i32)
+    (i32.store (i32.const 8208) (i32.const 1))
+    (i64.store (i32.const 8216) (i64.mul (local.get $ms) (i64.const 1000000)))
+    (call $poll (i32.const 8192) (i32.const 65536) (i32.const 1) (i32.const 12))))"#;
 
 const EMFILE: i32 = 33;
 const EINVAL: i32 = 28;
@@ -978,15 +983,23 @@ fn wasi_max_fds_is_emfile_for_the_guest_and_the_default_fits_ulimit() {
     // Under the default (256), 100 opens all succeed.
     let (code, result, err) = wasi_call(&["--dir", &spec], &["open_until", "100", "0", ALL_RIGHTS]);
     assert_eq!((code, result), (0, Some(100 * 100)), "{err}");
-    // With --wasi-max-fds 8, the opens stop at EMFILE (the preopen counts).
+    // With --wasi-max-fds 8, the opens stop at EMFILE: stdio and the preopen count, from the
+    // guest's first call on (its descriptor table is set up by that call).
     let (code, result, err) = wasi_call(
         &["--dir", &spec, "--wasi-max-fds", "8"],
         &["open_until", "100", "0", ALL_RIGHTS],
     );
-    assert_eq!(code, 0, "{err}");
-    let result = result.expect("a number");
-    assert_eq!(result % 100, EMFILE, "{result}");
-    assert!((1..8).contains(&(result / 100)), "{result}");
+    assert_eq!((code, result), (0, Some(4 * 100 + EMFILE)), "{err}");
+    // At exactly what stdio and the preopen take, the first open is refused, not a trap.
+    for flags in [
+        ["--wasi-max-fds", "4", "--wasi-max-resources", "4"],
+        ["--wasi-max-resources", "4", "--wasi-max-poll", "256"],
+    ] {
+        let mut all = vec!["--dir", &spec];
+        all.extend_from_slice(&flags);
+        let (code, result, err) = wasi_call(&all, &["open_until", "100", "0", ALL_RIGHTS]);
+        assert_eq!((code, result), (0, Some(EMFILE)), "{flags:?}: {err}");
+    }
     // Without the flag, a process limit of 100 lowers the default to 100 - 64: EMFILE, not the
     // host's own descriptors exhausted.
     let guest = module_file("wasi.wat", WASI_GUEST.as_bytes());
@@ -1005,6 +1018,84 @@ fn wasi_max_fds_is_emfile_for_the_guest_and_the_default_fits_ulimit() {
     let result: i32 = stdout(&o).trim().parse().expect("a number");
     assert_eq!(result % 100, EMFILE, "{result}");
     assert!(result / 100 < 36, "{result}");
+}
+
+#[test]
+fn descriptors_the_process_inherited_leave_the_guest_less() {
+    let dir = GuestDir::new();
+    let guest = module_file("wasi.wat", WASI_GUEST.as_bytes());
+    // 40 descriptors open before twm starts, a limit of 120: 120 - 43 - 64 = 13 for the guest.
+    let o = output(
+        Command::new("bash")
+            .arg("-c")
+            .arg(concat!(
+                "ulimit -n 120 && for fd in $(seq 10 49); do eval \"exec $fd</dev/null\"; done && ",
+                "exec \"$0\" run \"$1\" --dir \"$2\" --invoke open_until 1000 0 0x1FFFFFFF"
+            ))
+            .arg(env!("CARGO_BIN_EXE_twm"))
+            .arg(&guest)
+            .arg(dir.spec()),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let result: i32 = stdout(&o).trim().parse().expect("a number");
+    assert_eq!(
+        result % 100,
+        EMFILE,
+        "refused by the limit, not the host: {result}"
+    );
+    assert!(result / 100 <= 10, "{result}");
+    // With 100 preopens where the process has room for few, a usage error (it panicked at the
+    // guest's first call when the host ran out of descriptors).
+    let many: Vec<String> = (0..100)
+        .map(|i| format!("{}::/p{i}", dir.0.display()))
+        .collect();
+    let mut args = vec!["--json".to_owned()];
+    for spec in &many {
+        args.extend(["--dir-ro".to_owned(), spec.clone()]);
+    }
+    let o = output(
+        Command::new("bash")
+            .arg("-c")
+            .arg("ulimit -n 120 && exec \"$0\" run \"$1\" \"${@:2}\" --invoke sleep 1")
+            .arg(env!("CARGO_BIN_EXE_twm"))
+            .arg(&guest)
+            .args(&args),
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("one object");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("100 preopened directories")),
+        "{v}"
+    );
+    // A process with almost no descriptors: WASI's runtime cannot start, a failure with its
+    // JSON object (it panicked at the guest's first file call), and a guest without WASI runs.
+    let o = output(
+        Command::new("sh")
+            .arg("-c")
+            .arg("ulimit -n 5 && exec \"$0\" run \"$1\" --json --invoke poll 1")
+            .arg(env!("CARGO_BIN_EXE_twm"))
+            .arg(&guest),
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("one object");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("WASI's runtime")),
+        "{v}"
+    );
+    let plain = module_file("m.wat", MODULE.as_bytes());
+    let o = output(
+        Command::new("sh")
+            .arg("-c")
+            .arg("ulimit -n 5 && exec \"$0\" run \"$1\" --invoke add 1 2")
+            .arg(env!("CARGO_BIN_EXE_twm"))
+            .arg(&plain),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stdout(&o), "3\n");
 }
 
 #[test]
@@ -1072,6 +1163,63 @@ fn dir_ro_preopens_are_read_not_changed() {
     );
     assert_eq!((code, result), (0, Some(100)), "{err}");
     assert_eq!(std::fs::read(dir.0.join("f")).unwrap(), b"");
+}
+
+/// Findings of the operator's review of `--timeout`: reading the module, a run that ends in a
+/// host call after its deadline, and results nobody reads are all bounded by it.
+#[test]
+fn the_timeout_bounds_reading_host_calls_and_writing() {
+    // A module file that never ends being written (a FIFO): 124, one JSON object.
+    let fifo = std::env::temp_dir().join(format!("twm-cli-fifo-{}.wat", std::process::id()));
+    let _ = std::fs::remove_file(&fifo);
+    let made = Command::new("mkfifo").arg(&fifo).status();
+    if made.is_ok_and(|s| s.success()) {
+        let o = twm(&[
+            "run",
+            fifo.to_str().unwrap(),
+            "--timeout",
+            "300ms",
+            "--json",
+        ]);
+        let _ = std::fs::remove_file(&fifo);
+        assert_eq!(o.status.code(), Some(124), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("one object");
+        assert_eq!(v["error"]["exit_code"], 124, "{v}");
+    }
+    // A host call that returns after the deadline but before the watchdog: still a timeout.
+    let (code, _, err) = wasi_call(&["--timeout", "50ms"], &["sleep", "150"]);
+    assert_eq!(code, 124, "{err}");
+    let (code, result, err) = wasi_call(&["--timeout", "2s"], &["sleep", "10"]);
+    assert_eq!((code, result), (0, Some(0)), "{err}");
+    // Results written to a pipe nobody reads: ended by the timeout, not blocked for good.
+    let path = module_file("m.wat", MODULE.as_bytes());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_twm"))
+        .args(["run", path.to_str().unwrap(), "--timeout", "300ms"])
+        .args(["--repeat", "200000", "--invoke", "add", "1", "2"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run twm");
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if started.elapsed() > PROCESS_LIMIT {
+            let _ = child.kill();
+            panic!("twm blocked on its stdout past {PROCESS_LIMIT:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(124));
+}
+
+#[test]
+fn a_pool_the_device_cannot_hold_is_refused() {
+    // 65 slots of 256 MiB: more than the simulated device's 16 GiB.
+    let (code, _, err) = run(&["--pool", "65"]);
+    assert_eq!(code, 4, "{err}");
+    assert!(err.contains("cannot set up memory"), "{err}");
 }
 
 #[test]

@@ -67,7 +67,7 @@
 
 use wasmtime::{Caller, Extern, Linker};
 use wasmtime_wasi::WasiView;
-use wasmtime_wasi::p1::types::Errno;
+use wasmtime_wasi::p1::types::{Errno, Fd};
 use wasmtime_wasi::p1::wasi_snapshot_preview1 as p1;
 use wasmtime_wasi::p1::wasi_snapshot_preview1::WasiSnapshotPreview1;
 use wiggle::GuestMemory;
@@ -219,7 +219,13 @@ fn limited<T: HasWasi>(data: &mut T) -> &mut WasiP1Ctx {
 /// [`WasiLimits`] enforced. Modules that import nothing from WASI are unaffected: a linker
 /// resolves only what a module imports. (The limited calls are defined over Wasmtime-wasi's
 /// own, with the linker's shadowing allowed for them and then turned off, its default.)
+///
+/// # Errors
+/// A definition Wasmtime refuses, or Wasmtime-wasi's runtime (a Tokio runtime for the process,
+/// started here rather than at a guest's first call) cannot start: a process out of
+/// descriptors or threads.
 pub fn add_wasi_to_linker<T: HasWasi>(linker: &mut Linker<T>) -> wasmtime::Result<()> {
+    start_runtime()?;
     wasmtime_wasi::p1::add_to_linker_sync(linker, limited::<T>)?;
     linker.allow_shadowing(true);
     let defined = define_limited_calls(linker);
@@ -228,6 +234,21 @@ pub fn add_wasi_to_linker<T: HasWasi>(linker: &mut Linker<T>) -> wasmtime::Resul
 }
 
 const MODULE: &str = "wasi_snapshot_preview1";
+
+/// Starts Wasmtime-wasi's ambient Tokio runtime now, while the linker is set up, rather than at
+/// a guest's first file or poll call: its start needs descriptors and threads, and a start
+/// that fails panics inside Wasmtime-wasi (a guest call would abort the process), so a failure
+/// is this call's error instead. Once started it stays for the process.
+fn start_runtime() -> wasmtime::Result<()> {
+    std::panic::catch_unwind(|| wasmtime_wasi::runtime::with_ambient_tokio_runtime(|| ())).map_err(
+        |_| {
+            wasmtime::Error::msg(
+                "cannot start WASI's runtime (Wasmtime-wasi's Tokio runtime: no descriptors or \
+                 threads left?)",
+            )
+        },
+    )
+}
 
 /// `path_open` refused with `EMFILE` at the descriptor limit, and `poll_oneoff` with `EINVAL`
 /// past the subscription limit; otherwise Wasmtime-wasi's own.
@@ -248,11 +269,14 @@ fn define_limited_calls<T: HasWasi>(linker: &mut Linker<T>) -> wasmtime::Result<
          fd_out: i32|
          -> wasmtime::Result<i32> {
             let limit = caller.data().wasi_limits().open_files();
-            let open = limited(caller.data_mut()).ctx().table.iter_mut().count();
-            if u32::try_from(open).unwrap_or(u32::MAX) >= limit {
-                return Ok(Errno::Mfile as i32);
-            }
             with_p1(&mut caller, |ctx, memory| {
+                // The descriptor table (stdio, the preopens) is set up by a context's first
+                // preview-1 call: set it up now if this is the first, so that it counts.
+                let _ = WasiSnapshotPreview1::fd_prestat_get(ctx, memory, Fd::from(0));
+                let open = ctx.ctx().table.iter_mut().count();
+                if u32::try_from(open).unwrap_or(u32::MAX) >= limit {
+                    return Ok(Errno::Mfile as i32);
+                }
                 wasmtime_wasi::runtime::in_tokio(p1::path_open(
                     ctx,
                     memory,
