@@ -122,8 +122,10 @@ fn main() -> ExitCode {
     let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
         Err(e) => {
-            let json = args.iter().any(|a| a == "--json");
-            let run = args.iter().any(|a| a == "run");
+            // twm's own arguments: those after a bare `--` are the guest's.
+            let own = args.iter().take_while(|a| *a != "--");
+            let json = own.clone().any(|a| a == "--json");
+            let run = own.clone().any(|a| a == "run");
             if json && run && e.use_stderr() {
                 let rendered = e.render().to_string().replace(NEGATIVE, "-");
                 let first = rendered.lines().next().unwrap_or_default();

@@ -799,6 +799,10 @@ fn json_is_one_object_even_when_the_run_fails_before_it_starts() {
             "{v}"
         );
     }
+    // `--json` among the guest's arguments (after `--`) is the guest's: plain text.
+    let o = twm(&["run", "x.wat", "--bogus", "--", "--json"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert_eq!(stdout(&o), "", "no JSON object asked for");
 }
 
 #[test]
