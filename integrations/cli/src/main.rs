@@ -156,6 +156,16 @@ fn main() -> ExitCode {
         Command::Probe(args) => probe_command(args),
         Command::Bench(args) => bench::bench(args),
     };
+    // What twm writes after a failed run (its message, an early JSON report) is bounded by
+    // the run's --timeout too: a stream nobody reads (a guest filled its pipe) blocks it.
+    let _bounded = match (&cli.command, &result) {
+        (Command::Run(args), Err(_)) => args.timeout.and_then(|timeout| {
+            let watchdog = watchdog::Watchdog::start(|_| {}).ok()?;
+            watchdog.arm(timeout + std::time::Duration::from_millis(250));
+            Some(watchdog)
+        }),
+        _ => None,
+    };
     if let (Command::Run(args), Err(failure)) = (&cli.command, &result)
         && args.json
         && !run::REPORTED.swap(true, std::sync::atomic::Ordering::AcqRel)

@@ -116,9 +116,11 @@ pub struct RunArgs {
     /// status 3).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub fuel: Option<u64>,
-    /// Descriptors a WASI guest may hold open, preopens included (1 to 65536, at most
-    /// --wasi-max-resources and the process's `ulimit -n` less 64; default 256, lowered to fit
-    /// those): past them, opening a file answers EMFILE.
+    /// Descriptors a WASI guest may hold open, stdio and preopens included (1 to 65536, at most
+    /// --wasi-max-resources and the process's `ulimit -n` less those open and 64; default 256,
+    /// lowered to fit the room and half of --wasi-max-resources): past them, opening a file
+    /// answers EMFILE. Equal to --wasi-max-resources, a guest that holds them all has no entry
+    /// left for anything else (a poll's clocks trap).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=65_536))]
     pub wasi_max_fds: Option<u32>,
     /// Subscriptions one WASI `poll_oneoff` may pass (1 to 65536; default 256): more is EINVAL.
@@ -508,7 +510,7 @@ const KEPT_DESCRIPTORS: u64 = 64;
 /// The WASI limits `args` ask for, given the process's descriptors (`ulimit -n` and those open,
 /// if known). An explicit `--wasi-max-fds` the process cannot give while keeping
 /// [`KEPT_DESCRIPTORS`], or that passes `--wasi-max-resources` (the table whose entries hold the
-/// descriptors), is a usage error; the default is lowered to fit both.
+/// descriptors), is a usage error; the default is lowered to fit the room and half the table.
 fn wasi_limits(args: &RunArgs, process: Option<DescriptorRoom>) -> Result<WasiLimits, Failure> {
     let defaults = WasiLimits::DEFAULT;
     let resources = args.wasi_max_resources.unwrap_or(defaults.resources);
@@ -535,7 +537,9 @@ fn wasi_limits(args: &RunArgs, process: Option<DescriptorRoom>) -> Result<WasiLi
         }
         None => {
             let room = room.map_or(u32::MAX, |r| u32::try_from(r).unwrap_or(u32::MAX));
-            defaults.descriptors.min(resources).min(room).max(1)
+            // At most half the table: a guest that holds all its descriptors still has
+            // entries for a poll's clocks and its streams.
+            defaults.descriptors.min(resources / 2).min(room).max(1)
         }
     };
     Ok(WasiLimits {
@@ -782,7 +786,13 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
     add_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
     // Only for a guest that imports WASI: its runtime (threads, descriptors) is started here.
     if imports_wasi(&module) {
-        add_wasi_to_linker(&mut linker).map_err(|e| Failure::Other(format!("{e:#}")))?;
+        // A runtime that cannot start panics inside Wasmtime-wasi, caught and returned as an
+        // error: its panic message would read as twm's own crash, so none is printed.
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let added = add_wasi_to_linker(&mut linker);
+        std::panic::set_hook(hook);
+        added.map_err(|e| Failure::Other(format!("{e:#}")))?;
     }
     let tenant = Tenant::with_devices(
         1,

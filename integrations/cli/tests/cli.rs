@@ -997,7 +997,7 @@ fn wasi_max_fds_is_emfile_for_the_guest_and_the_default_fits_ulimit() {
     // At exactly what stdio and the preopen take, the first open is refused, not a trap.
     for flags in [
         ["--wasi-max-fds", "4", "--wasi-max-resources", "4"],
-        ["--wasi-max-resources", "4", "--wasi-max-poll", "256"],
+        ["--wasi-max-resources", "8", "--wasi-max-poll", "256"],
     ] {
         let mut all = vec!["--dir", &spec];
         all.extend_from_slice(&flags);
@@ -1197,25 +1197,48 @@ fn the_timeout_bounds_reading_host_calls_and_writing() {
     assert_eq!((code, result), (0, Some(0)), "{err}");
     // Results written to a pipe nobody reads: ended by the timeout, not blocked for good.
     let path = module_file("m.wat", MODULE.as_bytes());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_twm"))
+    let mut results = Command::new(env!("CARGO_BIN_EXE_twm"));
+    results
         .args(["run", path.to_str().unwrap(), "--timeout", "300ms"])
         .args(["--repeat", "200000", "--invoke", "add", "1", "2"])
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("run twm");
+        .stderr(std::process::Stdio::null());
+    assert_eq!(unread(&mut results), Some(124), "results");
+    // A guest that fills an unread stderr and traps: twm's own last words are bounded too.
+    let filler = module_file(
+        "fill.wat",
+        br#"(module
+  (import "wasi_snapshot_preview1" "fd_write" (func $w (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 2)
+  (func (export "_start")
+    (i32.store (i32.const 0) (i32.const 1024))
+    (i32.store (i32.const 4) (i32.const 65536))
+    (drop (call $w (i32.const 2) (i32.const 0) (i32.const 1) (i32.const 8)))
+    unreachable))"#,
+    );
+    let mut last_words = Command::new(env!("CARGO_BIN_EXE_twm"));
+    last_words
+        .args(["run", filler.to_str().unwrap(), "--timeout", "300ms"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    assert_eq!(unread(&mut last_words), Some(124), "a message after a trap");
+}
+
+/// Runs `cmd`, whose piped streams are never read: its exit status (the test fails if it runs
+/// past [`PROCESS_LIMIT`]).
+fn unread(cmd: &mut Command) -> Option<i32> {
+    let mut child = cmd.spawn().expect("run twm");
     let started = std::time::Instant::now();
-    let status = loop {
+    loop {
         if let Some(status) = child.try_wait().expect("wait") {
-            break status;
+            return status.code();
         }
         if started.elapsed() > PROCESS_LIMIT {
             let _ = child.kill();
-            panic!("twm blocked on its stdout past {PROCESS_LIMIT:?}");
+            panic!("{cmd:?} blocked on an unread stream past {PROCESS_LIMIT:?}");
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
-    };
-    assert_eq!(status.code(), Some(124));
+    }
 }
 
 #[test]
