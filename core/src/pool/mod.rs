@@ -469,7 +469,14 @@ impl<A: ManagedAllocator> SlotPool<A> {
             set = true;
             signal
         });
+        // Something scrubs ahead: acquisitions take scrubbed slots first.
+        self.slots.prefer_ready();
         set
+    }
+
+    /// Free slots that wait for a scrub ahead (a count a moment behind, never drifting).
+    pub fn dirty_free(&self) -> usize {
+        self.slots.waiting()
     }
 
     /// Zeroes the first `dirt.dirty` bytes of the slot at `offset` where its pages are: on
@@ -1037,6 +1044,44 @@ mod tests {
             "no scrub at hand-out"
         );
         drop(second);
+    }
+
+    /// With a scrub ahead, an acquisition passes over a slot given back dirty for one that is
+    /// ready, and takes (and scrubs) a dirty one only when no ready one is near the top;
+    /// without, it takes the most recently freed, as always.
+    #[test]
+    fn with_a_scrub_ahead_acquisitions_take_ready_slots_first() {
+        for scrubs_ahead in [false, true] {
+            let pool = heap_pool(&[SizeClass::new(PAGE, 2)]);
+            if scrubs_ahead {
+                assert!(pool.on_dirty_release(Arc::new(|| {})));
+            }
+            let mut first = pool.acquire(PAGE, PAGE).unwrap();
+            first.write(0, &[7; 8]).unwrap();
+            drop(first);
+            assert_eq!(pool.dirty_free(), 1);
+            let second = pool.acquire(PAGE, PAGE).unwrap();
+            let (scrubbed, waiting) = (pool.stats().bytes_scrubbed, pool.dirty_free());
+            if scrubs_ahead {
+                assert_eq!((scrubbed, waiting), (0, 1), "the ready slot below it");
+            } else {
+                assert_eq!(
+                    (scrubbed, waiting),
+                    (PAGE as u64, 0),
+                    "the dirty one on top"
+                );
+            }
+            if scrubs_ahead {
+                // Only the dirty one is left: taken, and scrubbed at hand-out.
+                let third = pool.acquire(PAGE, PAGE).unwrap();
+                let mut bytes = [1u8; 8];
+                third.read(0, &mut bytes).unwrap();
+                assert_eq!(bytes, [0; 8]);
+                assert_eq!(pool.stats().bytes_scrubbed, PAGE as u64);
+                drop(third);
+            }
+            drop(second);
+        }
     }
 
     /// A pool of one page-sized slot whose first zeroing fails and whose second (of the slot's

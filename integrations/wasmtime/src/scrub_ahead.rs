@@ -6,6 +6,9 @@
 //! spare, and a host with no spare core pays it there instead. The thread keeps looking for a
 //! short while after its last scrub (yielding its core to anything runnable), so a steady stream
 //! of instantiations never has to wake it; after that it sleeps until a slot comes back dirty.
+//! It lets a few slots gather before it scrubs them in a row ([`GATHER`]), while acquisitions
+//! take slots already scrubbed (`SlotTable::prefer_ready`): the pool's lock and free list then
+//! cross between the two cores once per gathering rather than twice per instantiation.
 //! A slot it has not reached yet is scrubbed by its acquisition, as without it: correctness
 //! never waits for the thread.
 
@@ -25,6 +28,15 @@ const LINGER: Duration = Duration::from_micros(200);
 
 /// Slots scrubbed between two looks at whether the creator is going.
 const BATCH: usize = 16;
+
+/// Slots given back that the thread lets gather before it scrubs them, one after another:
+/// acquisitions meanwhile take slots already scrubbed (`SlotTable::prefer_ready`), and the
+/// table's lock and free list cross between the two cores once per gathering rather than
+/// twice per instantiation.
+const GATHER: usize = 4;
+
+/// How long fewer than [`GATHER`] slots wait before they are scrubbed all the same.
+const GATHER_WAIT: Duration = Duration::from_micros(50);
 
 std::thread_local! {
     /// This thread is a scrub-ahead thread.
@@ -69,7 +81,9 @@ fn run<B: Backend>(pool: &SlotPool<Arc<B>>, stop: &AtomicBool, recover: impl Fn(
     ON_A_SCRUBBER.set(true);
     let mut last_work = Instant::now();
     while !stop.load(Ordering::Acquire) {
-        let scrubbed = if pool.has_dirty_free() {
+        let waiting = pool.dirty_free();
+        let gathered = waiting >= GATHER || (waiting > 0 && last_work.elapsed() >= GATHER_WAIT);
+        let scrubbed = if gathered {
             pool.scrub_ahead(BATCH)
         } else {
             Ok(0)
@@ -83,11 +97,12 @@ fn run<B: Backend>(pool: &SlotPool<Arc<B>>, stop: &AtomicBool, recover: impl Fn(
         match scrubbed {
             // Waiting slots it cannot take (deeper in a free list than it looks, or the device
             // fenced): their acquisitions scrub them. Sleep until the next dirty release.
-            Ok(0) if pool.has_dirty_free() => {
+            Ok(0) if gathered && pool.has_dirty_free() => {
                 std::thread::park();
                 last_work = Instant::now();
             }
-            Ok(0) if last_work.elapsed() < LINGER => std::thread::yield_now(),
+            // Gathering, or lingering for the next.
+            Ok(0) if waiting > 0 || last_work.elapsed() < LINGER => std::thread::yield_now(),
             Ok(0) => {
                 std::thread::park();
                 last_work = Instant::now();
