@@ -615,12 +615,16 @@ fn creator<B: BuiltinKernels>(
         }
     }
     builder.build().map_err(|e| {
+        use tensor_wasm_mem_wasmtime::core::ErrorKind;
         let message = format!("cannot set up memory: {e}");
-        // A pool the device cannot hold is refused, as an exhausted budget is (exit 4).
-        if e.is_denial() || e.kind() == tensor_wasm_mem_wasmtime::core::ErrorKind::OutOfMemory {
-            Failure::Refused(message)
-        } else {
-            Failure::Other(message)
+        match e.kind() {
+            // A pool the device cannot hold is refused, as an exhausted budget is (exit 4).
+            _ if e.is_denial() => Failure::Refused(message),
+            ErrorKind::OutOfMemory => Failure::Refused(message),
+            // What the flags ask for and this device cannot do (a backing it lacks): the
+            // command line's (exit 2).
+            ErrorKind::Unsupported | ErrorKind::InvalidArgument => Failure::Usage(message),
+            _ => Failure::Other(message),
         }
     })
 }
