@@ -305,7 +305,9 @@ impl<M: Copy> SlotTable<M> {
     /// Takes the most recently freed slot of the smallest class that holds `capacity` bytes
     /// and that `fits` accepts (a pool's own condition, such as the address space a slot
     /// spans), counting an acquisition; [`PoolError::TooLarge`] if no class holds it,
-    /// [`PoolError::Exhausted`] (counted) if every such slot is taken.
+    /// [`PoolError::Exhausted`] (counted) if every such slot is taken. Once
+    /// [`prefer_ready`](Self::prefer_ready) is set, the most recently freed one that does not
+    /// wait for a scrub ahead, near the top, comes first.
     pub fn take(
         &self,
         capacity: usize,
