@@ -331,7 +331,7 @@ impl<B: Backend> CreatorBuilder<B> {
     /// zeroed, on another core, and handing them over costs: the process spent 1.56x the CPU
     /// per instantiation there. Worth it where instantiation latency matters and a core has
     /// time to spare; not where every core is busy. The thread lets a few slots gather (four,
-    /// or fewer for 50 us) and scrubs them in a row while acquisitions take slots already
+    /// a quarter of the pool's at most, or fewer for 50 us) and scrubs them in a row while acquisitions take slots already
     /// scrubbed, lingers about 200 us after its last scrub (yielding its core), then sleeps
     /// until a slot comes back dirty; it is stopped and joined when the creator goes. A slot it
     /// has not reached yet is scrubbed by its acquisition, as without it.

@@ -32,8 +32,15 @@ const BATCH: usize = 16;
 /// Slots given back that the thread lets gather before it scrubs them, one after another:
 /// acquisitions meanwhile take slots already scrubbed (`SlotTable::prefer_ready`), and the
 /// table's lock and free list cross between the two cores once per gathering rather than
-/// twice per instantiation.
+/// twice per instantiation. At most a quarter of the pool's slots ([`gathering`]): a small
+/// pool's acquisitions would otherwise run out of scrubbed slots while the thread waits.
 const GATHER: usize = 4;
+
+/// How many slots given back the thread of a pool of `slots` lets gather: a quarter of them,
+/// from 1 (each scrubbed as it comes back) to [`GATHER`].
+fn gathering(slots: usize) -> usize {
+    (slots / 4).clamp(1, GATHER)
+}
 
 /// How long fewer than [`GATHER`] slots wait before they are scrubbed all the same.
 const GATHER_WAIT: Duration = Duration::from_micros(50);
@@ -62,7 +69,10 @@ impl Scrubber {
             .name(format!("twm-scrub-{}", pool.device().0))
             .spawn({
                 let (pool, stop) = (Arc::clone(pool), Arc::clone(&stop));
-                move || run(&pool, &stop, recover)
+                move || {
+                    let slots = pool.stats().classes.iter().map(|c| c.slots).sum();
+                    run(&pool, &stop, gathering(slots), recover);
+                }
             })
             .map_err(TwmError::Thread)?;
         let waker = thread.thread().clone();
@@ -76,13 +86,13 @@ impl Scrubber {
 }
 
 /// Scrubs while there is work, lingers, then sleeps until a dirty release or the stop.
-fn run<B: Backend>(pool: &SlotPool<Arc<B>>, stop: &AtomicBool, recover: impl Fn()) {
+fn run<B: Backend>(pool: &SlotPool<Arc<B>>, stop: &AtomicBool, gather: usize, recover: impl Fn()) {
     use tensor_wasm_mem_core::ManagedAllocator;
     ON_A_SCRUBBER.set(true);
     let mut last_work = Instant::now();
     while !stop.load(Ordering::Acquire) {
         let waiting = pool.dirty_free();
-        let gathered = waiting >= GATHER || (waiting > 0 && last_work.elapsed() >= GATHER_WAIT);
+        let gathered = waiting >= gather || (waiting > 0 && last_work.elapsed() >= GATHER_WAIT);
         let scrubbed = if gathered {
             pool.scrub_ahead(BATCH)
         } else {
@@ -139,5 +149,19 @@ impl std::fmt::Debug for Scrubber {
         f.debug_struct("Scrubber")
             .field("running", &self.thread.is_some())
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_small_pool_gathers_fewer() {
+        let gathered: Vec<usize> = [1, 2, 7, 8, 15, 16, 64, 65536]
+            .into_iter()
+            .map(gathering)
+            .collect();
+        assert_eq!(gathered, [1, 1, 1, 2, 3, 4, 4, 4]);
     }
 }
