@@ -16,15 +16,10 @@ fn clang() -> String {
     std::env::var("TWM_CLANG").unwrap_or_else(|_| "clang".to_owned())
 }
 
-/// The workspace root, found at run time ([`crate::workspace_root`]).
-fn root() -> PathBuf {
-    crate::workspace_root()
-}
-
 /// The source of a guest.
 #[must_use]
 pub fn source(name: &str) -> PathBuf {
-    root()
+    crate::workspace_root()
         .join("tests")
         .join("guests")
         .join(format!("{name}.c"))
@@ -107,7 +102,7 @@ fn build(name: &str) -> Option<PathBuf> {
         .join(format!("{name}.wasm"));
     let output = Command::new(clang())
         .args(["--target=wasm32-wasi", "-O2", "-Wall", "-Werror", "-I"])
-        .arg(root().join("sdk").join("c"))
+        .arg(crate::workspace_root().join("sdk").join("c"))
         .arg("-o")
         .arg(&wasm)
         .arg(source(name))

@@ -54,6 +54,7 @@ pub fn workspace_root() -> std::path::PathBuf {
         .unwrap_or_else(|| panic!("no Cargo.lock at or above {}", package.display()))
         .to_path_buf()
 }
+
 /// The core, for the macros.
 pub use tensor_wasm_mem_core as core;
 

@@ -161,7 +161,7 @@ fn main() -> ExitCode {
     let _bounded = match (&cli.command, &result) {
         (Command::Run(args), Err(_)) => args.timeout.and_then(|timeout| {
             let watchdog = watchdog::Watchdog::start(|_| {}).ok()?;
-            watchdog.arm(timeout + std::time::Duration::from_millis(250));
+            watchdog.arm(timeout + watchdog::GRACE);
             Some(watchdog)
         }),
         _ => None,

@@ -208,7 +208,7 @@ impl WasiSetup {
             .dirs_ro
             .iter()
             .map(|d| ("--dir-ro", d, FsPerms::ReadOnly));
-        let dirs = writable
+        let dirs: Vec<(PathBuf, String, FsPerms)> = writable
             .chain(read_only)
             .map(|(flag, spec, perms)| {
                 let (host, guest) = spec.split_once("::").unwrap_or((spec, spec));
@@ -228,14 +228,14 @@ impl WasiSetup {
         let limits = wasi_limits(args, descriptor_room())?;
         // Each preopen is a host descriptor and an entry of the table from the start, beside
         // stdio's three: the limit must hold them, or they alone would pass it.
-        let needed = dirs_len(args) + 3;
-        if needed > 3 && u64::from(limits.open_files()) < needed {
+        let needed = dirs.len() + 3;
+        if !dirs.is_empty() && (limits.open_files() as usize) < needed {
             return Err(Failure::Usage(format!(
                 "{} preopened director{} and stdio need {needed} WASI descriptors; the guest may \
                  hold {} (--wasi-max-fds, --wasi-max-resources, and ulimit -n less the \
                  descriptors open and {KEPT_DESCRIPTORS} twm keeps)",
-                needed - 3,
-                if needed == 4 { "y" } else { "ies" },
+                dirs.len(),
+                if dirs.len() == 1 { "y" } else { "ies" },
                 limits.open_files()
             )));
         }
@@ -499,11 +499,6 @@ impl DescriptorRoom {
     }
 }
 
-/// The preopens `args` ask for.
-fn dirs_len(args: &RunArgs) -> u64 {
-    (args.dirs.len() + args.dirs_ro.len()) as u64
-}
-
 /// Descriptors `twm` keeps for itself out of the process's limit: a guest never gets them.
 const KEPT_DESCRIPTORS: u64 = 64;
 
@@ -706,7 +701,7 @@ impl RunLimits {
         self.ticker
             .as_ref()
             .map_or(Duration::ZERO, |t| t.tick() * 2)
-            + Duration::from_millis(250)
+            + crate::watchdog::GRACE
     }
 
     /// Runs `guest` on `store` within the deadline and the fuel. A run that took longer than
@@ -714,40 +709,33 @@ impl RunLimits {
     fn within<T: 'static, R>(
         &self,
         store: &mut Store<T>,
-        guest: impl FnOnce(&mut Store<T>) -> R,
+        guest: impl FnOnce(&mut Store<T>) -> Result<R, Failure>,
     ) -> Result<R, Failure> {
+        let started = std::time::Instant::now();
         let timed = |store: &mut Store<T>| match (&self.ticker, self.timeout) {
             (Some(ticker), Some(timeout)) => {
-                let started = std::time::Instant::now();
-                let result =
-                    self.bounded(|| ticker.call_within(store, timeout, |store| Ok(guest(store))));
-                if started.elapsed() > timeout {
-                    return Err(wasmtime::Error::msg(PAST_ITS_TIME));
-                }
-                result
+                self.bounded(|| ticker.call_within(store, timeout, |store| Ok(guest(store))))
             }
             _ => Ok(guest(store)),
         };
         let result = match self.fuel {
             Some(fuel) => call_with_fuel(store, fuel, timed),
             None => timed(store),
-        };
-        result.map_err(|e| {
-            if e.to_string() == PAST_ITS_TIME {
-                Failure::Timeout(format!(
-                    "the run timed out (--timeout {:?}): it ended in a host call after its \
-                     deadline",
-                    self.timeout.unwrap_or_default()
-                ))
-            } else {
-                Failure::Other(format!("{e:#}"))
+        }
+        .map_err(|e| Failure::Other(format!("{e:#}")))?;
+        match self.timeout {
+            Some(timeout)
+                if started.elapsed() > timeout && !matches!(result, Err(Failure::Timeout(_))) =>
+            {
+                Err(Failure::Timeout(format!(
+                    "the run timed out (--timeout {timeout:?}): it ended in a host call after its \
+                     deadline"
+                )))
             }
-        })
+            _ => result,
+        }
     }
 }
-
-/// The error of a run that ended after its deadline without being interrupted.
-const PAST_ITS_TIME: &str = "twm: the run ended after its deadline";
 
 /// The JSON object of a run that failed before its report: what `--json` prints instead.
 pub fn early_report(file: &str, backend: &str, exit_code: u8, message: &str) -> Value {
@@ -947,7 +935,7 @@ fn run_once<B: Backend>(
     );
     setup
         .limits
-        .within(&mut store, |store| guest_calls(store, setup, args))?
+        .within(&mut store, |store| guest_calls(store, setup, args))
 }
 
 /// Instantiates the module in `store` and makes the calls `args` ask for.

@@ -52,6 +52,10 @@ struct Armed {
     done: bool,
 }
 
+/// How long past a timeout the watchdog is armed for: what a run's own interruption (and
+/// `twm`'s last words after it) may take before the watchdog ends the process.
+pub const GRACE: Duration = Duration::from_millis(250);
+
 /// How long the watchdog lets its report take before it ends the process all the same.
 const REPORT_GRACE: Duration = Duration::from_millis(200);
 

@@ -24,6 +24,27 @@ fn twm(args: &[&str]) -> Output {
     output(Command::new(env!("CARGO_BIN_EXE_twm")).args(args))
 }
 
+/// `shell -c script` with twm as `$0` and `args` as `$1`...: a twm started the way the script
+/// sets up (a lower `ulimit -n`, descriptors inherited, a stream closed), bounded like `twm`.
+fn twm_from(shell: &str, script: &str, args: &[&str]) -> Output {
+    output(
+        Command::new(shell)
+            .arg("-c")
+            .arg(script)
+            .arg(env!("CARGO_BIN_EXE_twm"))
+            .args(args),
+    )
+}
+
+/// The message of the one JSON object `o` printed for its failure.
+fn json_error(o: &Output) -> String {
+    let v: serde_json::Value = serde_json::from_str(stdout(o).trim()).expect("one object");
+    v["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
 /// How long any process a test starts may run: a run that hangs (a watchdog that never fires, a
 /// guest sleeping 10^5 s) fails its test instead of stalling the suite.
 const PROCESS_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
@@ -820,15 +841,11 @@ fn an_endless_module_file_is_refused_after_a_bounded_read() {
 fn a_closed_stdout_fails_the_run() {
     let path = module_file("m.wat", MODULE.as_bytes());
     // `sh -c '... >&-'`: twm starts with file descriptor 1 closed.
-    let o = Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "exec \"$0\" run '{}' --invoke add 1 2 >&-",
-            path.display()
-        ))
-        .arg(env!("CARGO_BIN_EXE_twm"))
-        .output()
-        .expect("sh");
+    let o = twm_from(
+        "sh",
+        "exec \"$0\" run \"$1\" --invoke add 1 2 >&-",
+        &[path.to_str().unwrap()],
+    );
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("stdout is closed"), "{}", stderr(&o));
     // Redirected to /dev/null on purpose, it is open: the run succeeds.
@@ -1007,16 +1024,13 @@ fn wasi_max_fds_is_emfile_for_the_guest_and_the_default_fits_ulimit() {
     // Without the flag, a process limit of 100 lowers the default to 100 - 64: EMFILE, not the
     // host's own descriptors exhausted.
     let guest = module_file("wasi.wat", WASI_GUEST.as_bytes());
-    let o = output(
-        Command::new("sh")
-            .arg("-c")
-            .arg(concat!(
-                "ulimit -n 100 && exec \"$0\" run \"$1\" --dir \"$2\" ",
-                "--invoke open_until 1000 0 0x1FFFFFFF"
-            ))
-            .arg(env!("CARGO_BIN_EXE_twm"))
-            .arg(&guest)
-            .arg(&spec),
+    let o = twm_from(
+        "sh",
+        concat!(
+            "ulimit -n 100 && exec \"$0\" run \"$1\" --dir \"$2\" ",
+            "--invoke open_until 1000 0 0x1FFFFFFF"
+        ),
+        &[guest.to_str().unwrap(), &spec],
     );
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let result: i32 = stdout(&o).trim().parse().expect("a number");
@@ -1029,16 +1043,13 @@ fn descriptors_the_process_inherited_leave_the_guest_less() {
     let dir = GuestDir::new();
     let guest = module_file("wasi.wat", WASI_GUEST.as_bytes());
     // 40 descriptors open before twm starts, a limit of 120: 120 - 43 - 64 = 13 for the guest.
-    let o = output(
-        Command::new("bash")
-            .arg("-c")
-            .arg(concat!(
-                "ulimit -n 120 && for fd in $(seq 10 49); do eval \"exec $fd</dev/null\"; done && ",
-                "exec \"$0\" run \"$1\" --dir \"$2\" --invoke open_until 1000 0 0x1FFFFFFF"
-            ))
-            .arg(env!("CARGO_BIN_EXE_twm"))
-            .arg(&guest)
-            .arg(dir.spec()),
+    let o = twm_from(
+        "bash",
+        concat!(
+            "ulimit -n 120 && for fd in $(seq 10 49); do eval \"exec $fd</dev/null\"; done && ",
+            "exec \"$0\" run \"$1\" --dir \"$2\" --invoke open_until 1000 0 0x1FFFFFFF"
+        ),
+        &[guest.to_str().unwrap(), &dir.spec()],
     );
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let result: i32 = stdout(&o).trim().parse().expect("a number");
@@ -1053,50 +1064,33 @@ fn descriptors_the_process_inherited_leave_the_guest_less() {
     let many: Vec<String> = (0..100)
         .map(|i| format!("{}::/p{i}", dir.0.display()))
         .collect();
-    let mut args = vec!["--json".to_owned()];
+    let mut args = vec![guest.to_str().unwrap(), "--json"];
     for spec in &many {
-        args.extend(["--dir-ro".to_owned(), spec.clone()]);
+        args.extend(["--dir-ro", spec]);
     }
-    let o = output(
-        Command::new("bash")
-            .arg("-c")
-            .arg("ulimit -n 120 && exec \"$0\" run \"$1\" \"${@:2}\" --invoke sleep 1")
-            .arg(env!("CARGO_BIN_EXE_twm"))
-            .arg(&guest)
-            .args(&args),
+    let o = twm_from(
+        "bash",
+        "ulimit -n 120 && exec \"$0\" run \"$1\" \"${@:2}\" --invoke sleep 1",
+        &args,
     );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("one object");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("100 preopened directories")),
-        "{v}"
-    );
+    let message = json_error(&o);
+    assert!(message.contains("100 preopened directories"), "{message}");
     // A process with almost no descriptors: WASI's runtime cannot start, a failure with its
     // JSON object (it panicked at the guest's first file call), and a guest without WASI runs.
-    let o = output(
-        Command::new("sh")
-            .arg("-c")
-            .arg("ulimit -n 5 && exec \"$0\" run \"$1\" --json --invoke poll 1")
-            .arg(env!("CARGO_BIN_EXE_twm"))
-            .arg(&guest),
+    let o = twm_from(
+        "sh",
+        "ulimit -n 5 && exec \"$0\" run \"$1\" --json --invoke poll 1",
+        &[guest.to_str().unwrap()],
     );
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("one object");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("WASI's runtime")),
-        "{v}"
-    );
+    let message = json_error(&o);
+    assert!(message.contains("WASI's runtime"), "{message}");
     let plain = module_file("m.wat", MODULE.as_bytes());
-    let o = output(
-        Command::new("sh")
-            .arg("-c")
-            .arg("ulimit -n 5 && exec \"$0\" run \"$1\" --invoke add 1 2")
-            .arg(env!("CARGO_BIN_EXE_twm"))
-            .arg(&plain),
+    let o = twm_from(
+        "sh",
+        "ulimit -n 5 && exec \"$0\" run \"$1\" --invoke add 1 2",
+        &[plain.to_str().unwrap()],
     );
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(stdout(&o), "3\n");
@@ -1265,13 +1259,11 @@ fn a_hostile_files_error_text_is_cut_not_echoed() {
 #[test]
 fn more_wasi_descriptors_than_the_process_may_open_is_a_usage_error() {
     let path = module_file("m.wat", MODULE.as_bytes());
-    let o = Command::new("sh")
-        .arg("-c")
-        .arg("ulimit -n 512 && exec \"$0\" run \"$1\" --wasi-max-fds 500")
-        .arg(env!("CARGO_BIN_EXE_twm"))
-        .arg(&path)
-        .output()
-        .expect("sh");
+    let o = twm_from(
+        "sh",
+        "ulimit -n 512 && exec \"$0\" run \"$1\" --wasi-max-fds 500",
+        &[path.to_str().unwrap()],
+    );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("ulimit -n"), "{}", stderr(&o));
 }

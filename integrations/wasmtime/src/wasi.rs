@@ -104,9 +104,7 @@ impl WasiLimits {
         poll_subscriptions: 256,
         resources: 1024,
     };
-}
 
-impl WasiLimits {
     /// The entries at which `path_open` answers `EMFILE`: [`descriptors`](Self::descriptors),
     /// never more than [`resources`](Self::resources), so that a guest past its descriptors
     /// always gets the errno a program can handle rather than a trap.
