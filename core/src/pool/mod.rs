@@ -41,7 +41,7 @@ pub use config::{
     ClassLayout, ClassStats, MAX_POOL_SLOTS, PoolConfig, PoolError, PoolStats, SLOT_ALIGN,
     SizeClass,
 };
-pub use slots::{Ahead, Returned, SlotId, SlotTable, Taken};
+pub use slots::{AHEAD_MAX, Ahead, Returned, SlotId, SlotTable, Taken};
 
 /// What a managed slot's next scrub must do.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -394,11 +394,13 @@ impl<A: ManagedAllocator> SlotPool<A> {
     /// runs one). The number of slots scrubbed; 0 when none waits (or the pool's device is
     /// fenced: an acquisition there is refused anyway).
     ///
-    /// Each slot is taken off its free list while it is scrubbed, so no one can be handed it
-    /// half zeroed; it then goes back on top, the next handed out. A failed scrub puts the slot
-    /// back still dirty (counted in [`PoolStats::scrub_failures`]; the acquisition that takes
-    /// it scrubs it, or fails as it would have) and returns the error: a caller in a loop
-    /// should back off rather than retry at once.
+    /// The slots are taken off their free lists a few at a time ([`AHEAD_MAX`], in one hold of
+    /// the pool's lock), so no one can be handed one half zeroed; once all of them are scrubbed
+    /// they go back on top (in one hold of the lock), the next handed out. A failed scrub puts
+    /// its slot back still dirty (counted in [`PoolStats::scrub_failures`]; the acquisition
+    /// that takes it scrubs it, or fails as it would have), with the rest of its gathering
+    /// untouched, and returns the error: a caller in a loop should back off rather than retry
+    /// at once.
     pub fn scrub_ahead(&self, max: usize) -> Result<usize, Error<A::Error>> {
         /// How deep in a free list a waiting slot is looked for: the next ones handed out (one
         /// deeper is scrubbed by its acquisition).
@@ -413,43 +415,56 @@ impl<A: ManagedAllocator> SlotPool<A> {
             {
                 break;
             }
-            let Some(taken) = self.slots.take_dirty(DEPTH) else {
-                break;
-            };
-            held.taken = Some(taken);
-            let scrubbed = self.scrub_taken(&taken);
-            held.taken = None; // back on its free list
-            drop(held);
-            // The slot is back: on a device fenced meanwhile, it may have been the last held.
-            self.give_up_if_fenced();
-            if !scrubbed? {
+            // A few slots at once: the table's lock is taken once to take them and once to put
+            // them back (when `held` goes), not twice per slot.
+            if self
+                .slots
+                .take_dirty(DEPTH, max - done, |taken| held.hold(taken))
+                == 0
+            {
                 break;
             }
-            done += 1;
+            let mut failed = None;
+            for entry in held.slots.iter_mut().flatten() {
+                let (taken, outcome) = entry;
+                if failed.is_some() || self.allocator.device_fenced(self.device) {
+                    // Put back as it was: scrubbed by its acquisition, or let go with the slab.
+                    *outcome = Some((taken.meta, Ahead::Untouched));
+                    continue;
+                }
+                match self.scrub_taken(taken) {
+                    Ok(Some(returned)) => {
+                        *outcome = Some((Dirt::default(), Ahead::Scrubbed(returned)));
+                        done += 1;
+                    }
+                    Ok(None) => *outcome = Some((taken.meta, Ahead::Untouched)),
+                    Err((left, scrubbed, e)) => {
+                        *outcome = Some((left, Ahead::Failed { scrubbed }));
+                        failed = Some(e);
+                    }
+                }
+            }
+            drop(held); // back on their free lists
+            // The slots are back: on a device fenced meanwhile, one may have been the last held.
+            self.give_up_if_fenced();
+            if let Some(e) = failed {
+                return Err(e);
+            }
         }
         Ok(done)
     }
 
-    /// Scrubs a slot [`scrub_ahead`](Self::scrub_ahead) took and puts it back: `true` if it was
-    /// scrubbed, `false` if the slab went meanwhile (the slot back as it was).
-    fn scrub_taken(&self, taken: &Taken<Dirt>) -> Result<bool, Error<A::Error>> {
+    /// Scrubs a slot [`scrub_ahead`](Self::scrub_ahead) took: what was done, or `None` if the
+    /// slab went meanwhile (the slot untouched), or what is left to do after a failure.
+    #[allow(clippy::type_complexity)]
+    fn scrub_taken(
+        &self,
+        taken: &Taken<Dirt>,
+    ) -> Result<Option<Returned>, (Dirt, u64, Error<A::Error>)> {
         if self.slab.load(Ordering::Acquire).is_null() {
-            self.slots
-                .ahead_done(taken.slot, taken.meta, Ahead::Untouched);
-            return Ok(false);
+            return Ok(None);
         }
-        match self.scrub(taken.offset(), taken.meta) {
-            Ok(returned) => {
-                self.slots
-                    .ahead_done(taken.slot, Dirt::default(), Ahead::Scrubbed(returned));
-                Ok(true)
-            }
-            Err((left, scrubbed, e)) => {
-                self.slots
-                    .ahead_done(taken.slot, left, Ahead::Failed { scrubbed });
-                Err(e)
-            }
-        }
+        self.scrub(taken.offset(), taken.meta).map(Some)
     }
 
     /// Some free slot waits for a scrub, as far as the pool can tell without its lock (a
@@ -573,26 +588,44 @@ impl<A: ManagedAllocator> Drop for SlotPool<A> {
 }
 
 /// A scrub ahead in progress ([`SlotPool::scrub_ahead`]): counted while it lives (a recovery
-/// waits for it); if it is dropped still holding its slot (the backend panicked mid-scrub), the
-/// slot goes back dirty, so no acquisition or recovery waits for it for ever.
+/// waits for it). The slots it took go back when it is dropped, in one hold of the table's lock,
+/// each as its scrub went; one whose scrub never finished (the backend panicked mid-scrub) goes
+/// back dirty, so no acquisition or recovery waits for it for ever.
 struct AheadHeld<'a, A: ManagedAllocator> {
     pool: &'a SlotPool<A>,
-    taken: Option<Taken<Dirt>>,
+    /// The slots taken, each with how it goes back once its scrub is done.
+    #[allow(clippy::type_complexity)]
+    slots: [Option<(Taken<Dirt>, Option<(Dirt, Ahead)>)>; AHEAD_MAX],
 }
 
 impl<'a, A: ManagedAllocator> AheadHeld<'a, A> {
     fn new(pool: &'a SlotPool<A>) -> Self {
         pool.scrubbing.0.fetch_add(1, Ordering::SeqCst);
-        Self { pool, taken: None }
+        Self {
+            pool,
+            slots: [None; AHEAD_MAX],
+        }
+    }
+
+    /// Holds a slot [`SlotTable::take_dirty`] took (at most [`AHEAD_MAX`] of them).
+    fn hold(&mut self, taken: Taken<Dirt>) {
+        if let Some(free) = self.slots.iter_mut().find(|s| s.is_none()) {
+            *free = Some((taken, None));
+        }
     }
 }
 
 impl<A: ManagedAllocator> Drop for AheadHeld<'_, A> {
     fn drop(&mut self) {
-        if let Some(taken) = self.taken.take() {
-            let failed = Ahead::Failed { scrubbed: 0 };
-            self.pool.slots.ahead_done(taken.slot, taken.meta, failed);
-        }
+        let back = self
+            .slots
+            .iter_mut()
+            .filter_map(Option::take)
+            .map(|(taken, outcome)| {
+                let (meta, ahead) = outcome.unwrap_or((taken.meta, Ahead::Failed { scrubbed: 0 }));
+                (taken.slot, meta, ahead)
+            });
+        self.pool.slots.ahead_done(back);
         self.pool.scrubbing.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
@@ -1100,6 +1133,123 @@ mod tests {
             .returning(|_, _, _| Ok(()));
         let config = PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 1)]);
         Arc::new(SlotPool::new(mock, config).unwrap())
+    }
+
+    /// A scrub that fails in the middle of a gathering stops it: the slots before it go back
+    /// scrubbed, the failed one and those after it go back still dirty (only the failed one
+    /// counted as a failure), and the error is returned.
+    #[test]
+    fn a_failure_in_a_gathering_leaves_the_rest_dirty() {
+        let mut mock = mock_backend(true);
+        let mut seq = mockall::Sequence::new();
+        mock.expect_zero()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_, _, _| Ok(()));
+        mock.expect_zero()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_, _, _| Err(MockError(ErrorKind::Driver)));
+        let config = PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 3)]);
+        let pool = Arc::new(SlotPool::new(mock, config).unwrap());
+        let held: Vec<_> = (0..3).map(|_| pool.acquire(PAGE, PAGE).unwrap()).collect();
+        drop(held);
+        assert_eq!(pool.dirty_free(), 3);
+        assert!(pool.scrub_ahead(usize::MAX).is_err());
+        let s = pool.stats();
+        assert_eq!((s.scrubbed_ahead, s.scrub_failures), (1, 1));
+        assert_eq!((s.free(), pool.dirty_free()), (3, 2));
+    }
+
+    /// A scrub ahead takes the slots waiting near the top of a free list a few at a time
+    /// ([`AHEAD_MAX`]) and puts them back scrubbed, on top; the table takes them top down, at
+    /// most as many as asked, passing over the ones that do not wait.
+    #[test]
+    fn slots_are_scrubbed_ahead_a_few_at_a_time() {
+        let table = SlotTable::new(
+            alloc::vec![ClassLayout {
+                slot_bytes: PAGE,
+                slots: 8,
+                offset: 0,
+                stride: PAGE,
+            }],
+            |_| false,
+        )
+        .waiting_when(|dirty: &bool| *dirty);
+        let held: Vec<_> = (0..8)
+            .map(|_| table.take(PAGE, |_| true).unwrap())
+            .collect();
+        // Back in this order, the dirty ones 0, 2, 3, 5, 6 and 7: 7 is on top.
+        for (i, taken) in held.iter().enumerate() {
+            table.give_back(taken.slot, i != 1 && i != 4, Returned::default());
+        }
+        assert_eq!(table.waiting(), 6);
+        let mut took = Vec::new();
+        assert_eq!(table.take_dirty(64, 3, |t| took.push(t.slot.index)), 3);
+        assert_eq!(took, [7, 6, 5], "the next handed out first");
+        assert_eq!(table.waiting(), 3);
+        assert_eq!(
+            table.take_dirty(64, usize::MAX, |t| took.push(t.slot.index)),
+            3,
+            "at most AHEAD_MAX, and only those that wait"
+        );
+        assert_eq!(took, [7, 6, 5, 3, 2, 0]);
+        assert_eq!(table.stats().free(), 8, "a slot scrubbed ahead is free");
+        table.ahead_done(took.iter().map(|&index| {
+            let slot = SlotId { class: 0, index };
+            let ahead = if index == 0 {
+                Ahead::Failed { scrubbed: 0 }
+            } else {
+                Ahead::Scrubbed(Returned {
+                    scrubbed: PAGE as u64,
+                    hints_reset: false,
+                })
+            };
+            (slot, index == 0, ahead)
+        }));
+        let s = table.stats();
+        assert_eq!((s.scrubbed_ahead, s.scrub_failures, s.free()), (5, 1, 8));
+        assert_eq!(s.bytes_scrubbed, 5 * PAGE as u64);
+        assert_eq!(table.waiting(), 1, "the failed one waits still");
+        // Scrubbed ones on top (the last put back first); the failed one last.
+        let next = table.take(PAGE, |_| true).unwrap();
+        assert_eq!((next.slot.index, next.meta), (2, false));
+        let mut rest = Vec::new();
+        while let Ok(t) = table.take(PAGE, |_| true) {
+            rest.push(t.slot.index);
+        }
+        assert_eq!(rest.last(), Some(&0));
+    }
+
+    /// Five dirty slots are scrubbed ahead in two gatherings (four, then one), every one of
+    /// them counted and zeroed.
+    #[test]
+    fn a_scrub_ahead_of_more_slots_than_one_gathering_scrubs_them_all() {
+        let pool = heap_pool(&[SizeClass::new(PAGE, 6)]);
+        let mut held = Vec::new();
+        for _ in 0..5 {
+            let mut slot = pool.acquire(PAGE, PAGE).unwrap();
+            slot.write(8, &[0x5a; 8]).unwrap();
+            held.push(slot);
+        }
+        drop(held);
+        assert_eq!(pool.dirty_free(), 5);
+        assert_eq!(pool.scrub_ahead(usize::MAX).unwrap(), 5);
+        assert_eq!(pool.dirty_free(), 0);
+        let s = pool.stats();
+        assert_eq!((s.scrubbed_ahead, s.bytes_scrubbed), (5, 5 * PAGE as u64));
+        let before = s.bytes_scrubbed;
+        let all: Vec<_> = (0..6).map(|_| pool.acquire(PAGE, PAGE).unwrap()).collect();
+        for slot in &all {
+            let mut bytes = [1u8; 8];
+            slot.read(8, &mut bytes).unwrap();
+            assert_eq!(bytes, [0; 8]);
+        }
+        assert_eq!(
+            pool.stats().bytes_scrubbed,
+            before,
+            "no acquisition scrubbed"
+        );
     }
 
     /// A scrub ahead that fails puts its slot back still dirty, last in its class, with the

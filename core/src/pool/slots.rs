@@ -45,6 +45,11 @@ impl<M> Taken<M> {
 /// once [`SlotTable::prefer_ready`] is set.
 const READY_DEPTH: usize = 16;
 
+/// The most slots one [`SlotTable::take_dirty`] hands out to be scrubbed ahead: a scrubbing
+/// thread takes the table's lock once to take them and once to put them back, rather than
+/// twice per slot.
+pub const AHEAD_MAX: usize = 4;
+
 /// How a slot taken to be scrubbed ahead ([`SlotTable::take_dirty`]) goes back
 /// ([`SlotTable::ahead_done`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -405,64 +410,77 @@ impl<M: Copy> SlotTable<M> {
         state.counters.scrubbed(returned);
     }
 
-    /// Takes, to scrub it ahead of its next acquisition, the free slot nearest the top of its
-    /// class's free list (the next to be handed out) among the top `depth` that waits
-    /// ([`waiting_when`](Self::waiting_when)), smallest class first. It is held by the caller
-    /// until it goes back ([`ahead_done`](Self::ahead_done)): no acquisition is counted, and no
-    /// one else can take it meanwhile (an acquisition that finds no other fitting slot waits
-    /// for it).
-    pub fn take_dirty(&self, depth: usize) -> Option<Taken<M>> {
+    /// Takes, to scrub them ahead of their next acquisitions, up to `max` (at most
+    /// [`AHEAD_MAX`]) free slots that wait ([`waiting_when`](Self::waiting_when)), nearest the
+    /// top of their class's free list (the next to be handed out) among the top `depth`,
+    /// smallest class first, in one hold of the table's lock: `f` is given each. They are held by
+    /// the caller until they go back ([`ahead_done`](Self::ahead_done)): no acquisition is
+    /// counted, and no one else can take them meanwhile (an acquisition that finds no other
+    /// fitting slot waits for them). The number taken.
+    pub fn take_dirty(&self, depth: usize, max: usize, mut f: impl FnMut(Taken<M>)) -> usize {
+        let max = max.min(AHEAD_MAX);
         let mut state = self.state.lock();
+        let mut taken = 0;
         for (class, layout) in self.layout.iter().enumerate() {
+            if taken == max {
+                break;
+            }
+            // Positions from the top down, so each removal leaves the next position valid.
+            let mut at = [0usize; AHEAD_MAX];
+            let mut found = 0;
             let c = &state.classes[class];
-            let found = c
-                .free
-                .iter()
-                .enumerate()
-                .rev()
-                .take(depth)
-                .find(|(_, index)| (self.waits)(&c.meta[**index as usize]))
-                .map(|(at, _)| at);
-            if let Some(at) = found {
+            for (position, index) in c.free.iter().enumerate().rev().take(depth) {
+                if found == max - taken {
+                    break;
+                }
+                if (self.waits)(&c.meta[*index as usize]) {
+                    at[found] = position;
+                    found += 1;
+                }
+            }
+            for &position in &at[..found] {
                 let c = &mut state.classes[class];
-                let index = c.free.remove(at);
+                let index = c.free.remove(position);
                 c.ahead += 1;
                 let meta = c.meta[index as usize];
                 self.count(&mut state, &meta, false);
-                return Some(Taken {
+                f(Taken {
                     slot: SlotId { class, index },
                     layout: *layout,
                     meta,
                 });
             }
+            taken += found;
         }
-        None
+        taken
     }
 
-    /// A slot taken by [`take_dirty`](Self::take_dirty) goes back free with `meta`, as
-    /// `ahead` says: scrubbed (on top of its class's free list, the next handed out, counted as
-    /// a slot scrubbed ahead), failed part way (last in it, a scrub failure counted), or
-    /// untouched (on top, as it was, nothing counted).
-    pub fn ahead_done(&self, slot: SlotId, meta: M, ahead: Ahead) {
+    /// Slots taken by [`take_dirty`](Self::take_dirty) go back free, in one hold of the
+    /// table's lock, each with its `meta` as its `ahead` says: scrubbed (on top of its class's
+    /// free list, the next handed out, counted as a slot scrubbed ahead), failed part way (last
+    /// in it, a scrub failure counted), or untouched (on top, as it was, nothing counted).
+    pub fn ahead_done(&self, done: impl IntoIterator<Item = (SlotId, M, Ahead)>) {
         let mut state = self.state.lock();
-        state.classes[slot.class].ahead -= 1;
-        self.free(
-            &mut state,
-            slot,
-            meta,
-            matches!(ahead, Ahead::Failed { .. }),
-        );
-        let c = &mut state.counters;
-        match ahead {
-            Ahead::Scrubbed(returned) => {
-                c.scrubbed_ahead += 1;
-                c.scrubbed(returned);
+        for (slot, meta, ahead) in done {
+            state.classes[slot.class].ahead -= 1;
+            self.free(
+                &mut state,
+                slot,
+                meta,
+                matches!(ahead, Ahead::Failed { .. }),
+            );
+            let c = &mut state.counters;
+            match ahead {
+                Ahead::Scrubbed(returned) => {
+                    c.scrubbed_ahead += 1;
+                    c.scrubbed(returned);
+                }
+                Ahead::Failed { scrubbed } => {
+                    c.scrub_failures += 1;
+                    c.bytes_scrubbed += scrubbed;
+                }
+                Ahead::Untouched => {}
             }
-            Ahead::Failed { scrubbed } => {
-                c.scrub_failures += 1;
-                c.bytes_scrubbed += scrubbed;
-            }
-            Ahead::Untouched => {}
         }
     }
 

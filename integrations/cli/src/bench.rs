@@ -39,7 +39,8 @@ pub struct BenchArgs {
     #[arg(long, hide = true, value_name = "CONFIG")]
     pub rss_child: Option<String>,
     /// Internal: run 1,000,000 instantiate+call+drop lives of one setup (its `--json` key) and
-    /// print the microseconds per life: a loop to put under `perf record`.
+    /// print the microseconds per life (and the median of batches of 1,000): a loop to put
+    /// under `perf record`, or to compare two builds.
     #[arg(long, hide = true, value_name = "SETUP")]
     pub lives_of: Option<String>,
 }
@@ -579,15 +580,25 @@ fn threaded_instantiate_us(
 fn lives_of(key: &str) -> Result<(), Failure> {
     let setup = Setup::from_key(key)
         .ok_or_else(|| Failure::Usage(format!("--lives-of: no setup named {key:?}")))?;
-    let lives = 1_000_000;
-    let seconds = with_lives(setup, |once| {
+    let (batches, per_batch) = (1_000u32, 1_000u32);
+    let lives = batches * per_batch;
+    let (seconds, mut samples) = with_lives(setup, |once| {
+        let mut samples = Vec::with_capacity(batches as usize);
         let start = Instant::now();
-        for _ in 0..lives {
-            once()?;
+        for _ in 0..batches {
+            let batch = Instant::now();
+            for _ in 0..per_batch {
+                once()?;
+            }
+            samples.push(batch.elapsed().as_secs_f64() * 1e6 / f64::from(per_batch));
         }
-        Ok::<_, Failure>(start.elapsed().as_secs_f64())
+        Ok::<_, Failure>((start.elapsed().as_secs_f64(), samples))
     })??;
-    println!("{key}: {:.3} us per life", seconds * 1e6 / f64::from(lives));
+    println!(
+        "{key}: {:.3} us per life ({:.3} the median of {batches} batches of {per_batch})",
+        seconds * 1e6 / f64::from(lives),
+        median(&mut samples)
+    );
     Ok(())
 }
 
