@@ -493,6 +493,16 @@ impl<M: Copy> SlotTable<M> {
         state.withdrawn += 1;
     }
 
+    /// A slot taken whose scrub failed, leaving its pages in no known state: it is not handed
+    /// out, nor put back, but withdrawn for good, its acquisition undone and a scrub failure
+    /// counted.
+    pub fn withdraw_taken(&self) {
+        let mut state = self.state.lock();
+        state.counters.acquisitions -= 1;
+        state.counters.scrub_failures += 1;
+        state.withdrawn += 1;
+    }
+
     /// The figures.
     pub fn stats(&self) -> PoolStats {
         let state = self.state.lock();

@@ -158,6 +158,8 @@ enum Setup {
     TwmDeviceGuarded,
     /// The same from a guarded slot pool.
     TwmDeviceGuardedPooled,
+    /// `TwmDeviceGuardedPooled` with the pool's scrub-ahead thread.
+    TwmDeviceGuardedPooledScrubAhead,
     /// The floor: the same instantiate+call+drop of a module with no memory (a global instead),
     /// on the pooled setup's engine.
     NoMemoryFloor,
@@ -200,6 +202,7 @@ impl Setup {
             Self::TwmGuarded => "twm_guarded",
             Self::TwmDeviceGuarded => "twm_device_guarded",
             Self::TwmDeviceGuardedPooled => "twm_device_guarded_pooled",
+            Self::TwmDeviceGuardedPooledScrubAhead => "twm_device_guarded_pooled_scrub_ahead",
             Self::NoMemoryFloor => "no_memory_floor",
             Self::TwmPooledTenant => "twm_pooled_tenant",
             Self::TwmPooledScrubAhead => "twm_pooled_scrub_ahead",
@@ -218,6 +221,7 @@ impl Setup {
             Self::TwmGuarded,
             Self::TwmDeviceGuarded,
             Self::TwmDeviceGuardedPooled,
+            Self::TwmDeviceGuardedPooledScrubAhead,
             Self::NoMemoryFloor,
             Self::TwmPooledTenant,
             Self::TwmPooledScrubAhead,
@@ -257,6 +261,8 @@ impl Setup {
             Self::TwmGuarded => GuardedHostCreator::new(PlanLimits::default()).engine(),
             Self::TwmDeviceGuarded => fresh_engine(pageable_mock(), Interruption::NONE),
             Self::TwmDeviceGuardedPooled => pooled_engine(pageable_mock(), slots),
+            Self::TwmDeviceGuardedPooledScrubAhead => pooled_builder(pageable_mock(), slots)
+                .and_then(|b| built(b.scrub_ahead())?.engine()),
         };
         engine.map_err(other)
     }
@@ -498,7 +504,12 @@ fn with_lives<R>(
 }
 
 /// The pooled setups whose process CPU per life is measured beside their wall time.
-const CPU_SETUPS: [Setup; 2] = [Setup::TwmPooled, Setup::TwmPooledScrubAhead];
+const CPU_SETUPS: [Setup; 4] = [
+    Setup::TwmPooled,
+    Setup::TwmPooledScrubAhead,
+    Setup::TwmDeviceGuardedPooled,
+    Setup::TwmDeviceGuardedPooledScrubAhead,
+];
 
 /// Microseconds of the process's CPU (every thread's: a scrub-ahead thread's included) per
 /// instantiate + call + drop of `(memory 1 16)` from one thread: what a life
@@ -990,6 +1001,10 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             Setup::TwmDeviceGuardedPooled,
             Some((Setup::WasmtimePooling, 0.8)),
         ),
+        (
+            Setup::TwmDeviceGuardedPooledScrubAhead,
+            Some((Setup::NoMemoryFloor, 2.0)),
+        ),
     ];
     let loop_setups = [
         (Setup::WasmtimeDefault, "wasmtime_default", None),
@@ -1199,7 +1214,9 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
                     get(&instantiate, Setup::WasmtimePooling)
                 }
                 Setup::TwmPooledWasi => get(&instantiate, Setup::TwmPooled),
-                Setup::TwmPooledTenant | Setup::TwmPooledScrubAhead => {
+                Setup::TwmPooledTenant
+                | Setup::TwmPooledScrubAhead
+                | Setup::TwmDeviceGuardedPooledScrubAhead => {
                     get(&instantiate, Setup::NoMemoryFloor)
                 }
                 _ => base,

@@ -92,8 +92,7 @@ pub struct RunArgs {
     pub pool: Option<u32>,
     /// With --pool: a thread zeroes each slot a run gave back while it is free, so the next
     /// run's instantiation does no scrub of its own: lower latency per run for one more busy
-    /// core (docs/BENCHMARKS.md, "Scrubbing ahead"). A managed pool's; a guarded pool zeroes a
-    /// slot as it comes back.
+    /// core (docs/BENCHMARKS.md, "Scrubbing ahead"). A managed pool's or a guarded pool's.
     #[arg(long, requires = "pool")]
     pub scrub_ahead: bool,
     /// The most bytes one linear memory may have (at most 4GiB); also the capacity of memories

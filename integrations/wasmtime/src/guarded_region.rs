@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use tensor_wasm_mem_core::{
-    Advice, Allocation, DeviceId, DeviceSlice, Error as CoreError, HostAccess, HostMemory,
+    Advice, Ahead, Allocation, DeviceId, DeviceSlice, Error as CoreError, HostAccess, HostMemory,
     Location, Operation, PoolConfig, PoolStats, RangeError, Refused, Returned, SlotId, SlotTable,
     Stream, check_range,
 };
@@ -509,9 +509,12 @@ pub(crate) struct GuardedPool<B: Backend> {
     device: DeviceId,
     access: HostAccess,
     mapping: HostMapping,
-    /// Per slot: the bytes from its start its last holder left readable and writable
-    /// (scrubbed).
-    slots: SlotTable<usize>,
+    /// Per slot: what its last holder left (see [`Left`]).
+    slots: SlotTable<Left>,
+    /// Called when a slot comes back dirty, once something scrubs ahead
+    /// ([`on_dirty_release`](Self::on_dirty_release)): a slot's scrub then waits for a scrub
+    /// ahead or its next acquisition, instead of running as it comes back.
+    signal: std::sync::OnceLock<Arc<dyn Fn() + Send + Sync>>,
     /// A slot was withdrawn with chunks the backend would not detach: the pool's address space
     /// stays mapped when the pool goes.
     driver_held: AtomicBool,
@@ -554,7 +557,8 @@ impl<B: Backend> GuardedPool<B> {
             device,
             access,
             mapping,
-            slots: SlotTable::new(classes, |_| 0),
+            slots: SlotTable::new(classes, |_| Left::default()).waiting_when(|left| left.dirty > 0),
+            signal: std::sync::OnceLock::new(),
             driver_held: AtomicBool::new(false),
             kept_mappings,
         })
@@ -584,6 +588,23 @@ impl<B: Backend> GuardedPool<B> {
             return Err(TwmError::ReservationNotHonoured { reserved: needed });
         }
         let taken = self.slots.take(capacity, |c| c.stride >= needed)?;
+        if taken.meta.dirty > 0 {
+            // Given back while something scrubs ahead, and not reached yet: scrubbed here.
+            // SAFETY: the slot was just taken: no one uses its pages, no device holds them
+            // (its chunks were detached before it came back), and its first `opened` bytes
+            // are readable and writable.
+            match unsafe { self.scrub(taken.offset(), taken.meta.dirty) } {
+                Ok(()) => self.slots.scrubbed(Returned {
+                    scrubbed: taken.meta.dirty as u64,
+                    hints_reset: false,
+                }),
+                Err(e) => {
+                    // Its pages are in no known state: never handed to another tenant.
+                    self.slots.withdraw_taken();
+                    return Err(e);
+                }
+            }
+        }
         let base = self.mapping.base() + taken.offset();
         let home = Home::Slot {
             pool: Arc::clone(self),
@@ -594,7 +615,7 @@ impl<B: Backend> GuardedPool<B> {
             (self.device, self.access),
             (home, base),
             (capacity, taken.layout.slot_bytes),
-            taken.meta,
+            taken.meta.opened,
             self.kept_mappings.clone(),
         ))
     }
@@ -605,23 +626,121 @@ impl<B: Backend> GuardedPool<B> {
     /// `open_in` closes what it does not use (a memory of the same size then costs no
     /// `mprotect`, as in Wasmtime's pooling allocator). A free slot is reachable by no one. A
     /// slot that is not reusable (hints kept, protection unknown), or whose scrub failed, is
-    /// withdrawn for good rather than handed to another tenant.
+    /// withdrawn for good rather than handed to another tenant. While something scrubs ahead
+    /// ([`on_dirty_release`](Self::on_dirty_release)), the slot goes back dirty instead, and is
+    /// scrubbed by it or by its next acquisition, whichever comes first.
     fn release(&self, slot: SlotId, opened: usize, released: Released) {
+        if !released.reusable {
+            // Withdrawn for good: never handed to another tenant.
+            self.slots.withdraw();
+            return;
+        }
+        if let Some(signal) = self.signal.get() {
+            let left = Left {
+                opened,
+                dirty: opened,
+            };
+            let returned = Returned {
+                scrubbed: 0,
+                hints_reset: released.hinted,
+            };
+            self.slots.give_back(slot, left, returned);
+            if opened > 0 {
+                signal();
+            }
+            return;
+        }
         let offset = self.offset_of(slot);
         // SAFETY: the slot's holder is gone and its chunks detached: no one uses its pages, no
         // device holds them pinned, and its first `opened` bytes are readable and writable (a
         // failed `mprotect` would have made it not reusable).
-        let scrubbed = released.reusable && unsafe { self.scrub(offset, opened) }.is_ok();
-        if scrubbed {
+        if unsafe { self.scrub(offset, opened) }.is_ok() {
             let returned = Returned {
                 scrubbed: opened as u64,
                 hints_reset: released.hinted,
             };
-            self.slots.give_back(slot, opened, returned);
+            let left = Left { opened, dirty: 0 };
+            self.slots.give_back(slot, left, returned);
         } else {
             // Withdrawn for good: never handed to another tenant.
             self.slots.withdraw();
         }
+    }
+
+    /// Has `signal` called each time a slot comes back dirty (on the releasing thread, right
+    /// after the slot is free: it must be quick, and must not use the pool), and from then on
+    /// leaves a slot's scrub to [`scrub_ahead`](Self::scrub_ahead) or its next acquisition.
+    /// One signal per pool: `false` (and `signal` dropped) if the pool has one.
+    pub(crate) fn on_dirty_release(&self, signal: Arc<dyn Fn() + Send + Sync>) -> bool {
+        let set = self.signal.set(signal).is_ok();
+        // Something scrubs ahead: acquisitions take scrubbed slots first.
+        self.slots.prefer_ready();
+        set
+    }
+
+    /// Scrubs up to `max` free slots given back dirty, a few at a time
+    /// ([`AHEAD_MAX`](tensor_wasm_mem_core::AHEAD_MAX)), as their acquisitions would: the
+    /// number scrubbed. Each is off its free list while it is scrubbed, so no one can be handed
+    /// one half zeroed. A slot whose scrub failed goes back still dirty (counted in
+    /// [`PoolStats::scrub_failures`]): its acquisition tries again, and withdraws it if that
+    /// fails too; the error is returned.
+    pub(crate) fn scrub_ahead(&self, max: usize) -> Result<usize, TwmError> {
+        /// How deep in a free list a dirty slot is looked for: the next ones handed out.
+        const DEPTH: usize = 64;
+        let mut done = 0;
+        while done < max {
+            let mut held = [None; tensor_wasm_mem_core::AHEAD_MAX];
+            let mut count = 0;
+            self.slots.take_dirty(DEPTH, max - done, |taken| {
+                held[count] = Some((taken, Ahead::Untouched));
+                count += 1;
+            });
+            if count == 0 {
+                break;
+            }
+            // Put back however the scrubs go (a panic included: still dirty, as taken).
+            let mut back = AheadBack {
+                slots: &self.slots,
+                held,
+            };
+            let mut failed = None;
+            for (taken, ahead) in back.held.iter_mut().flatten() {
+                if failed.is_some() {
+                    break;
+                }
+                // SAFETY: the slot was just taken off its free list: no one uses its pages, no
+                // device holds them (detached before it came back), and its first `opened`
+                // bytes are readable and writable.
+                match unsafe { self.scrub(taken.offset(), taken.meta.dirty) } {
+                    Ok(()) => {
+                        *ahead = Ahead::Scrubbed(Returned {
+                            scrubbed: taken.meta.dirty as u64,
+                            hints_reset: false,
+                        });
+                        done += 1;
+                    }
+                    Err(e) => {
+                        *ahead = Ahead::Failed { scrubbed: 0 };
+                        failed = Some(e);
+                    }
+                }
+            }
+            back.put_back();
+            if let Some(e) = failed {
+                return Err(e);
+            }
+        }
+        Ok(done)
+    }
+
+    /// Free slots given back dirty, not scrubbed yet (a count a moment behind).
+    pub(crate) fn dirty_free(&self) -> usize {
+        self.slots.waiting()
+    }
+
+    /// The pool's device.
+    pub(crate) fn device(&self) -> DeviceId {
+        self.device
     }
 
     /// A slot leaves with chunks the backend still holds: withdrawn (never returned), and the
@@ -664,5 +783,177 @@ impl<B: Backend> Drop for GuardedPool<B> {
         if *self.driver_held.get_mut() {
             self.mapping.keep_mapped();
         }
+    }
+}
+
+/// What a guarded slot's last holder left: the bytes from its start left readable and writable
+/// (`opened`), and of those the bytes not zeroed yet (`dirty`: all of them while the slot waits
+/// for a scrub ahead, none once scrubbed).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Left {
+    opened: usize,
+    dirty: usize,
+}
+
+/// Slots a guarded pool's scrub ahead holds: put back, each as its scrub went, when it goes (or
+/// by [`put_back`](Self::put_back)); a slot whose scrub never finished goes back still dirty.
+struct AheadBack<'a> {
+    slots: &'a SlotTable<Left>,
+    held: [Option<(tensor_wasm_mem_core::Taken<Left>, Ahead)>; tensor_wasm_mem_core::AHEAD_MAX],
+}
+
+impl AheadBack<'_> {
+    fn put_back(self) {}
+}
+
+impl Drop for AheadBack<'_> {
+    fn drop(&mut self) {
+        let back = self
+            .held
+            .iter_mut()
+            .filter_map(Option::take)
+            .map(|(taken, ahead)| {
+                let left = match ahead {
+                    Ahead::Scrubbed(_) => Left {
+                        dirty: 0,
+                        ..taken.meta
+                    },
+                    _ => taken.meta,
+                };
+                (taken.slot, left, ahead)
+            });
+        self.slots.ahead_done(back);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{GUARDED_GUARD, GUARDED_RESERVATION};
+    use std::sync::atomic::AtomicUsize;
+    use tensor_wasm_mem_core::SizeClass;
+    use tensor_wasm_mem_mock::{MockBackend, MockConfig};
+
+    const PAGE: usize = 64 << 10;
+
+    /// A guarded pool of `slots` slots of two Wasm pages on a simulated device with pageable
+    /// memory access.
+    fn pool(slots: usize) -> Arc<GuardedPool<MockBackend>> {
+        let backend = Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
+            pageable_memory_access: true,
+            ..MockConfig::default()
+        }));
+        let config = PoolConfig::new(DeviceId(0), [SizeClass::new(2 * PAGE, slots)]);
+        let pool = GuardedPool::new(
+            backend,
+            DeviceId(0),
+            HostAccess::Pageable,
+            &config,
+            KeptMappings::default(),
+        );
+        Arc::new(pool.expect("a guarded pool"))
+    }
+
+    /// A memory of `pages` Wasm pages from `pool`, its first byte of each page written.
+    fn dirtied(pool: &Arc<GuardedPool<MockBackend>>, pages: usize) -> GuardedRegion<MockBackend> {
+        let reserved = GUARDED_RESERVATION as usize;
+        let guard = GUARDED_GUARD as usize;
+        let mut region = pool.acquire(2 * PAGE, reserved, guard).expect("a slot");
+        region.open(pages * PAGE).expect("opened");
+        for page in 0..pages {
+            // SAFETY: inside the region's open pages, which this test alone uses.
+            unsafe { ((region.base() + page * PAGE) as *mut u8).write(0xa5) };
+        }
+        region
+    }
+
+    /// Every page of `region` reads zero at the bytes `dirtied` wrote.
+    fn reads_zero(region: &GuardedRegion<MockBackend>, pages: usize) -> bool {
+        // SAFETY: inside the region's open pages.
+        (0..pages).all(|page| unsafe { ((region.base() + page * PAGE) as *const u8).read() } == 0)
+    }
+
+    /// Once something scrubs ahead, a slot goes back dirty (the signal called), and the
+    /// acquisition that takes it before any scrub ahead zeroes it itself.
+    #[test]
+    fn a_dirty_slot_taken_before_its_scrub_ahead_is_zeroed_by_its_acquisition() {
+        let pool = pool(1);
+        let signals = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&signals);
+        assert!(pool.on_dirty_release(Arc::new(move || {
+            counted.fetch_add(1, Ordering::Relaxed);
+        })));
+        assert!(
+            !pool.on_dirty_release(Arc::new(|| {})),
+            "one signal per pool"
+        );
+        dirtied(&pool, 2).release().expect("released");
+        assert_eq!(signals.load(Ordering::Relaxed), 1);
+        assert_eq!(pool.dirty_free(), 1);
+        assert_eq!(
+            pool.stats().bytes_scrubbed,
+            0,
+            "not scrubbed as it came back"
+        );
+        let mut again = pool
+            .acquire(
+                2 * PAGE,
+                GUARDED_RESERVATION as usize,
+                GUARDED_GUARD as usize,
+            )
+            .expect("the slot");
+        again.open(2 * PAGE).expect("opened");
+        assert!(reads_zero(&again, 2));
+        assert_eq!(pool.dirty_free(), 0);
+        let s = pool.stats();
+        assert_eq!((s.bytes_scrubbed, s.scrubbed_ahead), (2 * PAGE as u64, 0));
+        again.release().expect("released");
+    }
+
+    /// Slots given back dirty are scrubbed ahead a few at a time and reach their next holders
+    /// zeroed, with no scrub of their acquisitions' own.
+    #[test]
+    fn slots_scrubbed_ahead_reach_their_next_holders_zeroed() {
+        let pool = pool(6);
+        pool.on_dirty_release(Arc::new(|| {}));
+        let held: Vec<_> = (0..5).map(|_| dirtied(&pool, 2)).collect();
+        for region in held {
+            region.release().expect("released");
+        }
+        assert_eq!(pool.dirty_free(), 5);
+        assert_eq!(pool.scrub_ahead(usize::MAX).expect("scrubbed"), 5);
+        assert_eq!(pool.dirty_free(), 0);
+        let s = pool.stats();
+        assert_eq!((s.scrubbed_ahead, s.bytes_scrubbed), (5, 10 * PAGE as u64));
+        let again: Vec<_> = (0..6)
+            .map(|_| {
+                let reserved = GUARDED_RESERVATION as usize;
+                let mut region = pool
+                    .acquire(2 * PAGE, reserved, GUARDED_GUARD as usize)
+                    .expect("a slot");
+                region.open(2 * PAGE).expect("opened");
+                region
+            })
+            .collect();
+        assert!(again.iter().all(|region| reads_zero(region, 2)));
+        assert_eq!(
+            pool.stats().bytes_scrubbed,
+            10 * PAGE as u64,
+            "no acquisition scrubbed"
+        );
+        for region in again {
+            region.release().expect("released");
+        }
+        assert_eq!(pool.stats().free(), 6);
+    }
+
+    /// Without anything scrubbing ahead, a slot is scrubbed as it comes back, as before.
+    #[test]
+    fn without_a_scrub_ahead_a_slot_is_scrubbed_as_it_comes_back() {
+        let pool = pool(1);
+        dirtied(&pool, 1).release().expect("released");
+        assert_eq!(pool.dirty_free(), 0);
+        assert_eq!(pool.stats().bytes_scrubbed, PAGE as u64);
+        assert_eq!(pool.scrub_ahead(usize::MAX).expect("nothing to do"), 0);
     }
 }

@@ -324,21 +324,22 @@ impl<B: Backend> CreatorBuilder<B> {
         self
     }
 
-    /// Give each managed slot pool a thread that zeroes the slots guests gave back while they
-    /// are free ([`SlotPool::scrub_ahead`]), so the instantiation that takes a slot does no
+    /// Give each slot pool a thread that zeroes the slots guests gave back while they are free
+    /// ([`SlotPool::scrub_ahead`] for a managed pool; a guarded pool's slots, which it
+    /// otherwise scrubs as they come back, are then given back dirty and scrubbed by the same
+    /// thread), so the instantiation that takes a slot, or the drop that gives it back, does no
     /// scrub of its own: with 64 KiB touched, about 0.5 us less per pooled instantiation on
     /// this project's bench machine (2.09 to 1.64 us, docs/BENCHMARKS.md). The same bytes are
     /// zeroed, on another core, and handing them over costs: the process spent 1.56x the CPU
     /// per instantiation there. Worth it where instantiation latency matters and a core has
     /// time to spare; not where every core is busy. The thread lets a few slots gather (four,
-    /// a quarter of the pool's at most, or fewer for 50 us) and scrubs them in a row while acquisitions take slots already
-    /// scrubbed, lingers about 200 us after its last scrub (yielding its core), then sleeps
-    /// until a slot comes back dirty; it is stopped and joined when the creator goes. A slot it
-    /// has not reached yet is scrubbed by its acquisition, as without it.
+    /// a quarter of the pool's at most, or fewer for 50 us) and scrubs them in a row (taken
+    /// and put back in one hold of the pool's lock each) while acquisitions take slots already
+    /// scrubbed, keeps looking for about 200 us after its last scrub (yielding its core between
+    /// looks), then sleeps until a slot comes back dirty; it is stopped and joined when
+    /// the creator goes. A slot it has not reached yet is scrubbed by its acquisition.
     ///
-    /// Only with [`pool`](Self::pool) on the managed backing; a guarded pool scrubs a slot as it
-    /// comes back (by dropping its pages), and is left as it is. Off by default: a library
-    /// starts no thread unasked. [`build`](Self::build) fails with [`TwmError::Thread`] if a
+    /// Only with [`pool`](Self::pool). Off by default: a library starts no thread unasked. [`build`](Self::build) fails with [`TwmError::Thread`] if a
     /// thread cannot be started.
     #[must_use]
     pub fn scrub_ahead(mut self) -> Self {
@@ -1430,7 +1431,7 @@ fn laid_out(class: &tensor_wasm_mem_core::SizeClass) -> u64 {
     class.slot_bytes.next_multiple_of(SLOT_ALIGN) as u64
 }
 
-/// A scrub-ahead thread per managed pool. A thread that held a slot as the pool's device was
+/// A scrub-ahead thread per pool. A thread on a managed pool that held a slot as the pool's device was
 /// fenced tries the automatic recovery the slot held back (as the end of any other use of the
 /// device does), through `kept`.
 fn start_scrubbers<B: Backend>(
@@ -1440,14 +1441,16 @@ fn start_scrubbers<B: Backend>(
 ) -> Result<Vec<crate::scrub_ahead::Scrubber>, TwmError> {
     pools
         .iter()
-        .filter_map(|pool| match pool {
+        .map(|pool| match pool {
             CreatorPool::Managed(pool) => {
                 let (backend, kept, device) =
                     (Arc::clone(backend), Arc::clone(kept), pool.device());
                 let recover = move || kept.recover_when_free(&backend, device);
-                Some(crate::scrub_ahead::Scrubber::start(pool, recover))
+                crate::scrub_ahead::Scrubber::start(pool, recover)
             }
-            CreatorPool::Guarded(_) => None,
+            // Host pages, detached from the device before they come back: nothing for a
+            // recovery to wait for.
+            CreatorPool::Guarded(pool) => crate::scrub_ahead::Scrubber::start(pool, || {}),
         })
         .collect()
 }

@@ -17,10 +17,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tensor_wasm_mem_core::SlotPool;
+use tensor_wasm_mem_core::{DeviceId, SlotPool};
 
 use crate::Backend;
 use crate::TwmError;
+use crate::guarded_region::GuardedPool;
 
 /// How long the thread keeps looking after its last scrub before it sleeps: longer than the
 /// gap between two instantiations of a busy host, short enough that an idle one sleeps.
@@ -56,12 +57,75 @@ pub(crate) struct Scrubber {
     thread: Option<JoinHandle<()>>,
 }
 
+/// A slot pool a [`Scrubber`] scrubs ahead: a managed one ([`SlotPool`]) or a guarded one.
+pub(crate) trait AheadPool: Send + Sync + 'static {
+    /// Its device (the thread's name).
+    fn device(&self) -> DeviceId;
+    /// Its slots, all classes.
+    fn slots(&self) -> usize;
+    /// Free slots waiting for a scrub (a count a moment behind).
+    fn dirty_free(&self) -> usize;
+    /// Scrubs up to `max` of them: how many, or `Err` after a failure (counted in the pool's
+    /// figures; the slot waits for its acquisition).
+    fn scrub_ahead(&self, max: usize) -> Result<usize, ()>;
+    /// The pool's device is fenced (a kernel fault): a held slot may have kept a recovery back.
+    fn fenced(&self) -> bool;
+    /// Has `signal` called when a slot comes back dirty, and from then on leaves slots'
+    /// scrubs to the thread or their acquisitions.
+    fn on_dirty_release(&self, signal: Arc<dyn Fn() + Send + Sync>);
+}
+
+impl<B: Backend> AheadPool for SlotPool<Arc<B>> {
+    fn device(&self) -> DeviceId {
+        SlotPool::device(self)
+    }
+    fn slots(&self) -> usize {
+        self.stats().classes.iter().map(|c| c.slots).sum()
+    }
+    fn dirty_free(&self) -> usize {
+        SlotPool::dirty_free(self)
+    }
+    fn scrub_ahead(&self, max: usize) -> Result<usize, ()> {
+        SlotPool::scrub_ahead(self, max).map_err(drop)
+    }
+    fn fenced(&self) -> bool {
+        use tensor_wasm_mem_core::ManagedAllocator;
+        self.allocator().device_fenced(SlotPool::device(self))
+    }
+    fn on_dirty_release(&self, signal: Arc<dyn Fn() + Send + Sync>) {
+        SlotPool::on_dirty_release(self, signal);
+    }
+}
+
+impl<B: Backend> AheadPool for GuardedPool<B> {
+    fn device(&self) -> DeviceId {
+        GuardedPool::device(self)
+    }
+    fn slots(&self) -> usize {
+        self.stats().classes.iter().map(|c| c.slots).sum()
+    }
+    fn dirty_free(&self) -> usize {
+        GuardedPool::dirty_free(self)
+    }
+    fn scrub_ahead(&self, max: usize) -> Result<usize, ()> {
+        GuardedPool::scrub_ahead(self, max).map_err(drop)
+    }
+    /// Host pages, detached from the device before they came back: a fence holds nothing back.
+    fn fenced(&self) -> bool {
+        false
+    }
+    fn on_dirty_release(&self, signal: Arc<dyn Fn() + Send + Sync>) {
+        GuardedPool::on_dirty_release(self, signal);
+    }
+}
+
 impl Scrubber {
-    /// Starts the thread for `pool` and has the pool wake it when a slot comes back dirty. `recover` is called when the thread put a slot back on a fenced device (a
-    /// kernel fault came while it scrubbed): the automatic recovery that slot held back.
+    /// Starts the thread for `pool` and has the pool wake it when a slot comes back dirty.
+    /// `recover` is called when the thread put a slot back on a fenced device (a kernel fault
+    /// came while it scrubbed): the automatic recovery that slot held back.
     /// [`TwmError::Thread`] if the thread cannot be started.
-    pub(crate) fn start<B: Backend>(
-        pool: &Arc<SlotPool<Arc<B>>>,
+    pub(crate) fn start<P: AheadPool>(
+        pool: &Arc<P>,
         recover: impl Fn() + Send + 'static,
     ) -> Result<Self, TwmError> {
         let stop = Arc::new(AtomicBool::new(false));
@@ -69,10 +133,7 @@ impl Scrubber {
             .name(format!("twm-scrub-{}", pool.device().0))
             .spawn({
                 let (pool, stop) = (Arc::clone(pool), Arc::clone(&stop));
-                move || {
-                    let slots = pool.stats().classes.iter().map(|c| c.slots).sum();
-                    run(&pool, &stop, gathering(slots), recover);
-                }
+                move || run(&*pool, &stop, gathering(pool.slots()), recover)
             })
             .map_err(TwmError::Thread)?;
         let waker = thread.thread().clone();
@@ -86,8 +147,7 @@ impl Scrubber {
 }
 
 /// Scrubs while there is work, lingers, then sleeps until a dirty release or the stop.
-fn run<B: Backend>(pool: &SlotPool<Arc<B>>, stop: &AtomicBool, gather: usize, recover: impl Fn()) {
-    use tensor_wasm_mem_core::ManagedAllocator;
+fn run(pool: &impl AheadPool, stop: &AtomicBool, gather: usize, recover: impl Fn()) {
     ON_A_SCRUBBER.set(true);
     let mut last_work = Instant::now();
     while !stop.load(Ordering::Acquire) {
@@ -101,13 +161,13 @@ fn run<B: Backend>(pool: &SlotPool<Arc<B>>, stop: &AtomicBool, gather: usize, re
         // A slot was held here (scrubbed, or its scrub failed): if the device was fenced
         // meanwhile, the pool has let its slab go, and a recovery refused while the slot was
         // held may run now.
-        if !matches!(scrubbed, Ok(0)) && pool.allocator().device_fenced(pool.device()) {
+        if !matches!(scrubbed, Ok(0)) && pool.fenced() {
             recover();
         }
         match scrubbed {
             // Waiting slots it cannot take (deeper in a free list than it looks, or the device
             // fenced): their acquisitions scrub them. Sleep until the next dirty release.
-            Ok(0) if gathered && pool.has_dirty_free() => {
+            Ok(0) if gathered && pool.dirty_free() > 0 => {
                 std::thread::park();
                 last_work = Instant::now();
             }
@@ -121,7 +181,7 @@ fn run<B: Backend>(pool: &SlotPool<Arc<B>>, stop: &AtomicBool, gather: usize, re
             // Counted in the pool's figures; the slot went back dirty, and its acquisition
             // scrubs it (or fails as it would have). Retrying at once would only count more
             // failures: wait for the next slot to come back.
-            Err(_) => std::thread::park(),
+            Err(()) => std::thread::park(),
         }
     }
 }

@@ -1,7 +1,8 @@
 //! A creator that scrubs ahead (`CreatorBuilder::scrub_ahead`): its pool's thread zeroes a
 //! slot a guest gave back while it is free, the next guest finds it zeroed with no scrub of its
-//! own, and the thread is gone when the creator is. One test in its own binary: it counts the
-//! process's threads by name, which tests running beside it in one process would disturb.
+//! own, and the thread is gone when the creator is; on a managed pool and on a guarded one. One
+//! test in its own binary: it counts the process's threads by name, which tests running beside
+//! it in one process would disturb.
 
 mod common;
 
@@ -56,47 +57,55 @@ fn wait_scrubbed_ahead(creator: &TensorWasmMemoryCreator<MockBackend>, slots: u6
 #[test]
 fn a_slot_scrubbed_ahead_reaches_the_next_guest_zeroed_and_the_thread_goes_with_the_creator() {
     assert_eq!(scrubbers(), 0);
-    let backend = mock();
-    let creator = TensorWasmMemoryCreator::builder(std::sync::Arc::clone(&backend))
-        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 * PAGE, 1)]))
-        .scrub_ahead()
-        .build()
-        .expect("pooled creator");
-    wait_scrubbers(1); // one thread for the one pool
+    // A managed pool, then a guarded one (a device with pageable memory access).
+    for (backend, guarded) in [(mock(), false), (pageable_mock(), true)] {
+        let creator = TensorWasmMemoryCreator::builder(backend)
+            .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 * PAGE, 1)]))
+            .scrub_ahead()
+            .build()
+            .expect("pooled creator");
+        assert_eq!(matches!(creator.backing(), Backing::Guarded(_)), guarded);
+        wait_scrubbers(1); // one thread for the one pool
+        scrubs_ahead(&creator);
+        drop(creator);
+        assert_eq!(scrubbers(), 0, "stopped and joined with the creator");
+    }
+}
+
+/// A guest writes its page; the slot is scrubbed ahead, and the next guest reads zeros.
+fn scrubs_ahead(creator: &TensorWasmMemoryCreator<MockBackend>) {
+    let backing = creator.backing();
     let written = [0, 4096, PAGE as i32 - 4];
     {
-        let (mut store, instance, _memory) = tenant_store(&creator, 1);
+        let (mut store, instance, _memory) = tenant_store(creator, 1);
         let store32 = func::<_, (i32, i32), ()>(&mut store, &instance, "store32");
         for &at in &written {
             store32.call(&mut store, (at, 0x5a5a_5a5a)).unwrap();
         }
     }
-    let pool = wait_scrubbed_ahead(&creator, 1);
-    assert_eq!((pool.scrubbed_ahead, pool.bytes_scrubbed), (1, PAGE as u64));
+    let pool = wait_scrubbed_ahead(creator, 1);
+    assert_eq!(
+        (pool.scrubbed_ahead, pool.bytes_scrubbed),
+        (1, PAGE as u64),
+        "{backing:?}"
+    );
     {
-        let (mut store, instance, _memory) = tenant_store(&creator, 2);
+        let (mut store, instance, _memory) = tenant_store(creator, 2);
         let load = func::<_, i32, i32>(&mut store, &instance, "load32");
         for &at in &written {
-            assert_eq!(load.call(&mut store, at).unwrap(), 0, "scrubbed at {at}");
+            assert_eq!(
+                load.call(&mut store, at).unwrap(),
+                0,
+                "scrubbed at {at} ({backing:?})"
+            );
         }
     }
     // The second guest's page is scrubbed ahead too; every byte zeroed was zeroed ahead (an
     // acquisition's own scrub would add to `bytes_scrubbed` alone).
-    let pool = wait_scrubbed_ahead(&creator, 2);
+    let pool = wait_scrubbed_ahead(creator, 2);
     assert_eq!(
         (pool.acquisitions, pool.scrubbed_ahead, pool.bytes_scrubbed),
         (2, 2, 2 * PAGE as u64),
-        "{pool:?}"
+        "{backing:?}: {pool:?}"
     );
-    drop(creator);
-    assert_eq!(scrubbers(), 0, "stopped and joined with the creator");
-
-    // A guarded pool scrubs as a slot comes back: no thread to start.
-    let guarded = TensorWasmMemoryCreator::builder(pageable_mock())
-        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 * PAGE, 1)]))
-        .scrub_ahead()
-        .build()
-        .expect("guarded pooled creator");
-    assert!(matches!(guarded.backing(), Backing::Guarded(_)));
-    assert_eq!(scrubbers(), 0);
 }
