@@ -394,17 +394,15 @@ impl<A: ManagedAllocator> SlotPool<A> {
     /// runs one). The number of slots scrubbed; 0 when none waits (or the pool's device is
     /// fenced: an acquisition there is refused anyway).
     ///
-    /// The slots are taken off their free lists a few at a time ([`AHEAD_MAX`], in one hold of
-    /// the pool's lock), so no one can be handed one half zeroed; once all of them are scrubbed
+    /// The slots are taken off their free lists a few at a time ([`SlotTable::ahead_at_once`],
+    /// in one hold of the pool's lock; however deep in a free list they lie), so no one can be
+    /// handed one half zeroed; once all of them are scrubbed
     /// they go back on top (in one hold of the lock), the next handed out. A failed scrub puts
     /// its slot back still dirty (counted in [`PoolStats::scrub_failures`]; the acquisition
     /// that takes it scrubs it, or fails as it would have), with the rest of its gathering
     /// untouched, and returns the error: a caller in a loop should back off rather than retry
     /// at once.
     pub fn scrub_ahead(&self, max: usize) -> Result<usize, Error<A::Error>> {
-        /// How deep in a free list a waiting slot is looked for: the next ones handed out (one
-        /// deeper is scrubbed by its acquisition).
-        const DEPTH: usize = 64;
         let mut done = 0;
         while done < max {
             // Counted before the fence is looked at: a recovery that asks the pool to let its
@@ -417,11 +415,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
             }
             // A few slots at once: the table's lock is taken once to take them and once to put
             // them back (when `held` goes), not twice per slot.
-            if self
-                .slots
-                .take_dirty(DEPTH, max - done, |taken| held.hold(taken))
-                == 0
-            {
+            if self.slots.take_dirty(max - done, |taken| held.hold(taken)) == 0 {
                 break;
             }
             let mut failed = None;
@@ -432,6 +426,9 @@ impl<A: ManagedAllocator> SlotPool<A> {
                     *outcome = Some((taken.meta, Ahead::Untouched));
                     continue;
                 }
+                // Failed, should the backend panic in it; the ones not started go back
+                // untouched.
+                *outcome = Some((taken.meta, Ahead::Failed { scrubbed: 0 }));
                 match self.scrub_taken(taken) {
                     Ok(Some(returned)) => {
                         *outcome = Some((Dirt::default(), Ahead::Scrubbed(returned)));
@@ -487,6 +484,13 @@ impl<A: ManagedAllocator> SlotPool<A> {
         // Something scrubs ahead: acquisitions take scrubbed slots first.
         self.slots.prefer_ready();
         set
+    }
+
+    /// The most slots one [`scrub_ahead`](Self::scrub_ahead) gathering takes at once
+    /// ([`SlotTable::ahead_at_once`]).
+    #[must_use]
+    pub fn ahead_at_once(&self) -> usize {
+        self.slots.ahead_at_once()
     }
 
     /// Free slots that wait for a scrub ahead (a count a moment behind, never drifting).
@@ -590,7 +594,8 @@ impl<A: ManagedAllocator> Drop for SlotPool<A> {
 /// A scrub ahead in progress ([`SlotPool::scrub_ahead`]): counted while it lives (a recovery
 /// waits for it). The slots it took go back when it is dropped, in one hold of the table's lock,
 /// each as its scrub went; one whose scrub never finished (the backend panicked mid-scrub) goes
-/// back dirty, so no acquisition or recovery waits for it for ever.
+/// back dirty with a failed scrub counted, and those not reached yet go back untouched, so no
+/// acquisition or recovery waits for them for ever.
 struct AheadHeld<'a, A: ManagedAllocator> {
     pool: &'a SlotPool<A>,
     /// The slots taken, each with how it goes back once its scrub is done.
@@ -622,7 +627,7 @@ impl<A: ManagedAllocator> Drop for AheadHeld<'_, A> {
             .iter_mut()
             .filter_map(Option::take)
             .map(|(taken, outcome)| {
-                let (meta, ahead) = outcome.unwrap_or((taken.meta, Ahead::Failed { scrubbed: 0 }));
+                let (meta, ahead) = outcome.unwrap_or((taken.meta, Ahead::Untouched));
                 (taken.slot, meta, ahead)
             });
         self.pool.slots.ahead_done(back);
@@ -1161,40 +1166,52 @@ mod tests {
         assert_eq!((s.free(), pool.dirty_free()), (3, 2));
     }
 
-    /// A scrub ahead takes the slots waiting near the top of a free list a few at a time
-    /// ([`AHEAD_MAX`]) and puts them back scrubbed, on top; the table takes them top down, at
-    /// most as many as asked, passing over the ones that do not wait.
-    #[test]
-    fn slots_are_scrubbed_ahead_a_few_at_a_time() {
-        let table = SlotTable::new(
+    /// A table of `slots` page-sized slots whose records say whether a slot waits for a scrub.
+    fn dirt_table(slots: u32) -> SlotTable<bool> {
+        SlotTable::new(
             alloc::vec![ClassLayout {
                 slot_bytes: PAGE,
-                slots: 8,
+                slots,
                 offset: 0,
                 stride: PAGE,
             }],
             |_| false,
         )
-        .waiting_when(|dirty: &bool| *dirty);
-        let held: Vec<_> = (0..8)
+        .waiting_when(|dirty: &bool| *dirty)
+    }
+
+    /// A scrub ahead takes the slots waiting a few at a time (a quarter of the table's slots,
+    /// at most [`AHEAD_MAX`]) from the top of a free list down, however deep they lie, passing
+    /// over the ones that do not wait, and puts them back in one go: scrubbed ones on top,
+    /// failed ones last.
+    #[test]
+    fn slots_are_scrubbed_ahead_a_few_at_a_time() {
+        assert_eq!(
+            [1, 2, 3, 4, 7, 8, 16, 64].map(|n| dirt_table(n).ahead_at_once()),
+            [1, 1, 1, 1, 1, 2, 4, 4]
+        );
+        let table = dirt_table(16);
+        let held: Vec<_> = (0..16)
             .map(|_| table.take(PAGE, |_| true).unwrap())
             .collect();
-        // Back in this order, the dirty ones 0, 2, 3, 5, 6 and 7: 7 is on top.
+        // Back in this order, the dirty ones 0, 2, 3, 5, 6 and 7: the clean 8 to 15 on top.
         for (i, taken) in held.iter().enumerate() {
-            table.give_back(taken.slot, i != 1 && i != 4, Returned::default());
+            let dirty = i < 8 && i != 1 && i != 4;
+            table.give_back(taken.slot, dirty, Returned::default());
         }
         assert_eq!(table.waiting(), 6);
         let mut took = Vec::new();
-        assert_eq!(table.take_dirty(64, 3, |t| took.push(t.slot.index)), 3);
-        assert_eq!(took, [7, 6, 5], "the next handed out first");
+        assert_eq!(table.take_dirty(3, |t| took.push(t.slot.index)), 3);
+        assert_eq!(took, [7, 6, 5], "the next handed out first, however deep");
         assert_eq!(table.waiting(), 3);
         assert_eq!(
-            table.take_dirty(64, usize::MAX, |t| took.push(t.slot.index)),
+            table.take_dirty(usize::MAX, |t| took.push(t.slot.index)),
             3,
-            "at most AHEAD_MAX, and only those that wait"
+            "only those that wait"
         );
         assert_eq!(took, [7, 6, 5, 3, 2, 0]);
-        assert_eq!(table.stats().free(), 8, "a slot scrubbed ahead is free");
+        assert_eq!(table.take_dirty(usize::MAX, |_| ()), 0, "none left");
+        assert_eq!(table.stats().free(), 16, "a slot scrubbed ahead is free");
         table.ahead_done(took.iter().map(|&index| {
             let slot = SlotId { class: 0, index };
             let ahead = if index == 0 {
@@ -1208,7 +1225,7 @@ mod tests {
             (slot, index == 0, ahead)
         }));
         let s = table.stats();
-        assert_eq!((s.scrubbed_ahead, s.scrub_failures, s.free()), (5, 1, 8));
+        assert_eq!((s.scrubbed_ahead, s.scrub_failures, s.free()), (5, 1, 16));
         assert_eq!(s.bytes_scrubbed, 5 * PAGE as u64);
         assert_eq!(table.waiting(), 1, "the failed one waits still");
         // Scrubbed ones on top (the last put back first); the failed one last.
@@ -1219,13 +1236,22 @@ mod tests {
             rest.push(t.slot.index);
         }
         assert_eq!(rest.last(), Some(&0));
+        // A table of four takes one at a time.
+        let small = dirt_table(4);
+        let held: Vec<_> = (0..4)
+            .map(|_| small.take(PAGE, |_| true).unwrap())
+            .collect();
+        for taken in &held {
+            small.give_back(taken.slot, true, Returned::default());
+        }
+        assert_eq!(small.take_dirty(usize::MAX, |_| ()), 1);
     }
 
-    /// Five dirty slots are scrubbed ahead in two gatherings (four, then one), every one of
-    /// them counted and zeroed.
+    /// Five dirty slots of a pool of sixteen are scrubbed ahead in two gatherings (four, then
+    /// one), every one of them counted and zeroed.
     #[test]
     fn a_scrub_ahead_of_more_slots_than_one_gathering_scrubs_them_all() {
-        let pool = heap_pool(&[SizeClass::new(PAGE, 6)]);
+        let pool = heap_pool(&[SizeClass::new(PAGE, 16)]);
         let mut held = Vec::new();
         for _ in 0..5 {
             let mut slot = pool.acquire(PAGE, PAGE).unwrap();
@@ -1239,7 +1265,7 @@ mod tests {
         let s = pool.stats();
         assert_eq!((s.scrubbed_ahead, s.bytes_scrubbed), (5, 5 * PAGE as u64));
         let before = s.bytes_scrubbed;
-        let all: Vec<_> = (0..6).map(|_| pool.acquire(PAGE, PAGE).unwrap()).collect();
+        let all: Vec<_> = (0..16).map(|_| pool.acquire(PAGE, PAGE).unwrap()).collect();
         for slot in &all {
             let mut bytes = [1u8; 8];
             slot.read(8, &mut bytes).unwrap();
@@ -1479,6 +1505,43 @@ mod tests {
         assert_eq!((s.free(), s.in_use(), s.scrub_failures), (1, 0, 1));
         assert!(pool.has_dirty_free(), "still waiting");
         lost_nothing_to_a_panic(&pool);
+    }
+
+    /// A waiting slot is scrubbed ahead however deep in its free list it lies (eighty dirty
+    /// slots, every one reached).
+    #[test]
+    fn a_scrub_ahead_reaches_slots_deep_in_a_free_list() {
+        let pool = heap_pool(&[SizeClass::new(PAGE, 80)]);
+        let held: Vec<_> = (0..80).map(|_| pool.acquire(PAGE, PAGE).unwrap()).collect();
+        drop(held);
+        assert_eq!(pool.dirty_free(), 80);
+        assert_eq!(pool.scrub_ahead(usize::MAX).unwrap(), 80);
+        assert_eq!((pool.dirty_free(), pool.stats().scrubbed_ahead), (0, 80));
+    }
+
+    /// A backend that panics in the first scrub of a gathering of four: that one slot counts
+    /// as a failed scrub, the three not reached go back untouched, all four free and dirty.
+    #[test]
+    fn a_panic_in_a_gathering_counts_one_failure() {
+        let pool = watched_pool(
+            Watched {
+                panics: AtomicBool::new(true),
+                ..Watched::default()
+            },
+            16,
+        );
+        let held: Vec<_> = (0..4).map(|_| pool.acquire(PAGE, PAGE).unwrap()).collect();
+        drop(held);
+        assert_eq!(pool.dirty_free(), 4);
+        let unwound = std::panic::catch_unwind(core::panic::AssertUnwindSafe(|| {
+            pool.scrub_ahead(usize::MAX)
+        }));
+        assert!(unwound.is_err());
+        let s = pool.stats();
+        assert_eq!((s.free(), s.scrub_failures, s.scrubbed_ahead), (16, 1, 0));
+        assert_eq!(pool.dirty_free(), 4, "all four still wait");
+        pool.allocator().panics.store(false, Ordering::SeqCst);
+        assert_eq!(pool.scrub_ahead(usize::MAX).unwrap(), 4);
     }
 
     /// After a backend's panic mid-scrub (the panics stopped): the slot is handed out again,

@@ -359,7 +359,8 @@ impl<M: Copy> SlotTable<M> {
                 self.count(&mut state, &taken.meta, false);
                 return Ok(taken);
             }
-            // A fitting slot being scrubbed ahead is free, and back within one scrub: wait for
+            // A fitting slot being scrubbed ahead is free, and back within a few scrubs (one
+            // gathering, `ahead_at_once`): wait for
             // it rather than call the pool exhausted.
             let ahead = self
                 .layout
@@ -410,27 +411,30 @@ impl<M: Copy> SlotTable<M> {
         state.counters.scrubbed(returned);
     }
 
-    /// Takes, to scrub them ahead of their next acquisitions, up to `max` (at most
-    /// [`AHEAD_MAX`]) free slots that wait ([`waiting_when`](Self::waiting_when)), nearest the
-    /// top of their class's free list (the next to be handed out) among the top `depth`,
-    /// smallest class first, in one hold of the table's lock: `f` is given each. They are held by
-    /// the caller until they go back ([`ahead_done`](Self::ahead_done)): no acquisition is
+    /// Takes, to scrub them ahead of their next acquisitions, up to `max` free slots that wait
+    /// ([`waiting_when`](Self::waiting_when)), at most [`ahead_at_once`](Self::ahead_at_once),
+    /// nearest the top of their class's free list (the next to be handed out), smallest class
+    /// first, in one hold of the table's lock: `f` is given each. However deep a waiting slot
+    /// lies it is found (the search stops once it has found as many as wait). They are held
+    /// by the caller until they go back ([`ahead_done`](Self::ahead_done)): no acquisition is
     /// counted, and no one else can take them meanwhile (an acquisition that finds no other
     /// fitting slot waits for them). The number taken.
-    pub fn take_dirty(&self, depth: usize, max: usize, mut f: impl FnMut(Taken<M>)) -> usize {
-        let max = max.min(AHEAD_MAX);
+    pub fn take_dirty(&self, max: usize, mut f: impl FnMut(Taken<M>)) -> usize {
+        let max = max.min(self.ahead_at_once());
         let mut state = self.state.lock();
         let mut taken = 0;
         for (class, layout) in self.layout.iter().enumerate() {
-            if taken == max {
+            // No more to take, or none left that waits.
+            let wanted = (max - taken).min(state.waiting);
+            if wanted == 0 {
                 break;
             }
             // Positions from the top down, so each removal leaves the next position valid.
             let mut at = [0usize; AHEAD_MAX];
             let mut found = 0;
             let c = &state.classes[class];
-            for (position, index) in c.free.iter().enumerate().rev().take(depth) {
-                if found == max - taken {
+            for (position, index) in c.free.iter().enumerate().rev() {
+                if found == wanted {
                     break;
                 }
                 if (self.waits)(&c.meta[*index as usize]) {
@@ -455,11 +459,23 @@ impl<M: Copy> SlotTable<M> {
         taken
     }
 
+    /// The most slots one [`take_dirty`](Self::take_dirty) takes: [`AHEAD_MAX`], or a quarter
+    /// of the table's slots if fewer (at least one), so that an acquisition that finds every
+    /// other slot held waits for a few scrubs at most, and a pool of two or three for one.
+    pub fn ahead_at_once(&self) -> usize {
+        let slots: usize = self.layout.iter().map(|c| c.slots as usize).sum();
+        (slots / 4).clamp(1, AHEAD_MAX)
+    }
+
     /// Slots taken by [`take_dirty`](Self::take_dirty) go back free, in one hold of the
     /// table's lock, each with its `meta` as its `ahead` says: scrubbed (on top of its class's
     /// free list, the next handed out, counted as a slot scrubbed ahead), failed part way (last
     /// in it, a scrub failure counted), or untouched (on top, as it was, nothing counted).
     pub fn ahead_done(&self, done: impl IntoIterator<Item = (SlotId, M, Ahead)>) {
+        let mut done = done.into_iter().peekable();
+        if done.peek().is_none() {
+            return;
+        }
         let mut state = self.state.lock();
         for (slot, meta, ahead) in done {
             state.classes[slot.class].ahead -= 1;
@@ -515,7 +531,7 @@ impl<M: Copy> SlotTable<M> {
                 .map(|(layout, class)| ClassStats {
                     slot_bytes: layout.slot_bytes,
                     slots: layout.slots as usize,
-                    // A slot being scrubbed ahead is free: it is back within one scrub.
+                    // A slot being scrubbed ahead is free: it is back within a gathering.
                     in_use: layout.slots as usize - class.free.len() - class.ahead as usize,
                     free: class.free.len() + class.ahead as usize,
                 })

@@ -515,6 +515,9 @@ pub(crate) struct GuardedPool<B: Backend> {
     /// ([`on_dirty_release`](Self::on_dirty_release)): a slot's scrub then waits for a scrub
     /// ahead or its next acquisition, instead of running as it comes back.
     signal: std::sync::OnceLock<Arc<dyn Fn() + Send + Sync>>,
+    /// Slots go back dirty, for the thread that scrubs ahead: set with the signal, cleared
+    /// when that thread ends ([`stop_deferring`](Self::stop_deferring)).
+    deferring: AtomicBool,
     /// A slot was withdrawn with chunks the backend would not detach: the pool's address space
     /// stays mapped when the pool goes.
     driver_held: AtomicBool,
@@ -559,6 +562,7 @@ impl<B: Backend> GuardedPool<B> {
             mapping,
             slots: SlotTable::new(classes, |_| Left::default()).waiting_when(|left| left.dirty > 0),
             signal: std::sync::OnceLock::new(),
+            deferring: AtomicBool::new(false),
             driver_held: AtomicBool::new(false),
             kept_mappings,
         })
@@ -635,7 +639,9 @@ impl<B: Backend> GuardedPool<B> {
             self.slots.withdraw();
             return;
         }
-        if let Some(signal) = self.signal.get() {
+        if self.deferring.load(Ordering::Acquire)
+            && let Some(signal) = self.signal.get()
+        {
             let left = Left {
                 opened,
                 dirty: opened,
@@ -673,25 +679,33 @@ impl<B: Backend> GuardedPool<B> {
     /// One signal per pool: `false` (and `signal` dropped) if the pool has one.
     pub(crate) fn on_dirty_release(&self, signal: Arc<dyn Fn() + Send + Sync>) -> bool {
         let set = self.signal.set(signal).is_ok();
+        if set {
+            self.deferring.store(true, Ordering::Release);
+        }
         // Something scrubs ahead: acquisitions take scrubbed slots first.
         self.slots.prefer_ready();
         set
     }
 
+    /// The thread that scrubbed ahead ended (its creator went, or a bug unwound it): slots are
+    /// scrubbed as they come back again, as without it. Dirty ones already free are zeroed by
+    /// their acquisitions.
+    pub(crate) fn stop_deferring(&self) {
+        self.deferring.store(false, Ordering::Release);
+    }
+
     /// Scrubs up to `max` free slots given back dirty, a few at a time
-    /// ([`AHEAD_MAX`](tensor_wasm_mem_core::AHEAD_MAX)), as their acquisitions would: the
-    /// number scrubbed. Each is off its free list while it is scrubbed, so no one can be handed
+    /// ([`SlotTable::ahead_at_once`], however deep in a free list they lie), as their
+    /// acquisitions would: the number scrubbed. Each is off its free list while it is scrubbed, so no one can be handed
     /// one half zeroed. A slot whose scrub failed goes back still dirty (counted in
     /// [`PoolStats::scrub_failures`]): its acquisition tries again, and withdraws it if that
     /// fails too; the error is returned.
     pub(crate) fn scrub_ahead(&self, max: usize) -> Result<usize, TwmError> {
-        /// How deep in a free list a dirty slot is looked for: the next ones handed out.
-        const DEPTH: usize = 64;
         let mut done = 0;
         while done < max {
             let mut held = [None; tensor_wasm_mem_core::AHEAD_MAX];
             let mut count = 0;
-            self.slots.take_dirty(DEPTH, max - done, |taken| {
+            self.slots.take_dirty(max - done, |taken| {
                 held[count] = Some((taken, Ahead::Untouched));
                 count += 1;
             });
@@ -708,6 +722,9 @@ impl<B: Backend> GuardedPool<B> {
                 if failed.is_some() {
                     break;
                 }
+                // A failure (or a panic) after the bytes kept resident were written.
+                let written = taken.meta.dirty.min(KEEP_RESIDENT_BYTES) as u64;
+                *ahead = Ahead::Failed { scrubbed: written };
                 // SAFETY: the slot was just taken off its free list: no one uses its pages, no
                 // device holds them (detached before it came back), and its first `opened`
                 // bytes are readable and writable.
@@ -719,10 +736,7 @@ impl<B: Backend> GuardedPool<B> {
                         });
                         done += 1;
                     }
-                    Err(e) => {
-                        *ahead = Ahead::Failed { scrubbed: 0 };
-                        failed = Some(e);
-                    }
+                    Err(e) => failed = Some(e),
                 }
             }
             back.put_back();
@@ -731,6 +745,11 @@ impl<B: Backend> GuardedPool<B> {
             }
         }
         Ok(done)
+    }
+
+    /// The most slots one [`scrub_ahead`](Self::scrub_ahead) gathering takes at once.
+    pub(crate) fn ahead_at_once(&self) -> usize {
+        self.slots.ahead_at_once()
     }
 
     /// Free slots given back dirty, not scrubbed yet (a count a moment behind).
@@ -945,6 +964,39 @@ mod tests {
             region.release().expect("released");
         }
         assert_eq!(pool.stats().free(), 6);
+    }
+
+    /// However many slots come back dirty at once, a scrub ahead reaches every one of them
+    /// (however deep in the free list): none keeps a gone tenant's pages resident.
+    #[test]
+    fn a_burst_of_releases_is_scrubbed_ahead_in_full() {
+        let pool = pool(80);
+        pool.on_dirty_release(Arc::new(|| {}));
+        let held: Vec<_> = (0..80).map(|_| dirtied(&pool, 1)).collect();
+        for region in held {
+            region.release().expect("released");
+        }
+        assert_eq!(pool.dirty_free(), 80);
+        assert_eq!(pool.scrub_ahead(usize::MAX).expect("scrubbed"), 80);
+        let s = pool.stats();
+        assert_eq!((pool.dirty_free(), s.scrubbed_ahead), (0, 80));
+    }
+
+    /// Once the thread that scrubbed ahead is gone, slots are scrubbed as they come back
+    /// again: none waits for a scrub that will not come.
+    #[test]
+    fn when_the_scrub_ahead_stops_slots_are_scrubbed_as_they_come_back() {
+        let pool = pool(2);
+        pool.on_dirty_release(Arc::new(|| {}));
+        dirtied(&pool, 1).release().expect("released");
+        assert_eq!(pool.dirty_free(), 1);
+        pool.stop_deferring();
+        dirtied(&pool, 1).release().expect("released");
+        assert_eq!(
+            pool.dirty_free(),
+            1,
+            "the second was scrubbed as it came back"
+        );
     }
 
     /// Without anything scrubbing ahead, a slot is scrubbed as it comes back, as before.

@@ -1,15 +1,16 @@
-//! Scrubbing ahead: a thread per managed slot pool that zeroes the slots guests gave back while
-//! they are free ([`SlotPool::scrub_ahead`]), so the instantiation that takes one next does no
-//! scrub of its own ([`CreatorBuilder::scrub_ahead`](crate::CreatorBuilder::scrub_ahead)).
+//! Scrubbing ahead: a thread per slot pool that zeroes the slots guests gave back while they are
+//! free ([`SlotPool::scrub_ahead`], or a guarded pool's own), so the instantiation that takes
+//! one next (or, for a guarded pool, the drop that gives one back) does no scrub of its own
+//! ([`CreatorBuilder::scrub_ahead`](crate::CreatorBuilder::scrub_ahead)).
 //!
 //! The work moves, it does not vanish: the same bytes are zeroed, on a core that has time to
 //! spare, and a host with no spare core pays it there instead. The thread keeps looking for a
 //! short while after its last scrub (yielding its core to anything runnable), so a steady stream
 //! of instantiations never has to wake it; after that it sleeps until a slot comes back dirty.
-//! It lets a few slots gather before it scrubs them in a row ([`GATHER`]), while acquisitions
-//! take slots already scrubbed (`SlotTable::prefer_ready`): the pool's lock and free list then
-//! cross between the two cores once per gathering rather than twice per instantiation.
-//! A slot it has not reached yet is scrubbed by its acquisition, as without it: correctness
+//! It lets a few slots gather before it scrubs them in a row ([`AheadPool::gathering`]), while
+//! acquisitions take slots already scrubbed (`SlotTable::prefer_ready`): the pool's lock and
+//! free list then cross between the two cores once per gathering rather than twice per
+//! instantiation. A slot it has not reached yet is scrubbed by its acquisition: correctness
 //! never waits for the thread.
 
 use std::sync::Arc;
@@ -30,20 +31,8 @@ const LINGER: Duration = Duration::from_micros(200);
 /// Slots scrubbed between two looks at whether the creator is going.
 const BATCH: usize = 16;
 
-/// Slots given back that the thread lets gather before it scrubs them, one after another:
-/// acquisitions meanwhile take slots already scrubbed (`SlotTable::prefer_ready`), and the
-/// table's lock and free list cross between the two cores once per gathering rather than
-/// twice per instantiation. At most a quarter of the pool's slots ([`gathering`]): a small
-/// pool's acquisitions would otherwise run out of scrubbed slots while the thread waits.
-const GATHER: usize = 4;
-
-/// How many slots given back the thread of a pool of `slots` lets gather: a quarter of them,
-/// from 1 (each scrubbed as it comes back) to [`GATHER`].
-fn gathering(slots: usize) -> usize {
-    (slots / 4).clamp(1, GATHER)
-}
-
-/// How long fewer than [`GATHER`] slots wait before they are scrubbed all the same.
+/// How long fewer slots than a gathering ([`AheadPool::gathering`]) wait before they are
+/// scrubbed all the same.
 const GATHER_WAIT: Duration = Duration::from_micros(50);
 
 std::thread_local! {
@@ -61,8 +50,13 @@ pub(crate) struct Scrubber {
 pub(crate) trait AheadPool: Send + Sync + 'static {
     /// Its device (the thread's name).
     fn device(&self) -> DeviceId;
-    /// Its slots, all classes.
-    fn slots(&self) -> usize;
+    /// Slots given back that the thread lets gather before it scrubs them, one after another,
+    /// and takes at once (`SlotTable::ahead_at_once`: four, or a quarter of the pool's slots if
+    /// fewer): acquisitions meanwhile take slots already scrubbed (`SlotTable::prefer_ready`),
+    /// and the table's lock and free list cross between the two cores once per gathering
+    /// rather than twice per instantiation; a small pool's acquisitions would run out of
+    /// scrubbed slots while the thread waited for more.
+    fn gathering(&self) -> usize;
     /// Free slots waiting for a scrub (a count a moment behind).
     fn dirty_free(&self) -> usize;
     /// Scrubs up to `max` of them: how many, or `Err` after a failure (counted in the pool's
@@ -73,14 +67,16 @@ pub(crate) trait AheadPool: Send + Sync + 'static {
     /// Has `signal` called when a slot comes back dirty, and from then on leaves slots'
     /// scrubs to the thread or their acquisitions.
     fn on_dirty_release(&self, signal: Arc<dyn Fn() + Send + Sync>);
+    /// The thread ended (stopped, or unwound by a bug): no one scrubs ahead any more.
+    fn stopped(&self) {}
 }
 
 impl<B: Backend> AheadPool for SlotPool<Arc<B>> {
     fn device(&self) -> DeviceId {
         SlotPool::device(self)
     }
-    fn slots(&self) -> usize {
-        self.stats().classes.iter().map(|c| c.slots).sum()
+    fn gathering(&self) -> usize {
+        SlotPool::ahead_at_once(self)
     }
     fn dirty_free(&self) -> usize {
         SlotPool::dirty_free(self)
@@ -101,8 +97,8 @@ impl<B: Backend> AheadPool for GuardedPool<B> {
     fn device(&self) -> DeviceId {
         GuardedPool::device(self)
     }
-    fn slots(&self) -> usize {
-        self.stats().classes.iter().map(|c| c.slots).sum()
+    fn gathering(&self) -> usize {
+        GuardedPool::ahead_at_once(self)
     }
     fn dirty_free(&self) -> usize {
         GuardedPool::dirty_free(self)
@@ -116,6 +112,12 @@ impl<B: Backend> AheadPool for GuardedPool<B> {
     }
     fn on_dirty_release(&self, signal: Arc<dyn Fn() + Send + Sync>) {
         GuardedPool::on_dirty_release(self, signal);
+    }
+    /// Its slots are scrubbed as they come back again: none is left dirty for a thread that
+    /// is gone (a managed pool's acquisitions scrub theirs anyway, and its slab is committed
+    /// whether its slots are dirty or not).
+    fn stopped(&self) {
+        self.stop_deferring();
     }
 }
 
@@ -133,7 +135,7 @@ impl Scrubber {
             .name(format!("twm-scrub-{}", pool.device().0))
             .spawn({
                 let (pool, stop) = (Arc::clone(pool), Arc::clone(&stop));
-                move || run(&*pool, &stop, gathering(pool.slots()), recover)
+                move || run(&*pool, &stop, pool.gathering(), recover)
             })
             .map_err(TwmError::Thread)?;
         let waker = thread.thread().clone();
@@ -148,6 +150,14 @@ impl Scrubber {
 
 /// Scrubs while there is work, lingers, then sleeps until a dirty release or the stop.
 fn run(pool: &impl AheadPool, stop: &AtomicBool, gather: usize, recover: impl Fn()) {
+    /// Tells the pool when the thread ends, however it ends.
+    struct Ends<'a, P: AheadPool>(&'a P);
+    impl<P: AheadPool> Drop for Ends<'_, P> {
+        fn drop(&mut self) {
+            self.0.stopped();
+        }
+    }
+    let _ends = Ends(pool);
     ON_A_SCRUBBER.set(true);
     let mut last_work = Instant::now();
     while !stop.load(Ordering::Acquire) {
@@ -165,8 +175,8 @@ fn run(pool: &impl AheadPool, stop: &AtomicBool, gather: usize, recover: impl Fn
             recover();
         }
         match scrubbed {
-            // Waiting slots it cannot take (deeper in a free list than it looks, or the device
-            // fenced): their acquisitions scrub them. Sleep until the next dirty release.
+            // Waiting slots it cannot take (the device fenced, the slab gone): their
+            // acquisitions scrub them. Sleep until the next dirty release.
             Ok(0) if gathered && pool.dirty_free() > 0 => {
                 std::thread::park();
                 last_work = Instant::now();
@@ -209,19 +219,5 @@ impl std::fmt::Debug for Scrubber {
         f.debug_struct("Scrubber")
             .field("running", &self.thread.is_some())
             .finish_non_exhaustive()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_small_pool_gathers_fewer() {
-        let gathered: Vec<usize> = [1, 2, 7, 8, 15, 16, 64, 65536]
-            .into_iter()
-            .map(gathering)
-            .collect();
-        assert_eq!(gathered, [1, 1, 1, 2, 3, 4, 4, 4]);
     }
 }
