@@ -424,14 +424,12 @@ const NO_MEMORY: &str = r#"(module
 
 /// Hands `measure` one life of the small module for a tenant: `new_store`, `instantiate_pre`,
 /// the memory charged to it.
-fn tenant_lives<R>(
-    measure: impl FnOnce(&mut dyn FnMut() -> Result<(), Failure>) -> R,
-) -> Result<R, Failure> {
+fn tenant_lives() -> Result<Lives, Failure> {
     let creator = pooled_creator(Arc::new(MockBackend::default()), 16).map_err(other)?;
     let engine = creator.engine().map_err(other)?;
     let pre = pre_with(&Linker::new(&engine), &engine, SMALL)?;
     let tenant = Tenant::new(1, "bench", 1 << 30, IsolationLevel::StreamIsolated);
-    Ok(measure(&mut || {
+    Ok(Box::new(move || {
         let mut store = new_store(
             &engine,
             TenantStore::new(&creator, &tenant, ChargeMode::Touched, ()),
@@ -473,34 +471,79 @@ fn small_life<T: 'static>(
     Ok(store)
 }
 
-/// Microseconds per instantiate + call + drop of `(memory 1 16)`, one Store each.
-fn instantiate_us(setup: Setup, sizes: Sizes, bar: &ProgressBar) -> Result<f64, Failure> {
-    with_lives(setup, |once| median_lives(sizes, bar, once))?
+/// One life of a setup's small module, as often as it is called: the engine and all it needs
+/// owned by the closure.
+type Lives = Box<dyn FnMut() -> Result<(), Failure>>;
+
+/// Microseconds per instantiate + call + drop of `(memory 1 16)`, one Store each, of every
+/// setup in `setups`, measured interleaved: each round runs a batch of each setup in turn
+/// (after as many lives unmeasured, to warm it up again), and each setup's figure is the
+/// median of its batches. A burst of noise on the machine then lands on every setup alike rather
+/// than on whichever was running, so the ratios between them (a pooled memory over the
+/// no-memory floor) hold across runs.
+fn interleaved_instantiate_us(
+    setups: &[Setup],
+    sizes: Sizes,
+    bar: &ProgressBar,
+) -> Result<Vec<f64>, Failure> {
+    let mut all = setups
+        .iter()
+        .map(|&setup| lives(setup))
+        .collect::<Result<Vec<_>, _>>()?;
+    for once in &mut all {
+        for _ in 0..200 {
+            once()?;
+        }
+    }
+    let per_batch = sizes.instantiate_iters / sizes.instantiate_batches;
+    let mut samples = vec![Vec::with_capacity(sizes.instantiate_batches); setups.len()];
+    for _ in 0..sizes.instantiate_batches {
+        for (once, samples) in all.iter_mut().zip(&mut samples) {
+            // As many lives unmeasured first: the setup's caches, and a thread that scrubs
+            // ahead woken and busy again.
+            for _ in 0..per_batch {
+                once()?;
+            }
+            let start = Instant::now();
+            for _ in 0..per_batch {
+                once()?;
+            }
+            samples.push(start.elapsed().as_secs_f64() * 1e6 / per_batch as f64);
+            bar.inc(1);
+        }
+    }
+    Ok(samples.iter_mut().map(|s| median(s)).collect())
 }
 
-/// Hands `measure` one life of `setup`'s small module (instantiate + call + drop, a new Store
-/// each): the life its `instantiate_us` row measures (the floor's module has a global where
-/// the memory was; the tenant's Store is made by `new_store`; the WASI setup's linker has WASI).
+/// Hands `measure` one life of `setup`'s small module: see [`lives`].
 fn with_lives<R>(
     setup: Setup,
     measure: impl FnOnce(&mut dyn FnMut() -> Result<(), Failure>) -> R,
 ) -> Result<R, Failure> {
+    let mut once = lives(setup)?;
+    Ok(measure(&mut *once))
+}
+
+/// One life of `setup`'s small module (instantiate + call + drop, a new Store each): the life
+/// its `instantiate_us` row measures (the floor's module has a global where the memory was;
+/// the tenant's Store is made by `new_store`; the WASI setup's linker has WASI).
+fn lives(setup: Setup) -> Result<Lives, Failure> {
     if setup == Setup::TwmPooledTenant {
-        return tenant_lives(measure);
+        return tenant_lives();
     }
     let engine = setup.engine(16)?;
     if setup == Setup::NoMemoryFloor {
         let pre = pre(&engine, NO_MEMORY)?;
-        return Ok(measure(&mut || small_life(&engine, &pre, ()).map(drop)));
+        return Ok(Box::new(move || small_life(&engine, &pre, ()).map(drop)));
     }
     if setup == Setup::TwmPooledWasi {
         let mut linker = Linker::<Option<WasiP1Ctx>>::new(&engine);
         add_wasi_to_linker(&mut linker).map_err(other)?;
         let pre = pre_with(&linker, &engine, SMALL)?;
-        return Ok(measure(&mut || small_life(&engine, &pre, None).map(drop)));
+        return Ok(Box::new(move || small_life(&engine, &pre, None).map(drop)));
     }
     let pre = pre(&engine, SMALL)?;
-    Ok(measure(&mut || small_life(&engine, &pre, ()).map(drop)))
+    Ok(Box::new(move || small_life(&engine, &pre, ()).map(drop)))
 }
 
 /// The pooled setups whose process CPU per life is measured beside their wall time.
@@ -1031,11 +1074,10 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             .progress_chars("=> "),
     );
 
-    let mut instantiate = Vec::new();
-    for (setup, _) in instantiate_setups {
-        bar.set_message(format!("instantiate {}", setup.key()));
-        instantiate.push((setup, instantiate_us(setup, sizes, &bar)?));
-    }
+    bar.set_message("instantiate (interleaved)");
+    let setups: Vec<Setup> = instantiate_setups.iter().map(|(s, _)| *s).collect();
+    let figures = interleaved_instantiate_us(&setups, sizes, &bar)?;
+    let instantiate: Vec<(Setup, f64)> = setups.into_iter().zip(figures).collect();
     let mut grow = Vec::new();
     for setup in [Setup::WasmtimeDefault, Setup::TwmFresh] {
         bar.set_message(format!("grow {}", setup.key()));

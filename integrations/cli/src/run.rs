@@ -467,16 +467,19 @@ pub fn clip(message: &str) -> String {
 }
 
 /// The process's descriptor limit (its soft `ulimit -n`) and the descriptors it has open now
-/// (inherited ones included), if known.
+/// below it (inherited ones included), if known.
 fn descriptor_room() -> Option<DescriptorRoom> {
     let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
     let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
     let limit = line.split_whitespace().nth(3)?.parse().ok()?;
-    // Less the one reading the folder.
-    let open = std::fs::read_dir("/proc/self/fd").ok()?.count() as u64;
+    let open = std::fs::read_dir("/proc/self/fd")
+        .ok()?
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok());
+    // Less the one reading the folder: the kernel numbered it below the limit.
+    let room = DescriptorRoom::among(limit, open);
     Some(DescriptorRoom {
-        limit,
-        open: open.saturating_sub(1),
+        open: room.open.saturating_sub(1),
+        ..room
     })
 }
 
@@ -490,6 +493,14 @@ struct DescriptorRoom {
 }
 
 impl DescriptorRoom {
+    /// The room under `limit` with the descriptors numbered `open` open. Only those numbered
+    /// below the limit take room: the kernel hands out numbers below it, and a descriptor
+    /// inherited above it (from a parent with a higher limit) leaves every number below free.
+    fn among(limit: u64, open: impl Iterator<Item = u64>) -> Self {
+        let below = open.filter(|&fd| fd < limit).count() as u64;
+        Self { limit, open: below }
+    }
+
     /// What a guest may have: the limit less what is open and [`KEPT_DESCRIPTORS`].
     fn for_guests(self) -> u64 {
         self.limit
@@ -996,4 +1007,20 @@ fn guest_calls<B: Backend>(
     func.call(&mut store, &values, &mut results)
         .map_err(|e| Failure::of_call(name, &e))?;
     Ok(results.iter().map(show).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only descriptors numbered below the limit take room: one inherited above it leaves
+    /// every number below free.
+    #[test]
+    fn descriptors_above_the_limit_take_no_room() {
+        let room = DescriptorRoom::among(1024, [0, 1, 2, 5000, 70_000].into_iter());
+        assert_eq!((room.limit, room.open), (1024, 3));
+        assert_eq!(room.for_guests(), 1024 - 3 - KEPT_DESCRIPTORS);
+        let full = DescriptorRoom::among(64, 0..100);
+        assert_eq!((full.open, full.for_guests()), (64, 0));
+    }
 }

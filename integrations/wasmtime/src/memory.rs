@@ -328,11 +328,13 @@ impl<B: Backend> CreatorBuilder<B> {
     /// ([`SlotPool::scrub_ahead`] for a managed pool; a guarded pool's slots, which it
     /// otherwise scrubs as they come back, are then given back dirty and scrubbed by the same
     /// thread), so the instantiation that takes a slot, or the drop that gives it back, does no
-    /// scrub of its own: with 64 KiB touched, about 0.5 us less per pooled instantiation on
-    /// this project's bench machine (2.09 to 1.64 us, docs/BENCHMARKS.md). The same bytes are
-    /// zeroed, on another core, and handing them over costs: the process spent 1.56x the CPU
-    /// per instantiation there. Worth it where instantiation latency matters and a core has
-    /// time to spare; not where every core is busy. The thread lets a few slots gather (four,
+    /// scrub of its own: with 64 KiB touched, about 0.55 us less per pooled instantiation on
+    /// this project's bench machine (2.14 to 1.58 us managed, 2.23 to 1.65 us guarded,
+    /// docs/BENCHMARKS.md). The same bytes are zeroed, on another core, and handing them over
+    /// costs: the process spent about 1.5x the CPU per instantiation there. Worth it where
+    /// instantiation latency matters and a core has time to spare; not where every core is
+    /// busy (in about one run of three there the thread shared the instantiating thread's
+    /// core and saved nothing). The thread lets a few slots gather (four,
     /// a quarter of the pool's at most, or fewer for 50 us) and scrubs them in a row (taken
     /// and put back in one hold of the pool's lock each) while acquisitions take slots already
     /// scrubbed, keeps looking for about 200 us after its last scrub (yielding its core between
