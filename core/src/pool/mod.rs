@@ -399,8 +399,8 @@ impl<A: ManagedAllocator> SlotPool<A> {
     /// handed one half zeroed; once all of them are scrubbed
     /// they go back on top (in one hold of the lock), the next handed out. A failed scrub puts
     /// its slot back still dirty (counted in [`PoolStats::scrub_failures`]; the acquisition
-    /// that takes it scrubs it, or fails as it would have), with the rest of its gathering
-    /// untouched, and returns the error: a caller in a loop should back off rather than retry
+    /// that takes it scrubs it, or fails as it would have), the rest of its gathering scrubbed
+    /// all the same, and returns the (first) error: a caller in a loop should back off rather than retry
     /// at once.
     pub fn scrub_ahead(&self, max: usize) -> Result<usize, Error<A::Error>> {
         let mut done = 0;
@@ -418,10 +418,12 @@ impl<A: ManagedAllocator> SlotPool<A> {
             if self.slots.take_dirty(max - done, |taken| held.hold(taken)) == 0 {
                 break;
             }
+            // A failed scrub does not stop the others of its gathering (a slot that keeps
+            // failing must not keep the rest dirty); a fenced device does.
             let mut failed = None;
             for entry in held.slots.iter_mut().flatten() {
                 let (taken, outcome) = entry;
-                if failed.is_some() || self.allocator.device_fenced(self.device) {
+                if self.allocator.device_fenced(self.device) {
                     // Put back as it was: scrubbed by its acquisition, or let go with the slab.
                     *outcome = Some((taken.meta, Ahead::Untouched));
                     continue;
@@ -437,7 +439,7 @@ impl<A: ManagedAllocator> SlotPool<A> {
                     Ok(None) => *outcome = Some((taken.meta, Ahead::Untouched)),
                     Err((left, scrubbed, e)) => {
                         *outcome = Some((left, Ahead::Failed { scrubbed }));
-                        failed = Some(e);
+                        failed.get_or_insert(e);
                     }
                 }
             }
@@ -614,7 +616,9 @@ impl<'a, A: ManagedAllocator> AheadHeld<'a, A> {
 
     /// Holds a slot [`SlotTable::take_dirty`] took (at most [`AHEAD_MAX`] of them).
     fn hold(&mut self, taken: Taken<Dirt>) {
-        if let Some(free) = self.slots.iter_mut().find(|s| s.is_none()) {
+        let free = self.slots.iter_mut().find(|s| s.is_none());
+        debug_assert!(free.is_some(), "take_dirty takes at most AHEAD_MAX slots");
+        if let Some(free) = free {
             *free = Some((taken, None));
         }
     }
@@ -1140,30 +1144,40 @@ mod tests {
         Arc::new(SlotPool::new(mock, config).unwrap())
     }
 
-    /// A scrub that fails in the middle of a gathering stops it: the slots before it go back
-    /// scrubbed, the failed one and those after it go back still dirty (only the failed one
-    /// counted as a failure), and the error is returned.
+    /// A scrub that fails in the middle of a gathering does not stop it: the others of the
+    /// gathering are scrubbed, the failed one goes back still dirty (counted as a failure),
+    /// and the error is returned, ending the scrub ahead there (the slots of the next
+    /// gathering are left waiting).
     #[test]
-    fn a_failure_in_a_gathering_leaves_the_rest_dirty() {
+    fn a_failure_in_a_gathering_scrubs_the_rest_of_it() {
         let mut mock = mock_backend(true);
         let mut seq = mockall::Sequence::new();
-        mock.expect_zero()
-            .times(1)
-            .in_sequence(&mut seq)
-            .returning(|_, _, _| Ok(()));
-        mock.expect_zero()
-            .times(1)
-            .in_sequence(&mut seq)
-            .returning(|_, _, _| Err(MockError(ErrorKind::Driver)));
-        let config = PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 3)]);
+        for fails in [false, true, false, false] {
+            mock.expect_zero()
+                .times(1)
+                .in_sequence(&mut seq)
+                .returning(move |_, _, _| {
+                    if fails {
+                        Err(MockError(ErrorKind::Driver))
+                    } else {
+                        Ok(())
+                    }
+                });
+        }
+        let config = PoolConfig::new(DeviceId(0), [SizeClass::new(PAGE, 16)]);
         let pool = Arc::new(SlotPool::new(mock, config).unwrap());
-        let held: Vec<_> = (0..3).map(|_| pool.acquire(PAGE, PAGE).unwrap()).collect();
+        assert_eq!(pool.ahead_at_once(), 4);
+        let held: Vec<_> = (0..6).map(|_| pool.acquire(PAGE, PAGE).unwrap()).collect();
         drop(held);
-        assert_eq!(pool.dirty_free(), 3);
+        assert_eq!(pool.dirty_free(), 6);
         assert!(pool.scrub_ahead(usize::MAX).is_err());
         let s = pool.stats();
-        assert_eq!((s.scrubbed_ahead, s.scrub_failures), (1, 1));
-        assert_eq!((s.free(), pool.dirty_free()), (3, 2));
+        assert_eq!((s.scrubbed_ahead, s.scrub_failures), (3, 1));
+        assert_eq!(
+            (s.free(), pool.dirty_free()),
+            (16, 3),
+            "the failed one and two more wait"
+        );
     }
 
     /// A table of `slots` page-sized slots whose records say whether a slot waits for a scrub.
@@ -1245,6 +1259,44 @@ mod tests {
             small.give_back(taken.slot, true, Returned::default());
         }
         assert_eq!(small.take_dirty(usize::MAX, |_| ()), 1);
+    }
+
+    /// A gathering passes over a class where nothing waits without searching it, and takes a
+    /// quarter of a class's slots at most, so that the class's acquisitions do not all wait
+    /// for one gathering.
+    #[test]
+    fn a_gathering_takes_a_quarter_of_a_class_at_most() {
+        let table = SlotTable::new(
+            alloc::vec![
+                ClassLayout {
+                    slot_bytes: PAGE,
+                    slots: 12,
+                    offset: 0,
+                    stride: PAGE,
+                },
+                ClassLayout {
+                    slot_bytes: 2 * PAGE,
+                    slots: 4,
+                    offset: 12 * PAGE,
+                    stride: 2 * PAGE,
+                },
+            ],
+            |_| false,
+        )
+        .waiting_when(|dirty: &bool| *dirty);
+        assert_eq!(table.ahead_at_once(), 4);
+        // Three dirty slots of the larger class, none of the smaller.
+        let held: Vec<_> = (0..3)
+            .map(|_| table.take(2 * PAGE, |_| true).unwrap())
+            .collect();
+        for taken in &held {
+            assert_eq!(taken.slot.class, 1);
+            table.give_back(taken.slot, true, Returned::default());
+        }
+        let mut took = Vec::new();
+        assert_eq!(table.take_dirty(usize::MAX, |t| took.push(t.slot)), 1);
+        assert_eq!(took[0].class, 1, "a quarter of four");
+        assert_eq!(table.waiting(), 2);
     }
 
     /// Five dirty slots of a pool of sixteen are scrubbed ahead in two gatherings (four, then

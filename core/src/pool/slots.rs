@@ -99,6 +99,9 @@ struct Class<M> {
     free: Vec<u32>,
     /// Free slots taken off `free` to be scrubbed ahead ([`SlotTable::take_dirty`]), back soon.
     ahead: u32,
+    /// Free slots of this class whose record the table's `waits` accepts (their sum is
+    /// `TableState::waiting`): a search for them stops once it has found them all.
+    waiting: usize,
     /// Per slot: what its next scrub needs to know.
     meta: Vec<M>,
 }
@@ -124,16 +127,14 @@ impl<M> TableState<M> {
 
 /// Counts afresh the free slots whose record `waits` accepts, and publishes the count.
 fn recount<M>(state: &mut TableState<M>, waits: fn(&M) -> bool, published: &AtomicUsize) {
-    state.waiting = state
-        .classes
-        .iter()
-        .map(|c| {
-            c.free
-                .iter()
-                .filter(|&&i| waits(&c.meta[i as usize]))
-                .count()
-        })
-        .sum();
+    for c in &mut state.classes {
+        c.waiting = c
+            .free
+            .iter()
+            .filter(|&&i| waits(&c.meta[i as usize]))
+            .count();
+    }
+    state.waiting = state.classes.iter().map(|c| c.waiting).sum();
     published.store(state.waiting, Ordering::Relaxed);
 }
 
@@ -147,6 +148,7 @@ fn fresh_classes<M: Copy>(
         .map(|c| Class {
             free: (0..c.slots).rev().collect(),
             ahead: 0,
+            waiting: 0,
             meta: alloc::vec![initial(c); c.slots as usize],
         })
         .collect()
@@ -236,7 +238,7 @@ impl<M: Copy> SlotTable<M> {
     /// Puts `slot` on its class's free list with `meta` recorded: on top (the next handed out),
     /// or `last`; counted among the slots that wait if it does.
     fn free(&self, state: &mut TableState<M>, slot: SlotId, meta: M, last: bool) {
-        self.count(state, &meta, true);
+        self.count(state, slot.class, &meta, true);
         let class = &mut state.classes[slot.class];
         class.meta[slot.index as usize] = meta;
         if last {
@@ -246,13 +248,16 @@ impl<M: Copy> SlotTable<M> {
         }
     }
 
-    /// Counts `meta`'s slot in (`came`) or out of the free slots that wait, and publishes the
-    /// count if it changed.
-    fn count(&self, state: &mut TableState<M>, meta: &M, came: bool) {
+    /// Counts `meta`'s slot (of `class`) in (`came`) or out of the free slots that wait, and
+    /// publishes the count if it changed.
+    fn count(&self, state: &mut TableState<M>, class: usize, meta: &M, came: bool) {
         if (self.waits)(meta) {
+            let class = &mut state.classes[class];
             if came {
+                class.waiting += 1;
                 state.waiting += 1;
             } else {
+                class.waiting -= 1;
                 state.waiting -= 1;
             }
             self.waiting.0.store(state.waiting, Ordering::Relaxed);
@@ -356,7 +361,7 @@ impl<M: Copy> SlotTable<M> {
                 });
             if let Some(taken) = found {
                 state.counters.acquisitions += 1;
-                self.count(&mut state, &taken.meta, false);
+                self.count(&mut state, taken.slot.class, &taken.meta, false);
                 return Ok(taken);
             }
             // A fitting slot being scrubbed ahead is free, and back within a few scrubs (one
@@ -412,10 +417,11 @@ impl<M: Copy> SlotTable<M> {
     }
 
     /// Takes, to scrub them ahead of their next acquisitions, up to `max` free slots that wait
-    /// ([`waiting_when`](Self::waiting_when)), at most [`ahead_at_once`](Self::ahead_at_once),
-    /// nearest the top of their class's free list (the next to be handed out), smallest class
-    /// first, in one hold of the table's lock: `f` is given each. However deep a waiting slot
-    /// lies it is found (the search stops once it has found as many as wait). They are held
+    /// ([`waiting_when`](Self::waiting_when)), at most [`ahead_at_once`](Self::ahead_at_once)
+    /// (and a quarter of a class's slots from one class), nearest the top of their class's
+    /// free list (the next to be handed out), smallest class first, in one hold of the
+    /// table's lock: `f` is given each. However deep a waiting slot lies it is found (the
+    /// search of a class stops once it has found as many as wait there). They are held
     /// by the caller until they go back ([`ahead_done`](Self::ahead_done)): no acquisition is
     /// counted, and no one else can take them meanwhile (an acquisition that finds no other
     /// fitting slot waits for them). The number taken.
@@ -424,10 +430,17 @@ impl<M: Copy> SlotTable<M> {
         let mut state = self.state.lock();
         let mut taken = 0;
         for (class, layout) in self.layout.iter().enumerate() {
-            // No more to take, or none left that waits.
-            let wanted = (max - taken).min(state.waiting);
-            if wanted == 0 {
+            if taken == max {
                 break;
+            }
+            // None of this class waits, or a quarter of the class at most,
+            // so that its acquisitions do not all wait for one gathering.
+            let class_cap = (layout.slots as usize / 4).max(1);
+            let wanted = (max - taken)
+                .min(state.classes[class].waiting)
+                .min(class_cap);
+            if wanted == 0 {
+                continue;
             }
             // Positions from the top down, so each removal leaves the next position valid.
             let mut at = [0usize; AHEAD_MAX];
@@ -447,7 +460,7 @@ impl<M: Copy> SlotTable<M> {
                 let index = c.free.remove(position);
                 c.ahead += 1;
                 let meta = c.meta[index as usize];
-                self.count(&mut state, &meta, false);
+                self.count(&mut state, class, &meta, false);
                 f(Taken {
                     slot: SlotId { class, index },
                     layout: *layout,

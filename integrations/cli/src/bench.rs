@@ -556,7 +556,7 @@ const CPU_SETUPS: [Setup; 4] = [
 
 /// Microseconds of the process's CPU (every thread's: a scrub-ahead thread's included) per
 /// instantiate + call + drop of `(memory 1 16)` from one thread: what a life
-/// costs the host, where [`instantiate_us`] is what it costs the caller's latency.
+/// costs the host, where [`interleaved_instantiate_us`] is what it costs the caller's latency.
 fn process_cpu_us(setup: Setup, sizes: Sizes, bar: &ProgressBar) -> Result<f64, Failure> {
     let engine = setup.engine(16)?;
     let pre = pre(&engine, SMALL)?;

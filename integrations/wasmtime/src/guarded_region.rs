@@ -697,15 +697,20 @@ impl<B: Backend> GuardedPool<B> {
     /// Scrubs up to `max` free slots given back dirty, a few at a time
     /// ([`SlotTable::ahead_at_once`], however deep in a free list they lie), as their
     /// acquisitions would: the number scrubbed. Each is off its free list while it is scrubbed, so no one can be handed
-    /// one half zeroed. A slot whose scrub failed goes back still dirty (counted in
-    /// [`PoolStats::scrub_failures`]): its acquisition tries again, and withdraws it if that
-    /// fails too; the error is returned.
+    /// one half zeroed. A slot whose scrub failed goes back still dirty, last in its free list
+    /// (counted in [`PoolStats::scrub_failures`]): its acquisition tries again, and withdraws
+    /// it if that fails too; the rest of its gathering is scrubbed all the same, and the
+    /// (first) error is returned.
     pub(crate) fn scrub_ahead(&self, max: usize) -> Result<usize, TwmError> {
         let mut done = 0;
         while done < max {
             let mut held = [None; tensor_wasm_mem_core::AHEAD_MAX];
             let mut count = 0;
             self.slots.take_dirty(max - done, |taken| {
+                debug_assert!(
+                    count < held.len(),
+                    "take_dirty takes at most AHEAD_MAX slots"
+                );
                 held[count] = Some((taken, Ahead::Untouched));
                 count += 1;
             });
@@ -717,11 +722,10 @@ impl<B: Backend> GuardedPool<B> {
                 slots: &self.slots,
                 held,
             };
+            // A failed scrub does not stop the others of its gathering: a slot that keeps
+            // failing must not keep the rest dirty (and resident).
             let mut failed = None;
             for (taken, ahead) in back.held.iter_mut().flatten() {
-                if failed.is_some() {
-                    break;
-                }
                 // A failure (or a panic) after the bytes kept resident were written.
                 let written = taken.meta.dirty.min(KEEP_RESIDENT_BYTES) as u64;
                 *ahead = Ahead::Failed { scrubbed: written };
@@ -736,7 +740,9 @@ impl<B: Backend> GuardedPool<B> {
                         });
                         done += 1;
                     }
-                    Err(e) => failed = Some(e),
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                    }
                 }
             }
             back.put_back();

@@ -113,9 +113,10 @@ impl<B: Backend> AheadPool for GuardedPool<B> {
     fn on_dirty_release(&self, signal: Arc<dyn Fn() + Send + Sync>) {
         GuardedPool::on_dirty_release(self, signal);
     }
-    /// Its slots are scrubbed as they come back again: none is left dirty for a thread that
-    /// is gone (a managed pool's acquisitions scrub theirs anyway, and its slab is committed
-    /// whether its slots are dirty or not).
+    /// Its slots are scrubbed as they come back again, not left dirty for a thread that is
+    /// gone; those already free and dirty are zeroed by their acquisitions (a managed pool's
+    /// acquisitions scrub theirs anyway, and its slab is committed whether its slots are dirty
+    /// or not).
     fn stopped(&self) {
         self.stop_deferring();
     }
