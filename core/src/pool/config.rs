@@ -199,6 +199,10 @@ pub struct ClassStats {
     pub in_use: usize,
     /// Slots free now.
     pub free: usize,
+    /// Slots withdrawn for good (a scrub or hint reset that failed, pages whose state is
+    /// unknown, or pages a backend kept): neither free nor handed out, never handed out again
+    /// (until a pool that carves its slots from a new slab makes them free again).
+    pub withdrawn: usize,
 }
 
 /// A snapshot of a pool's figures.
@@ -212,8 +216,8 @@ pub struct PoolStats {
     pub releases: u64,
     /// Bytes zeroed before reuse.
     pub bytes_scrubbed: u64,
-    /// Scrubs that failed, zeroing or resetting hints (the slot stayed free and dirty; nothing
-    /// was handed out).
+    /// Scrubs that failed, zeroing or resetting hints (nothing was handed out: the slot stayed
+    /// free and dirty, or was withdrawn for good, [`ClassStats::withdrawn`]).
     pub scrub_failures: u64,
     /// Slots whose hints were reset before reuse (their last holder advised or prefetched).
     pub hint_resets: u64,
@@ -241,6 +245,12 @@ impl PoolStats {
     #[must_use]
     pub fn free(&self) -> usize {
         self.classes.iter().map(|c| c.free).sum()
+    }
+
+    /// Slots withdrawn for good, over all classes.
+    #[must_use]
+    pub fn withdrawn(&self) -> usize {
+        self.classes.iter().map(|c| c.withdrawn).sum()
     }
 }
 

@@ -729,7 +729,7 @@ impl<A: ManagedAllocator> fmt::Debug for PoolSlot<A> {
 impl<A: ManagedAllocator> Drop for PoolSlot<A> {
     fn drop(&mut self) {
         if self.withdrawn {
-            self.pool.slots.withdraw();
+            self.pool.slots.withdraw(self.id);
         } else {
             let touched = (*self.hinted.get_mut(), *self.device.get_mut());
             self.pool
@@ -1297,6 +1297,27 @@ mod tests {
         assert_eq!(table.take_dirty(usize::MAX, |t| took.push(t.slot)), 1);
         assert_eq!(took[0].class, 1, "a quarter of four");
         assert_eq!(table.waiting(), 2);
+    }
+
+    /// A withdrawn slot is neither free nor in use: it is counted apart, in its class, and
+    /// acquisitions less releases still say how many are handed out.
+    #[test]
+    fn withdrawn_slots_are_neither_free_nor_in_use() {
+        let table = dirt_table(4);
+        let a = table.take(PAGE, |_| true).unwrap();
+        let b = table.take(PAGE, |_| true).unwrap();
+        table.withdraw(a.slot);
+        table.withdraw_taken(b.slot);
+        let s = table.stats();
+        assert_eq!((s.in_use(), s.free(), s.withdrawn()), (0, 2, 2));
+        assert_eq!((s.acquisitions, s.releases, s.scrub_failures), (1, 1, 2));
+        let c = table.take(PAGE, |_| true).unwrap();
+        assert_eq!(table.stats().in_use(), 1);
+        table.give_back(c.slot, false, Returned::default());
+        assert!(
+            table.if_idle(|| ()).is_some(),
+            "no slot held: two free, two withdrawn"
+        );
     }
 
     /// Five dirty slots of a pool of sixteen are scrubbed ahead in two gatherings (four, then

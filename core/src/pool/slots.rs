@@ -102,6 +102,8 @@ struct Class<M> {
     /// Free slots of this class whose record the table's `waits` accepts (their sum is
     /// `TableState::waiting`): a search for them stops once it has found them all.
     waiting: usize,
+    /// Slots of this class withdrawn for good (their sum is `TableState::withdrawn`).
+    withdrawn: usize,
     /// Per slot: what its next scrub needs to know.
     meta: Vec<M>,
 }
@@ -149,6 +151,7 @@ fn fresh_classes<M: Copy>(
             free: (0..c.slots).rev().collect(),
             ahead: 0,
             waiting: 0,
+            withdrawn: 0,
             meta: alloc::vec![initial(c); c.slots as usize],
         })
         .collect()
@@ -513,23 +516,26 @@ impl<M: Copy> SlotTable<M> {
         }
     }
 
-    /// A slot came back that cannot be handed out again (its scrub failed, or what it holds is
-    /// unknown): it stays off the free lists for good, counting a release and a scrub failure.
-    pub fn withdraw(&self) {
+    /// `slot` came back but cannot be handed out again (its scrub failed, or what it holds is
+    /// unknown): it stays off the free lists for good, counting a release and a scrub failure,
+    /// and counted withdrawn (neither free nor in use).
+    pub fn withdraw(&self, slot: SlotId) {
         let mut state = self.state.lock();
         state.counters.releases += 1;
         state.counters.scrub_failures += 1;
         state.withdrawn += 1;
+        state.classes[slot.class].withdrawn += 1;
     }
 
-    /// A slot taken whose scrub failed, leaving its pages in no known state: it is not handed
-    /// out, nor put back, but withdrawn for good, its acquisition undone and a scrub failure
-    /// counted.
-    pub fn withdraw_taken(&self) {
+    /// `slot`, just taken, had a scrub that failed, leaving its pages in no known state: it is
+    /// not handed out, nor put back, but withdrawn for good, its acquisition undone and a scrub
+    /// failure counted.
+    pub fn withdraw_taken(&self, slot: SlotId) {
         let mut state = self.state.lock();
         state.counters.acquisitions -= 1;
         state.counters.scrub_failures += 1;
         state.withdrawn += 1;
+        state.classes[slot.class].withdrawn += 1;
     }
 
     /// The figures.
@@ -545,8 +551,12 @@ impl<M: Copy> SlotTable<M> {
                     slot_bytes: layout.slot_bytes,
                     slots: layout.slots as usize,
                     // A slot being scrubbed ahead is free: it is back within a gathering.
-                    in_use: layout.slots as usize - class.free.len() - class.ahead as usize,
+                    in_use: layout.slots as usize
+                        - class.free.len()
+                        - class.ahead as usize
+                        - class.withdrawn,
                     free: class.free.len() + class.ahead as usize,
+                    withdrawn: class.withdrawn,
                 })
                 .collect(),
             acquisitions: c.acquisitions,

@@ -39,6 +39,7 @@ pub fn creator_json(s: &CreatorStats) -> Value {
         json!({
             "in_use": p.in_use(),
             "free": p.free(),
+            "withdrawn": p.withdrawn(),
             "acquisitions": p.acquisitions,
             "releases": p.releases,
             "bytes_scrubbed": p.bytes_scrubbed,

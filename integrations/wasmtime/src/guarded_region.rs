@@ -444,7 +444,7 @@ impl<B: Backend> GuardedRegion<B> {
         }
         match &mut self.home {
             Home::Own(mapping) => mapping.keep_mapped(),
-            Home::Slot { pool, .. } => pool.withdraw_held(),
+            Home::Slot { pool, slot } => pool.withdraw_held(*slot),
         }
     }
 }
@@ -604,7 +604,7 @@ impl<B: Backend> GuardedPool<B> {
                 }),
                 Err(e) => {
                     // Its pages are in no known state: never handed to another tenant.
-                    self.slots.withdraw_taken();
+                    self.slots.withdraw_taken(taken.slot);
                     return Err(e);
                 }
             }
@@ -636,7 +636,7 @@ impl<B: Backend> GuardedPool<B> {
     fn release(&self, slot: SlotId, opened: usize, released: Released) {
         if !released.reusable {
             // Withdrawn for good: never handed to another tenant.
-            self.slots.withdraw();
+            self.slots.withdraw(slot);
             return;
         }
         if self.deferring.load(Ordering::Acquire)
@@ -669,7 +669,7 @@ impl<B: Backend> GuardedPool<B> {
             self.slots.give_back(slot, left, returned);
         } else {
             // Withdrawn for good: never handed to another tenant.
-            self.slots.withdraw();
+            self.slots.withdraw(slot);
         }
     }
 
@@ -770,8 +770,8 @@ impl<B: Backend> GuardedPool<B> {
 
     /// A slot leaves with chunks the backend still holds: withdrawn (never returned), and the
     /// pool's address space stays mapped when the pool goes.
-    fn withdraw_held(&self) {
-        self.slots.withdraw();
+    fn withdraw_held(&self, slot: SlotId) {
+        self.slots.withdraw(slot);
         self.driver_held.store(true, Ordering::Release);
     }
 

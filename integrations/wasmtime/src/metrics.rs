@@ -45,6 +45,7 @@
 //! | `twm_device_recoveries_total` | counter | device | resets of its primary context after a fault |
 //! | `twm_pool_slots` | gauge | device | slots of the device's pool |
 //! | `twm_pool_slots_in_use` | gauge | device | of them, in use |
+//! | `twm_pool_slots_withdrawn` | gauge | device | of them, withdrawn for good (a failed scrub or hint reset, or pages a backend kept): never handed out again |
 //! | `twm_pool_slab_given_up` | gauge | device | 1 while the pool has no slab: given up on the fenced device, renewed at the first acquisition after its recovery |
 //! | `twm_pool_exhaustions_total` | counter | device | acquisitions refused for want of a slot |
 //! | `twm_pool_scrub_failures_total` | counter | device | scrubs that failed (a managed slot stays free and dirty, and is scrubbed again; a guarded slot is retired) |
@@ -145,7 +146,7 @@ const BYTE_GAUGES: [(&str, &str); 15] = [
 ];
 
 /// Gauges that count, with their help text.
-const COUNT_GAUGES: [(&str, &str); 11] = [
+const COUNT_GAUGES: [(&str, &str); 12] = [
     (
         "twm_tenant_live_memories",
         "Memories of the tenant alive now.",
@@ -166,6 +167,10 @@ const COUNT_GAUGES: [(&str, &str); 11] = [
     (
         "twm_pool_slots_in_use",
         "Slots of the device's pool in use.",
+    ),
+    (
+        "twm_pool_slots_withdrawn",
+        "Slots of the device's pool withdrawn for good (never handed out again).",
     ),
     (
         "twm_pool_slab_given_up",
@@ -329,8 +334,10 @@ pub fn record_creator<B: Backend>(creator: &TensorWasmMemoryCreator<B>) {
         counter!("twm_device_faults_total", &labels).absolute(d.health.faults);
         counter!("twm_device_recoveries_total", &labels).absolute(d.health.recoveries);
         if let Some(pool) = &d.pool {
-            gauge!("twm_pool_slots", &labels).set((pool.in_use() + pool.free()) as f64);
+            let slots = pool.in_use() + pool.free() + pool.withdrawn();
+            gauge!("twm_pool_slots", &labels).set(slots as f64);
             gauge!("twm_pool_slots_in_use", &labels).set(pool.in_use() as f64);
+            gauge!("twm_pool_slots_withdrawn", &labels).set(pool.withdrawn() as f64);
             gauge!("twm_pool_slab_given_up", &labels).set(f64::from(u8::from(pool.slab_given_up)));
             counter!("twm_pool_exhaustions_total", &labels).absolute(pool.exhaustions);
             counter!("twm_pool_scrub_failures_total", &labels).absolute(pool.scrub_failures);
