@@ -165,6 +165,9 @@ pub fn stats_table<B: Backend>(
             p.hint_resets,
             p.exhaustions
         );
+        if p.withdrawn() > 0 {
+            out += &format!(", {} withdrawn", p.withdrawn());
+        }
         if p.slab_given_up {
             out += " (slab given up on the fenced device)";
         }
