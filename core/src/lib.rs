@@ -50,8 +50,8 @@ pub use plan::{
     WASM_PAGE_SIZE,
 };
 pub use pool::{
-    AHEAD_MAX, Ahead, ClassLayout, ClassStats, MAX_POOL_SLOTS, PoolConfig, PoolError, PoolStats,
-    Returned, SLOT_ALIGN, SizeClass, SlotId, SlotPool, SlotTable, Taken,
+    AHEAD_MAX, Ahead, ClassLayout, ClassStats, Gathering, MAX_POOL_SLOTS, PoolConfig, PoolError,
+    PoolStats, Returned, SLOT_ALIGN, SizeClass, SlotId, SlotPool, SlotTable, Taken,
 };
 pub use pools::{
     DevicePoolConfig, DevicePoolStats, DevicePools, PoolAllocation, PoolHandle, TenantDevicePool,

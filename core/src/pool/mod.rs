@@ -41,7 +41,7 @@ pub use config::{
     ClassLayout, ClassStats, MAX_POOL_SLOTS, PoolConfig, PoolError, PoolStats, SLOT_ALIGN,
     SizeClass,
 };
-pub use slots::{AHEAD_MAX, Ahead, Returned, SlotId, SlotTable, Taken};
+pub use slots::{AHEAD_MAX, Ahead, Gathering, Returned, SlotId, SlotTable, Taken};
 
 /// What a managed slot's next scrub must do.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -407,22 +407,22 @@ impl<A: ManagedAllocator> SlotPool<A> {
         while done < max {
             // Counted before the fence is looked at: a recovery that asks the pool to let its
             // slab go either sees this scrub and waits for it, or comes after and is seen here.
-            let mut held = AheadHeld::new(self);
+            let counted = Scrubbing::new(self);
             if self.allocator.device_fenced(self.device)
                 || self.slab.load(Ordering::Acquire).is_null()
             {
                 break;
             }
             // A few slots at once: the table's lock is taken once to take them and once to put
-            // them back (when `held` goes), not twice per slot.
-            if self.slots.take_dirty(max - done, |taken| held.hold(taken)) == 0 {
+            // them back (when `gathering` goes, before `counted`), not twice per slot.
+            let mut gathering = self.slots.gather(max - done);
+            if gathering.is_empty() {
                 break;
             }
             // A failed scrub does not stop the others of its gathering (a slot that keeps
             // failing must not keep the rest dirty); a fenced device does.
             let mut failed = None;
-            for entry in held.slots.iter_mut().flatten() {
-                let (taken, outcome) = entry;
+            for (taken, outcome) in gathering.slots() {
                 if self.allocator.device_fenced(self.device) {
                     // Put back as it was: scrubbed by its acquisition, or let go with the slab.
                     *outcome = Some((taken.meta, Ahead::Untouched));
@@ -443,7 +443,8 @@ impl<A: ManagedAllocator> SlotPool<A> {
                     }
                 }
             }
-            drop(held); // back on their free lists
+            drop(gathering); // back on their free lists
+            drop(counted);
             // The slots are back: on a device fenced meanwhile, one may have been the last held.
             self.give_up_if_fenced();
             if let Some(e) = failed {
@@ -593,49 +594,23 @@ impl<A: ManagedAllocator> Drop for SlotPool<A> {
     }
 }
 
-/// A scrub ahead in progress ([`SlotPool::scrub_ahead`]): counted while it lives (a recovery
-/// waits for it). The slots it took go back when it is dropped, in one hold of the table's lock,
-/// each as its scrub went; one whose scrub never finished (the backend panicked mid-scrub) goes
-/// back dirty with a failed scrub counted, and those not reached yet go back untouched, so no
-/// acquisition or recovery waits for them for ever.
-struct AheadHeld<'a, A: ManagedAllocator> {
-    pool: &'a SlotPool<A>,
-    /// The slots taken, each with how it goes back once its scrub is done.
-    #[allow(clippy::type_complexity)]
-    slots: [Option<(Taken<Dirt>, Option<(Dirt, Ahead)>)>; AHEAD_MAX],
-}
+/// A scrub ahead in progress ([`SlotPool::scrub_ahead`]): counted while it lives, so a recovery
+/// waits for it. Its slots are held by a [`Gathering`] made after it, which goes first and puts
+/// them back (a slot whose scrub never finished, the backend having panicked mid-scrub, goes back
+/// dirty with a failed scrub counted; those not reached yet untouched), so no acquisition or
+/// recovery waits for them for ever.
+struct Scrubbing<'a, A: ManagedAllocator>(&'a SlotPool<A>);
 
-impl<'a, A: ManagedAllocator> AheadHeld<'a, A> {
+impl<'a, A: ManagedAllocator> Scrubbing<'a, A> {
     fn new(pool: &'a SlotPool<A>) -> Self {
         pool.scrubbing.0.fetch_add(1, Ordering::SeqCst);
-        Self {
-            pool,
-            slots: [None; AHEAD_MAX],
-        }
-    }
-
-    /// Holds a slot [`SlotTable::take_dirty`] took (at most [`AHEAD_MAX`] of them).
-    fn hold(&mut self, taken: Taken<Dirt>) {
-        let free = self.slots.iter_mut().find(|s| s.is_none());
-        debug_assert!(free.is_some(), "take_dirty takes at most AHEAD_MAX slots");
-        if let Some(free) = free {
-            *free = Some((taken, None));
-        }
+        Self(pool)
     }
 }
 
-impl<A: ManagedAllocator> Drop for AheadHeld<'_, A> {
+impl<A: ManagedAllocator> Drop for Scrubbing<'_, A> {
     fn drop(&mut self) {
-        let back = self
-            .slots
-            .iter_mut()
-            .filter_map(Option::take)
-            .map(|(taken, outcome)| {
-                let (meta, ahead) = outcome.unwrap_or((taken.meta, Ahead::Untouched));
-                (taken.slot, meta, ahead)
-            });
-        self.pool.slots.ahead_done(back);
-        self.pool.scrubbing.0.fetch_sub(1, Ordering::SeqCst);
+        self.0.scrubbing.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -475,6 +475,23 @@ impl<M: Copy> SlotTable<M> {
         taken
     }
 
+    /// A gathering of up to `max` waiting slots, taken as [`take_dirty`](Self::take_dirty)
+    /// takes them: held by the [`Gathering`] until it goes, then put back in one hold of the
+    /// lock, each as its outcome says. Empty if none waits.
+    pub fn gather(&self, max: usize) -> Gathering<'_, M> {
+        let mut slots = [None; AHEAD_MAX];
+        let mut count = 0;
+        self.take_dirty(max, |taken| {
+            debug_assert!(
+                count < AHEAD_MAX,
+                "take_dirty takes at most AHEAD_MAX slots"
+            );
+            slots[count] = Some((taken, None));
+            count += 1;
+        });
+        Gathering { table: self, slots }
+    }
+
     /// The most slots one [`take_dirty`](Self::take_dirty) takes: [`AHEAD_MAX`], or a quarter
     /// of the table's slots if fewer (at least one), so that an acquisition that finds every
     /// other slot held waits for a few scrubs at most, and a pool of two or three for one.
@@ -568,5 +585,48 @@ impl<M: Copy> SlotTable<M> {
             scrubbed_ahead: c.scrubbed_ahead,
             slab_given_up: false,
         }
+    }
+}
+
+/// Free slots taken together to be scrubbed ahead ([`SlotTable::gather`]): held (no one else can
+/// take them; the figures count them free) until the gathering goes, when they go back in one
+/// hold of the table's lock, each as its outcome says ([`SlotTable::ahead_done`]). A slot with
+/// no outcome (not reached, or whose scrub never returned: the scrubber set none) goes back as
+/// it was taken, untouched; so a panic mid-gathering loses no slot.
+#[derive(Debug)]
+pub struct Gathering<'a, M: Copy> {
+    table: &'a SlotTable<M>,
+    #[allow(clippy::type_complexity)]
+    slots: [Option<(Taken<M>, Option<(M, Ahead)>)>; AHEAD_MAX],
+}
+
+impl<M: Copy> Gathering<'_, M> {
+    /// No slot was taken.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.slots.iter().all(Option::is_none)
+    }
+
+    /// Each slot taken, with how it goes back: `None` (as taken, untouched) until the caller
+    /// sets the record it goes back with and the outcome.
+    pub fn slots(&mut self) -> impl Iterator<Item = (&Taken<M>, &mut Option<(M, Ahead)>)> {
+        self.slots
+            .iter_mut()
+            .flatten()
+            .map(|(taken, outcome)| (&*taken, outcome))
+    }
+}
+
+impl<M: Copy> Drop for Gathering<'_, M> {
+    fn drop(&mut self) {
+        let back = self
+            .slots
+            .iter_mut()
+            .filter_map(Option::take)
+            .map(|(taken, outcome)| {
+                let (meta, ahead) = outcome.unwrap_or((taken.meta, Ahead::Untouched));
+                (taken.slot, meta, ahead)
+            });
+        self.table.ahead_done(back);
     }
 }

@@ -515,15 +515,6 @@ fn interleaved_instantiate_us(
     Ok(samples.iter_mut().map(|s| median(s)).collect())
 }
 
-/// Hands `measure` one life of `setup`'s small module: see [`lives`].
-fn with_lives<R>(
-    setup: Setup,
-    measure: impl FnOnce(&mut dyn FnMut() -> Result<(), Failure>) -> R,
-) -> Result<R, Failure> {
-    let mut once = lives(setup)?;
-    Ok(measure(&mut *once))
-}
-
 /// One life of `setup`'s small module (instantiate + call + drop, a new Store each): the life
 /// its `instantiate_us` row measures (the floor's module has a global where the memory was;
 /// the tenant's Store is made by `new_store`; the WASI setup's linker has WASI).
@@ -635,22 +626,20 @@ fn lives_of(key: &str) -> Result<(), Failure> {
     let setup = Setup::from_key(key)
         .ok_or_else(|| Failure::Usage(format!("--lives-of: no setup named {key:?}")))?;
     let (batches, per_batch) = (1_000u32, 1_000u32);
-    let lives = batches * per_batch;
-    let (seconds, mut samples) = with_lives(setup, |once| {
-        let mut samples = Vec::with_capacity(batches as usize);
-        let start = Instant::now();
-        for _ in 0..batches {
-            let batch = Instant::now();
-            for _ in 0..per_batch {
-                once()?;
-            }
-            samples.push(batch.elapsed().as_secs_f64() * 1e6 / f64::from(per_batch));
+    let mut once = lives(setup)?;
+    let mut samples = Vec::with_capacity(batches as usize);
+    let start = Instant::now();
+    for _ in 0..batches {
+        let batch = Instant::now();
+        for _ in 0..per_batch {
+            once()?;
         }
-        Ok::<_, Failure>((start.elapsed().as_secs_f64(), samples))
-    })??;
+        samples.push(batch.elapsed().as_secs_f64() * 1e6 / f64::from(per_batch));
+    }
+    let seconds = start.elapsed().as_secs_f64();
     println!(
         "{key}: {:.3} us per life ({:.3} the median of {batches} batches of {per_batch})",
-        seconds * 1e6 / f64::from(lives),
+        seconds * 1e6 / f64::from(batches * per_batch),
         median(&mut samples)
     );
     Ok(())

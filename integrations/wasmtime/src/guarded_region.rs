@@ -634,42 +634,41 @@ impl<B: Backend> GuardedPool<B> {
     /// ([`on_dirty_release`](Self::on_dirty_release)), the slot goes back dirty instead, and is
     /// scrubbed by it or by its next acquisition, whichever comes first.
     fn release(&self, slot: SlotId, opened: usize, released: Released) {
-        if !released.reusable {
-            // Withdrawn for good: never handed to another tenant.
-            self.slots.withdraw(slot);
-            return;
-        }
-        if self.deferring.load(Ordering::Acquire)
-            && let Some(signal) = self.signal.get()
-        {
-            let left = Left {
-                opened,
-                dirty: opened,
-            };
-            let returned = Returned {
-                scrubbed: 0,
-                hints_reset: released.hinted,
-            };
-            self.slots.give_back(slot, left, returned);
-            if opened > 0 {
-                signal();
-            }
-            return;
-        }
-        let offset = self.offset_of(slot);
-        // SAFETY: the slot's holder is gone and its chunks detached: no one uses its pages, no
-        // device holds them pinned, and its first `opened` bytes are readable and writable (a
-        // failed `mprotect` would have made it not reusable).
-        if unsafe { self.scrub(offset, opened) }.is_ok() {
-            let returned = Returned {
-                scrubbed: opened as u64,
-                hints_reset: released.hinted,
-            };
-            let left = Left { opened, dirty: 0 };
-            self.slots.give_back(slot, left, returned);
+        // While a thread scrubs ahead, the slot goes back dirty and the thread is told.
+        let signal = self
+            .signal
+            .get()
+            .filter(|_| self.deferring.load(Ordering::Acquire));
+        let scrubbed = if !released.reusable {
+            None
+        } else if signal.is_some() {
+            Some(0)
         } else {
+            // SAFETY: the slot's holder is gone and its chunks detached: no one uses its
+            // pages, no device holds them pinned, and its first `opened` bytes are readable
+            // and writable (a failed `mprotect` would have made it not reusable).
+            unsafe { self.scrub(self.offset_of(slot), opened) }
+                .ok()
+                .map(|()| opened)
+        };
+        let Some(scrubbed) = scrubbed else {
             // Withdrawn for good: never handed to another tenant.
             self.slots.withdraw(slot);
+            return;
+        };
+        let left = Left {
+            opened,
+            dirty: opened - scrubbed,
+        };
+        let returned = Returned {
+            scrubbed: scrubbed as u64,
+            hints_reset: released.hinted,
+        };
+        self.slots.give_back(slot, left, returned);
+        if let Some(signal) = signal
+            && opened > 0
+        {
+            signal();
         }
     }
 
@@ -704,40 +703,32 @@ impl<B: Backend> GuardedPool<B> {
     pub(crate) fn scrub_ahead(&self, max: usize) -> Result<usize, TwmError> {
         let mut done = 0;
         while done < max {
-            let mut held = [None; tensor_wasm_mem_core::AHEAD_MAX];
-            let mut count = 0;
-            self.slots.take_dirty(max - done, |taken| {
-                debug_assert!(
-                    count < held.len(),
-                    "take_dirty takes at most AHEAD_MAX slots"
-                );
-                held[count] = Some((taken, Ahead::Untouched));
-                count += 1;
-            });
-            if count == 0 {
+            // Put back however the scrubs go (a panic included: still dirty, as taken).
+            let mut gathering = self.slots.gather(max - done);
+            if gathering.is_empty() {
                 break;
             }
-            // Put back however the scrubs go (a panic included: still dirty, as taken).
-            let mut back = AheadBack {
-                slots: &self.slots,
-                held,
-            };
             // A failed scrub does not stop the others of its gathering: a slot that keeps
             // failing must not keep the rest dirty (and resident).
             let mut failed = None;
-            for (taken, ahead) in back.held.iter_mut().flatten() {
+            for (taken, outcome) in gathering.slots() {
                 // A failure (or a panic) after the bytes kept resident were written.
                 let written = taken.meta.dirty.min(KEEP_RESIDENT_BYTES) as u64;
-                *ahead = Ahead::Failed { scrubbed: written };
+                *outcome = Some((taken.meta, Ahead::Failed { scrubbed: written }));
                 // SAFETY: the slot was just taken off its free list: no one uses its pages, no
                 // device holds them (detached before it came back), and its first `opened`
                 // bytes are readable and writable.
                 match unsafe { self.scrub(taken.offset(), taken.meta.dirty) } {
                     Ok(()) => {
-                        *ahead = Ahead::Scrubbed(Returned {
+                        let left = Left {
+                            dirty: 0,
+                            ..taken.meta
+                        };
+                        let returned = Returned {
                             scrubbed: taken.meta.dirty as u64,
                             hints_reset: false,
-                        });
+                        };
+                        *outcome = Some((left, Ahead::Scrubbed(returned)));
                         done += 1;
                     }
                     Err(e) => {
@@ -745,7 +736,7 @@ impl<B: Backend> GuardedPool<B> {
                     }
                 }
             }
-            back.put_back();
+            drop(gathering); // back on their free lists
             if let Some(e) = failed {
                 return Err(e);
             }
@@ -818,37 +809,6 @@ impl<B: Backend> Drop for GuardedPool<B> {
 struct Left {
     opened: usize,
     dirty: usize,
-}
-
-/// Slots a guarded pool's scrub ahead holds: put back, each as its scrub went, when it goes (or
-/// by [`put_back`](Self::put_back)); a slot whose scrub never finished goes back still dirty.
-struct AheadBack<'a> {
-    slots: &'a SlotTable<Left>,
-    held: [Option<(tensor_wasm_mem_core::Taken<Left>, Ahead)>; tensor_wasm_mem_core::AHEAD_MAX],
-}
-
-impl AheadBack<'_> {
-    fn put_back(self) {}
-}
-
-impl Drop for AheadBack<'_> {
-    fn drop(&mut self) {
-        let back = self
-            .held
-            .iter_mut()
-            .filter_map(Option::take)
-            .map(|(taken, ahead)| {
-                let left = match ahead {
-                    Ahead::Scrubbed(_) => Left {
-                        dirty: 0,
-                        ..taken.meta
-                    },
-                    _ => taken.meta,
-                };
-                (taken.slot, left, ahead)
-            });
-        self.slots.ahead_done(back);
-    }
 }
 
 #[cfg(test)]
