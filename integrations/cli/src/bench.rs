@@ -1220,7 +1220,10 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         },
     ];
     println!(
-        "twm bench{} (medians; ratio against Wasmtime, target in brackets)",
+        "twm bench{} (medians; a ratio is over the group's first setup, except: twm_pooled and \
+         twm_device_guarded_pooled over wasmtime_pooling, twm_pooled_wasi over twm_pooled, \
+         twm_pooled_tenant and the scrub-ahead setups over no_memory_floor, threaded rows over \
+         their setup's 1 thread; a target reads <= when met, MISS when not)",
         if args.quick { " --quick" } else { "" }
     );
     println!(
@@ -1228,7 +1231,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
          access\n"
     );
     println!(
-        "{:<26} {:<18} {:>12} {:>8} {:>8}",
+        "{:<26} {:<37} {:>12} {:>8} {:>8}",
         "measure", "setup", "value", "ratio", "target"
     );
     for row in &rows {
@@ -1254,7 +1257,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             };
             let ratio = value / base;
             println!(
-                "{:<26} {:<18} {:>9.3} {:<3}{:>7.2}x {:>8}",
+                "{:<26} {:<37} {:>9.3} {:<3}{:>7.2}x {:>8}",
                 row.group,
                 setup.key(),
                 value,
@@ -1273,7 +1276,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             .find(|(s, t, _)| *s == setup && *t == 1)
             .map_or(f64::NAN, |x| x.2);
         println!(
-            "{:<26} {:<18} {:>9.3} {:<3}{:>7.2}x",
+            "{:<26} {:<37} {:>9.3} {:<3}{:>7.2}x",
             format!("instantiate x{threads} thr (cpu)"),
             setup.key(),
             us,
@@ -1283,7 +1286,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
     }
     for (setup, us) in &process_cpu {
         println!(
-            "{:<26} {:<18} {:>9.3} {:<3}",
+            "{:<26} {:<37} {:>9.3} {:<3}",
             "instantiate (process cpu)",
             setup.key(),
             us,
@@ -1298,7 +1301,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             ("twm_guest_launch", guest),
         ] {
             println!(
-                "{:<26} {:<18} {:>9.3} {:<3}{:>7.2}x",
+                "{:<26} {:<37} {:>9.3} {:<3}{:>7.2}x",
                 group,
                 key,
                 value,
@@ -1309,7 +1312,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
     }
     for (policy, ns) in placement["decision_ns"].as_object().into_iter().flatten() {
         println!(
-            "{:<26} {:<18} {:>9.3} {:<3}",
+            "{:<26} {:<37} {:>9.3} {:<3}",
             format!("place 1 of {PLACED_TENANTS}, 8 dev"),
             policy,
             ns.as_f64().unwrap_or(f64::NAN),
@@ -1317,7 +1320,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         );
     }
     println!(
-        "{:<26} {:<18} {:>9.1} {:<3}",
+        "{:<26} {:<37} {:>9.1} {:<3}",
         "memory per placed tenant",
         "bookkeeping",
         placement["bytes_per_tenant"].as_f64().unwrap_or(f64::NAN),
@@ -1325,11 +1328,11 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
     );
     let driver = launch_fill - launch_host;
     println!(
-        "{:<26} {:<18} {:>9.3} {:<3}{:>7.2}x",
+        "{:<26} {:<37} {:>9.3} {:<3}{:>7.2}x",
         "launch fill 4KiB", "driver's own", driver, "us", 1.0
     );
     println!(
-        "{:<26} {:<18} {:>9.3} {:<3}{:>7.2}x",
+        "{:<26} {:<37} {:>9.3} {:<3}{:>7.2}x",
         "launch fill 4KiB",
         "guest twm.launch",
         launch_fill,
@@ -1340,7 +1343,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         ("acquire+release untouched", pool_untouched),
         ("acquire+release scrub 64KiB", pool_scrubbed),
     ] {
-        println!("{:<26} {:<18} {:>9.3} {:<3}", "pool slot", step, us, "us");
+        println!("{:<26} {:<37} {:>9.3} {:<3}", "pool slot", step, us, "us");
     }
     for ((growable, simd), row) in &loops {
         let base = row[0].1;
@@ -1352,7 +1355,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         for ((key, value), (_, _, target)) in row.iter().zip(loop_setups) {
             let ratio = value / base;
             println!(
-                "{:<26} {:<18} {:>9.3} {:<3}{:>7.2}x {:>8}",
+                "{:<26} {:<37} {:>9.3} {:<3}{:>7.2}x {:>8}",
                 group,
                 key,
                 value,

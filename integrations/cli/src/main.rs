@@ -124,7 +124,11 @@ fn main() -> ExitCode {
         Err(e) => {
             // twm's own arguments: those after a bare `--` are the guest's.
             let own = args.iter().take_while(|a| *a != "--");
-            let json = own.clone().any(|a| a == "--json");
+            // `--json=true` is refused by the parser (a flag takes no value), but it asked for
+            // JSON all the same.
+            let json = own
+                .clone()
+                .any(|a| a == "--json" || a.to_str().is_some_and(|a| a.starts_with("--json=")));
             let run = own.clone().any(|a| a == "run");
             if json && run && e.use_stderr() {
                 let rendered = e.render().to_string().replace(NEGATIVE, "-");

@@ -57,6 +57,7 @@ pub fn creator_json(s: &CreatorStats) -> Value {
                 "device": d.device.0,
                 "live_memories": d.live_memories,
                 "pool_in_use": d.pool.as_ref().map(|p| p.in_use()),
+                "pool_withdrawn": d.pool.as_ref().map(|p| p.withdrawn()),
             })
         })
         .collect();
@@ -72,7 +73,8 @@ pub fn creator_json(s: &CreatorStats) -> Value {
 }
 
 /// One line per device: the tenants placed there and what they committed, hold and touched,
-/// the creator's memories and pool slots there, and the device's free memory.
+/// the creator's memories and pool slots there (in use, of those usable: a slot withdrawn for
+/// good is neither, and the stats line counts it), and the device's free memory.
 pub fn occupancy_table<B: Backend>(
     placement: &Placement,
     creator: &TensorWasmMemoryCreator<B>,

@@ -809,6 +809,7 @@ fn json_is_one_object_even_when_the_run_fails_before_it_starts() {
         vec!["run", "/nonexistent/module.wat", "--json"],
         vec!["run", "/dev/zero", "--json"],
         vec!["run", "x.wat", "--bogus", "--json"],
+        vec!["run", "x.wat", "--json=true"],
     ] {
         let o = twm(&args);
         assert_ne!(o.status.code(), Some(0), "{args:?}");
