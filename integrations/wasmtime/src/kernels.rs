@@ -245,6 +245,12 @@ pub trait KernelLauncher<B: Backend>: Send + Sync + 'static {
     /// launches there through this creator again; a launcher shared by several creators hears
     /// of one recovery from each, so forgetting must be idempotent. The default does nothing, right for a launcher that
     /// caches nothing per context.
+    ///
+    /// It may call back into the creator on the same thread (retry its releases, instantiate,
+    /// recover another device): other threads that reach the creator meanwhile wait until
+    /// every launcher has heard, but a guest launch made from inside this call may reach a
+    /// launcher not told yet, so launch nothing from here. It must not wait for another
+    /// thread that uses the creator: that thread may be waiting for this call to end.
     fn device_recovered(&self, backend: &B, device: DeviceId) {
         let _ = (backend, device);
     }

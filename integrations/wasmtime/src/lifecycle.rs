@@ -28,6 +28,27 @@ use crate::error::TwmError;
 use crate::kernels::KernelRegistry;
 use crate::storage::Storage;
 
+std::thread_local! {
+    /// This thread is telling launchers of a recovery ([`KeptMemories::settle`]).
+    static TELLING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks this thread as telling launchers of a recovery while it lives (an unwinding launcher
+/// included).
+struct Telling(bool);
+
+impl Telling {
+    fn start() -> Self {
+        Self(TELLING.replace(true))
+    }
+}
+
+impl Drop for Telling {
+    fn drop(&mut self) {
+        TELLING.set(self.0);
+    }
+}
+
 /// A memory's storage and what pays for it, together for their whole life.
 pub(crate) struct Held<B: Backend> {
     pub(crate) storage: Storage<B>,
@@ -235,7 +256,11 @@ impl<B: Backend> KeptMemories<B> {
     pub(crate) fn settle(&self, backend: &B) {
         self.settle_busy_on_fenced();
         let total = backend.recoveries();
-        if self.seen_recoveries.load(Ordering::Acquire) != total {
+        // A launcher told of a recovery may call back into the creator (an instantiation, a
+        // retry of the releases): on this thread, the recoveries are being told already, by
+        // the frame below, which holds the list (and keeps other threads' launches waiting
+        // until every launcher has heard).
+        if self.seen_recoveries.load(Ordering::Acquire) != total && !TELLING.get() {
             let mut seen = self
                 .seen_per_device
                 .lock()
@@ -251,6 +276,7 @@ impl<B: Backend> KeptMemories<B> {
                     if let Some(kernels) = &self.kernels {
                         // Before any guest launches there again: the launchers' modules there
                         // are gone.
+                        let _telling = Telling::start();
                         kernels.device_recovered(backend, device);
                     }
                 }

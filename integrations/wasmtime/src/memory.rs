@@ -1160,7 +1160,26 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
         self.check_engine(ty, reserved, guard)?;
         let plan = self.plan(ty)?;
         let (slot, device) = self.home(payer.tenant())?;
-        let sizes = Sizes::new(&plan, self.inner.pools.get(slot))?;
+        let made = self.create_on((slot, device), &plan, (reserved, guard), payer);
+        if made.is_err() && self.backend().device_fenced(device) {
+            // Refused on a fenced device (its pool's slot, or an allocation, lost with the
+            // context): this creation held nothing there any more, and may have been what held
+            // back the recovery the last Store there tried (a slot it was scrubbing). The
+            // automatic recovery is tried again now, or no one would.
+            self.recover_when_free(device);
+        }
+        made
+    }
+
+    /// [`create`](Self::create) on the served device at `slot`.
+    fn create_on(
+        &self,
+        (slot, device): (usize, DeviceId),
+        plan: &MemoryPlan,
+        (reserved, guard): (Option<usize>, usize),
+        payer: Payer,
+    ) -> Result<TensorWasmLinearMemory<B>, TwmError> {
+        let sizes = Sizes::new(plan, self.inner.pools.get(slot))?;
         let books = payer.books();
         let charge = payer.charge(&sizes)?;
         if let (Some(charge), Some(shares), Some(_)) =

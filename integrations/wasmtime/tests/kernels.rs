@@ -778,3 +778,63 @@ fn a_launcher_that_panics_after_queueing_is_waited_for() {
     );
     assert_eq!(g.memory.data(&g.store)[X as usize + 63], 0x24);
 }
+
+/// A launcher told of a recovery may call back into its creator on the same thread (here it
+/// retries the creator's releases, which catches up with recoveries itself): the recovery goes
+/// on, told once, where before the call waited on the list its own frame held, for ever.
+#[test]
+fn a_launcher_told_of_a_recovery_may_call_back_into_the_creator() {
+    type Slot = Arc<std::sync::Mutex<Option<TensorWasmMemoryCreator<MockBackend>>>>;
+    struct CallsBack {
+        creator: Slot,
+        told: Arc<std::sync::atomic::AtomicUsize>,
+    }
+    impl KernelLauncher<MockBackend> for CallsBack {
+        fn launch(&self, _: &MockBackend, _: &kernels::Launch<'_>) -> Result<(), TwmError> {
+            Ok(())
+        }
+        fn device_recovered(&self, _: &MockBackend, _: DeviceId) {
+            let creator = self.creator.lock().unwrap().clone();
+            if let Some(creator) = creator {
+                assert_eq!(creator.retry_releases(), 0);
+            }
+            self.told.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    let slot = Slot::default();
+    let told = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut registry = faulting_registry();
+    registry
+        .register(
+            "calls_back",
+            one_byte_buffer(),
+            CallsBack {
+                creator: Arc::clone(&slot),
+                told: Arc::clone(&told),
+            },
+        )
+        .unwrap();
+    let creator = creator_with(registry);
+    *slot.lock().unwrap() = Some(creator.clone());
+    // Bounded, never timed: a deadlock fails the test instead of hanging the suite.
+    let (done, finished) = std::sync::mpsc::channel();
+    let faulting = creator.clone();
+    std::thread::spawn(move || {
+        let mut g = guest(&faulting);
+        let bad = g.kernel("bad");
+        g.try_launch(bad, &[(0, 16)]).expect_err("the guest traps");
+        drop(g); // the device recovers, and the launchers are told
+        done.send(()).unwrap();
+    });
+    finished
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the recovery came back");
+    assert_eq!(creator.stats().recoveries, 1);
+    assert_eq!(
+        told.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "told once"
+    );
+    // The launcher's handle on the creator goes (a cycle otherwise).
+    slot.lock().unwrap().take();
+}

@@ -415,3 +415,50 @@ fn a_fault_is_claimed_once_on_the_backend() {
         "a device the backend does not have"
     );
 }
+
+/// A Store whose instantiation was refused on a fenced device holds nothing there: the
+/// automatic recovery runs as the refusal comes back. (Before, nothing tried it again: a
+/// refused acquisition, which may have been scrubbing the slot that held back the recovery the
+/// last Store there tried, left the device fenced with no user until the embedder called
+/// `recover`.)
+#[test]
+fn a_refused_instantiation_on_a_fenced_device_lets_it_recover() {
+    let backend = Arc::new(MockBackend::default());
+    let builder = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .backing(Backing::Managed)
+        .pool(tensor_wasm_mem_core::PoolConfig::new(
+            D0,
+            [tensor_wasm_mem_core::SizeClass::new(4 * PAGE as usize, 2)],
+        ));
+    // SAFETY: nothing but the creator's backend uses the device's primary context here.
+    let creator = unsafe { builder.recover_automatically() }.build().unwrap();
+    let engine = creator.engine().unwrap();
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).unwrap();
+    let module = Module::new(&engine, GUEST).unwrap();
+    let tenant = Tenant::new(1, "t", 16 * PAGE, IsolationLevel::StreamIsolated);
+    let guest = || {
+        let data = TenantStore::new(&creator, &tenant, ChargeMode::Touched, ());
+        let mut store = new_store(&engine, data);
+        instantiate(&mut store, &linker, &module).map(|instance| (store, instance))
+    };
+    // A guest whose prefetch reaches the device: its slot's next scrub is a device memset.
+    let (mut store, instance) = guest().unwrap();
+    assert_eq!(prefetch(&mut store, &instance, D0).unwrap(), 0);
+    drop(store);
+    // That memset meets a sticky fault: the context is lost as the next guest's slot is
+    // scrubbed, and the instantiation is refused, typed.
+    backend
+        .driver()
+        .fail_call(tensor_wasm_mem_mock::Call::Memset, 1, 700);
+    let err = guest().map(drop).unwrap_err();
+    let err = err.downcast_ref::<TwmError>().expect("typed");
+    assert_eq!(err.kind(), ErrorKind::ContextLost, "{err}");
+    // It held nothing: the device recovered as the refusal came back, and serves again.
+    assert!(!backend.device_fenced(D0), "recovered");
+    assert_eq!(creator.stats().recoveries, 1);
+    let (mut store, instance) = guest().unwrap();
+    assert_eq!(prefetch(&mut store, &instance, D0).unwrap(), 0);
+    drop(store);
+    assert_eq!(tenant.stats().held_bytes, 0);
+}
