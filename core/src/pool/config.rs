@@ -199,7 +199,7 @@ pub struct ClassStats {
     pub in_use: usize,
     /// Slots free now.
     pub free: usize,
-    /// Slots withdrawn for good (a scrub or hint reset that failed, pages whose state is
+    /// Slots withdrawn for good (a guarded slot's scrub that failed, pages whose state is
     /// unknown, or pages a backend kept): neither free nor handed out, never handed out again
     /// (until a pool that carves its slots from a new slab makes them free again).
     pub withdrawn: usize,

@@ -569,8 +569,8 @@ impl<A: ManagedAllocator + Send + Sync> crate::allocator::IdleHolder for SlotPoo
     /// moment to be scrubbed ahead (a call refused at once on the fenced device, or a host
     /// memset) is waited for first, so the recovery that asks now finds the pool idle rather
     /// than being refused for a slot that is back a moment later. (An acquisition's own scrub
-    /// is not waited for: the acquisition fails on the fenced device, and its Store's end
-    /// tries the recovery again.)
+    /// is not waited for: the acquisition fails on the fenced device, and the creation it was
+    /// for tries the recovery again as it is refused.)
     fn let_go_if_fenced(&self) {
         if !self.allocator.device_fenced(self.device) {
             return;

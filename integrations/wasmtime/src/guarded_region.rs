@@ -54,8 +54,10 @@ pub(crate) struct GuardedRegion<B: Backend> {
     /// failed `mprotect` close): no growth, no device calls, and a pool slot is withdrawn (never
     /// reused) when the region goes.
     broken: bool,
-    /// A hint reset failed at release: a pool slot is withdrawn rather than handed on hinted.
-    hints_kept: bool,
+    /// A hint reset failed at release (a refused call: a fenced device, say): a pool slot goes
+    /// back with its hints pending, reset by its next acquisition before it is handed on; an own
+    /// reservation's pages go with their mapping.
+    hints_pending: bool,
     /// Released: every chunk detached and the home finished (mapping dropped, slot returned).
     released: bool,
     /// Given up with chunks the backend keeps: no more tries, the pages stay mapped.
@@ -136,7 +138,7 @@ impl<B: Backend> GuardedRegion<B> {
             chunks: Vec::new(),
             hinted: AtomicBool::new(false),
             broken: false,
-            hints_kept: false,
+            hints_pending: false,
             released: false,
             abandoned: false,
             held,
@@ -394,23 +396,32 @@ impl<B: Backend> GuardedRegion<B> {
         }
         self.released = true;
         if let Home::Slot { pool, slot } = &self.home {
-            let reusable = !self.broken && !self.hints_kept;
             let hinted = self.hinted.load(Ordering::Acquire);
-            pool.release(*slot, self.opened, Released { reusable, hinted });
+            let released = Released {
+                reusable: !self.broken,
+                hinted,
+                // Every chunk the hints could have reached.
+                hints_pending: if self.hints_pending {
+                    self.accessible
+                } else {
+                    0
+                },
+            };
+            pool.release(*slot, self.opened, released);
         }
         Ok(())
     }
 
-    /// Resets the hints of every chunk once, if advice or a prefetch reached them; a failure
-    /// keeps the slot from being reused.
+    /// Resets the hints of every chunk once, if advice or a prefetch reached them; after a
+    /// failure the hints stay pending, and a pool slot's next acquisition resets them.
     fn reset_hints(&mut self) {
-        if !self.hinted.load(Ordering::Acquire) || self.hints_kept {
+        if !self.hinted.load(Ordering::Acquire) || self.hints_pending {
             return;
         }
         for chunk in &self.chunks {
             if let Err(e) = self.backend.reset_hints(chunk, 0, chunk.len()) {
-                tracing::warn!(error = %e, "twm: resetting a guarded region's hints failed");
-                self.hints_kept = true;
+                tracing::warn!(error = %e, "twm: resetting a guarded region's hints failed: reset before its slot is reused");
+                self.hints_pending = true;
             }
         }
     }
@@ -419,11 +430,13 @@ impl<B: Backend> GuardedRegion<B> {
 /// How a guarded region's pages came back to their pool (every chunk detached).
 #[derive(Clone, Copy, Debug)]
 struct Released {
-    /// Their hints are back to a fresh allocation's (or were never set) and their protection
-    /// is known: the slot may go to the next tenant. If not, it is withdrawn.
+    /// Their protection is known: the slot may go to the next tenant. If not, it is withdrawn.
     reusable: bool,
     /// Advice or a prefetch reached them.
     hinted: bool,
+    /// Bytes from the slot's start whose hints a failed reset left (0: none): reset by the
+    /// slot's next acquisition before it is handed on.
+    hints_pending: usize,
 }
 
 impl<B: Backend> GuardedRegion<B> {
@@ -471,8 +484,9 @@ impl<B: Backend> Drop for GuardedRegion<B> {
 /// good: non-zero is a driver fault to look at. A refused detach first keeps the memory, and its
 /// charge, in its creator ([`CreatorStats::kept_memories`](crate::CreatorStats::kept_memories))
 /// and is tried again; only what is still refused when the creator goes is counted here. (Slots
-/// withdrawn for a failed hint reset or a lost page protection are counted in
-/// `PoolStats::scrub_failures`.) Take it with
+/// withdrawn for a failed scrub or a lost page protection are counted in
+/// `PoolStats::scrub_failures`; a refused hint reset withdraws nothing: the slot's next
+/// acquisition makes it.) Take it with
 /// [`TensorWasmMemoryCreator::kept_mappings`](crate::TensorWasmMemoryCreator::kept_mappings):
 /// it reads the same count after the creator has gone. Clones read the same count.
 #[derive(Clone, Debug, Default)]
@@ -597,17 +611,41 @@ impl<B: Backend> GuardedPool<B> {
             // SAFETY: the slot was just taken: no one uses its pages, no device holds them
             // (its chunks were detached before it came back), and its first `opened` bytes
             // are readable and writable.
-            match unsafe { self.scrub(taken.offset(), taken.meta.dirty) } {
-                Ok(()) => self.slots.scrubbed(Returned {
-                    scrubbed: taken.meta.dirty as u64,
-                    hints_reset: false,
-                }),
-                Err(e) => {
-                    // Its pages are in no known state: never handed to another tenant.
+            if let Err(e) = unsafe { self.scrub(taken.offset(), taken.meta.dirty) } {
+                // Its pages are in no known state: never handed to another tenant.
+                self.slots.withdraw_taken(taken.slot);
+                return Err(e);
+            }
+        }
+        let scrubbed = taken.meta.dirty as u64;
+        if taken.meta.hinted > 0 {
+            // Its last holder's hint reset was refused: reset here, before anyone holds it.
+            // SAFETY: as above; `hinted <= opened`.
+            match unsafe { self.reset_left_hints(taken.offset(), taken.meta.hinted) } {
+                Ok(()) => {}
+                Err(HintsLeft::Pending(e)) => {
+                    // Back with its hints still pending (scrubbed, if it was dirty): the next
+                    // acquisition tries again.
+                    let left = Left {
+                        dirty: 0,
+                        ..taken.meta
+                    };
+                    self.slots.refuse(taken.slot, left, scrubbed);
+                    return Err(e);
+                }
+                Err(HintsLeft::Attached(e)) => {
+                    // The range the reset was made through stays attached: never reused.
                     self.slots.withdraw_taken(taken.slot);
+                    self.driver_held.store(true, Ordering::Release);
                     return Err(e);
                 }
             }
+        }
+        if scrubbed > 0 || taken.meta.hinted > 0 {
+            self.slots.scrubbed(Returned {
+                scrubbed,
+                hints_reset: taken.meta.hinted > 0,
+            });
         }
         let base = self.mapping.base() + taken.offset();
         let home = Home::Slot {
@@ -659,10 +697,11 @@ impl<B: Backend> GuardedPool<B> {
         let left = Left {
             opened,
             dirty: opened - scrubbed,
+            hinted: released.hints_pending,
         };
         let returned = Returned {
             scrubbed: scrubbed as u64,
-            hints_reset: released.hinted,
+            hints_reset: released.hinted && released.hints_pending == 0,
         };
         self.slots.give_back(slot, left, returned);
         if let Some(signal) = signal
@@ -759,6 +798,40 @@ impl<B: Backend> GuardedPool<B> {
         self.device
     }
 
+    /// Resets the hints a holder left on the first `hinted` bytes of the free slot at `offset`
+    /// (its own reset was refused as it went: a fenced device, say), through a range attached
+    /// for the call and detached after it.
+    ///
+    /// # Safety
+    ///
+    /// The slot was just taken off its free list: no one uses its pages and no device holds
+    /// them; its first `hinted` bytes are readable and writable (whole pages).
+    unsafe fn reset_left_hints(&self, offset: usize, hinted: usize) -> Result<(), HintsLeft> {
+        let backend_error = |op, e| TwmError::from_core(CoreError::backend(op, e));
+        let Some(ptr) = std::ptr::NonNull::new((self.mapping.base() + offset) as *mut u8) else {
+            // A mapping is never at address 0.
+            return Err(HintsLeft::Pending(TwmError::GuardedMemoryBroken));
+        };
+        // SAFETY: the caller's guarantee: the range is the slot's, mapped readable and writable,
+        // page aligned, and stays mapped until it is detached below (the pool owns it).
+        let chunk = unsafe {
+            self.backend
+                .attach_host(self.device, self.access, ptr, hinted)
+        }
+        .map_err(|e| HintsLeft::Pending(backend_error(Operation::AttachHost, e)))?;
+        let reset = self.backend.reset_hints(&chunk, 0, hinted);
+        // SAFETY: attached just above; no device work uses it (none was given the range).
+        if let Err(refused) = unsafe { self.backend.detach_host(chunk) } {
+            self.backend.forget(refused.resource);
+            self.kept_mappings.add();
+            return Err(HintsLeft::Attached(backend_error(
+                Operation::DetachHost,
+                refused.error,
+            )));
+        }
+        reset.map_err(|e| HintsLeft::Pending(backend_error(Operation::ResetHints, e)))
+    }
+
     /// A slot leaves with chunks the backend still holds: withdrawn (never returned), and the
     /// pool's address space stays mapped when the pool goes.
     fn withdraw_held(&self, slot: SlotId) {
@@ -802,13 +875,23 @@ impl<B: Backend> Drop for GuardedPool<B> {
     }
 }
 
+/// Why a slot's pending hints were not reset ([`GuardedPool::reset_left_hints`]).
+enum HintsLeft {
+    /// They are still pending, nothing attached: the slot may wait for another try.
+    Pending(TwmError),
+    /// The range attached for the reset could not be detached: the slot is never reused.
+    Attached(TwmError),
+}
+
 /// What a guarded slot's last holder left: the bytes from its start left readable and writable
-/// (`opened`), and of those the bytes not zeroed yet (`dirty`: all of them while the slot waits
-/// for a scrub ahead, none once scrubbed).
+/// (`opened`), of those the bytes not zeroed yet (`dirty`: all of them while the slot waits for
+/// a scrub ahead, none once scrubbed), and the bytes whose hints its reset could not take back
+/// (`hinted`: 0 unless a reset was refused as it went; at most `opened`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Left {
     opened: usize,
     dirty: usize,
+    hinted: usize,
 }
 
 #[cfg(test)]

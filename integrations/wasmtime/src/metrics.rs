@@ -45,7 +45,7 @@
 //! | `twm_device_recoveries_total` | counter | device | resets of its primary context after a fault |
 //! | `twm_pool_slots` | gauge | device | slots of the device's pool |
 //! | `twm_pool_slots_in_use` | gauge | device | of them, in use |
-//! | `twm_pool_slots_withdrawn` | gauge | device | of them, withdrawn for good (a failed scrub or hint reset, or pages a backend kept): never handed out again |
+//! | `twm_pool_slots_withdrawn` | gauge | device | of them, withdrawn for good (a guarded slot's failed scrub, pages whose protection is unknown, or pages a backend kept): never handed out again |
 //! | `twm_pool_slab_given_up` | gauge | device | 1 while the pool has no slab: given up on the fenced device, renewed at the first acquisition after its recovery |
 //! | `twm_pool_exhaustions_total` | counter | device | acquisitions refused for want of a slot |
 //! | `twm_pool_scrub_failures_total` | counter | device | scrubs that failed (a managed slot stays free and dirty, and is scrubbed again; a guarded slot is retired) |

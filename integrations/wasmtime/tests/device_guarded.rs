@@ -377,6 +377,82 @@ fn a_reused_slot_reads_as_zeros_with_default_hints() {
     }
 }
 
+/// A hint reset refused as a guarded slot goes back (a transient driver error here; a device
+/// fenced by another tenant's kernel fault does the same) leaves the slot's hints pending, not
+/// the slot withdrawn: its next acquisition resets them before handing it on, and if that is
+/// refused too, that acquisition is refused, typed, and the slot waits for the next.
+#[test]
+fn a_refused_hint_reset_is_made_by_the_slots_next_acquisition() {
+    use tensor_wasm_mem_mock::Call;
+    let backend = machine(true, false);
+    let creator = pooled_creator(&backend, PAGEABLE);
+    let (store, _, memory) = tenant_store(&creator, 1);
+    let base = memory.data_ptr(&store);
+    creator
+        .advise(&store, &memory, 0, PAGE as u64, Advice::SetReadMostly)
+        .unwrap();
+    backend.driver().fail_call(Call::Advise, 1, 999);
+    drop(store);
+    let figures = |creator: &TensorWasmMemoryCreator<MockBackend>| {
+        let s = creator.stats().pool.unwrap();
+        (s.in_use(), s.free(), s.withdrawn(), s.hint_resets)
+    };
+    assert_eq!(figures(&creator), (0, 1, 0, 0), "back, its hints pending");
+
+    // The next acquisition's reset is refused too: refused, typed; the slot waits.
+    backend.driver().fail_call(Call::Advise, 1, 999);
+    let engine = creator.engine().unwrap();
+    let tenant = tensor_wasm_mem_wasmtime::Tenant::new(
+        2,
+        "t2",
+        16 * PAGE as u64,
+        IsolationLevel::StreamIsolated,
+    );
+    let mut store = tensor_wasm_mem_wasmtime::new_store(
+        &engine,
+        TenantStore::new(
+            &creator,
+            &tenant,
+            tensor_wasm_mem_wasmtime::ChargeMode::Touched,
+            (),
+        ),
+    );
+    let module = access_module(&engine, 1, 4);
+    let e = tensor_wasm_mem_wasmtime::instantiate(
+        &mut store,
+        &tensor_wasm_mem_wasmtime::wasmtime::Linker::new(&engine),
+        &module,
+    )
+    .map(drop)
+    .unwrap_err();
+    let e = e.downcast_ref::<TwmError>().expect("typed");
+    assert!(matches!(e, TwmError::Backend { .. }), "{e:?}");
+    drop(store);
+    assert_eq!(
+        figures(&creator),
+        (0, 1, 0, 0),
+        "still waiting, not withdrawn"
+    );
+    assert_eq!(
+        tenant.stats().held_bytes,
+        0,
+        "nothing charged for the refusal"
+    );
+
+    // The one after resets them and gets the slot, its hints a fresh allocation's.
+    let (store, _, memory) = tenant_store(&creator, 3);
+    assert_eq!(memory.data_ptr(&store), base, "the same slot");
+    let slice = creator.resolve(&store, &memory, 0, 1).unwrap();
+    let hints = backend
+        .driver()
+        .hints(&unsafe_probe(slice.device_ptr()), 0)
+        .unwrap();
+    assert!(!hints.read_mostly, "hints reset before reuse");
+    assert_eq!(figures(&creator), (1, 0, 0, 1));
+    drop(store);
+    assert_eq!(backend.stats().attached_host_ranges, 0);
+}
+
 /// A handle naming one byte of host memory, to read the model's system-memory hints there.
 fn unsafe_probe(ptr: u64) -> tensor_wasm_mem_core::Allocation {
     let ptr = std::ptr::NonNull::new(ptr as usize as *mut u8).unwrap();
