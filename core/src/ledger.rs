@@ -163,14 +163,33 @@ impl TenantBudgets {
     /// [`DEFAULT_MEMORIES`](Self::DEFAULT_MEMORIES) live memories.
     #[must_use]
     pub const fn for_cap(touched_bytes: u64) -> Self {
+        Self::for_cap_and_limit(touched_bytes, DEFAULT_MAX_BYTES)
+    }
+
+    /// The defaults for a cap of `touched_bytes` where no memory may be larger than
+    /// `memory_bytes` (a creator's per-memory limit, `PlanLimits::per_memory_limit`): a held
+    /// budget of [`HELD_PER_TOUCHED`](Self::HELD_PER_TOUCHED) times the cap, at least one such
+    /// memory plus [`TABLE_ROOM_BYTES`](Self::TABLE_ROOM_BYTES), and
+    /// [`DEFAULT_MEMORIES`](Self::DEFAULT_MEMORIES) live memories. [`for_cap`](Self::for_cap)
+    /// is this for the default limit (256 MiB); with a smaller limit the floor is smaller,
+    /// so a small tenant does not get a large memory's room for nothing.
+    ///
+    /// ```
+    /// use tensor_wasm_mem_core::TenantBudgets;
+    ///
+    /// // A 1 MiB cap where memories are at most 1 MiB: 1 MiB + 32 MiB of tables, not 288 MiB.
+    /// let budgets = TenantBudgets::for_cap_and_limit(1 << 20, 1 << 20);
+    /// assert_eq!(budgets.held_bytes, (1 << 20) + TenantBudgets::TABLE_ROOM_BYTES);
+    /// // Four times the cap where that is more.
+    /// assert_eq!(TenantBudgets::for_cap_and_limit(64 << 20, 1 << 20).held_bytes, 256 << 20);
+    /// ```
+    #[must_use]
+    pub const fn for_cap_and_limit(touched_bytes: u64, memory_bytes: u64) -> Self {
         let held = touched_bytes.saturating_mul(Self::HELD_PER_TOUCHED);
+        let floor = memory_bytes.saturating_add(Self::TABLE_ROOM_BYTES);
         Self {
             touched_bytes,
-            held_bytes: if held > Self::MIN_HELD_BYTES {
-                held
-            } else {
-                Self::MIN_HELD_BYTES
-            },
+            held_bytes: if held > floor { held } else { floor },
             memories: Self::DEFAULT_MEMORIES,
         }
     }

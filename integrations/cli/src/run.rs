@@ -151,8 +151,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "BACKING")]
     pub backing: Option<tensor_wasm_mem_wasmtime::Backing>,
     /// Kernels guests may launch (`twm.kernel`, `twm.launch`): `builtin`, the simulated
-    /// device's `fill`, `increment` and `saxpy` (`--backend mock` only; see the kernels module of
-    /// tensor-wasm-mem-wasmtime). None by default.
+    /// device's `fill`, `increment`, `saxpy` and `poke` (`--backend mock` only; see the kernels
+    /// module of tensor-wasm-mem-wasmtime). `poke(buf, index, value)` asserts `index` is in the
+    /// buffer on the device: an index past it faults the tenant's context, as a tenant's data
+    /// can make a trusted kernel fault on a GPU; the device then recovers when the run's Store
+    /// goes (docs/RELIABILITY.md). None by default.
     #[arg(long, value_name = "SET", value_parser = ["builtin"])]
     pub kernels: Option<String>,
     /// The largest module file to read (default 64MiB, at most 1GiB). Memory use while reading
@@ -333,10 +336,15 @@ impl Failure {
             Self::Trap(format!(
                 "{what} trapped: its WASI resource table is full (--wasi-max-resources): {error:#}"
             ))
+        } else if let Some(denied) = error.downcast_ref::<TwmError>().filter(|e| e.is_denial()) {
+            Self::Refused(format!("{what} refused: {denied}"))
         } else if is_trap(error) {
             Self::Trap(format!("{what} trapped: {error:#}"))
         } else {
-            Self::Other(format!("{what} failed: {error:#}"))
+            // A host call (WASI's, or the layer's) failed the guest's call: for the guest that
+            // is a trap, whatever the host's reason (a pointer out of its memory, a device lost
+            // to a kernel fault).
+            Self::Trap(format!("{what} trapped in a host call: {error:#}"))
         }
     }
 }
@@ -401,22 +409,40 @@ fn show(val: &Val) -> (String, Value) {
     match val {
         Val::I32(v) => (v.to_string(), json!(v)),
         Val::I64(v) => (v.to_string(), json!(v)),
-        Val::F32(bits) => {
-            let f = f32::from_bits(*bits);
-            (f.to_string(), json!(f))
-        }
-        Val::F64(bits) => {
-            let f = f64::from_bits(*bits);
-            (f.to_string(), json!(f))
-        }
+        Val::F32(bits) => float(
+            f64::from(f32::from_bits(*bits)),
+            f32::from_bits(*bits).to_string(),
+        ),
+        Val::F64(bits) => float(f64::from_bits(*bits), f64::from_bits(*bits).to_string()),
         Val::V128(v) => {
             let s = format!("{:#034x}", v.as_u128());
             (s.clone(), json!(s))
         }
-        other => {
-            let s = format!("{other:?}");
-            (s.clone(), json!(s))
-        }
+        // A reference is named by its type, never by the host address it holds.
+        Val::FuncRef(r) => reference("funcref", r.is_some()),
+        Val::ExternRef(r) => reference("externref", r.is_some()),
+        Val::AnyRef(r) => reference("anyref", r.is_some()),
+        _ => reference("ref", true),
+    }
+}
+
+/// A float result: its text, and in JSON a number, or its text where JSON has no number for it
+/// (NaN and the infinities).
+fn float(value: f64, text: String) -> (String, Value) {
+    let json = if value.is_finite() {
+        json!(value)
+    } else {
+        json!(text)
+    };
+    (text, json)
+}
+
+/// A reference result of type `ty`: `null`, or the type's name.
+fn reference(ty: &str, non_null: bool) -> (String, Value) {
+    if non_null {
+        (ty.to_string(), json!(ty))
+    } else {
+        ("null".to_string(), Value::Null)
     }
 }
 
@@ -558,8 +584,9 @@ fn wasi_limits(args: &RunArgs, process: Option<DescriptorRoom>) -> Result<WasiLi
 fn budgets(args: &RunArgs) -> TenantBudgets {
     let mut budgets = match args.tenant_cap {
         // One memory of the configured limit (a C program's whole capacity, or a pool slot)
-        // and its tables always fit the default held budget.
-        Some(cap) => TenantBudgets::for_cap(cap).with_room_for_memory(args.memory_limit),
+        // and its tables always fit the default held budget, and no more than that floor
+        // comes with a small cap.
+        Some(cap) => TenantBudgets::for_cap_and_limit(cap, args.memory_limit),
         None => TenantBudgets::unlimited(),
     };
     if let Some(held) = args.tenant_held {
@@ -598,6 +625,10 @@ fn creator<B: BuiltinKernels>(
     if let Some(backing) = args.backing {
         builder = builder.backing(backing);
     }
+    // A device fenced by a kernel fault recovers when the run's Store goes, where that needs
+    // no one's word (the simulated machine, whose kernels load again after a reset), so a
+    // --repeat after a fault is served again and the figures go back to zero.
+    builder = B::recover_automatically(builder);
     if args.kernels.is_some() {
         let registry = B::builtin_kernels().ok_or_else(|| {
             Failure::Usage(format!(
@@ -863,10 +894,14 @@ fn report<B: Backend>(
         out(text.trim_end())?;
     }
     if args.json {
-        let error = outcome
-            .as_ref()
-            .err()
-            .map(|f| json!({"exit_code": f.exit_code(), "message": f.message()}));
+        let error = outcome.as_ref().err().map(|f| {
+            json!({
+                "exit_code": f.exit_code(),
+                "message": f.message(),
+                // The guest's own `proc_exit` status, not one of twm's.
+                "guest_exit": matches!(f, Failure::Exit(_)),
+            })
+        });
         let report = json!({
             "file": args.file.display().to_string(),
             "backend": args.backend.name(),
@@ -912,7 +947,8 @@ fn nullary<T>(
         .and_then(|f| f.typed::<(), ()>(&*store).ok())
         .map(Some)
         .ok_or_else(|| {
-            Failure::Refused(format!(
+            // The module does not fit what it claims to be (as a link error): not a refusal.
+            Failure::Other(format!(
                 "the module exports {name:?}, but not as a function of type [] -> []"
             ))
         })
@@ -963,9 +999,12 @@ fn guest_calls<B: Backend>(
                 other => other,
             }
         } else if let Some(twm) = e.downcast_ref::<TwmError>() {
+            // The layer refused a memory or a table (a budget, the pool, the device).
             Failure::Refused(format!("instantiation refused: {twm}"))
         } else {
-            Failure::Refused(format!("instantiation refused: {e:#}"))
+            // The module does not fit this host (an unknown or wrongly typed import): not a
+            // refusal a retry could pass.
+            Failure::Other(format!("cannot instantiate: {e:#}"))
         }
     })?;
     // A reactor module (`-mexec-model=reactor`) is initialised before anything is called, as

@@ -436,9 +436,10 @@ fn wasi_entry_points_are_called_or_refused_never_skipped() {
         br#"(module (func (export "_start") (param i32)))"#,
     );
     let o = twm(&["run", bad.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(4), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("[] -> []"), "{}", stderr(&o));
-    // WASI preview 1 refuses exit statuses of 126 and more: an error (1), with a message.
+    // WASI preview 1 refuses exit statuses of 126 and more: the host call fails the guest's
+    // call, a trap (3), with a message (never a status that looks like the guest's own).
     let exit200 = module_file(
         "exit200.wat",
         br#"(module
@@ -447,7 +448,7 @@ fn wasi_entry_points_are_called_or_refused_never_skipped() {
              (func (export "_start") (call $exit (i32.const 200))))"#,
     );
     let o = twm(&["run", exit200.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(stderr(&o).contains("exit status"), "{}", stderr(&o));
 }
 
@@ -502,6 +503,43 @@ fn a_many_memory_module_at_cap_zero_is_denied_by_the_held_budget() {
         "1GiB",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+/// The default held budget is 4x the cap, at least one memory of `--memory-limit` and its
+/// tables (as `--help` says), not one of the library's default 256 MiB: a tenant capped at
+/// 1 MiB whose memories are at most 1 MiB holds 33 MiB, and a module of 40 such memories is
+/// refused by the held budget (a red team held 99 of them, 288 times its cap, before).
+#[test]
+fn the_default_held_budget_follows_the_memory_limit() {
+    let memories = "(memory 0 16) ".repeat(40);
+    let path = module_file("forty.wat", format!("(module {memories})").as_bytes());
+    let small = ["--tenant-cap", "1MiB", "--memory-limit", "1MiB", "--json"];
+    let o = twm(&[&["run", path.to_str().unwrap()][..], &small[..]].concat());
+    assert_eq!(o.status.code(), Some(4), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("held budget")),
+        "{v}"
+    );
+    let few = module_file(
+        "three.wat",
+        b"(module (memory 0 16) (memory 0 16) (memory 0 16))",
+    );
+    let o = twm(&[&["run", few.to_str().unwrap()][..], &small[..]].concat());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(
+        v["tenant"]["held_limit_bytes"],
+        (1u64 << 20) + (32 << 20),
+        "{v}"
+    );
+    // Four times the cap where that is more.
+    let big = ["--tenant-cap", "64MiB", "--memory-limit", "1MiB", "--json"];
+    let o = twm(&[&["run", few.to_str().unwrap()][..], &big[..]].concat());
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["tenant"]["held_limit_bytes"], 256u64 << 20, "{v}");
 }
 
 /// Attack 2 through `twm run`: tables are not free. One past the per-table element limit
@@ -1267,6 +1305,87 @@ fn more_wasi_descriptors_than_the_process_may_open_is_a_usage_error() {
     );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("ulimit -n"), "{}", stderr(&o));
+}
+
+/// The exit status says what happened: a module that does not fit the host (an unknown import)
+/// is not a refusal a retry could pass (1); a host call that fails the guest's call (a WASI
+/// pointer out of its memory, a device lost to a kernel fault) is a trap (3); a guest's own
+/// `proc_exit` status is marked as the guest's in `--json`; after a kernel fault the device
+/// recovers when the run's Store goes, so the next run of a `--repeat` is served; a reference
+/// result is named by its type, never by a host address, and a NaN is no JSON `null`.
+#[test]
+fn exit_statuses_say_what_happened() {
+    let status = |wat: &str, extra: &[&str]| {
+        let path = module_file("status.wat", wat.as_bytes());
+        let o = twm(&[&["run", path.to_str().unwrap()][..], extra].concat());
+        assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+        o
+    };
+    let o = status(r#"(module (import "env" "x" (func)))"#, &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("cannot instantiate"), "{}", stderr(&o));
+
+    let random = r#"(module
+      (import "wasi_snapshot_preview1" "random_get" (func $r (param i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (func (export "f") (result i32) (call $r (i32.const 0x7fffffff) (i32.const 16))))"#;
+    let o = status(random, &["--invoke", "f"]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+
+    // poke(buf = 16 bytes at 2048, index 16, value 0): past the buffer, a device-side assert.
+    let poke = r#"(module
+      (import "twm" "launch" (func $launch (param i32 i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (func (export "f") (result i32)
+        (i64.store (i32.const 1024) (i64.const 2048))
+        (i64.store (i32.const 1032) (i64.const 16))
+        (i64.store (i32.const 1040) (i64.const 16))
+        (i64.store (i32.const 1056) (i64.const 0))
+        (call $launch (i32.const 3) (i32.const 1024) (i32.const 3))))"#;
+    let o = status(
+        poke,
+        &["--invoke", "f", "--kernels", "builtin", "--metrics"],
+    );
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    let metrics = stdout(&o);
+    for line in [
+        "twm_device_fenced{device=\"0\"} 0",
+        "twm_device_recoveries_total{device=\"0\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
+    assert!(
+        metrics.contains("twm_creator_kept_memories 0"),
+        "nothing kept: {metrics}"
+    );
+
+    let exit = r#"(module
+      (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+      (memory (export "memory") 1)
+      (func (export "f") (param i32) (call $exit (local.get 0))))"#;
+    let o = status(exit, &["--invoke", "f", "4", "--json"]);
+    assert_eq!(o.status.code(), Some(4));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["error"]["guest_exit"], true, "{v}");
+    let o = status(
+        r#"(module (func (export "f")))"#,
+        &["--invoke", "f", "--json"],
+    );
+    assert_eq!(o.status.code(), Some(0));
+
+    let refs = r#"(module
+      (table 1 funcref) (elem (i32.const 0) $a) (func $a)
+      (func (export "r") (result funcref) (table.get (i32.const 0)))
+      (func (export "n") (result funcref) (ref.null func))
+      (func (export "nan") (result f64) (f64.div (f64.const 0) (f64.const 0))))"#;
+    let o = status(refs, &["--invoke", "r"]);
+    assert_eq!(stdout(&o), "funcref\n", "{}", stderr(&o));
+    let o = status(refs, &["--invoke", "n", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert!(v["runs"][0][0].is_null(), "{v}");
+    let o = status(refs, &["--invoke", "nan", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["runs"][0][0], "NaN", "{v}");
 }
 
 const LAUNCHER: &str = r#"(module

@@ -1181,13 +1181,17 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     ) -> Result<TensorWasmLinearMemory<B>, TwmError> {
         let sizes = Sizes::new(plan, self.inner.pools.get(slot))?;
         let books = payer.books();
-        let charge = payer.charge(&sizes)?;
-        if let (Some(charge), Some(shares), Some(_)) =
-            (&charge, &self.inner.shares, self.inner.pools.get(slot))
-            && !self.is_exempt(charge.tenant())
+        // The tenant's share of the pool first: a memory its share refuses is never charged
+        // (nor counted among its memories, nor in its peaks).
+        if let (Some(tenant), Some(shares), Some(_)) = (
+            payer.tenant(),
+            &self.inner.shares,
+            self.inner.pools.get(slot),
+        ) && !self.is_exempt(tenant)
         {
-            shares.check(charge.tenant(), sizes.capacity as u64)?;
+            shares.check(tenant, sizes.capacity as u64)?;
         }
+        let charge = payer.charge(&sizes)?;
         let _span = tracing::debug_span!(
             "twm.memory.create",
             backing = self.inner.backing.name(),

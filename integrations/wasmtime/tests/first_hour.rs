@@ -701,6 +701,14 @@ fn a_share_counts_rounded_classes_and_refuses_before_the_pool() {
         acquisitions,
         "refused before the pool was asked"
     );
+    // ... and before it was charged: not counted among its memories, nor in its peaks.
+    let stats = greedy.stats();
+    assert_eq!(stats.memories_created, 1, "only the one it holds");
+    assert_eq!(
+        stats.held_peak_bytes,
+        128 << 10,
+        "the refused one never held"
+    );
 }
 
 /// A guest growing an empty memory past its capacity (outside `instantiate` the limiter takes
