@@ -193,7 +193,11 @@ pub struct CreatorStats {
     pub share_denials: u64,
     /// Memories gone whose storage the backend refused to release: kept, with their charges
     /// (their tenants stay charged), and released again on the creator's next memory, by
-    /// [`TensorWasmMemoryCreator::retry_releases`], and when the creator goes.
+    /// [`TensorWasmMemoryCreator::retry_releases`], and when the creator goes. Also counted
+    /// here, and never released while the creator lives: memories device work may still use
+    /// (a stream of their Store whose wait the driver refused; a stream destroyed after a
+    /// failed wait proves nothing, its work may still run), unless a fence of their device ends
+    /// that work (docs/SAFETY.md section 6b). Their charges stay with their tenants meanwhile.
     pub kept_memories: u64,
     /// Bytes those kept memories hold visible.
     pub kept_bytes: u64,
