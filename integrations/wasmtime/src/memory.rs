@@ -639,10 +639,12 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     }
 
     /// A tenant's default budgets for a cap of `touched_bytes`, sized to this creator's
-    /// memories: [`TenantBudgets::for_cap`] with a held budget of at least one of its largest
-    /// memories (the per-memory limit, or a pool's largest slot) and room for tables, so a tenant
-    /// made with them ([`Tenant::with_budgets`]) can always hold one memory. (`Tenant::new`
-    /// uses `for_cap` alone, which holds one memory of the plan's default size, 256 MiB.)
+    /// memories ([`TenantBudgets::for_cap_and_limit`]): a held budget of four times the cap, at
+    /// least one of its largest memories (the per-memory limit, or a pool's largest slot) and
+    /// room for tables, so a tenant made with them ([`Tenant::with_budgets`]) can always hold
+    /// one memory, and a small tenant of a creator of small memories holds no more than that.
+    /// (`Tenant::new` uses [`TenantBudgets::for_cap`], which holds one memory of the plan's
+    /// default size, 256 MiB, whatever the creator's limit.)
     ///
     /// ```
     /// use std::sync::Arc;
@@ -658,7 +660,7 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// ```
     #[must_use]
     pub fn budgets_for_cap(&self, touched_bytes: u64) -> TenantBudgets {
-        TenantBudgets::for_cap(touched_bytes).with_room_for_memory(self.inner.largest_memory)
+        TenantBudgets::for_cap_and_limit(touched_bytes, self.inner.largest_memory)
     }
 
     /// The default device's managed slot pool, if memories come from managed pools (the

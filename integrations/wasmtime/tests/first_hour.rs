@@ -589,6 +589,27 @@ fn a_held_budget_smaller_than_a_slot_says_what_to_do() {
     assert_eq!(sized.stats().held_bytes, SLOT as u64);
 }
 
+/// A creator of small memories sizes a small tenant's default held budget to them: four times
+/// the cap, at least one of its largest memories and room for tables, not the 256 MiB default
+/// memory's room (288 MiB for any cap before).
+#[test]
+fn budgets_for_cap_follow_a_creator_of_small_memories() {
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .limits(
+            PlanLimits::new(1 << 20)
+                .and_then(|l| l.with_default_maximum(1 << 20))
+                .unwrap(),
+        )
+        .build()
+        .unwrap();
+    let room = tensor_wasm_mem_core::TenantBudgets::TABLE_ROOM_BYTES;
+    assert_eq!(
+        creator.budgets_for_cap(1 << 20).held_bytes,
+        (1 << 20) + room
+    );
+    assert_eq!(creator.budgets_for_cap(64 << 20).held_bytes, 256 << 20);
+}
+
 /// A per-memory limit past the largest slot is clamped to it even where the default maximum
 /// already fits a slot: a memory declaring more than a slot gets the slot, not a refusal.
 #[test]
