@@ -589,19 +589,22 @@ fn a_held_budget_smaller_than_a_slot_says_what_to_do() {
     assert_eq!(sized.stats().held_bytes, SLOT as u64);
 }
 
+/// A builder on the mock whose memories are at most `limit` bytes, `default_maximum` for those
+/// that declare none.
+fn limited(limit: u64, default_maximum: u64) -> CreatorBuilder<MockBackend> {
+    TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default())).limits(
+        PlanLimits::new(limit)
+            .and_then(|l| l.with_default_maximum(default_maximum))
+            .unwrap(),
+    )
+}
+
 /// A creator of small memories sizes a small tenant's default held budget to them: four times
 /// the cap, at least one of its largest memories and room for tables, not the 256 MiB default
 /// memory's room (288 MiB for any cap before).
 #[test]
 fn budgets_for_cap_follow_a_creator_of_small_memories() {
-    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
-        .limits(
-            PlanLimits::new(1 << 20)
-                .and_then(|l| l.with_default_maximum(1 << 20))
-                .unwrap(),
-        )
-        .build()
-        .unwrap();
+    let creator = limited(1 << 20, 1 << 20).build().unwrap();
     let room = tensor_wasm_mem_core::TenantBudgets::TABLE_ROOM_BYTES;
     assert_eq!(
         creator.budgets_for_cap(1 << 20).held_bytes,
@@ -614,12 +617,7 @@ fn budgets_for_cap_follow_a_creator_of_small_memories() {
 /// already fits a slot: a memory declaring more than a slot gets the slot, not a refusal.
 #[test]
 fn a_per_memory_limit_past_the_slots_is_fitted_whatever_the_default() {
-    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
-        .limits(
-            PlanLimits::new(64 << 20)
-                .and_then(|l| l.with_default_maximum(1 << 20))
-                .unwrap(),
-        )
+    let creator = limited(64 << 20, 1 << 20)
         .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 << 20, 2)]))
         .build()
         .unwrap();
@@ -737,14 +735,7 @@ fn a_share_counts_rounded_classes_and_refuses_before_the_pool() {
 /// grant goes back: nothing stays charged.
 #[test]
 fn a_growth_past_an_empty_memorys_capacity_leaves_nothing_charged() {
-    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
-        .limits(
-            PlanLimits::new(1 << 30)
-                .and_then(|l| l.with_default_maximum(1 << 20))
-                .unwrap(),
-        )
-        .build()
-        .unwrap();
+    let creator = limited(1 << 30, 1 << 20).build().unwrap();
     let engine = creator.engine().unwrap();
     let tenant = Tenant::new(1, "t", 64 << 20, IsolationLevel::StreamIsolated);
     let mut store = store(&creator, &engine, &tenant);
