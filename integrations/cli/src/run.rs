@@ -283,9 +283,10 @@ fn parse_isolation(text: &str) -> Result<IsolationLevel, String> {
 pub enum Failure {
     /// Exit 2: the command line is wrong.
     Usage(String),
-    /// Exit 3: the guest trapped.
+    /// Exit 3: the guest trapped, or a host call it made failed its call.
     Trap(String),
-    /// Exit 4: instantiation was refused (a cap, a limit, a link error).
+    /// Exit 4: the layer refused it (a budget, a limit, the pool, a device out of memory or
+    /// fenced).
     Refused(String),
     /// Exit 1: anything else.
     Other(String),
@@ -317,6 +318,39 @@ impl Failure {
             | Self::Other(m)
             | Self::Timeout(m) => m,
             Self::Exit(_) => "",
+        }
+    }
+
+    /// The failure for an error that ended an instantiation (its imports resolved already, so
+    /// no link error): what the layer refused (a budget, the pool, the device: 4), a memory or
+    /// table the module declares that this host cannot make (shared, custom page sizes: 1), or
+    /// what ended its start function, as for any guest call ([`of_call`](Self::of_call)): the
+    /// same failure in `(start)` as in `_start`.
+    fn of_instantiation(error: &wasmtime::Error) -> Self {
+        use tensor_wasm_mem_wasmtime::core::ErrorKind;
+        match error.downcast_ref::<TwmError>() {
+            // A `twm` call of its start function found its device lost: as in any call.
+            Some(twm @ TwmError::DeviceLost { .. }) => {
+                Self::Trap(format!("trapped during instantiation: {twm}"))
+            }
+            Some(twm)
+                if twm.is_denial()
+                    || matches!(
+                        twm.kind(),
+                        ErrorKind::OutOfMemory
+                            | ErrorKind::ContextLost
+                            | ErrorKind::Driver
+                            | ErrorKind::NoDevice
+                            | ErrorKind::DriverUnavailable
+                    ) =>
+            {
+                Self::Refused(format!("instantiation refused: {twm}"))
+            }
+            Some(twm) => Self::Other(format!("cannot instantiate: {twm}")),
+            None => match Self::of_call("instantiation", error) {
+                Self::Trap(_) => Self::Trap(format!("trapped during instantiation: {error:#}")),
+                other => other,
+            },
         }
     }
 
@@ -422,6 +456,7 @@ fn show(val: &Val) -> (String, Value) {
         Val::FuncRef(r) => reference("funcref", r.is_some()),
         Val::ExternRef(r) => reference("externref", r.is_some()),
         Val::AnyRef(r) => reference("anyref", r.is_some()),
+        Val::ExnRef(r) => reference("exnref", r.is_some()),
         _ => reference("ref", true),
     }
 }
@@ -784,7 +819,7 @@ pub fn early_report(file: &str, backend: &str, exit_code: u8, message: &str) -> 
         "file": file,
         "backend": backend,
         "runs": [],
-        "error": {"exit_code": exit_code, "message": message},
+        "error": {"exit_code": exit_code, "message": message, "guest_exit": false},
         "tenant": null,
         "creator": null,
         "metrics": null,
@@ -827,6 +862,11 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
         std::panic::set_hook(hook);
         added.map_err(|e| Failure::Other(format!("{e:#}")))?;
     }
+    // Its imports resolved once, before any run: a module that does not fit this host (an
+    // unknown or wrongly typed import) is not a refusal a retry could pass (1).
+    linker
+        .instantiate_pre(&module)
+        .map_err(|e| Failure::Other(format!("cannot instantiate: {e:#}")))?;
     let tenant = Tenant::with_devices(
         1,
         "cli",
@@ -990,23 +1030,8 @@ fn guest_calls<B: Backend>(
     setup: &RunSetup<'_, B>,
     args: &RunArgs,
 ) -> Result<Vec<(String, Value)>, Failure> {
-    let instance = instantiate(&mut store, setup.linker, setup.module).map_err(|e| {
-        if let Some(code) = tensor_wasm_mem_wasmtime::wasi::exit_code(&e) {
-            Failure::Exit(code)
-        } else if is_trap(&e) {
-            match Failure::of_call("instantiation", &e) {
-                Failure::Trap(_) => Failure::Trap(format!("trapped during instantiation: {e:#}")),
-                other => other,
-            }
-        } else if let Some(twm) = e.downcast_ref::<TwmError>() {
-            // The layer refused a memory or a table (a budget, the pool, the device).
-            Failure::Refused(format!("instantiation refused: {twm}"))
-        } else {
-            // The module does not fit this host (an unknown or wrongly typed import): not a
-            // refusal a retry could pass.
-            Failure::Other(format!("cannot instantiate: {e:#}"))
-        }
-    })?;
+    let instance = instantiate(&mut store, setup.linker, setup.module)
+        .map_err(|e| Failure::of_instantiation(&e))?;
     // A reactor module (`-mexec-model=reactor`) is initialised before anything is called, as
     // `wasmtime run` does.
     if let Some(init) = nullary(store, &instance, "_initialize")? {

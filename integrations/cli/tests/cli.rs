@@ -1331,6 +1331,20 @@ fn exit_statuses_say_what_happened() {
       (func (export "f") (result i32) (call $r (i32.const 0x7fffffff) (i32.const 16))))"#;
     let o = status(random, &["--invoke", "f"]);
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    // The same in a start function: the same status, whichever way the guest runs it.
+    let in_start = r#"(module
+      (import "wasi_snapshot_preview1" "random_get" (func $r (param i32 i32) (result i32)))
+      (memory (export "memory") 1)
+      (func $s (drop (call $r (i32.const 0x7fffffff) (i32.const 16))))
+      (start $s))"#;
+    let o = status(in_start, &[]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    // A `twm` import of the wrong type does not fit the host: 1, like an unknown one.
+    let o = status(
+        r#"(module (import "twm" "launch" (func (param i32))))"#,
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
 
     // poke(buf = 16 bytes at 2048, index 16, value 0): past the buffer, a device-side assert.
     let poke = r#"(module

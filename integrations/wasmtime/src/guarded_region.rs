@@ -415,7 +415,13 @@ impl<B: Backend> GuardedRegion<B> {
     /// Resets the hints of every chunk once, if advice or a prefetch reached them; after a
     /// failure the hints stay pending, and a pool slot's next acquisition resets them.
     fn reset_hints(&mut self) {
-        if !self.hinted.load(Ordering::Acquire) || self.hints_pending {
+        // Registered (pinned) pages take no advice and never migrate: nothing to reset, and a
+        // refused call (a fenced device) must not leave the slot waiting for a reset that
+        // would pin it again for nothing.
+        if !self.hinted.load(Ordering::Acquire)
+            || self.hints_pending
+            || self.access == HostAccess::Registered
+        {
             return;
         }
         for chunk in &self.chunks {
@@ -635,6 +641,10 @@ impl<B: Backend> GuardedPool<B> {
                 }
                 Err(HintsLeft::Attached(e)) => {
                     // The range the reset was made through stays attached: never reused.
+                    self.slots.scrubbed(Returned {
+                        scrubbed,
+                        hints_reset: false,
+                    });
                     self.slots.withdraw_taken(taken.slot);
                     self.driver_held.store(true, Ordering::Release);
                     return Err(e);

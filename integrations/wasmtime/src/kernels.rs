@@ -248,9 +248,11 @@ pub trait KernelLauncher<B: Backend>: Send + Sync + 'static {
     ///
     /// It may call back into the creator on the same thread (retry its releases, instantiate,
     /// recover another device): other threads that reach the creator meanwhile wait until
-    /// every launcher has heard, but a guest launch made from inside this call may reach a
-    /// launcher not told yet, so launch nothing from here. It must not wait for another
-    /// thread that uses the creator: that thread may be waiting for this call to end.
+    /// every launcher has heard, and a guest launch made from inside this call (a start
+    /// function's) is refused, the guest trapping as on a lost device, since it could reach a
+    /// launcher not told yet. It must not wait for another thread that uses the creator: that
+    /// thread may be waiting for this call to end. A launcher that panics here leaves the
+    /// recovery to be told again, to every launcher, on the creator's next call.
     fn device_recovered(&self, backend: &B, device: DeviceId) {
         let _ = (backend, device);
     }
@@ -700,6 +702,12 @@ fn launch_and_wait<B: Backend>(
     // A recovery of the device by anyone since the creator last looked: the launchers hear
     // of it before they launch there (none can come now until the work ends).
     creator.settle();
+    if creator.telling_launchers_here() {
+        // A launcher told of a recovery called back into the creator, and this launch came
+        // from there: a launcher after it may not have heard yet. Refused, as on a lost device.
+        tracing::debug!("twm: a launch from inside a launcher's device_recovered: refused");
+        return Err(TWM_ERR_DEVICE_LOST);
+    }
     // A fault this launch's wait sees happened during it (the work began on a healthy device,
     // and no recovery comes until it ends): counted against this tenant if no other launch
     // claimed it first (its kernel is the suspect). A context-isolated tenant's context is its

@@ -29,23 +29,25 @@ use crate::kernels::KernelRegistry;
 use crate::storage::Storage;
 
 std::thread_local! {
-    /// This thread is telling launchers of a recovery ([`KeptMemories::settle`]).
-    static TELLING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The creators (their [`KeptMemories`], by address) whose launchers this thread is telling
+    /// of a recovery ([`KeptMemories::settle`]), innermost last.
+    static TELLING: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Marks this thread as telling launchers of a recovery while it lives (an unwinding launcher
-/// included).
-struct Telling(bool);
+/// Marks this thread as telling the launchers of one creator of a recovery while it lives (an
+/// unwinding launcher included).
+struct Telling;
 
 impl Telling {
-    fn start() -> Self {
-        Self(TELLING.replace(true))
+    fn start(kept: usize) -> Self {
+        TELLING.with_borrow_mut(|t| t.push(kept));
+        Self
     }
 }
 
 impl Drop for Telling {
     fn drop(&mut self) {
-        TELLING.set(self.0);
+        TELLING.with_borrow_mut(|t| t.pop());
     }
 }
 
@@ -256,11 +258,12 @@ impl<B: Backend> KeptMemories<B> {
     pub(crate) fn settle(&self, backend: &B) {
         self.settle_busy_on_fenced();
         let total = backend.recoveries();
-        // A launcher told of a recovery may call back into the creator (an instantiation, a
+        // A launcher told of a recovery may call back into this creator (an instantiation, a
         // retry of the releases): on this thread, the recoveries are being told already, by
         // the frame below, which holds the list (and keeps other threads' launches waiting
-        // until every launcher has heard).
-        if self.seen_recoveries.load(Ordering::Acquire) != total && !TELLING.get() {
+        // until every launcher has heard; a launch on this thread meanwhile is refused,
+        // `telling_here`).
+        if self.seen_recoveries.load(Ordering::Acquire) != total && !self.telling_here() {
             let mut seen = self
                 .seen_per_device
                 .lock()
@@ -272,18 +275,31 @@ impl<B: Backend> KeptMemories<B> {
                 let device = DeviceId(u32::try_from(device).unwrap_or(u32::MAX));
                 let now = backend.device_health(device).recoveries;
                 if now > *seen {
-                    *seen = now;
                     if let Some(kernels) = &self.kernels {
                         // Before any guest launches there again: the launchers' modules there
                         // are gone.
-                        let _telling = Telling::start();
+                        let _telling = Telling::start(self.key());
                         kernels.device_recovered(backend, device);
                     }
+                    // Only once every launcher has heard: a launcher that panicked leaves the
+                    // recovery to be told again (forgetting is idempotent), not half told.
+                    *seen = now;
                 }
             }
             self.seen_recoveries.store(total, Ordering::Release);
         }
         self.retry_kept();
+    }
+
+    /// This creator's key among those a thread is telling.
+    fn key(&self) -> usize {
+        std::ptr::from_ref(self) as usize
+    }
+
+    /// This thread is telling this creator's launchers of a recovery (a launcher called back
+    /// into the creator): a launch now could reach a launcher not told yet.
+    pub(crate) fn telling_here(&self) -> bool {
+        TELLING.with_borrow(|t| t.contains(&self.key()))
     }
 
     /// Recovers a fenced `device` on `backend` (its primary context reset: see
@@ -311,10 +327,16 @@ impl<B: Backend> KeptMemories<B> {
         self.retry_kept();
         // SAFETY: the caller's contract is the recovery's.
         let recovery = unsafe { backend.recover_device(device) }.map_err(TwmError::backend)?;
+        let took = || u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        if recovery.is_some() {
+            // Counted as soon as the reset is done (a launcher that panics as it is told,
+            // below, does not undo it); its time then covers the releases after it too.
+            self.recoveries.fetch_add(1, Ordering::AcqRel);
+            self.last_recovery_ns.store(took(), Ordering::Release);
+        }
         self.settle(backend);
         if let Some(r) = &recovery {
-            let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            self.recoveries.fetch_add(1, Ordering::AcqRel);
+            let took = took();
             self.last_recovery_ns.store(took, Ordering::Release);
             tracing::info!(
                 device = device.0,

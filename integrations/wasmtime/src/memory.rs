@@ -934,6 +934,12 @@ impl<B: Backend> TensorWasmMemoryCreator<B> {
     /// Catches up with device recoveries made since this creator last looked, by anyone: the
     /// launchers hear of them, kept memories are released again (one atomic load when there
     /// was none).
+    /// This thread is telling this creator's launchers of a recovery (a launcher's
+    /// `device_recovered` called back into the creator): no guest launches meanwhile.
+    pub(crate) fn telling_launchers_here(&self) -> bool {
+        self.inner.kept.telling_here()
+    }
+
     pub(crate) fn settle(&self) {
         self.inner.kept.settle(self.backend());
         // A pool's idle slab on a device fenced by anyone (another creator's tenant, say) goes,

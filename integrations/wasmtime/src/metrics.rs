@@ -48,7 +48,7 @@
 //! | `twm_pool_slots_withdrawn` | gauge | device | of them, withdrawn for good (a guarded slot's failed scrub, pages whose protection is unknown, or pages a backend kept): never handed out again |
 //! | `twm_pool_slab_given_up` | gauge | device | 1 while the pool has no slab: given up on the fenced device, renewed at the first acquisition after its recovery |
 //! | `twm_pool_exhaustions_total` | counter | device | acquisitions refused for want of a slot |
-//! | `twm_pool_scrub_failures_total` | counter | device | scrubs that failed (a managed slot stays free and dirty, and is scrubbed again; a guarded slot is retired) |
+//! | `twm_pool_scrub_failures_total` | counter | device | scrubs and hint resets that failed (a managed slot stays free and dirty, and is scrubbed again; a guarded slot whose zeroing failed is retired, one whose hint reset was refused waits for its next acquisition's) |
 //! | `twm_pool_scrubbed_ahead_total` | counter | device | slots zeroed while free, ahead of their acquisition (`CreatorBuilder::scrub_ahead`) |
 //! | `twm_device_memory_total_bytes` | gauge | device | the device's memory (`cuMemGetInfo`) |
 //! | `twm_device_memory_free_bytes` | gauge | device | its free memory now |
@@ -247,7 +247,7 @@ const COUNTERS: [(&str, &str); 15] = [
     ),
     (
         "twm_pool_scrub_failures_total",
-        "Pool scrubs that failed (a managed slot is scrubbed again, a guarded one retired).",
+        "Pool scrubs and hint resets that failed (tried again, or the slot retired).",
     ),
     (
         "twm_placement_refusals_total",

@@ -780,14 +780,17 @@ fn a_launcher_that_panics_after_queueing_is_waited_for() {
 }
 
 /// A launcher told of a recovery may call back into its creator on the same thread (here it
-/// retries the creator's releases, which catches up with recoveries itself): the recovery goes
-/// on, told once, where before the call waited on the list its own frame held, for ever.
+/// retries the creator's releases, which catches up with recoveries itself, and has a guest
+/// launch): the recovery goes on, told once, where before the call waited on the list its own
+/// frame held, for ever; and the guest's launch from there is refused (the guest traps, as on
+/// a lost device), since a launcher after this one may not have heard yet.
 #[test]
 fn a_launcher_told_of_a_recovery_may_call_back_into_the_creator() {
     type Slot = Arc<std::sync::Mutex<Option<TensorWasmMemoryCreator<MockBackend>>>>;
     struct CallsBack {
         creator: Slot,
         told: Arc<std::sync::atomic::AtomicUsize>,
+        launched_inside: Arc<std::sync::Mutex<Option<bool>>>,
     }
     impl KernelLauncher<MockBackend> for CallsBack {
         fn launch(&self, _: &MockBackend, _: &kernels::Launch<'_>) -> Result<(), TwmError> {
@@ -797,12 +800,17 @@ fn a_launcher_told_of_a_recovery_may_call_back_into_the_creator() {
             let creator = self.creator.lock().unwrap().clone();
             if let Some(creator) = creator {
                 assert_eq!(creator.retry_releases(), 0);
+                let mut g = guest(&creator);
+                let handle = g.kernel("calls_back");
+                let launched = g.try_launch(handle, &[(0, 16)]).is_ok();
+                *self.launched_inside.lock().unwrap() = Some(launched);
             }
             self.told.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
     }
     let slot = Slot::default();
     let told = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let launched_inside = Arc::new(std::sync::Mutex::new(None));
     let mut registry = faulting_registry();
     registry
         .register(
@@ -811,6 +819,7 @@ fn a_launcher_told_of_a_recovery_may_call_back_into_the_creator() {
             CallsBack {
                 creator: Arc::clone(&slot),
                 told: Arc::clone(&told),
+                launched_inside: Arc::clone(&launched_inside),
             },
         )
         .unwrap();
@@ -835,6 +844,78 @@ fn a_launcher_told_of_a_recovery_may_call_back_into_the_creator() {
         1,
         "told once"
     );
+    assert_eq!(
+        *launched_inside.lock().unwrap(),
+        Some(false),
+        "a launch from inside the telling is refused"
+    );
+    // Once told, launches go on.
+    let mut g = guest(&creator);
+    let handle = g.kernel("calls_back");
+    assert_eq!(g.launch(handle, &[(0, 16)]), 0);
+    drop(g);
     // The launcher's handle on the creator goes (a cycle otherwise).
     slot.lock().unwrap().take();
+}
+
+/// A launcher that panics when told of a recovery leaves the recovery to be told again, to
+/// every launcher, on the creator's next call: none of them is left with a module of the reset
+/// context.
+#[test]
+fn a_recovery_told_to_a_panicking_launcher_is_told_again() {
+    struct PanicsOnce(std::sync::atomic::AtomicUsize);
+    impl KernelLauncher<MockBackend> for PanicsOnce {
+        fn launch(&self, _: &MockBackend, _: &kernels::Launch<'_>) -> Result<(), TwmError> {
+            Ok(())
+        }
+        fn device_recovered(&self, _: &MockBackend, _: DeviceId) {
+            if self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                panic!("a buggy launcher");
+            }
+        }
+    }
+    let recovered = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut registry = faulting_registry();
+    let panics = Arc::new(PanicsOnce(std::sync::atomic::AtomicUsize::new(0)));
+    registry
+        .register(
+            "panics",
+            one_byte_buffer(),
+            ArcLauncher(Arc::clone(&panics)),
+        )
+        .unwrap()
+        .register("fill", one_byte_buffer(), counting_fill(&recovered))
+        .unwrap();
+    let creator = creator_with(registry);
+    let mut g = guest(&creator);
+    let bad = g.kernel("bad");
+    g.try_launch(bad, &[(0, 16)]).expect_err("the guest traps");
+    // The Store's end recovers the device and tells the launchers: the first panics.
+    let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(g)));
+    assert!(dropped.is_err(), "the launcher's panic reached the caller");
+    assert_eq!(creator.stats().recoveries, 1);
+    // The next call tells every launcher again.
+    creator.retry_releases();
+    assert_eq!(panics.0.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert_eq!(
+        *recovered.lock().unwrap(),
+        [DeviceId(0)],
+        "the one after it heard"
+    );
+    let mut g = guest(&creator);
+    let fill = g.kernel("fill");
+    assert_eq!(g.launch(fill, &[(0, 16)]), 0);
+    assert_eq!(g.memory.data(&g.store)[..16], [7; 16]);
+}
+
+/// A launcher shared through an `Arc`.
+struct ArcLauncher<L>(Arc<L>);
+
+impl<L: KernelLauncher<MockBackend>> KernelLauncher<MockBackend> for ArcLauncher<L> {
+    fn launch(&self, backend: &MockBackend, launch: &kernels::Launch<'_>) -> Result<(), TwmError> {
+        self.0.launch(backend, launch)
+    }
+    fn device_recovered(&self, backend: &MockBackend, device: DeviceId) {
+        self.0.device_recovered(backend, device);
+    }
 }
