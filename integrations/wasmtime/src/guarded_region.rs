@@ -383,16 +383,23 @@ impl<B: Backend> GuardedRegion<B> {
             return Ok(());
         }
         self.reset_hints();
-        while let Some(chunk) = self.chunks.pop() {
+        // Every chunk is offered, whatever the others answer: a refusal of one (a fenced
+        // device's) must not keep the rest attached, where a recovery would wait for them for
+        // ever. The refused ones stay, for the next try.
+        let mut failed = None;
+        for chunk in std::mem::take(&mut self.chunks) {
             // SAFETY: a chunk this region attached; no device work uses it (the caller's
             // guarantee, kept by the memory's record).
             if let Err(refused) = unsafe { self.backend.detach_host(chunk) } {
                 self.chunks.push(refused.resource);
-                return Err(TwmError::from_core(CoreError::backend(
-                    Operation::DetachHost,
-                    refused.error,
-                )));
+                failed.get_or_insert(refused.error);
             }
+        }
+        if let Some(error) = failed {
+            return Err(TwmError::from_core(CoreError::backend(
+                Operation::DetachHost,
+                error,
+            )));
         }
         self.released = true;
         if let Home::Slot { pool, slot } = &self.home {

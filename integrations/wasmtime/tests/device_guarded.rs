@@ -509,13 +509,21 @@ fn a_range_the_device_cannot_see_is_refused() {
     }
 
     // The simulated device itself faults on a guard page (pageable access) or on a page that
-    // is not registered: a kernel that strays past its slice cannot reach another byte.
-    for (backing, backend) in [
-        (PAGEABLE, machine(true, false)),
-        (REGISTERED, machine(false, true)),
+    // is not registered: a kernel that strays past its slice cannot reach another byte. Grown
+    // first or not: a grown memory has a registration per growth, and every one of them is
+    // given up to the recovery (a red team found the second one kept the device fenced).
+    for (backing, backend, grow) in [
+        (PAGEABLE, machine(true, false), 0),
+        (REGISTERED, machine(false, true), 0),
+        (PAGEABLE, machine(true, false), 1),
+        (REGISTERED, machine(false, true), 2),
     ] {
         let creator = make(&backend, backing);
-        let (mut store, _instance, memory) = tenant_store(&creator, 1);
+        let (mut store, instance, memory) = tenant_store(&creator, 1);
+        if grow > 0 {
+            let grown = func::<_, i32, i32>(&mut store, &instance, "grow").call(&mut store, grow);
+            assert_eq!(grown.unwrap(), 1, "{backing}");
+        }
         let scope = DeviceAccess::open(
             &mut store,
             &creator,
@@ -524,13 +532,10 @@ fn a_range_the_device_cannot_see_is_refused() {
         )
         .unwrap();
         let slice = scope.slice(0).unwrap();
+        // Just past what the guest can reach (its first page and what it grew).
+        let past = slice.device_ptr() + (1 + grow as u64) * PAGE as u64;
         // SAFETY: the scope holds the Store: nothing reads the bytes until it closes.
-        unsafe {
-            backend
-                .driver()
-                .enqueue_fill(scope.stream(), slice.device_ptr() + PAGE as u64, 1, 1)
-        }
-        .unwrap();
+        unsafe { backend.driver().enqueue_fill(scope.stream(), past, 1, 1) }.unwrap();
         assert!(scope.close().is_err(), "{backing}: the stray kernel faults");
         assert_eq!(backend.driver().stats().kernel_faults, 1, "{backing}");
         // The fault is sticky for the primary context: the device is fenced until nothing of
