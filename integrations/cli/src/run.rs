@@ -44,9 +44,41 @@ pub static REPORTED: AtomicBool = AtomicBool::new(false);
 /// The results of the runs completed so far (`--repeat`): the report's `runs`, and the
 /// watchdog's (a run that times out in a host call still reports the runs before it). Held only
 /// to add a run or read them, never across a guest call.
-static COMPLETED: std::sync::Mutex<Vec<Value>> = std::sync::Mutex::new(Vec::new());
+static COMPLETED: std::sync::Mutex<Completed> = std::sync::Mutex::new(Completed {
+    runs: Vec::new(),
+    values: 0,
+    omitted: 0,
+});
 
-fn completed() -> std::sync::MutexGuard<'static, Vec<Value>> {
+/// The most result values the JSON report keeps over all runs: a module chooses how many
+/// results its function has (a thousand `v128`s, say) and `--repeat` how often, so the report
+/// keeps the first runs' and counts the rest (`runs_omitted`) rather than grow without bound.
+const JSON_VALUES_KEPT: usize = 1 << 18;
+
+/// The runs a JSON report shows, and those it leaves out.
+struct Completed {
+    runs: Vec<Value>,
+    /// Result values kept in `runs`.
+    values: usize,
+    /// Runs completed but not kept (past [`JSON_VALUES_KEPT`]).
+    omitted: u64,
+}
+
+impl Completed {
+    /// Keeps one run's results (`Null`: the guest exited before its call returned), or counts
+    /// it left out.
+    fn keep(&mut self, run: Value) {
+        let values = run.as_array().map_or(1, Vec::len).max(1);
+        if self.values + values > JSON_VALUES_KEPT {
+            self.omitted += 1;
+        } else {
+            self.values += values;
+            self.runs.push(run);
+        }
+    }
+}
+
+fn completed() -> std::sync::MutexGuard<'static, Completed> {
     COMPLETED
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -162,7 +194,9 @@ pub struct RunArgs {
     /// and compiling grows with it: compilation is bounded in time by --timeout, not in memory.
     #[arg(long, value_name = "BYTES", value_parser = parse_module_size)]
     pub max_module_size: Option<u64>,
-    /// Print one JSON object instead of plain results.
+    /// Print one JSON object instead of plain results: `runs` has each run's results (`null`
+    /// for a run whose guest exited with status 0 before its call returned), up to 262144
+    /// values over all runs (`runs_omitted` counts the runs past them).
     #[arg(long)]
     pub json: bool,
     /// An environment variable for a WASI guest (repeatable).
@@ -731,7 +765,9 @@ impl RunLimits {
                     // One JSON object: none if the report is already out.
                     if json && !REPORTED.swap(true, Ordering::AcqRel) {
                         let mut report = early_report(&file, backend, TIMEOUT_EXIT, &message);
-                        report["runs"] = Value::Array(completed().clone());
+                        let completed = completed();
+                        report["runs"] = Value::Array(completed.runs.clone());
+                        report["runs_omitted"] = json!(completed.omitted);
                         write_fd(1, &format!("{report}\n"));
                     }
                     write_fd(2, &format!("twm: {message}\n"));
@@ -819,6 +855,7 @@ pub fn early_report(file: &str, backend: &str, exit_code: u8, message: &str) -> 
         "file": file,
         "backend": backend,
         "runs": [],
+        "runs_omitted": 0,
         "error": {"exit_code": exit_code, "message": message, "guest_exit": false},
         "tenant": null,
         "creator": null,
@@ -862,6 +899,9 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
         std::panic::set_hook(hook);
         added.map_err(|e| Failure::Other(format!("{e:#}")))?;
     }
+    // The command line checked against the module before any guest code runs (a start
+    // function's included): a wrong --invoke is a usage error (2), never a run.
+    check_invoke(&module, args)?;
     // Its imports resolved once, before any run: a module that does not fit this host (an
     // unknown or wrongly typed import) is not a refusal a retry could pass (1).
     linker
@@ -894,13 +934,15 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
                 // Kept only for the JSON report (a million plain runs keep nothing).
                 if args.json {
                     let run = Value::Array(results.into_iter().map(|(_, v)| v).collect());
-                    completed().push(run);
+                    completed().keep(run);
                 }
             }
-            // A guest that ends with status 0 ran to completion.
+            // A guest that ends with status 0 ran to completion (its call, if one was asked,
+            // returned nothing: `null` in the JSON, where a call that returned no results is
+            // `[]`).
             Err(Failure::Exit(0)) => {
                 if args.json {
-                    completed().push(Value::Array(Vec::new()));
+                    completed().keep(Value::Null);
                 }
             }
             Err(failure) => {
@@ -909,8 +951,11 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
             }
         }
     }
-    let runs = std::mem::take(&mut *completed());
-    limits.bounded(|| report(args, &tenant, &creator, runs, outcome))
+    let (runs, omitted) = {
+        let mut completed = completed();
+        (std::mem::take(&mut completed.runs), completed.omitted)
+    };
+    limits.bounded(|| report(args, &tenant, &creator, (runs, omitted), outcome))
 }
 
 /// Prints what the runs left: the stats (stderr), the metrics and the JSON report.
@@ -918,7 +963,7 @@ fn report<B: Backend>(
     args: &RunArgs,
     tenant: &Tenant,
     creator: &TensorWasmMemoryCreator<B>,
-    runs: Vec<Value>,
+    (runs, omitted): (Vec<Value>, u64),
     outcome: Result<(), Failure>,
 ) -> Result<(), Failure> {
     if args.stats {
@@ -946,6 +991,7 @@ fn report<B: Backend>(
             "file": args.file.display().to_string(),
             "backend": args.backend.name(),
             "runs": runs,
+            "runs_omitted": omitted,
             "error": error,
             "tenant": tenant_json(&tenant.stats()),
             "creator": creator_json(&creator.stats()),
@@ -992,6 +1038,30 @@ fn nullary<T>(
                 "the module exports {name:?}, but not as a function of type [] -> []"
             ))
         })
+}
+
+/// `--invoke`'s function and arguments against the module's export, before anything runs.
+fn check_invoke(module: &Module, args: &RunArgs) -> Result<(), Failure> {
+    let Some(name) = &args.invoke else {
+        return Ok(());
+    };
+    let Some(wasmtime::ExternType::Func(ty)) = module.get_export(name) else {
+        return Err(Failure::Usage(format!(
+            "the module exports no function named {name:?}"
+        )));
+    };
+    let params: Vec<ValType> = ty.params().collect();
+    if params.len() != args.args.len() {
+        return Err(Failure::Usage(format!(
+            "{name} takes {} argument(s), {} given",
+            params.len(),
+            args.args.len()
+        )));
+    }
+    args.args
+        .iter()
+        .zip(&params)
+        .try_for_each(|(a, t)| parse_arg(a, t).map(drop))
 }
 
 /// What every run of one `twm run` shares.

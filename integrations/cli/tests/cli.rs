@@ -1402,6 +1402,71 @@ fn exit_statuses_say_what_happened() {
     assert_eq!(v["runs"][0][0], "NaN", "{v}");
 }
 
+/// A wrong `--invoke` is a usage error before any guest code runs (a start function that
+/// would exit with its own status included); a guest that exits with 0 before its call returns
+/// reports `null` for that run, not the `[]` of a call with no results; the JSON keeps a
+/// bounded number of result values over all runs and counts the runs past them.
+#[test]
+fn the_command_line_is_checked_before_the_guest_runs_and_json_is_bounded() {
+    let exits = module_file(
+        "start-exits.wat",
+        br#"(module
+             (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+             (memory (export "memory") 1)
+             (global $status (mut i32) (i32.const 9))
+             (func $s (call $exit (global.get $status)))
+             (start $s)
+             (func (export "f") (param i32) (result i32) (local.get 0)))"#,
+    );
+    let p = exits.to_str().unwrap();
+    for bad in [
+        &["--invoke", "nosuch"][..],
+        &["--invoke", "f"][..],
+        &["--invoke", "f", "x"][..],
+    ] {
+        let o = twm(&[&["run", p][..], bad].concat());
+        assert_eq!(o.status.code(), Some(2), "{bad:?}: {}", stderr(&o));
+    }
+    let o = twm(&["run", p, "--invoke", "f", "1"]);
+    assert_eq!(o.status.code(), Some(9), "the guest's own status");
+
+    let zero = module_file(
+        "start-exits-0.wat",
+        br#"(module
+             (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+             (memory (export "memory") 1)
+             (func $s (call $exit (i32.const 0)))
+             (start $s)
+             (func (export "f") (result i32) (i32.const 42))
+             (func (export "nothing")))"#,
+    );
+    let o = twm(&["run", zero.to_str().unwrap(), "--invoke", "f", "--json"]);
+    assert_eq!(o.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["runs"], serde_json::json!([null]), "{v}");
+
+    let results = " i32".repeat(1000);
+    let values = "(i32.const 7) ".repeat(1000);
+    let wide = module_file(
+        "wide.wat",
+        format!(r#"(module (func (export "f") (result{results}) {values}))"#).as_bytes(),
+    );
+    let o = twm(&[
+        "run",
+        wide.to_str().unwrap(),
+        "--invoke",
+        "f",
+        "--json",
+        "--repeat",
+        "300",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let kept = v["runs"].as_array().unwrap().len() as u64;
+    assert_eq!(kept, 262, "the first runs, up to 262144 values");
+    assert_eq!(v["runs_omitted"], 300 - kept, "the rest counted");
+}
+
 const LAUNCHER: &str = r#"(module
   (import "twm" "kernel" (func $kernel (param i32 i32) (result i32)))
   (import "twm" "launch" (func $launch (param i32 i32 i32) (result i32)))

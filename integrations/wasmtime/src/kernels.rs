@@ -837,6 +837,41 @@ pub unsafe fn simulated(
     }
 }
 
+/// The most functions a [`simulated`] launcher keeps found (one per device, context and
+/// recovery): past it, it forgets them all and finds them again as launches come.
+#[cfg(feature = "mock")]
+const SIMULATED_FUNCTIONS_KEPT: usize = 256;
+
+/// Keeps `value` found for `key`. Contexts come and go (a context-isolated tenant's, one per
+/// Store): a cache that only grew would keep an entry per context ever seen, so past
+/// [`SIMULATED_FUNCTIONS_KEPT`] it starts again (a miss only finds the function again).
+#[cfg(feature = "mock")]
+fn remember<K: Eq + std::hash::Hash, V>(
+    cache: &mut std::collections::HashMap<K, V>,
+    key: K,
+    value: V,
+) {
+    if cache.len() >= SIMULATED_FUNCTIONS_KEPT {
+        cache.clear();
+    }
+    cache.insert(key, value);
+}
+
+#[cfg(all(test, feature = "mock"))]
+mod tests {
+    /// However many contexts a launcher sees, it keeps a bounded number of functions, and the
+    /// one just found.
+    #[test]
+    fn the_simulated_launchers_cache_is_bounded() {
+        let mut cache = std::collections::HashMap::new();
+        for context in 0..(3 * super::SIMULATED_FUNCTIONS_KEPT as u64) {
+            super::remember(&mut cache, context, context);
+            assert!(cache.len() <= super::SIMULATED_FUNCTIONS_KEPT);
+            assert_eq!(cache.get(&context), Some(&context));
+        }
+    }
+}
+
 /// The launcher [`simulated`] makes.
 #[cfg(feature = "mock")]
 struct Simulated<F> {
@@ -881,7 +916,7 @@ where
                 driver.pop_current().map_err(TwmError::backend)?;
                 // Only a function found is kept: a failure is tried again next time.
                 let found = loaded.map_err(TwmError::backend)?;
-                self.functions().insert(key, found);
+                remember(&mut self.functions(), key, found);
                 found
             }
         };
