@@ -1050,18 +1050,27 @@ fn check_invoke(module: &Module, args: &RunArgs) -> Result<(), Failure> {
             "the module exports no function named {name:?}"
         )));
     };
-    let params: Vec<ValType> = ty.params().collect();
-    if params.len() != args.args.len() {
+    invoke_args(name, ty.params(), &args.args).map(drop)
+}
+
+/// `--invoke`'s arguments as the values of a function `name` with `params`; a usage error for
+/// a wrong count or a value that is not of its parameter's type.
+fn invoke_args(
+    name: &str,
+    params: impl ExactSizeIterator<Item = ValType>,
+    args: &[String],
+) -> Result<Vec<Val>, Failure> {
+    if params.len() != args.len() {
         return Err(Failure::Usage(format!(
             "{name} takes {} argument(s), {} given",
             params.len(),
-            args.args.len()
+            args.len()
         )));
     }
-    args.args
-        .iter()
-        .zip(&params)
-        .try_for_each(|(a, t)| parse_arg(a, t).map(drop))
+    args.iter()
+        .zip(params)
+        .map(|(a, t)| parse_arg(a, &t))
+        .collect()
 }
 
 /// What every run of one `twm run` shares.
@@ -1123,20 +1132,7 @@ fn guest_calls<B: Backend>(
         .get_func(&mut store, name)
         .ok_or_else(|| Failure::Usage(format!("the module exports no function named {name:?}")))?;
     let ty = func.ty(&store);
-    let params: Vec<ValType> = ty.params().collect();
-    if params.len() != args.args.len() {
-        return Err(Failure::Usage(format!(
-            "{name} takes {} argument(s), {} given",
-            params.len(),
-            args.args.len()
-        )));
-    }
-    let values = args
-        .args
-        .iter()
-        .zip(&params)
-        .map(|(a, t)| parse_arg(a, t))
-        .collect::<Result<Vec<_>, _>>()?;
+    let values = invoke_args(name, ty.params(), &args.args)?;
     let mut results = vec![Val::I32(0); ty.results().len()];
     func.call(&mut store, &values, &mut results)
         .map_err(|e| Failure::of_call(name, &e))?;
