@@ -893,7 +893,9 @@ unsafe impl<D: DriverApi> ManagedAllocator for DriverBackend<D> {
             // A recovery's reset destroyed it: nothing is left for the driver to do.
             return Ok(());
         }
-        let _call = match self.enter(allocation.device(), true) {
+        // A reset under way is waited out, not a refusal: the caller would keep the memory
+        // (a growth's detach would even leave its pages unknown) for a moment's overlap.
+        let _call = match self.enter_teardown(allocation.device()) {
             Ok(call) => call,
             Err(refusal) => return Err(refused(allocation, refusal.into())),
         };
@@ -1260,7 +1262,9 @@ unsafe impl<D: DriverApi> HostMemory for DriverBackend<D> {
             // A recovery's reset dropped its registration: the host pages are the caller's.
             return Ok(());
         }
-        let _call = match self.enter(allocation.device(), true) {
+        // A reset under way is waited out, not a refusal: the caller would keep the memory
+        // (a growth's detach would even leave its pages unknown) for a moment's overlap.
+        let _call = match self.enter_teardown(allocation.device()) {
             Ok(call) => call,
             Err(refusal) => return Err(refused(allocation, refusal.into())),
         };

@@ -372,14 +372,11 @@ impl<D: DriverApi> DevicePools for DriverBackend<D> {
         // and a refused destroy would then put back a record of a pool the reset destroyed. A
         // recovery under way while this pool is live cannot reset (the pool is in use): it
         // gives up at once, and the teardown goes on.
-        let _call = loop {
-            match self.enter(pool.device(), true) {
-                Ok(call) => break call,
-                Err(Refusal::Recovering { .. }) => core::hint::spin_loop(),
-                Err(refusal) => {
-                    charges.into_iter().for_each(Reservation::strand);
-                    return Err(refusal.into());
-                }
+        let _call = match self.enter_teardown(pool.device()) {
+            Ok(call) => call,
+            Err(refusal) => {
+                charges.into_iter().for_each(Reservation::strand);
+                return Err(refusal.into());
             }
         };
         // Decided under the lock: a pool in use is retired (no new use starts) and torn down

@@ -305,6 +305,20 @@ impl<D: DriverApi> DriverBackend<D> {
             .is_some_and(|h| h.fenced)
     }
 
+    /// [`enter`](Self::enter) for a teardown that consumes its handle (a stream's release, a
+    /// pool's destroy), fenced devices included: a reset under way is waited out, not refused.
+    /// A refusal would leave a record that no one can release any more (the handle is gone)
+    /// and that every later recovery counts in use, so the device would stay fenced for good;
+    /// the reset is short, and one that found this call in flight gives up at once.
+    pub(super) fn enter_teardown(&self, device: DeviceId) -> Result<DeviceCall<'_>, Refusal> {
+        loop {
+            match self.enter(device, true) {
+                Err(Refusal::Recovering { .. }) => core::hint::spin_loop(),
+                entered => return entered,
+            }
+        }
+    }
+
     /// Enters `device` for a driver call a reset must not overlap, until the returned guard
     /// drops: refused while a reset runs ([`Refusal::Recovering`]) and, unless `fenced_too` (a
     /// release, which handles the fence itself), while the device is fenced

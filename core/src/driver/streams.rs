@@ -365,12 +365,21 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
             // Nothing to destroy, but the tenant's work on the shared stream must be done
             // before its memory is scrubbed or freed (on the device's non-blocking zeroing
             // stream, which the legacy default stream does not order): wait for the default
-            // stream, and with it for what other shared tenants queued.
-            let using = self.stream_use(stream.key())?;
+            // stream, and with it for what other shared tenants queued. A reset under way is
+            // waited out (`enter_teardown`): a release refused for it would leave the memory
+            // kept as if its work might still run.
+            let using = loop {
+                match self.stream_use(stream.key()) {
+                    Err(Refusal::Recovering { .. }) => core::hint::spin_loop(),
+                    using => break using?,
+                }
+            };
             return self.in_context(using.context, |d| d.synchronize(DriverStream::DEFAULT));
         }
-        // No reset of its device while the release runs (the record leaves the table below).
-        let _call = self.enter(stream.device(), true)?;
+        // No reset of its device while the release runs (the record leaves the table below);
+        // one under way is waited out, never a refusal that would leave the record live with
+        // no handle left to release it (every later recovery would count it in use).
+        let _call = self.enter_teardown(stream.device())?;
         // Retired under the lock (no new use but a teardown's starts), then waited for with a
         // use of its own held; the last use takes the record out and destroys the stream.
         let (context, mark) = {

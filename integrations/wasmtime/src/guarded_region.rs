@@ -54,6 +54,11 @@ pub(crate) struct GuardedRegion<B: Backend> {
     /// failed `mprotect` close): no growth, no device calls, and a pool slot is withdrawn (never
     /// reused) when the region goes.
     broken: bool,
+    /// Its visible pages are attached no more: a growth on a fenced device detached them to
+    /// attach a larger range, and both that and attaching them again were refused. Advice and
+    /// prefetch are refused as on a lost device; the next growth attaches them again; any hints
+    /// they had stay pending for the slot's next holder.
+    detached: bool,
     /// A hint reset failed at release (a refused call: a fenced device, say): a pool slot goes
     /// back with its hints pending, reset by its next acquisition before it is handed on; an own
     /// reservation's pages go with their mapping.
@@ -138,6 +143,7 @@ impl<B: Backend> GuardedRegion<B> {
             chunks: Vec::new(),
             hinted: AtomicBool::new(false),
             broken: false,
+            detached: false,
             hints_pending: false,
             released: false,
             abandoned: false,
@@ -313,15 +319,23 @@ impl<B: Backend> GuardedRegion<B> {
         match attach(start, want) {
             Ok(chunk) => {
                 self.chunks.push(chunk);
+                self.detached = false;
                 Ok(())
             }
             Err(e) => {
                 if self.access == HostAccess::Pageable && self.accessible > 0 {
                     match attach(0, self.accessible) {
                         Ok(old) => self.chunks.push(old),
-                        // The visible pages are attached no more: advice and prefetch would
-                        // reach nothing, and the hints could not be reset.
-                        Err(_) => self.broken = true,
+                        // The visible pages are attached no more (a fenced device refuses both):
+                        // a known state, not a broken one. Advice and prefetch are refused
+                        // until a growth attaches them again, and the hints they had cannot be
+                        // reset through them: they go with a pool slot, pending.
+                        Err(_) => {
+                            self.detached = true;
+                            if self.hinted.load(Ordering::Acquire) {
+                                self.hints_pending = true;
+                            }
+                        }
                     }
                 }
                 Err(e)
@@ -341,6 +355,9 @@ impl<B: Backend> GuardedRegion<B> {
         let range = check_range(offset, len, self.len).map_err(TwmError::GuestRange)?;
         if self.broken {
             return Err(TwmError::GuardedMemoryBroken);
+        }
+        if self.detached {
+            return Err(TwmError::DeviceLost { op: op.name() });
         }
         self.hinted.store(true, Ordering::Release);
         let (start, end) = (self.base + range.start, self.base + range.end);

@@ -210,16 +210,21 @@ impl World {
     }
 
     /// A memory's release: each free or unregistration the driver is asked for is refused
-    /// while refusals are pending, and the first refusal stops it (the memory is kept, owing
-    /// the rest).
+    /// while refusals are pending, and every one is asked (the memory is kept, owing the
+    /// refused ones).
     fn release(&mut self, mut memory: Kept) {
-        while memory.releases > 0 {
+        // Every release is asked, whatever the others answer (a guarded memory offers every
+        // chunk); the refused ones stay owed, and the memory kept with its charge.
+        let mut refused = 0;
+        for _ in 0..memory.releases {
             if self.refusals > 0 {
                 self.refusals -= 1;
-                self.kept.push_back(memory);
-                return;
+                refused += 1;
             }
-            memory.releases -= 1;
+        }
+        if refused > 0 {
+            memory.releases = refused;
+            self.kept.push_back(memory);
         }
     }
 

@@ -462,3 +462,107 @@ fn a_refused_instantiation_on_a_fenced_device_lets_it_recover() {
     drop(store);
     assert_eq!(tenant.stats().held_bytes, 0);
 }
+
+/// Many threads, each a tenant's guests on a guarded pool that grow, advise and now and then
+/// fault the device through a scope, recovering as they go: once every Store is gone the device
+/// is not fenced, the driver holds no stream, and every slot is free. (A red team found a
+/// stream's release refused while another thread's recovery looked at the device: its record
+/// stayed, counted in use by every later recovery, and the device fenced for good; and a
+/// growth refused on the fenced device withdrew its slot for good.)
+#[test]
+fn concurrent_faults_and_recoveries_leave_nothing_behind() {
+    for access in [
+        tensor_wasm_mem_core::HostAccess::Pageable,
+        tensor_wasm_mem_core::HostAccess::Registered,
+    ] {
+        let pageable = access == tensor_wasm_mem_core::HostAccess::Pageable;
+        let backend = Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
+            pageable_memory_access: pageable,
+            host_registration: !pageable,
+            ..MockConfig::default()
+        }));
+        let builder = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+            .backing(Backing::Guarded(access))
+            .pool(tensor_wasm_mem_core::PoolConfig::new(
+                D0,
+                [tensor_wasm_mem_core::SizeClass::new(4 * PAGE as usize, 6)],
+            ));
+        // SAFETY: nothing but the creator's backend uses the device's primary context here.
+        let creator = unsafe { builder.recover_automatically() }.build().unwrap();
+        let engine = creator.engine().unwrap();
+        let linker = Linker::new(&engine);
+        let module = Module::new(
+            &engine,
+            r#"(module (memory (export "memory") 1 4)
+                 (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
+        )
+        .unwrap();
+        std::thread::scope(|s| {
+            for t in 0..8u64 {
+                let (creator, backend, engine, linker, module) =
+                    (&creator, &backend, &engine, &linker, &module);
+                s.spawn(move || {
+                    let tenant = Tenant::new(
+                        t,
+                        format!("t{t}"),
+                        16 * PAGE,
+                        IsolationLevel::StreamIsolated,
+                    );
+                    for i in 0..1500u64 {
+                        let data = TenantStore::new(creator, &tenant, ChargeMode::Touched, ());
+                        let mut store = new_store(engine, data);
+                        // Refused while the device is fenced: the next one tries again.
+                        let Ok(instance) = instantiate(&mut store, linker, module) else {
+                            continue;
+                        };
+                        let memory = instance.get_memory(&mut store, "memory").unwrap();
+                        let grow = instance
+                            .get_typed_func::<i32, i32>(&mut store, "grow")
+                            .unwrap();
+                        let _ = grow.call(&mut store, 1 + (i % 3) as i32);
+                        let _ = creator.advise(
+                            &store,
+                            &memory,
+                            0,
+                            PAGE,
+                            tensor_wasm_mem_core::Advice::SetReadMostly,
+                        );
+                        if i % 16 == t % 16 {
+                            if let Ok(scope) = DeviceAccess::open(
+                                &mut store,
+                                creator,
+                                &memory,
+                                &[AccessRange::write(0, 64)],
+                            ) {
+                                // SAFETY: address 64 lies in the never-mapped first page: the
+                                // simulated kernel faults instead of writing.
+                                let _ = unsafe {
+                                    backend.driver().enqueue_fill(scope.stream(), 64, 64, 1)
+                                };
+                                let _ = scope.close();
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        creator.retry_releases();
+        let pool = creator.stats().pool.unwrap();
+        assert!(
+            creator.stats().recoveries > 0,
+            "{access:?}: faults were made"
+        );
+        assert!(!backend.device_fenced(D0), "{access:?}: recovered");
+        assert_eq!(backend.driver().stats().live_streams, 0, "{access:?}");
+        assert_eq!(
+            (
+                pool.in_use(),
+                pool.withdrawn(),
+                creator.stats().kept_memories
+            ),
+            (0, 0, 0),
+            "{access:?}: {pool:?}"
+        );
+        assert_eq!(backend.stats().attached_host_ranges, 0, "{access:?}");
+    }
+}
