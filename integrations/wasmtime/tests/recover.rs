@@ -527,20 +527,19 @@ fn concurrent_faults_and_recoveries_leave_nothing_behind() {
                             PAGE,
                             tensor_wasm_mem_core::Advice::SetReadMostly,
                         );
-                        if i % 16 == t % 16 {
-                            if let Ok(scope) = DeviceAccess::open(
+                        if i % 16 == t % 16
+                            && let Ok(scope) = DeviceAccess::open(
                                 &mut store,
                                 creator,
                                 &memory,
                                 &[AccessRange::write(0, 64)],
-                            ) {
-                                // SAFETY: address 64 lies in the never-mapped first page: the
-                                // simulated kernel faults instead of writing.
-                                let _ = unsafe {
-                                    backend.driver().enqueue_fill(scope.stream(), 64, 64, 1)
-                                };
-                                let _ = scope.close();
-                            }
+                            )
+                        {
+                            // SAFETY: address 64 lies in the never-mapped first page: the
+                            // simulated kernel faults instead of writing.
+                            let _ =
+                                unsafe { backend.driver().enqueue_fill(scope.stream(), 64, 64, 1) };
+                            let _ = scope.close();
                         }
                     }
                 });
