@@ -404,7 +404,18 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
     }
 
     fn wait_for(&self, stream: StreamKey) -> Result<(), D::Error> {
-        let using = self.stream_use(stream)?;
+        // A stream in a tenant's own context outlives a reset of the device's primary context,
+        // and so may its work: a reset under way is waited out, not answered as a lost context
+        // (a caller would take the work for abandoned, and give its memory back under it). A
+        // primary-context stream's work ends with the reset: that refusal stands.
+        let own_context = stream.device.0 < self.driver.device_count()
+            && stream.context != self.driver.primary_context(stream.device);
+        let using = loop {
+            match self.stream_use(stream) {
+                Err(Refusal::Recovering { .. }) if own_context => core::hint::spin_loop(),
+                using => break using?,
+            }
+        };
         self.in_context(using.context, |d| d.synchronize(using.raw()))
     }
 }

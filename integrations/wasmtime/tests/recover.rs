@@ -565,3 +565,58 @@ fn concurrent_faults_and_recoveries_leave_nothing_behind() {
         assert_eq!(backend.stats().attached_host_ranges, 0, "{access:?}");
     }
 }
+
+/// A wait for a context-isolated tenant's stream that meets a reset of the device's primary
+/// context waits it out: the tenant's own context is not reset, its work may still run, and a
+/// wait refused as "lost" would have its memories given back (scrubbed, handed on) under that
+/// work. (A stream of the primary context is another matter: the reset ends its work.)
+#[test]
+fn a_wait_on_a_tenants_own_context_outlasts_a_primary_reset() {
+    use tensor_wasm_mem_core::{StreamProvider, TenantId, TenantKey};
+    let backend = Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
+        deferred_streams: true,
+        ..MockConfig::default()
+    }));
+    let own = backend
+        .acquire_stream(
+            TenantKey::fresh(TenantId(1)),
+            IsolationLevel::ContextIsolated,
+        )
+        .unwrap();
+    // Another tenant's kernel faults in the primary context: the device is fenced.
+    let shared = backend
+        .acquire_stream(
+            TenantKey::fresh(TenantId(2)),
+            IsolationLevel::StreamIsolated,
+        )
+        .unwrap();
+    // SAFETY: address 64 lies in no allocation: the simulated kernel faults instead of writing.
+    unsafe { backend.driver().enqueue_fill(&shared, 64, 64, 1) }.unwrap();
+    assert!(backend.synchronize(&shared).is_err());
+    assert!(backend.device_fenced(D0));
+    let _ = backend.release_stream(shared);
+    // A recovery resets the primary context, held in the middle of its reset.
+    let held = backend
+        .driver()
+        .hold_next(tensor_wasm_mem_mock::Call::PrimaryCtxReset);
+    let backend_ref = &*backend;
+    std::thread::scope(|s| {
+        // SAFETY: nothing but this backend uses the device's primary context here.
+        let recovering = s.spawn(move || unsafe { backend_ref.recover_device(D0) });
+        assert!(
+            held.wait(std::time::Duration::from_secs(60)),
+            "the reset began"
+        );
+        let key = own.key();
+        let waiting = s.spawn(move || backend_ref.wait_for(key));
+        // Let the wait meet the reset under way (were it refused, it would return now).
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        held.release();
+        assert!(recovering.join().unwrap().unwrap().is_some(), "recovered");
+        waiting
+            .join()
+            .unwrap()
+            .expect("the wait outlasted the reset, not refused as lost");
+    });
+    backend.release_stream(own).unwrap();
+}
