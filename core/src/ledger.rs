@@ -185,13 +185,12 @@ impl TenantBudgets {
     /// ```
     #[must_use]
     pub const fn for_cap_and_limit(touched_bytes: u64, memory_bytes: u64) -> Self {
-        let held = touched_bytes.saturating_mul(Self::HELD_PER_TOUCHED);
-        let floor = memory_bytes.saturating_add(Self::TABLE_ROOM_BYTES);
         Self {
             touched_bytes,
-            held_bytes: if held > floor { held } else { floor },
+            held_bytes: touched_bytes.saturating_mul(Self::HELD_PER_TOUCHED),
             memories: Self::DEFAULT_MEMORIES,
         }
+        .with_room_for_memory(memory_bytes)
     }
 
     /// These budgets with a held budget of at least one memory of `memory_bytes` plus

@@ -75,8 +75,23 @@ impl<D: DriverApi> DriverBackend<D> {
     /// Starts a use of a stream handle of ours: checked against its live record (tenant,
     /// context and level must match), or the shared default stream.
     pub(super) fn stream_use(&self, stream: StreamKey) -> Result<StreamUse<'_, D>, Refusal> {
+        self.stream_use_with(stream, false)
+    }
+
+    /// [`stream_use`](Self::stream_use), refused while a reset of the device runs, or, with
+    /// `outlast_reset`, started once it is over ([`enter_teardown`](Self::enter_teardown)).
+    fn stream_use_with(
+        &self,
+        stream: StreamKey,
+        outlast_reset: bool,
+    ) -> Result<StreamUse<'_, D>, Refusal> {
         let raw = stream.stream;
-        let call = self.enter(stream.device, true).map_err(|e| match e {
+        let entered = if outlast_reset {
+            self.enter_teardown(stream.device)
+        } else {
+            self.enter(stream.device, true)
+        };
+        let call = entered.map_err(|e| match e {
             Refusal::InvalidDevice { .. } => Refusal::UnknownStream { stream: raw },
             other => other,
         })?;
@@ -368,12 +383,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
             // stream, and with it for what other shared tenants queued. A reset under way is
             // waited out (`enter_teardown`): a release refused for it would leave the memory
             // kept as if its work might still run.
-            let using = loop {
-                match self.stream_use(stream.key()) {
-                    Err(Refusal::Recovering { .. }) => core::hint::spin_loop(),
-                    using => break using?,
-                }
-            };
+            let using = self.stream_use_with(stream.key(), true)?;
             return self.in_context(using.context, |d| d.synchronize(DriverStream::DEFAULT));
         }
         // No reset of its device while the release runs (the record leaves the table below);
@@ -410,12 +420,7 @@ impl<D: DriverApi> StreamProvider for DriverBackend<D> {
         // primary-context stream's work ends with the reset: that refusal stands.
         let own_context = stream.device.0 < self.driver.device_count()
             && stream.context != self.driver.primary_context(stream.device);
-        let using = loop {
-            match self.stream_use(stream) {
-                Err(Refusal::Recovering { .. }) if own_context => core::hint::spin_loop(),
-                using => break using?,
-            }
-        };
+        let using = self.stream_use_with(stream, own_context)?;
         self.in_context(using.context, |d| d.synchronize(using.raw()))
     }
 }
