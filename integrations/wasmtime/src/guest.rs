@@ -239,9 +239,11 @@ impl<B: Backend> Drop for EndScopeWork<'_, B> {
 }
 
 impl<B: Backend> Drop for GuestContext<B> {
-    /// Releases the stream (which waits for it). Released, it leaves the Store's list; a
-    /// release the backend refuses (a wait or a destroy) leaves work that may still run, and
-    /// the Store's memories are then kept rather than given back (`docs/SAFETY.md`, teardown).
+    /// Waits for the stream's work (a tenant's own stream; a refusal that may pass is tried
+    /// again), then releases it. Released, or waited for and then refused its destroy (the
+    /// backend keeps counting the handle), it leaves the Store's list and the memories go back;
+    /// a wait the backend keeps refusing leaves work that may still run, and the Store's
+    /// memories are then kept rather than given back (`docs/SAFETY.md`, teardown).
     fn drop(&mut self) {
         // A scope forgotten over this Store held device work: it ends with the Store, once the
         // stream (its kernels included) was waited for.
@@ -254,9 +256,22 @@ impl<B: Backend> Drop for GuestContext<B> {
             return;
         };
         let id = lease.stream().key();
+        // The work first, apart from the destroy: once it is waited for, nothing queued on the
+        // stream can touch the Store's memories, whatever the destroy then answers.
+        let quiet = !lease.stream().is_shared()
+            && crate::lifecycle::wait_for_work(&**lease.provider(), id).is_ok();
         match (lease.release(), &self.store) {
             (Ok(()), Some(store)) => store.remove_stream(id),
             (Ok(()), None) => {}
+            // Waited for, then a destroy (of the stream, or of the tenant's context after it)
+            // refused: the backend keeps counting the handle, but no work of this Store is
+            // left, and its memories go back as after a release.
+            (Err(e), store) if quiet && e.kind() != ErrorKind::ContextLost => {
+                tracing::warn!(error = %e, "twm: destroying a guest stream failed after its work was done: the backend keeps counting it; its Store's memories go back");
+                if let Some(store) = store {
+                    store.remove_stream(id);
+                }
+            }
             // Its context is lost to a kernel fault: the work queued there was abandoned and
             // never runs, so nothing can land in the Store's memories any more.
             (Err(e), store) if e.kind() == ErrorKind::ContextLost => {

@@ -17,9 +17,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, Weak};
 
-use tensor_wasm_mem_core::{
-    Advice, BackendError, DeviceId, DeviceSlice, Location, Stream, StreamProvider,
-};
+use tensor_wasm_mem_core::{Advice, BackendError, DeviceId, DeviceSlice, Location, Stream};
 use wasmtime::LinearMemory;
 
 use crate::Backend;
@@ -442,8 +440,30 @@ impl<B: Backend> MemoryRecord<B> {
     }
 }
 
+/// Tries of a wait for a guest stream's work before its Store's memories go back
+/// ([`wait_for_work`]).
+const WORK_WAITS: usize = 3;
+
+/// Waits for the work queued on the stream `key` names before memory it may write goes back,
+/// trying again after a refusal that may pass (a plain driver error), up to three tries; a lost
+/// context (its work abandoned, never run) is answered at once. The last answer.
+pub(crate) fn wait_for_work<B: Backend>(
+    backend: &B,
+    key: tensor_wasm_mem_core::StreamKey,
+) -> Result<(), B::Error> {
+    use tensor_wasm_mem_core::ErrorKind;
+    let mut answer = backend.wait_for(key);
+    for _ in 1..WORK_WAITS {
+        match &answer {
+            Err(e) if e.kind() != ErrorKind::ContextLost => answer = backend.wait_for(key),
+            _ => break,
+        }
+    }
+    answer
+}
+
 impl<B: Backend> MemoryRecord<B> {
-    /// Waits for the Store's live streams; `false` if a wait failed or a stream of the Store
+    /// Waits for the Store's live streams (each as [`wait_for_work`] does); `false` if a wait failed or a stream of the Store
     /// could not be released (work queued there may still run).
     fn streams_quiet(&self, held: &Held<B>) -> bool {
         let Some(books) = &self.books else {
@@ -451,7 +471,7 @@ impl<B: Backend> MemoryRecord<B> {
         };
         let mut quiet = !books.is_unsettled();
         for id in books.streams() {
-            match held.storage.allocator().wait_for(id) {
+            match wait_for_work(&**held.storage.allocator(), id) {
                 Ok(()) => {}
                 // A context lost to a kernel fault runs nothing again: its work was abandoned.
                 Err(e) if e.kind() == tensor_wasm_mem_core::ErrorKind::ContextLost => {}

@@ -10,7 +10,7 @@ use std::sync::{Arc, Weak};
 use common::*;
 use rstest::rstest;
 use tensor_wasm_mem_core::{DeviceId, IsolationLevel, Operation, TenantBudgets};
-use tensor_wasm_mem_mock::{MockBackend, MockConfig, with_config};
+use tensor_wasm_mem_mock::{Call, MockBackend, MockConfig, with_config};
 use tensor_wasm_mem_wasmtime::wasmtime::{
     Engine, Instance, Linker, Memory, MemoryType, Module, Store,
 };
@@ -476,7 +476,6 @@ fn review_a_failed_creation_keeps_what_the_driver_holds() {
 #[test]
 fn review_a_stream_not_released_keeps_its_stores_memory() {
     use tensor_wasm_mem_core::{PoolConfig, SizeClass};
-    use tensor_wasm_mem_mock::Call;
     use tensor_wasm_mem_wasmtime::HasGuestContext;
     let backend = Arc::new(with_config(MockConfig {
         deferred_streams: true,
@@ -509,13 +508,84 @@ fn review_a_stream_not_released_keeps_its_stores_memory() {
             .enqueue_fill(lease.stream(), ptr, len, 0xaa)
     }
     .unwrap();
-    backend.driver().fail_call(Call::StreamSynchronize, 1, 999);
+    // Every wait refused (the Store's end tries three times, and the release once more).
+    for n in 1..=4 {
+        backend.driver().fail_call(Call::StreamSynchronize, n, 999);
+    }
     backend.driver().fail_call(Call::StreamDestroy, 1, 999);
     drop(a);
     assert_eq!(creator.stats().kept_memories, 1, "kept, not scrubbed");
     let (b, memory) = store_of(2);
     assert_eq!(backend.driver().stats().scrubs_over_pending_work, 0);
     backend.driver().clear_faults();
+    assert!(
+        memory.data(&b).iter().all(|&x| x == 0),
+        "the next tenant sees zeros"
+    );
+}
+
+/// A destroy refused after the stream's work was waited for (of a stream-isolated tenant's
+/// stream, or of a context-isolated tenant's context after its last stream), or a wait refused
+/// once and then done: the work is provably done, so the Store's memory goes back, uncharged,
+/// and the next tenant gets its slot scrubbed after the late write, not under it. Before, one
+/// plain refusal kept the memory, slot and charge, for the creator's life (a red team drained a
+/// pool so).
+#[rstest]
+#[case::stream_destroy(IsolationLevel::StreamIsolated, &[(Call::StreamDestroy, 1)])]
+#[case::context_destroy(IsolationLevel::ContextIsolated, &[(Call::CtxDestroy, 1)])]
+#[case::a_wait_refused_once(IsolationLevel::ContextIsolated, &[(Call::StreamSynchronize, 1)])]
+#[case::both(
+    IsolationLevel::StreamIsolated,
+    &[(Call::StreamSynchronize, 1), (Call::StreamSynchronize, 2), (Call::StreamDestroy, 1)]
+)]
+fn a_refused_destroy_after_the_wait_gives_the_memory_back(
+    #[case] level: IsolationLevel,
+    #[case] refusals: &[(Call, u64)],
+) {
+    use tensor_wasm_mem_core::{PoolConfig, SizeClass};
+    use tensor_wasm_mem_wasmtime::HasGuestContext;
+    let backend = Arc::new(with_config(MockConfig {
+        deferred_streams: true,
+        ..MockConfig::default()
+    }));
+    let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
+        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 * PAGE, 1)]))
+        .build()
+        .unwrap();
+    let engine = creator.engine().unwrap();
+    let module = Module::new(&engine, "(module (memory (export \"memory\") 1 4))").unwrap();
+    let store_of = |id| {
+        let t = Tenant::new(id, format!("t{id}"), 4 * PAGE as u64, level);
+        let mut store: Store<Data> = new_store(
+            &engine,
+            TenantStore::new(&creator, &t, ChargeMode::Touched, ()),
+        );
+        let made = instantiate(&mut store, &Linker::new(&engine), &module);
+        let memory = made.map(|i| i.get_memory(&mut store, "memory").unwrap());
+        (store, memory, t)
+    };
+    let (mut a, memory, tenant_a) = store_of(1);
+    let memory = memory.unwrap();
+    let slice = creator.resolve(&a, &memory, 0, PAGE as u64).unwrap();
+    let (ptr, len) = (slice.device_ptr(), slice.len());
+    let lease = a.data_mut().guest_context().stream().unwrap();
+    // SAFETY: nothing reads these bytes while the fill may run (the Store's own memory).
+    unsafe {
+        backend
+            .driver()
+            .enqueue_fill(lease.stream(), ptr, len, 0xaa)
+    }
+    .unwrap();
+    for &(call, n) in refusals {
+        backend.driver().fail_call(call, n, 999);
+    }
+    drop(a);
+    assert_eq!(creator.stats().kept_memories, 0, "given back");
+    assert_eq!(tenant_a.stats().held_bytes, 0, "uncharged");
+    // The pool's one slot: the next tenant gets it, scrubbed after the fill landed.
+    let (b, memory, _) = store_of(2);
+    let memory = memory.expect("the slot came back");
+    assert_eq!(backend.driver().stats().scrubs_over_pending_work, 0);
     assert!(
         memory.data(&b).iter().all(|&x| x == 0),
         "the next tenant sees zeros"

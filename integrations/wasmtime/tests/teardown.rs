@@ -186,6 +186,32 @@ fn into_data_drops_the_memory_first_and_it_still_waits(
     assert_eq!(rig.backend.driver().stats().scrubs_over_pending_work, 0);
 }
 
+/// A wait refused once (a plain driver error, not a lost context) when the memory goes first is
+/// tried again: the work is waited for and the memory goes back, scrubbed after the fill; before,
+/// it was kept for the creator's life.
+#[rstest]
+fn into_data_a_wait_refused_once_is_tried_again(
+    #[values(SHARED, STREAM, CONTEXT)] isolation: IsolationLevel,
+) {
+    let rig = rig();
+    let (mut a, memory) = rig.tenant(1, isolation);
+    rig.queue_fill(&mut a, &memory, 0xaa);
+    rig.backend
+        .driver()
+        .fail_call(tensor_wasm_mem_mock::Call::StreamSynchronize, 1, 999);
+    let data = a.into_data();
+    assert_eq!(rig.backend.driver().pending_work(), 0, "waited for");
+    assert_eq!(
+        rig.creator.stats().kept_memories,
+        0,
+        "{isolation}: given back"
+    );
+    let (b, memory) = rig.tenant(2, isolation);
+    drop(data);
+    assert!(memory.data(&b).iter().all(|&x| x == 0));
+    assert_eq!(rig.backend.driver().stats().scrubs_over_pending_work, 0);
+}
+
 /// The same without a pool: the memory's allocation is freed at once when it goes, so a wait
 /// placed after the free would show here as a free over pending work.
 #[test]
