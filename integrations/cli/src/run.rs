@@ -758,9 +758,10 @@ impl RunLimits {
                 );
                 let watchdog = Watchdog::start(move |_| {
                     let message = format!(
-                        "timed out after {timeout:?} (in a host call, reading the module, \
-                         compiling it or writing results, which cannot be interrupted: the \
-                         process ends)"
+                        "timed out after {timeout:?} (in a host call, in one long guest \
+                         instruction such as a memory.fill or memory.copy over a large range, \
+                         reading the module, compiling it or writing results, which cannot be \
+                         interrupted: the process ends)"
                     );
                     // One JSON object: none if the report is already out.
                     if json && !REPORTED.swap(true, Ordering::AcqRel) {
