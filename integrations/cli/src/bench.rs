@@ -32,6 +32,10 @@ pub struct BenchArgs {
     /// Fewer samples: finishes in well under a minute on 2 cores.
     #[arg(long)]
     pub quick: bool,
+    /// Internal: the smallest run that reaches every row (a few lives each), for the CLI's
+    /// tests: its figures are noise, and it says so (`"smoke": true`).
+    #[arg(long, hide = true, conflicts_with = "quick")]
+    pub smoke: bool,
     /// Print one JSON object with stable keys instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -98,11 +102,52 @@ struct Sizes {
     loop_samples: usize,
     loop_passes: i32,
     rss_instances: usize,
+    /// Lives run unmeasured before a setup is timed.
+    warm_up: usize,
+    /// The fewest lives each thread of the threaded rows runs.
+    threaded_lives: usize,
+    /// Round trips timed per kernel round-trip size.
+    roundtrip_samples: usize,
+    /// Placement decisions: samples, and decisions per sample.
+    decisions: (usize, u64),
+    /// Tenants placed before a decision is timed, and for the bookkeeping-memory figure.
+    placed_tenants: (u64, u64),
 }
 
 impl Sizes {
-    fn new(quick: bool) -> Self {
-        if quick {
+    fn new(args: &BenchArgs) -> Self {
+        let full = Self {
+            instantiate_iters: 20_000,
+            instantiate_batches: 25,
+            grow_samples: 41,
+            grow_per_sample: 2000,
+            loop_placements: 12,
+            loop_samples: 9,
+            loop_passes: 8,
+            rss_instances: 1000,
+            warm_up: 200,
+            threaded_lives: 200,
+            roundtrip_samples: 9,
+            decisions: (31, 1000),
+            placed_tenants: (PLACED_TENANTS, MEMORY_TENANTS),
+        };
+        if args.smoke {
+            Self {
+                instantiate_iters: 30,
+                instantiate_batches: 3,
+                grow_samples: 3,
+                grow_per_sample: 20,
+                loop_placements: 1,
+                loop_samples: 1,
+                loop_passes: 1,
+                rss_instances: 20,
+                warm_up: 2,
+                threaded_lives: 2,
+                roundtrip_samples: 1,
+                decisions: (3, 5),
+                placed_tenants: (20, 50),
+            }
+        } else if args.quick {
             Self {
                 instantiate_iters: 6_000,
                 instantiate_batches: 15,
@@ -110,20 +155,13 @@ impl Sizes {
                 grow_per_sample: 1000,
                 loop_placements: 6,
                 loop_samples: 5,
+                roundtrip_samples: 5,
                 loop_passes: 4,
-                rss_instances: 1000,
+                decisions: (15, 200),
+                ..full
             }
         } else {
-            Self {
-                instantiate_iters: 20_000,
-                instantiate_batches: 25,
-                grow_samples: 41,
-                grow_per_sample: 2000,
-                loop_placements: 12,
-                loop_samples: 9,
-                loop_passes: 8,
-                rss_instances: 1000,
-            }
+            full
         }
     }
 }
@@ -491,7 +529,7 @@ fn interleaved_instantiate_us(
         .map(|&setup| lives(setup))
         .collect::<Result<Vec<_>, _>>()?;
     for once in &mut all {
-        for _ in 0..200 {
+        for _ in 0..sizes.warm_up {
             once()?;
         }
     }
@@ -552,7 +590,7 @@ fn process_cpu_us(setup: Setup, sizes: Sizes, bar: &ProgressBar) -> Result<f64, 
     let engine = setup.engine(16)?;
     let pre = pre(&engine, SMALL)?;
     let lives = sizes.instantiate_iters;
-    for _ in 0..200 {
+    for _ in 0..sizes.warm_up {
         small_life(&engine, &pre, ())?;
     }
     let mut samples = Vec::new();
@@ -593,7 +631,7 @@ fn threaded_instantiate_us(
 ) -> Result<f64, Failure> {
     let engine = setup.engine(threads * 2)?;
     let pre = pre(&engine, SMALL)?;
-    let lives = (sizes.instantiate_iters / 4 / threads).max(200);
+    let lives = (sizes.instantiate_iters / 4 / threads).max(sizes.threaded_lives);
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let mut samples = Vec::new();
     for _ in 0..3 {
@@ -637,7 +675,7 @@ fn lives_of(key: &str) -> Result<(), Failure> {
         samples.push(batch.elapsed().as_secs_f64() * 1e6 / f64::from(per_batch));
     }
     let seconds = start.elapsed().as_secs_f64();
-    println!(
+    outln!(
         "{key}: {:.3} us per life ({:.3} the median of {batches} batches of {per_batch})",
         seconds * 1e6 / f64::from(batches * per_batch),
         median(&mut samples)
@@ -651,7 +689,7 @@ fn median_lives(
     bar: &ProgressBar,
     mut once: impl FnMut() -> Result<(), Failure>,
 ) -> Result<f64, Failure> {
-    for _ in 0..200 {
+    for _ in 0..sizes.warm_up {
         once()?;
     }
     let per_batch = sizes.instantiate_iters / sizes.instantiate_batches;
@@ -842,7 +880,7 @@ fn kernel_roundtrip_us(
         .map_err(other)?;
     let n = bytes as i32;
     let len = bytes as usize;
-    let samples = sizes.loop_samples.max(3);
+    let samples = sizes.roundtrip_samples;
     let (mut scoped, mut copied, mut launched) = (Vec::new(), Vec::new(), Vec::new());
     let mut sums = Vec::new();
     // The "device" buffer of the copying runtime, allocated once (as it would be).
@@ -918,19 +956,22 @@ fn rss_child(key: &str, instances: usize) -> Result<(), Failure> {
         .map(|_| small_life(&engine, &pre, ()))
         .collect::<Result<Vec<_>, _>>()?;
     let after = resident_bytes();
-    println!("{}", after.saturating_sub(before) as f64 / (1 << 20) as f64);
+    outln!("{}", after.saturating_sub(before) as f64 / (1 << 20) as f64);
     drop(live);
     Ok(())
 }
 
-fn rss_mib(setup: Setup, instances: usize, bar: &ProgressBar) -> Result<f64, Failure> {
+/// Resident MiB of `setup`'s instances, measured in a child process (as many instances as the
+/// child's sizes say: `--smoke` is passed on).
+fn rss_mib(setup: Setup, smoke: bool, bar: &ProgressBar) -> Result<f64, Failure> {
     let exe = std::env::current_exe().map_err(other)?;
-    let output = std::process::Command::new(exe)
-        .args(["bench", "--rss-child", setup.key()])
-        .output()
-        .map_err(other)?;
+    let mut child = std::process::Command::new(exe);
+    child.args(["bench", "--rss-child", setup.key()]);
+    if smoke {
+        child.arg("--smoke");
+    }
+    let output = child.output().map_err(other)?;
     bar.inc(1);
-    let _ = instances;
     String::from_utf8_lossy(&output.stdout)
         .trim()
         .parse::<f64>()
@@ -950,8 +991,9 @@ const MEMORY_TENANTS: u64 = 20_000;
 
 /// Placement on a simulated 8-device machine: the median cost of one decision (an `admit` with
 /// `PLACED_TENANTS` tenants already placed, then the tenant dropped) per policy, and the host
-/// memory the layer keeps per placed tenant (resident growth over `MEMORY_TENANTS` tenants).
-fn placement_figures(quick: bool, bar: &ProgressBar) -> Result<Value, Failure> {
+/// memory the layer keeps per placed tenant (resident growth over `MEMORY_TENANTS` tenants;
+/// fewer of each with `--smoke`).
+fn placement_figures(sizes: Sizes, bar: &ProgressBar) -> Result<Value, Failure> {
     use tensor_wasm_mem_core::{IsolationLevel, TenantBudgets};
     use tensor_wasm_mem_wasmtime::{Placement, PlacementPolicy};
     let backend = tensor_wasm_mem_mock::with_config(tensor_wasm_mem_mock::MockConfig {
@@ -961,21 +1003,22 @@ fn placement_figures(quick: bool, bar: &ProgressBar) -> Result<Value, Failure> {
     // 1 MiB caps: 16 GiB devices take 16,384 tenants each, more than either figure places.
     let budgets = TenantBudgets::for_cap(1 << 20);
     let level = IsolationLevel::StreamIsolated;
+    let (placed_tenants, memory_tenants) = sizes.placed_tenants;
     let mut decision_ns = serde_json::Map::new();
     for policy in [PlacementPolicy::LeastHeld, PlacementPolicy::RoundRobin] {
         let placement = Placement::for_backend(&backend, policy).map_err(other)?;
-        let _placed = (0..PLACED_TENANTS)
+        let _placed = (0..placed_tenants)
             .map(|i| placement.admit(i, "t", budgets, level))
             .collect::<Result<Vec<_>, _>>()
             .map_err(other)?;
-        let (samples, per) = if quick { (15, 200) } else { (31, 1000) };
+        let (samples, per) = sizes.decisions;
         let mut times = Vec::with_capacity(samples);
         for _ in 0..samples {
             let start = Instant::now();
             for i in 0..per {
                 black_box(
                     placement
-                        .admit(PLACED_TENANTS + i, "n", budgets, level)
+                        .admit(placed_tenants + i, "n", budgets, level)
                         .map_err(other)?,
                 );
             }
@@ -986,7 +1029,7 @@ fn placement_figures(quick: bool, bar: &ProgressBar) -> Result<Value, Failure> {
     bar.inc(1);
     let placement = Placement::for_backend(&backend, PlacementPolicy::RoundRobin).map_err(other)?;
     let before = resident_bytes();
-    let tenants = (0..MEMORY_TENANTS)
+    let tenants = (0..memory_tenants)
         .map(|i| placement.admit(i, format!("tenant-{i}"), budgets, level))
         .collect::<Result<Vec<_>, _>>()
         .map_err(other)?;
@@ -995,9 +1038,9 @@ fn placement_figures(quick: bool, bar: &ProgressBar) -> Result<Value, Failure> {
     bar.inc(1);
     Ok(json!({
         "devices": 8,
-        "placed_tenants": PLACED_TENANTS,
+        "placed_tenants": placed_tenants,
         "decision_ns": decision_ns,
-        "bytes_per_tenant": after.saturating_sub(before) as f64 / MEMORY_TENANTS as f64,
+        "bytes_per_tenant": after.saturating_sub(before) as f64 / memory_tenants as f64,
     }))
 }
 
@@ -1009,7 +1052,7 @@ struct Row {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
-    let sizes = Sizes::new(args.quick);
+    let sizes = Sizes::new(args);
     if let Some(key) = &args.rss_child {
         return rss_child(key, sizes.rss_instances);
     }
@@ -1096,7 +1139,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
     let mut rss = Vec::new();
     for setup in [Setup::WasmtimeDefault, Setup::TwmFresh] {
         bar.set_message(format!("resident {}", setup.key()));
-        rss.push((setup, rss_mib(setup, sizes.rss_instances, &bar)?));
+        rss.push((setup, rss_mib(setup, args.smoke, &bar)?));
     }
     bar.set_message("pool steps");
     let (pool_untouched, pool_scrubbed) = pool_steps_us(sizes, &bar)?;
@@ -1119,7 +1162,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         process_cpu.push((setup, process_cpu_us(setup, sizes, &bar)?));
     }
     bar.set_message("placement, 8 devices");
-    let placement = placement_figures(args.quick, &bar)?;
+    let placement = placement_figures(sizes, &bar)?;
     bar.finish_and_clear();
 
     let get =
@@ -1151,6 +1194,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             .collect();
         let report = json!({
             "quick": args.quick,
+            "smoke": args.smoke,
             "instantiate_us": instantiate.iter().map(|(s, v)| (s.key().to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "grow_ns": grow.iter().map(|(s, v)| (twm_key(*s).to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             "guest_loop_ms": {
@@ -1178,7 +1222,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
                 "acquire_release_scrub_64KiB": pool_scrubbed,
             },
         });
-        println!("{report}");
+        outln!("{report}");
         return Ok(());
     }
 
@@ -1219,20 +1263,30 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             ],
         },
     ];
-    println!(
+    outln!(
         "twm bench{} (medians; a ratio is over the group's first setup, except: twm_pooled and \
          twm_device_guarded_pooled over wasmtime_pooling, twm_pooled_wasi over twm_pooled, \
          twm_pooled_tenant and the scrub-ahead setups over no_memory_floor, threaded rows over \
          their setup's 1 thread; a target reads <= when met, MISS when not)",
-        if args.quick { " --quick" } else { "" }
+        if args.smoke {
+            " --smoke (a few lives each: the figures are noise)"
+        } else if args.quick {
+            " --quick"
+        } else {
+            ""
+        }
     );
-    println!(
+    outln!(
         "twm_device_guarded*: the {backing} backing, on a simulated device with pageable memory \
          access\n"
     );
-    println!(
+    outln!(
         "{:<26} {:<37} {:>12} {:>8} {:>8}",
-        "measure", "setup", "value", "ratio", "target"
+        "measure",
+        "setup",
+        "value",
+        "ratio",
+        "target"
     );
     for row in &rows {
         let base = row
@@ -1256,7 +1310,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
                 _ => base,
             };
             let ratio = value / base;
-            println!(
+            outln!(
                 "{:<26} {:<37} {:>9.3} {:<3}{:>7.2}x {:>8}",
                 row.group,
                 setup.key(),
@@ -1275,7 +1329,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             .iter()
             .find(|(s, t, _)| *s == setup && *t == 1)
             .map_or(f64::NAN, |x| x.2);
-        println!(
+        outln!(
             "{:<26} {:<37} {:>9.3} {:<3}{:>7.2}x",
             format!("instantiate x{threads} thr (cpu)"),
             setup.key(),
@@ -1285,7 +1339,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         );
     }
     for (setup, us) in &process_cpu {
-        println!(
+        outln!(
             "{:<26} {:<37} {:>9.3} {:<3}",
             "instantiate (process cpu)",
             setup.key(),
@@ -1300,7 +1354,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             ("twm_scope", scope),
             ("twm_guest_launch", guest),
         ] {
-            println!(
+            outln!(
                 "{:<26} {:<37} {:>9.3} {:<3}{:>7.2}x",
                 group,
                 key,
@@ -1311,7 +1365,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         }
     }
     for (policy, ns) in placement["decision_ns"].as_object().into_iter().flatten() {
-        println!(
+        outln!(
             "{:<26} {:<37} {:>9.3} {:<3}",
             format!("place 1 of {PLACED_TENANTS}, 8 dev"),
             policy,
@@ -1319,7 +1373,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
             "ns"
         );
     }
-    println!(
+    outln!(
         "{:<26} {:<37} {:>9.1} {:<3}",
         "memory per placed tenant",
         "bookkeeping",
@@ -1327,11 +1381,15 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         "B"
     );
     let driver = launch_fill - launch_host;
-    println!(
+    outln!(
         "{:<26} {:<37} {:>9.3} {:<3}{:>7.2}x",
-        "launch fill 4KiB", "driver's own", driver, "us", 1.0
+        "launch fill 4KiB",
+        "driver's own",
+        driver,
+        "us",
+        1.0
     );
-    println!(
+    outln!(
         "{:<26} {:<37} {:>9.3} {:<3}{:>7.2}x",
         "launch fill 4KiB",
         "guest twm.launch",
@@ -1343,7 +1401,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         ("acquire+release untouched", pool_untouched),
         ("acquire+release scrub 64KiB", pool_scrubbed),
     ] {
-        println!("{:<26} {:<37} {:>9.3} {:<3}", "pool slot", step, us, "us");
+        outln!("{:<26} {:<37} {:>9.3} {:<3}", "pool slot", step, us, "us");
     }
     for ((growable, simd), row) in &loops {
         let base = row[0].1;
@@ -1354,7 +1412,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         );
         for ((key, value), (_, _, target)) in row.iter().zip(loop_setups) {
             let ratio = value / base;
-            println!(
+            outln!(
                 "{:<26} {:<37} {:>9.3} {:<3}{:>7.2}x {:>8}",
                 group,
                 key,

@@ -176,7 +176,7 @@ pub fn demo<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(), Failure>
             .map_err(|e| other(&e))?;
         tenants.push((tenant, pages));
     }
-    println!(
+    outln!(
         "twm demo: {} tenants on one engine over {devices} device(s) ({} placement), memories \
          from a pool of 6 slots of 4MiB per device",
         tenants.len(),
@@ -211,12 +211,12 @@ pub fn demo<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(), Failure>
                 scratch.push((pool, buffer));
             }
             Err(e) if e.kind() == ErrorKind::Unsupported => {
-                println!("({}: no device pools on this backend)", tenant.name());
+                outln!("({}: no device pools on this backend)", tenant.name());
             }
             Err(e) => return Err(other(&e)),
         }
     }
-    println!(
+    outln!(
         "\n{:<6} {:<8} {:>6} {:<17} {:>6} {:>6} {:>7} {:>12} {:>12} {:>7}",
         "round",
         "tenant",
@@ -277,7 +277,7 @@ pub fn demo<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(), Failure>
             let after = checksum.call(&mut store, ()).map_err(|e| other(&e))?;
             // The guest must see exactly the bytes the kernel wrote.
             let ok = after as u32 == written && after != before;
-            println!(
+            outln!(
                 "{:<6} {:<8} {:>6} {:<17} {:>6} {:>6} {:>7} {:>12} {:>12} {:>7}",
                 round,
                 tenant.name(),
@@ -301,15 +301,15 @@ pub fn demo<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(), Failure>
         guest_launch(&creator, &engine, tenant)?;
     }
     let stats: Vec<_> = tenants.iter().map(|(t, _)| t.stats()).collect();
-    println!(
+    outln!(
         "\n(each tenant still holds {} of kernel scratch in its device pool)\n{}",
         format_bytes(scratch_bytes as u64),
         stats_table(&stats, &creator)
     );
-    println!("{}", occupancy_table(&placement, &creator));
+    outln!("{}", occupancy_table(&placement, &creator));
     drop(scratch);
     let after: Vec<_> = tenants.iter().map(|(t, _)| t.stats()).collect();
-    println!(
+    outln!(
         "every tenant back to zero once the pools are dropped: {}",
         after.iter().all(|s| s.touched_bytes == 0)
     );
@@ -333,7 +333,7 @@ fn cause(trap: &tensor_wasm_mem_wasmtime::wasmtime::Error) -> String {
 fn fault_and_recover<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(), Failure> {
     let other = |e: &dyn std::fmt::Display| Failure::Other(e.to_string());
     let Some(kernels) = B::builtin_kernels() else {
-        println!(
+        outln!(
             "\n(a faulting kernel and the recovery: this backend has no built-in kernels to fault)"
         );
         return Ok(());
@@ -363,14 +363,14 @@ fn fault_and_recover<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(),
             .map_err(|e| other(&e))?;
         Ok((tenant, store, poke))
     };
-    println!("\na faulting kernel, and the recovery (device 0, stream-isolated tenants):");
+    outln!("\na faulting kernel, and the recovery (device 0, stream-isolated tenants):");
     let (mallory, mut m_store, m_poke) = guest("mallory", 101)?;
     let (trent, mut t_store, t_poke) = guest("trent", 102)?;
     let ok = t_poke.call(&mut t_store, 3).map_err(|e| other(&e))?;
-    println!("  trent's guest pokes index 3 of its buffer: {ok} (ran)");
+    outln!("  trent's guest pokes index 3 of its buffer: {ok} (ran)");
     match m_poke.call(&mut m_store, 1 << 20) {
         Ok(code) => return Err(Failure::Other(format!("the fault did not trap ({code})"))),
-        Err(trap) => println!(
+        Err(trap) => outln!(
             "  mallory's guest pokes index 1048576 of 256 bytes: trapped: {}",
             cause(&trap)
         ),
@@ -381,7 +381,7 @@ fn fault_and_recover<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(),
                 "the neighbour did not trap ({code})"
             )));
         }
-        Err(trap) => println!(
+        Err(trap) => outln!(
             "  trent's guest, sharing the lost context, next call: trapped: {}",
             cause(&trap)
         ),
@@ -389,7 +389,7 @@ fn fault_and_recover<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(),
     let fenced = creator.backend().device_fenced(DeviceId(0));
     drop((m_store, t_store));
     let stats = creator.stats();
-    println!(
+    outln!(
         "  fenced while their Stores lived: {fenced}; both Stores gone: recovered {} time(s) in {} \
          us, fenced now: {}, kept memories {}, charged: mallory {} trent {}",
         stats.recoveries,
@@ -401,7 +401,7 @@ fn fault_and_recover<B: Backend + BuiltinKernels>(backend: Arc<B>) -> Result<(),
     );
     let (_, mut store, poke) = guest("victor", 103)?;
     let code = poke.call(&mut store, 5).map_err(|e| other(&e))?;
-    println!("  the next tenant's kernel on device 0: {code} (ran)");
+    outln!("  the next tenant's kernel on device 0: {code} (ran)");
     if !fenced || stats.recoveries != 1 || code != 0 {
         return Err(Failure::Other("the device did not recover".into()));
     }
@@ -418,7 +418,7 @@ fn guest_launch<B: Backend>(
 ) -> Result<(), Failure> {
     let other = |e: &dyn std::fmt::Display| Failure::Other(e.to_string());
     if creator.kernels().is_none() {
-        println!(
+        outln!(
             "\n(guest-launched kernels: this backend has no built-in kernels; an embedder registers its own)"
         );
         return Ok(());
@@ -437,7 +437,7 @@ fn guest_launch<B: Backend>(
     let n = 1024;
     let wrong = saxpy.call(&mut store, n).map_err(|e| other(&e))?;
     drop(store);
-    println!(
+    outln!(
         "\nguest-launched kernel: {}'s guest ran saxpy (y = 2x + y) over {n} floats of its own \
          memory on device {}: {}; launches {}",
         tenant.name(),

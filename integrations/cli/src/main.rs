@@ -1,6 +1,18 @@
 //! `twm`: run Wasm guests on managed memory, demo, probe and benchmark tensor-wasm-mem.
 #![forbid(unsafe_code)]
 
+/// `println!` for the commands: a stdout that cannot be written to (a closed pipe, a full
+/// disk) is a [`Failure`](run::Failure) with a message, never a panic. For functions that
+/// return `Result<_, Failure>`.
+macro_rules! outln {
+    () => {
+        $crate::run::out("")?
+    };
+    ($($arg:tt)*) => {
+        $crate::run::out(&format!($($arg)*))?
+    };
+}
+
 mod backend;
 mod bench;
 mod bytes;
@@ -85,8 +97,7 @@ fn probe_command(args: &probe::ProbeArgs) -> Result<(), Failure> {
             &*b,
             &backend::DescribeDriver::driver(&*b),
             args.json,
-        );
-        Ok::<(), Failure>(())
+        )
     })
 }
 

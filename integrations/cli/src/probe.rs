@@ -55,7 +55,12 @@ fn ranges(peers: &[u32]) -> String {
 }
 
 /// Describes a backend that started.
-pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out: bool) {
+pub fn probe<B: Backend>(
+    kind: BackendKind,
+    backend: &B,
+    driver: &str,
+    json_out: bool,
+) -> Result<(), crate::run::Failure> {
     let caps = backend.capabilities();
     let all: Vec<DeviceId> = (0..backend.device_count()).map(DeviceId).collect();
     let rows = [
@@ -117,15 +122,15 @@ pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out:
             })
             .collect();
         object.insert("device_list".into(), serde_json::Value::Array(list));
-        println!("{}", serde_json::Value::Object(object));
+        outln!("{}", serde_json::Value::Object(object));
     } else {
         for (label, _, v) in rows {
             let shown = v.as_str().map_or_else(|| v.to_string(), str::to_string);
-            println!("{label:<27} {shown}");
+            outln!("{label:<27} {shown}");
         }
         let bytes = |b: Option<u64>| b.map_or_else(|| "unknown".to_string(), approx_bytes);
         let yes = |b: bool| if b { "yes" } else { "no" };
-        println!(
+        outln!(
             "\n{:<8} {:>10} {:>10} {:>18} {:>16} {:>18}  peers",
             "device",
             "memory",
@@ -135,7 +140,7 @@ pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out:
             "host registration"
         );
         for r in &reports {
-            println!(
+            outln!(
                 "{:<8} {:>10} {:>10} {:>18} {:>16} {:>18}  {}",
                 r.device.0,
                 bytes(r.total_bytes),
@@ -147,6 +152,7 @@ pub fn probe<B: Backend>(kind: BackendKind, backend: &B, driver: &str, json_out:
             );
         }
     }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -419,7 +419,7 @@ impl Failure {
 
 /// Writes one line to stdout; a stdout that cannot be written to (a closed pipe, a full disk)
 /// is a failure with a message, never a panic.
-fn out(line: &str) -> Result<(), Failure> {
+pub(crate) fn out(line: &str) -> Result<(), Failure> {
     writeln!(std::io::stdout().lock(), "{line}")
         .map_err(|e| Failure::Other(format!("cannot write to stdout: {e}")))
 }

@@ -472,6 +472,153 @@ fn an_unwritable_stdout_is_an_error_not_a_panic() {
     assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
 }
 
+/// Every command that prints a report answers a stdout it cannot write to (here `/dev/full`;
+/// a closed pipe, as in `twm demo | head -1`, the same) with status 1 and a message: `demo`,
+/// `probe` and `bench` printed with `println!`, which panicked.
+#[test]
+fn every_command_answers_an_unwritable_stdout_without_a_panic() {
+    for args in [
+        &["demo"][..],
+        &["probe"],
+        &["probe", "--json"],
+        &["bench", "--smoke"],
+        &["bench", "--smoke", "--json"],
+    ] {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("/dev/full");
+        let o = bounded(
+            Command::new(env!("CARGO_BIN_EXE_twm"))
+                .args(args)
+                .stdout(full)
+                .stderr(std::process::Stdio::piped()),
+        );
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("cannot write to stdout"),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+        assert!(!stderr(&o).contains("panicked"), "{args:?}: {}", stderr(&o));
+    }
+}
+
+/// `twm bench --smoke`: every row of the full bench, a few lives each (the figures are noise).
+/// Each figure is there and a finite number (a time above zero): a bench that loses a row, or a
+/// setup that stops working, fails here rather than in the next full run.
+#[test]
+fn bench_smoke_reaches_every_row() {
+    let o = twm(&["bench", "--smoke", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("one object");
+    assert_eq!(v["smoke"], true);
+    let positive = |path: &str, x: &serde_json::Value| {
+        let x = x.as_f64().unwrap_or_else(|| panic!("{path}: {x}"));
+        assert!(x.is_finite() && x > 0.0, "{path}: {x}");
+    };
+    let keys = |path: &str, x: &serde_json::Value, expected: &[&str]| {
+        let mut got: Vec<&str> = x
+            .as_object()
+            .unwrap_or_else(|| panic!("{path}: {x}"))
+            .keys()
+            .map(String::as_str)
+            .collect();
+        got.sort_unstable();
+        let mut expected = expected.to_vec();
+        expected.sort_unstable();
+        assert_eq!(got, expected, "{path}");
+    };
+    let instantiate = [
+        "wasmtime_default",
+        "no_memory_floor",
+        "wasmtime_pooling",
+        "twm_fresh",
+        "twm_pooled",
+        "twm_pooled_wasi",
+        "twm_pooled_tenant",
+        "twm_pooled_scrub_ahead",
+        "twm_device_guarded",
+        "twm_device_guarded_pooled",
+        "twm_device_guarded_pooled_scrub_ahead",
+    ];
+    keys("instantiate_us", &v["instantiate_us"], &instantiate);
+    for k in instantiate {
+        positive(k, &v["instantiate_us"][k]);
+    }
+    keys("grow_ns", &v["grow_ns"], &["wasmtime_default", "twm"]);
+    let loops = [
+        "wasmtime_default",
+        "twm_checked",
+        "twm_guarded",
+        "twm_device_guarded",
+        "twm_checked_epochs",
+        "twm_checked_fuel",
+    ];
+    for shape in [
+        "fixed_scalar",
+        "fixed_simd",
+        "growable_scalar",
+        "growable_simd",
+    ] {
+        let row = &v["guest_loop_detail_ms"][shape];
+        keys(shape, row, &loops);
+        for k in loops {
+            positive(&format!("{shape}.{k}"), &row[k]);
+        }
+    }
+    for size in ["64KiB", "1MiB", "64MiB"] {
+        for k in ["twm_scope", "explicit_copy", "twm_guest_launch"] {
+            positive(&format!("{size}.{k}"), &v["kernel_roundtrip_us"][size][k]);
+        }
+    }
+    for k in ["wasmtime_default", "twm"] {
+        positive(k, &v["grow_ns"][k]);
+        let rss = v["rss_1000_mib"][k].as_f64().expect("rss");
+        assert!(rss.is_finite() && rss >= 0.0, "rss {k}: {rss}");
+    }
+    for k in ["least-held", "round-robin"] {
+        positive(k, &v["placement"]["decision_ns"][k]);
+    }
+    for k in ["guest_launch_fill_4KiB", "guest_launch_noop"] {
+        positive(k, &v["launch_us"][k]);
+    }
+    for setup in ["wasmtime_pooling", "twm_pooled"] {
+        keys(
+            setup,
+            &v["instantiate_threads_cpu_us"][setup],
+            &["1", "2", "8", "32"],
+        );
+        for threads in ["1", "2", "8", "32"] {
+            positive(setup, &v["instantiate_threads_cpu_us"][setup][threads]);
+        }
+    }
+    for setup in [
+        "twm_pooled",
+        "twm_pooled_scrub_ahead",
+        "twm_device_guarded_pooled",
+        "twm_device_guarded_pooled_scrub_ahead",
+    ] {
+        positive(setup, &v["instantiate_process_cpu_us"][setup]);
+    }
+    for k in ["acquire_release_untouched", "acquire_release_scrub_64KiB"] {
+        positive(k, &v["pool_steps_us"][k]);
+    }
+    // The table: every instantiation setup on a row of its own, the targets judged.
+    let o = twm(&["bench", "--smoke"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let table = stdout(&o);
+    assert!(table.contains("--smoke"), "{table}");
+    for k in instantiate {
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with("instantiate+call+drop") && l.contains(&format!(" {k} "))),
+            "{k}: {table}"
+        );
+    }
+}
+
 #[test]
 fn a_many_memory_module_at_cap_zero_is_denied_by_the_held_budget() {
     let memories = "(memory 0) ".repeat(64);

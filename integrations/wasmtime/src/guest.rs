@@ -239,11 +239,11 @@ impl<B: Backend> Drop for EndScopeWork<'_, B> {
 }
 
 impl<B: Backend> Drop for GuestContext<B> {
-    /// Waits for the stream's work (a tenant's own stream; a refusal that may pass is tried
-    /// again), then releases it. Released, or waited for and then refused its destroy (the
-    /// backend keeps counting the handle), it leaves the Store's list and the memories go back;
-    /// a wait the backend keeps refusing leaves work that may still run, and the Store's
-    /// memories are then kept rather than given back (`docs/SAFETY.md`, teardown).
+    /// Waits for the stream's work (a refusal that may pass is tried again), then releases it.
+    /// Released, or waited for and then refused its destroy (the backend keeps counting the
+    /// handle), it leaves the Store's list and the memories go back; a wait the backend keeps
+    /// refusing leaves work that may still run, and the Store's memories are then kept rather
+    /// than given back (`docs/SAFETY.md`, teardown).
     fn drop(&mut self) {
         // A scope forgotten over this Store held device work: it ends with the Store, once the
         // stream (its kernels included) was waited for.
@@ -258,8 +258,9 @@ impl<B: Backend> Drop for GuestContext<B> {
         let id = lease.stream().key();
         // The work first, apart from the destroy: once it is waited for, nothing queued on the
         // stream can touch the Store's memories, whatever the destroy then answers.
-        let quiet = !lease.stream().is_shared()
-            && crate::lifecycle::wait_for_work(&**lease.provider(), id).is_ok();
+        // (A shared tenant's release is itself a wait on the default stream: waited for here
+        // first, its refusal that may pass is tried again too.)
+        let quiet = crate::lifecycle::wait_for_work(&**lease.provider(), id).is_ok();
         match (lease.release(), &self.store) {
             (Ok(()), Some(store)) => store.remove_stream(id),
             (Ok(()), None) => {}

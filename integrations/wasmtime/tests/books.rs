@@ -526,7 +526,7 @@ fn review_a_stream_not_released_keeps_its_stores_memory() {
 
 /// A destroy refused after the stream's work was waited for (of a stream-isolated tenant's
 /// stream, or of a context-isolated tenant's context after its last stream), or a wait refused
-/// once and then done: the work is provably done, so the Store's memory goes back, uncharged,
+/// once and then done (a shared tenant's release is only that wait): the work is provably done, so the Store's memory goes back, uncharged,
 /// and the next tenant gets its slot scrubbed after the late write, not under it. Before, one
 /// plain refusal kept the memory, slot and charge, for the creator's life (a red team drained a
 /// pool so).
@@ -538,6 +538,11 @@ fn review_a_stream_not_released_keeps_its_stores_memory() {
     IsolationLevel::StreamIsolated,
     &[(Call::StreamSynchronize, 1), (Call::StreamSynchronize, 2), (Call::StreamDestroy, 1)]
 )]
+#[case::the_releases_own_wait_and_destroy(
+    IsolationLevel::StreamIsolated,
+    &[(Call::StreamSynchronize, 2), (Call::StreamDestroy, 1)]
+)]
+#[case::a_shared_tenants_wait_refused_once(IsolationLevel::Shared, &[(Call::StreamSynchronize, 1)])]
 fn a_refused_destroy_after_the_wait_gives_the_memory_back(
     #[case] level: IsolationLevel,
     #[case] refusals: &[(Call, u64)],

@@ -34,12 +34,21 @@ struct Rig {
 
 /// One pool slot, so every tenant's memory is the previous tenant's slot.
 fn rig() -> Rig {
+    rig_of(1)
+}
+
+/// A pool of `slots` slots, every one of which a tenant may hold.
+fn rig_of(slots: usize) -> Rig {
     let backend = Arc::new(tensor_wasm_mem_mock::with_config(MockConfig {
         deferred_streams: true,
         ..MockConfig::default()
     }));
     let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
-        .pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 * PAGE, 1)]))
+        .pool(PoolConfig::new(
+            DeviceId(0),
+            [SizeClass::new(4 * PAGE, slots)],
+        ))
+        .slots_per_tenant(slots)
         .build()
         .unwrap();
     let engine = creator.engine().unwrap();
@@ -55,9 +64,14 @@ fn rig() -> Rig {
 
 impl Rig {
     fn tenant(&self, id: u64, isolation: IsolationLevel) -> (Store<Data>, Memory) {
-        let engine = self.module.engine();
         let tenant = Tenant::new(id, format!("t{id}"), 4 * PAGE as u64, isolation);
-        let data = TenantStore::new(&self.creator, &tenant, ChargeMode::Touched, ());
+        self.store_of(&tenant)
+    }
+
+    /// A Store of `tenant` (one of several, maybe) with its instance's memory.
+    fn store_of(&self, tenant: &Arc<Tenant>) -> (Store<Data>, Memory) {
+        let engine = self.module.engine();
+        let data = TenantStore::new(&self.creator, tenant, ChargeMode::Touched, ());
         let mut store = new_store(engine, data);
         let instance = instantiate(&mut store, &self.linker, &self.module).unwrap();
         let memory = instance.get_memory(&mut store, "memory").unwrap();
@@ -210,6 +224,47 @@ fn into_data_a_wait_refused_once_is_tried_again(
     drop(data);
     assert!(memory.data(&b).iter().all(|&x| x == 0));
     assert_eq!(rig.backend.driver().stats().scrubs_over_pending_work, 0);
+}
+
+/// A context-isolated tenant with two Stores in its one context: A's stream is waited for and
+/// its destroy refused (its memory goes back, as the work is done) while B's fill is still
+/// queued on B's stream. A's slot reaches another tenant scrubbed with nothing pending over it,
+/// and B's late fill lands in B's memory only.
+#[test]
+fn a_refused_destroy_gives_back_only_what_its_own_wait_covered() {
+    let rig = rig_of(3);
+    let tenant = Tenant::new(1, "c", 8 * PAGE as u64, CONTEXT);
+    let (mut a, memory_a) = rig.store_of(&tenant);
+    let (mut b, memory_b) = rig.store_of(&tenant);
+    let base = |store: &Store<Data>, memory: &Memory| {
+        rig.creator
+            .resolve(store, memory, 0, PAGE as u64)
+            .unwrap()
+            .device_ptr()
+    };
+    let slot_a = base(&a, &memory_a);
+    rig.queue_fill(&mut a, &memory_a, 0xaa);
+    rig.queue_fill(&mut b, &memory_b, 0xbb);
+    rig.backend
+        .driver()
+        .fail_call(tensor_wasm_mem_mock::Call::StreamDestroy, 1, 999);
+    drop(a);
+    assert_eq!(
+        rig.creator.stats().kept_memories,
+        0,
+        "A's memory given back"
+    );
+    assert_eq!(
+        rig.backend.driver().pending_work(),
+        1,
+        "B's fill still queued"
+    );
+    let (c, memory_c) = rig.tenant(2, STREAM);
+    assert_eq!(base(&c, &memory_c), slot_a, "C has A's slot");
+    assert!(memory_c.data(&c).iter().all(|&x| x == 0), "C sees zeros");
+    drop(b);
+    assert_eq!(rig.backend.driver().stats().scrubs_over_pending_work, 0);
+    assert!(memory_c.data(&c).iter().all(|&x| x == 0), "and still does");
 }
 
 /// The same without a pool: the memory's allocation is freed at once when it goes, so a wait
