@@ -302,15 +302,18 @@ impl<D: DriverApi> DriverBackend<D> {
     }
 
     /// Destroys a context no one uses; if the driver refuses, it stays counted and retired.
-    /// Destroyed, it takes with it the streams in it whose destroy the driver refused before,
-    /// and the contexts retired before are tried again (the driver that refused them may take
-    /// them now): a refusal does not keep a context, and the device memory it holds, for the
-    /// backend's life while other contexts come and go.
+    /// Destroyed, it takes with it the streams in it whose destroy the driver refused before.
     fn destroy_context(&self, context: DriverContext) -> Result<(), D::Error> {
         match self.driver.context_destroy(context) {
             Ok(()) => {
-                self.forget_context(context, false);
-                self.retry_retired_contexts();
+                let mut state = self.state.lock();
+                let before = state.streams.len();
+                state
+                    .streams
+                    .retain(|_, r| !(r.context == context && r.life == Life::Failed));
+                let gone = (before - state.streams.len()) as u64;
+                state.stats.live_streams -= gone;
+                state.stats.pending_releases = state.stats.pending_releases.saturating_sub(gone);
                 Ok(())
             }
             Err(e) => {
@@ -319,36 +322,6 @@ impl<D: DriverApi> DriverBackend<D> {
                 state.stats.live_contexts += 1;
                 state.release_failed(true);
                 Err(e)
-            }
-        }
-    }
-}
-
-impl<D: DriverApi> DriverBackend<D> {
-    /// Counts `context` destroyed: the streams in it whose destroy the driver refused go with
-    /// it, and a context destroyed on a retry (`retired`) is no longer live nor pending.
-    fn forget_context(&self, context: DriverContext, retired: bool) {
-        let mut state = self.state.lock();
-        let before = state.streams.len();
-        state
-            .streams
-            .retain(|_, r| !(r.context == context && r.life == Life::Failed));
-        let gone = (before - state.streams.len()) as u64 + u64::from(retired);
-        state.stats.live_streams -= gone - u64::from(retired);
-        state.stats.pending_releases = state.stats.pending_releases.saturating_sub(gone);
-        if retired {
-            state.stats.live_contexts -= 1;
-        }
-    }
-
-    /// Tries once more to destroy each context whose destroy the driver refused before; one
-    /// refused again stays retired (tried at the next destroy, and at the backend's drop).
-    fn retry_retired_contexts(&self) {
-        let retired = core::mem::take(&mut self.state.lock().retired_contexts);
-        for context in retired {
-            match self.driver.context_destroy(context) {
-                Ok(()) => self.forget_context(context, true),
-                Err(_) => self.state.lock().retired_contexts.push(context),
             }
         }
     }
