@@ -53,6 +53,17 @@ pub enum Refusal {
         /// The stream.
         stream: DriverStream,
     },
+    /// A context-isolated tenant's stream asked for on another device than the one its context
+    /// is on (a tenant has one context, on one device, while it has streams).
+    #[error(
+        "a context-isolated tenant's stream on {device}: its context is on {context_device} while it has streams there"
+    )]
+    ContextOnAnotherDevice {
+        /// The device asked for.
+        device: DeviceId,
+        /// The device of the tenant's context.
+        context_device: DeviceId,
+    },
     /// The driver (or its binding) has no stream-ordered memory pools.
     #[error("this backend has no device memory pools")]
     NoDevicePools,
@@ -156,7 +167,8 @@ impl Refusal {
             | Self::UnknownStream { .. }
             | Self::AttachedHost { .. }
             | Self::AlreadyAttached { .. }
-            | Self::ForeignStream { .. } => ErrorKind::InvalidArgument,
+            | Self::ForeignStream { .. }
+            | Self::ContextOnAnotherDevice { .. } => ErrorKind::InvalidArgument,
         }
     }
 }

@@ -358,6 +358,37 @@ pub fn failed_context_destroy_stays_counted_until_drop<H: Harness>() {
     drop_and_check_driver::<H>(b);
 }
 
+/// A context-isolated tenant has one context, on one device: a stream on another device while
+/// it has streams is refused, typed (before, the stream was made in the first device's context
+/// and recorded as on the second). Once its last stream is gone, its next may be anywhere.
+pub fn a_context_isolated_tenants_context_is_on_one_device<H: Harness>() {
+    let b = H::backend();
+    if b.device_count() < 2 {
+        return skip("one device");
+    }
+    let (level, d1) = (IsolationLevel::ContextIsolated, DeviceId(1));
+    let tenant = TenantKey::fresh(TenantId(1));
+    let first = b
+        .acquire_stream_on(tenant, level, D0)
+        .expect("a stream on device 0");
+    let err = b
+        .acquire_stream_on(tenant, level, d1)
+        .expect_err("its context is on device 0");
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    let again = b
+        .acquire_stream_on(tenant, level, D0)
+        .expect("its own device");
+    assert_eq!(again.context(), first.context(), "one context");
+    b.release_stream(again).expect("release");
+    b.release_stream(first).expect("release");
+    let moved = b
+        .acquire_stream_on(tenant, level, d1)
+        .expect("no stream left: device 1");
+    assert_eq!(moved.device(), d1);
+    b.release_stream(moved).expect("release");
+    drop_and_check_driver::<H>(b);
+}
+
 /// A device pool whose destroy fails (the driver refuses `cuMemPoolDestroy`, or making its
 /// device's context current fails) stays counted with its blocks, and is freed at drop.
 pub fn failed_pool_destroy_stays_counted_until_drop<H: Harness>() {

@@ -34,9 +34,11 @@ pub(super) struct StreamRecord {
 /// it" and "last user destroys it" are each one decision: `users` counts the tenant's streams in
 /// it plus the acquirers between [`join`](DriverBackend::join_tenant_context) and their stream
 /// (or their failure), and the entry leaves the table in the same step that takes `users` to 0.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct TenantContextEntry {
     pub(super) context: Option<DriverContext>,
+    /// The device its context is (or is being made) on: the first user's.
+    pub(super) device: DeviceId,
     pub(super) users: u64,
     /// A kernel fault poisoned it (counted once): it goes with the tenant's last stream.
     pub(super) lost: bool,
@@ -245,7 +247,21 @@ impl<D: DriverApi> DriverBackend<D> {
     ) -> Result<DriverContext, D::Error> {
         let installed = {
             let mut state = self.state.lock();
-            let entry = state.contexts.entry(tenant).or_default();
+            let entry = state.contexts.entry(tenant).or_insert(TenantContextEntry {
+                context: None,
+                device,
+                users: 0,
+                lost: false,
+            });
+            if entry.device != device {
+                // Handed its context on the other device, the stream would be made there and
+                // recorded here (the entry has users: it is not empty).
+                return Err(Refusal::ContextOnAnotherDevice {
+                    device,
+                    context_device: entry.device,
+                }
+                .into());
+            }
             entry.users += 1;
             entry.context
         };
@@ -262,7 +278,12 @@ impl<D: DriverApi> DriverBackend<D> {
         };
         let mut state = self.state.lock();
         // This call's user keeps the entry in the table.
-        let entry = state.contexts.entry(tenant).or_default();
+        let entry = state.contexts.entry(tenant).or_insert(TenantContextEntry {
+            context: None,
+            device,
+            users: 0,
+            lost: false,
+        });
         match entry.context {
             Some(installed) => {
                 drop(state);
