@@ -2,7 +2,7 @@
 #![forbid(unsafe_code)]
 
 /// `println!` for the commands: a stdout that cannot be written to (a closed pipe, a full
-/// disk) is a [`Failure`](run::Failure) with a message, never a panic. For functions that
+/// disk) is a [`Failure`] with a message, never a panic. For functions that
 /// return `Result<_, Failure>`.
 macro_rules! outln {
     () => {
