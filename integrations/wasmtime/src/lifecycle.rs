@@ -463,8 +463,9 @@ pub(crate) fn wait_for_work<B: Backend>(
 }
 
 impl<B: Backend> MemoryRecord<B> {
-    /// Waits for the Store's live streams (each as [`wait_for_work`] does); `false` if a wait failed or a stream of the Store
-    /// could not be released (work queued there may still run).
+    /// Waits for the Store's live streams (each as [`wait_for_work`] does); `false` if a wait
+    /// failed or a stream of the Store could not be released (work queued there may still
+    /// run).
     fn streams_quiet(&self, held: &Held<B>) -> bool {
         let Some(books) = &self.books else {
             return true;
