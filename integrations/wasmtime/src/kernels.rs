@@ -602,15 +602,41 @@ pub(crate) fn launch_call<B: Backend, T: HasGuestContext<B>>(
     let context = caller.data_mut().guest_context();
     let counters = Arc::clone(context.kernel_counters());
     let registry = context.creator().kernels().ok_or(TWM_ERR_UNKNOWN_KERNEL);
-    let result =
-        registry.and_then(|r| prepare_and_launch(caller, &r, handle, args_ptr, nargs, &counters));
+    let result = registry
+        .map_err(NotRun::from)
+        .and_then(|r| prepare_and_launch(caller, &r, handle, args_ptr, nargs, &counters));
     let counter = match result {
         Ok(()) => &counters.launches,
-        Err(TWM_ERR_KERNEL_FAULT | TWM_ERR_DEVICE_LOST) => &counters.failures,
-        Err(_) => &counters.refused,
+        Err(NotRun::Failed(_)) => &counters.failures,
+        Err(NotRun::Refused(_)) => &counters.refused,
     };
     counter.fetch_add(1, Ordering::AcqRel);
-    result
+    result.map_err(NotRun::code)
+}
+
+/// Why a launch did not complete, with the guest's code: turned away before anything was
+/// queued (counted in the tenant's `refused_launches`: a bad argument, too many in flight, a
+/// device lost before the launch), or failed once launched (its `kernel_failures`). A
+/// neighbour's fault that fences the device before this launch runs is not this tenant's
+/// kernel failure.
+#[derive(Clone, Copy, Debug)]
+enum NotRun {
+    Refused(i32),
+    Failed(i32),
+}
+
+impl NotRun {
+    fn code(self) -> i32 {
+        match self {
+            Self::Refused(code) | Self::Failed(code) => code,
+        }
+    }
+}
+
+impl From<i32> for NotRun {
+    fn from(code: i32) -> Self {
+        Self::Refused(code)
+    }
 }
 
 fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
@@ -620,7 +646,7 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
     args_ptr: i32,
     nargs: i32,
     counters: &KernelCounters,
-) -> Result<(), i32> {
+) -> Result<(), NotRun> {
     let entry = usize::try_from(handle)
         .ok()
         .and_then(|i| registry.entries.get(i))
@@ -662,7 +688,8 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
         return Err(crate::guest::code_for(&TwmError::DeviceMismatch {
             memory: device,
             stream: stream.device(),
-        }));
+        })
+        .into());
     }
     for &(offset, len, _) in &checked.ranges {
         // Pages go to the device where it migrates them; elsewhere this is refused as
@@ -687,14 +714,14 @@ fn launch_and_wait<B: Backend>(
     launcher: &dyn KernelLauncher<B>,
     launch: &Launch<'_>,
     counters: &KernelCounters,
-) -> Result<(), i32> {
+) -> Result<(), NotRun> {
     let backend = creator.backend();
     // Device work of the layer's own: no reset of the primary context overlaps the launch and
     // its wait (the launcher's modules there stay valid while it runs). Refused on a fenced
     // device: the tenant's device state is lost, the guest traps.
     if let Err(e) = creator.begin_device_work(launch.device) {
         tracing::debug!(error = %e, "twm: a launch on a fenced device");
-        return Err(TWM_ERR_DEVICE_LOST);
+        return Err(NotRun::Refused(TWM_ERR_DEVICE_LOST));
     }
     // Ended after the wait (also while unwinding); on a fenced device the automatic recovery
     // it held back runs then.
@@ -706,7 +733,7 @@ fn launch_and_wait<B: Backend>(
         // A launcher told of a recovery called back into the creator, and this launch came
         // from there: a launcher after it may not have heard yet. Refused, as on a lost device.
         tracing::debug!("twm: a launch from inside a launcher's device_recovered: refused");
-        return Err(TWM_ERR_DEVICE_LOST);
+        return Err(NotRun::Refused(TWM_ERR_DEVICE_LOST));
     }
     // A fault this launch's wait sees happened during it (the work began on a healthy device,
     // and no recovery comes until it ends): counted against this tenant if no other launch
@@ -742,7 +769,7 @@ fn launch_and_wait<B: Backend>(
                 counters.faults.fetch_add(1, Ordering::AcqRel);
             }
         }
-        code
+        NotRun::Failed(code)
     })
 }
 

@@ -458,11 +458,16 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
     /// and each must be aligned to `P` and a whole number of them ([`TwmError::HostView`]).
     /// `None` for a backing the host cannot access.
     pub fn host_slices_mut<P: bytemuck::Pod>(&mut self) -> Result<Option<Vec<&mut [P]>>, TwmError> {
-        let mut order: Vec<usize> = (0..self.entries.len()).collect();
+        // The non-empty ranges by start: two of them overlap only if some range overlaps the
+        // next one in this order. (An empty range holds no byte, so it overlaps nothing; left
+        // in the order it would stand between two ranges that overlap and hide them.)
+        let mut order: Vec<usize> = (0..self.entries.len())
+            .filter(|&i| !self.entries[i].range.is_empty())
+            .collect();
         order.sort_by_key(|&i| self.entries[i].range.start);
         for pair in order.windows(2) {
             let (a, b) = (&self.entries[pair[0]].range, &self.entries[pair[1]].range);
-            if b.start < a.end && !a.is_empty() && !b.is_empty() {
+            if b.start < a.end {
                 return Err(TwmError::OverlappingRanges {
                     first: pair[0].min(pair[1]),
                     second: pair[0].max(pair[1]),

@@ -147,9 +147,9 @@ pub struct TenantStats {
     /// Kernels its guests launched that ran ([`kernels`](crate::kernels)).
     pub launches: u64,
     /// Launches refused before anything was queued (a bad argument, an unknown kernel, too
-    /// many in flight).
+    /// many in flight, its device state lost before the launch: a neighbour's fault).
     pub refused_launches: u64,
-    /// Launches whose kernel failed on the device.
+    /// Launches whose kernel failed on the device, once launched.
     pub kernel_failures: u64,
     /// Host calls that found the tenant's device state lost to a kernel fault (each trapped its
     /// guest with [`TwmError::DeviceLost`](crate::TwmError::DeviceLost)): the tenant that faulted

@@ -326,6 +326,52 @@ fn typed_host_views_of_several_ranges_in_one_scope() {
         ),
         "{e:?}"
     );
+    // An empty range between two that overlap hides nothing (it once stood between them in
+    // the check, and two `&mut` views of the same bytes were handed out); empty ranges beside
+    // ranges that only touch are fine.
+    let hidden = [
+        AccessRange::read_write(0, 100),
+        AccessRange::read_write(10, 0),
+        AccessRange::read_write(50, 10),
+    ];
+    let e = DeviceAccess::try_run(
+        &mut store,
+        &creator,
+        &memory,
+        &hidden,
+        ScopeOptions::default(),
+        |scope| scope.host_slices_mut::<u8>().map(|_| ()),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TwmError::OverlappingRanges {
+                first: 0,
+                second: 2
+            }
+        ),
+        "{e:?}"
+    );
+    let touching = [
+        AccessRange::read_write(0, 10),
+        AccessRange::read_write(10, 0),
+        AccessRange::read_write(10, 0),
+        AccessRange::read_write(10, 10),
+    ];
+    let lens = DeviceAccess::try_run(
+        &mut store,
+        &creator,
+        &memory,
+        &touching,
+        ScopeOptions::default(),
+        |scope| {
+            let views = scope.host_slices_mut::<u8>()?.expect("host-accessible");
+            Ok::<_, TwmError>(views.iter().map(|v| v.len()).collect::<Vec<_>>())
+        },
+    )
+    .unwrap();
+    assert_eq!(lens, [10, 0, 0, 10]);
     let odd = [AccessRange::read(2, 8)];
     let e = DeviceAccess::try_run(
         &mut store,

@@ -321,6 +321,44 @@ fn a_launch_on_a_memory_that_grew_sees_its_new_size() {
     assert_eq!(g.memory.data(&g.store)[past as usize], 9);
 }
 
+/// A tenant's fault fences the device (a stream-isolated tenant: the primary context); its
+/// neighbour's next launch is turned away before its kernel runs. That is a refused launch and
+/// a lost device for the neighbour, not a kernel failure nor a fault of its own (a hostile
+/// tenant could otherwise make its neighbours' figures read as if their kernels failed).
+#[test]
+fn a_neighbours_launch_turned_away_by_a_fence_is_not_its_kernel_failure() {
+    let creator = TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default()))
+        .kernels(kernels::builtin())
+        .build()
+        .unwrap();
+    let mut a = guest(&creator);
+    let tenant_b = Tenant::new(2, "b", 1 << 20, IsolationLevel::StreamIsolated);
+    let mut b = guest_on(&creator, &tenant_b);
+    let fill = b.kernel("fill");
+    assert_eq!(b.launch(fill, &[(X, 16), (1, 0)]), 0);
+    let poke = a.kernel("poke");
+    // An index past its 4-byte buffer: the kernel's assert faults the primary context.
+    a.launch_losing_the_device(poke, &[(X, 4), (9, 0), (1, 0)]);
+    b.launch_losing_the_device(fill, &[(X, 16), (1, 0)]);
+    let (sa, sb) = (a.tenant.stats(), b.tenant.stats());
+    assert_eq!(
+        (sa.kernel_failures, sa.kernel_faults),
+        (1, 1),
+        "the faulting tenant"
+    );
+    assert_eq!(
+        (
+            sb.launches,
+            sb.refused_launches,
+            sb.kernel_failures,
+            sb.kernel_faults
+        ),
+        (1, 1, 0, 0),
+        "the neighbour: one launch ran, one was turned away"
+    );
+    assert!(sb.device_lost >= 1);
+}
+
 #[test]
 fn a_launch_whose_kernel_faults_is_a_code_and_a_failure_in_the_figures() {
     let creator = creator_with(faulting_registry());
