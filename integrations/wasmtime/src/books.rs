@@ -296,7 +296,8 @@ impl StoreBooks {
         lock(&self.streams).clone()
     }
 
-    /// A stream of the Store could not be released: its work may still run.
+    /// A stream of the Store could not be released, or a wait for it failed: its work may
+    /// still run.
     pub(crate) fn mark_unsettled(&self) {
         self.unsettled.store(true, Ordering::Release);
     }

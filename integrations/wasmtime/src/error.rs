@@ -255,6 +255,18 @@ pub enum TwmError {
     /// [`interop`](crate::interop)): why.
     #[error("interop: {0}")]
     Interop(String),
+    /// The wait for a guest's kernel failed (a plain driver error, three tries) and the kernel
+    /// may still run: the guest traps rather than go on over memory the kernel may still write,
+    /// and the Store's memories are kept when it goes (never scrubbed for another tenant under
+    /// the kernel). The embedder drops the Store.
+    #[error(
+        "twm.{op}: waiting for the guest's kernel failed and it may still run (the guest traps; \
+         drop its Store, whose memories are kept)"
+    )]
+    WorkMayRun {
+        /// The host call (`launch`).
+        op: &'static str,
+    },
     /// A guest's host call found its tenant's device state lost to a kernel fault (its device
     /// is fenced, or its own context is gone): the guest traps with this error. The embedder
     /// drops the Store; the device comes back with
@@ -339,6 +351,7 @@ impl TwmError {
             Self::Launch(_) => ErrorKind::Driver,
             Self::Interop(_) => ErrorKind::Unsupported,
             Self::DeviceLost { .. } => ErrorKind::ContextLost,
+            Self::WorkMayRun { .. } => ErrorKind::Driver,
         }
     }
 

@@ -293,6 +293,20 @@ impl<B: Backend> Drop for GuestContext<B> {
     }
 }
 
+impl<B: Backend> GuestContext<B> {
+    /// A wait for the Store's stream failed and its work may still run: the Store's memories are
+    /// kept when it goes (busy, never scrubbed for another tenant), as after a release the
+    /// driver refused.
+    pub(crate) fn work_may_run(&self) {
+        tracing::warn!(
+            "twm: a wait for a guest's stream failed: its Store's memories will be kept"
+        );
+        if let Some(store) = &self.store {
+            store.mark_unsettled();
+        }
+    }
+}
+
 /// Store data that holds a [`GuestContext`].
 pub trait HasGuestContext<B: Backend>: 'static {
     /// The guest context.
@@ -505,6 +519,11 @@ fn finish<B: Backend, T: HasGuestContext<B>>(
                 "twm: a guest's device state was lost to a kernel fault: it traps"
             );
             Err(TwmError::DeviceLost { op }.into())
+        }
+        Err(crate::kernels::WORK_MAY_RUN) => {
+            // The guest's kernel may still write its memory: the guest cannot go on over it.
+            context.failed_calls += 1;
+            Err(TwmError::WorkMayRun { op }.into())
         }
         Err(code) => {
             context.failed_calls += 1;

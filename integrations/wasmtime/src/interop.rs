@@ -127,8 +127,10 @@ pub mod cudarc {
         }
 
         /// Range `i` of the scope as a `CudaSlice<E>` of `len / size_of::<E>()` elements (the
-        /// range's length must be a multiple), for reading; `None` for no such range.
-        pub fn slice<E: DeviceRepr>(
+        /// range's length must be a multiple), for reading; `None` for no such range. `E` is a
+        /// type every byte pattern is a value of (`bytemuck::AnyBitPattern`: `u8`, `f32`,
+        /// `u32`..., not `bool`): the guest wrote the bytes.
+        pub fn slice<E: DeviceRepr + bytemuck::AnyBitPattern>(
             &self,
             i: usize,
         ) -> Option<Result<GuestCudaSlice<'_, E>, TwmError>> {
@@ -139,14 +141,14 @@ pub mod cudarc {
         /// read-write ([`Access`]); a read-only one is [`TwmError::Interop`]. Two calls give two
         /// writable views of one range, as two kernels may write one buffer: ordering them is
         /// the stream's (both on [`stream`](Self::stream)), not the borrow checker's.
-        pub fn slice_mut<E: DeviceRepr>(
+        pub fn slice_mut<E: DeviceRepr + bytemuck::AnyBitPattern>(
             &self,
             i: usize,
         ) -> Option<Result<GuestCudaSlice<'_, E>, TwmError>> {
             self.view(i, true)
         }
 
-        fn view<E: DeviceRepr>(
+        fn view<E: DeviceRepr + bytemuck::AnyBitPattern>(
             &self,
             i: usize,
             write: bool,
@@ -157,7 +159,7 @@ pub mod cudarc {
 
         /// Range `i`, `(ptr, bytes, access)`, as a `CudaSlice<E>`, checked for `write`, whole
         /// elements and alignment.
-        fn upgrade<E: DeviceRepr>(
+        fn upgrade<E: DeviceRepr + bytemuck::AnyBitPattern>(
             &self,
             i: usize,
             (ptr, bytes, access): (u64, u64, Access),
@@ -181,8 +183,9 @@ pub mod cudarc {
             let len = usize::try_from(bytes / size)
                 .map_err(|_| TwmError::Interop(format!("range {i} is too long")))?;
             // SAFETY: `ptr..ptr + bytes` is a checked range of the guest's live memory, valid
-            // for the scope's borrow (which the returned value keeps); `E: DeviceRepr` is
-            // plain data, and every byte pattern of guest memory is what the guest wrote. The
+            // for the scope's borrow (which the returned value keeps); `E` is plain data that
+            // every byte pattern is a valid value of (`AnyBitPattern`: guest memory holds what
+            // the guest wrote, so not `bool`, whose byte 2 would be undefined behaviour). The
             // slice is never freed by cudarc: `GuestCudaSlice` leaks it when dropped.
             let slice = unsafe { self.stream.upgrade_device_ptr::<E>(ptr, len) };
             Ok(GuestCudaSlice {

@@ -63,6 +63,9 @@ pub const TWM_ERR_BUSY: i32 = -11;
 /// The tenant's device state was lost to a kernel fault. Never reaches a guest: the host call
 /// traps with [`TwmError::DeviceLost`] instead.
 pub(crate) const TWM_ERR_DEVICE_LOST: i32 = -12;
+/// The wait for a guest's kernel failed and it may still run. Never reaches a guest: the host
+/// call traps with [`TwmError::WorkMayRun`] instead (and the Store's memories are kept).
+pub(crate) const WORK_MAY_RUN: i32 = -13;
 
 /// The most arguments a kernel takes.
 pub const MAX_KERNEL_ARGS: usize = 32;
@@ -611,6 +614,9 @@ pub(crate) fn launch_call<B: Backend, T: HasGuestContext<B>>(
         Err(NotRun::Refused(_)) => &counters.refused,
     };
     counter.fetch_add(1, Ordering::AcqRel);
+    if matches!(result, Err(NotRun::Failed(WORK_MAY_RUN))) {
+        caller.data_mut().guest_context().work_may_run();
+    }
     result.map_err(NotRun::code)
 }
 
@@ -756,6 +762,14 @@ fn launch_and_wait<B: Backend>(
         r.as_ref()
             .is_err_and(|e| e.kind() == tensor_wasm_mem_core::ErrorKind::ContextLost)
     };
+    if let Err(e) = &waited
+        && !lost(&waited)
+    {
+        // Refused with a plain error, three tries: the kernel may still run, and the guest must
+        // not go on over memory it may write (the host call traps).
+        tracing::warn!(error = %e, "twm: waiting for a guest's kernel failed: it may still run");
+        return Err(NotRun::Failed(WORK_MAY_RUN));
+    }
     let result = if lost(&waited) && !lost(&launched) {
         waited
     } else {
@@ -823,11 +837,10 @@ struct WaitOnDrop<'a, B: Backend> {
 }
 
 impl<B: Backend> WaitOnDrop<'_, B> {
-    /// Waits now, with the driver's answer.
+    /// Waits now (a refusal that may pass tried again: `lifecycle::wait_for_work`), with the
+    /// driver's answer.
     fn now(self) -> Result<(), TwmError> {
-        let waited = self
-            .backend
-            .synchronize(self.stream)
+        let waited = crate::lifecycle::wait_for_work(self.backend, self.stream.key())
             .map_err(TwmError::backend);
         std::mem::forget(self);
         waited
@@ -836,7 +849,7 @@ impl<B: Backend> WaitOnDrop<'_, B> {
 
 impl<B: Backend> Drop for WaitOnDrop<'_, B> {
     fn drop(&mut self) {
-        if let Err(e) = self.backend.synchronize(self.stream) {
+        if let Err(e) = crate::lifecycle::wait_for_work(self.backend, self.stream.key()) {
             tracing::warn!(error = %e, "twm: waiting for a guest's stream after a launcher's panic failed");
         }
     }

@@ -538,7 +538,7 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
 
     fn wait_and_undo(&mut self) -> Result<(), TwmError> {
         let backend = self.memory.backend()?;
-        let waited = backend.synchronize(self.stream).map_err(TwmError::backend);
+        let waited = self.wait(&*backend);
         let mut result = waited;
         for range in std::mem::take(&mut self.advised) {
             let unset = self.memory.advise(&range, Advice::UnsetReadMostly);
@@ -554,10 +554,25 @@ impl<T: 'static, B: Backend> DeviceAccess<'_, T, B> {
                 result = result.and(back);
             }
             // Whatever was queued is waited for, even after a failed prefetch.
-            let waited = backend.synchronize(self.stream).map_err(TwmError::backend);
+            let waited = self.wait(&*backend);
             result = result.and(waited);
         }
         result
+    }
+
+    /// Waits for the stream, trying again after a refusal that may pass
+    /// (`lifecycle::wait_for_work`). A wait still refused (not a lost context, whose work never
+    /// runs) leaves work that may still write the memory: the Store's memories are then kept
+    /// when it goes, never scrubbed for another tenant under it.
+    fn wait(&self, backend: &B) -> Result<(), TwmError> {
+        crate::lifecycle::wait_for_work(backend, self.stream.key()).map_err(|e| {
+            if tensor_wasm_mem_core::BackendError::kind(&e)
+                != tensor_wasm_mem_core::ErrorKind::ContextLost
+            {
+                self.guest.work_may_run();
+            }
+            TwmError::backend(e)
+        })
     }
 }
 

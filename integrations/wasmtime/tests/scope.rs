@@ -233,6 +233,75 @@ fn host_bytes_wait_for_the_stream_and_reach_the_guest() {
     assert_eq!(load(&mut store, &instance, 108), 0, "only the range");
 }
 
+/// A wait at close refused once with a plain driver error (not a lost context) is tried again:
+/// the kernel's writes are done when the Store is given back. Before, the Store came back with
+/// the kernel still queued, to land later over bytes safe code had written since (a review).
+#[test]
+fn a_wait_refused_once_at_close_is_tried_again() {
+    let backend = deferred();
+    let creator = fresh(&backend);
+    let (mut store, instance, memory) = guest(&creator);
+    let scope =
+        DeviceAccess::open(&mut store, &creator, &memory, &[AccessRange::write(0, 64)]).unwrap();
+    let slice = scope.slice(0).unwrap();
+    // SAFETY: the scope holds the Store and is closed below, and its close waits for the stream.
+    unsafe {
+        backend
+            .driver()
+            .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 7)
+    }
+    .unwrap();
+    assert!(backend.driver().fail_nth(Operation::Synchronize, 1));
+    scope.close().unwrap();
+    assert_eq!(backend.driver().pending_work(), 0, "the kernel is done");
+    memory.data_mut(&mut store)[0] = 1;
+    DeviceAccess::run(
+        &mut store,
+        &creator,
+        &memory,
+        &[AccessRange::read(0, 64)],
+        ScopeOptions::default(),
+        |_| (),
+    )
+    .unwrap();
+    assert_eq!(
+        load(&mut store, &instance, 0),
+        1,
+        "nothing lands afterwards"
+    );
+    assert_eq!(load(&mut store, &instance, 1), 7);
+}
+
+/// A wait at close that the driver keeps refusing (three tries): close answers the error, and
+/// the kernel may still run, so the Store's memory is kept when the Store goes, never scrubbed
+/// for the next tenant under it.
+#[test]
+fn a_wait_refused_for_good_at_close_keeps_the_stores_memory() {
+    let backend = deferred();
+    let creator = pooled(&backend, 4 * PAGE, 2);
+    let (mut store, _, memory) = guest(&creator);
+    let scope =
+        DeviceAccess::open(&mut store, &creator, &memory, &[AccessRange::write(0, 64)]).unwrap();
+    let slice = scope.slice(0).unwrap();
+    // SAFETY: as above; the Store's memory is kept while the fill may run.
+    unsafe {
+        backend
+            .driver()
+            .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 7)
+    }
+    .unwrap();
+    for n in 1..=3 {
+        assert!(backend.driver().fail_nth(Operation::Synchronize, n));
+    }
+    let e = scope.close().unwrap_err();
+    assert!(matches!(e, TwmError::Backend { .. }), "{e:?}");
+    drop(store);
+    assert_eq!(creator.stats().kept_memories, 1, "kept, not scrubbed");
+    let (next, _, memory) = guest_at(&creator, 2, IsolationLevel::StreamIsolated);
+    assert_eq!(backend.driver().stats().scrubs_over_pending_work, 0);
+    assert!(memory.data(&next).iter().all(|&b| b == 0));
+}
+
 /// A kernel that faults (an illegal address, found by the device after the launch) is a typed
 /// error at close; the tenant's next use of the device is refused, clearly, while its context
 /// lives; a context-isolated neighbour is unaffected. Stream-isolated and shared tenants share
@@ -301,7 +370,10 @@ fn run_closes_the_scope_and_reports_a_failed_wait() {
     assert!(launched.is_ok());
     assert_eq!(backend.driver().pending_work(), 0, "run waited");
     assert_eq!(load(&mut store, &instance, 31), 6);
-    backend.driver().fail_nth(Operation::Synchronize, 1);
+    // A wait the driver keeps refusing (a refusal once is tried again: three tries).
+    for n in 1..=3 {
+        backend.driver().fail_nth(Operation::Synchronize, n);
+    }
     let err =
         DeviceAccess::run(&mut store, &creator, &memory, &ranges, options, |_| ()).unwrap_err();
     assert!(matches!(err, TwmError::Backend { .. }), "{err}");
