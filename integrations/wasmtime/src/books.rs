@@ -180,6 +180,9 @@ pub(crate) struct StoreBooks {
     /// A stream of this Store could not be released (its wait or its destroy was refused):
     /// work queued on it may still run, so no memory of the Store is given back.
     unsettled: std::sync::atomic::AtomicBool,
+    /// A grant was settled here: the Store has a memory our creator did not make (`Memory::new`,
+    /// an imported one), which only the limiter's grants pay for, in either charge mode.
+    bypassed: std::sync::atomic::AtomicBool,
 }
 
 impl StoreBooks {
@@ -193,6 +196,7 @@ impl StoreBooks {
             refusal: Mutex::new(None),
             streams: Mutex::new(Vec::new()),
             unsettled: std::sync::atomic::AtomicBool::new(false),
+            bypassed: std::sync::atomic::AtomicBool::new(false),
             tenant,
             mode,
         })
@@ -257,8 +261,16 @@ impl StoreBooks {
         if let Some(open) = open {
             // Same tenant and purpose by construction.
             let _ = lock(&self.settled).absorb(open.grant);
+            self.bypassed.store(true, Ordering::Release);
         }
         handoff::forget_for(self);
+    }
+
+    /// Whether the Store has a memory our creator did not make (a grant nobody redeemed was
+    /// settled): in [`ChargeMode::Capacity`] its growths are paid by the limiter's grants, as
+    /// our memories' are by their capacity.
+    pub(crate) fn has_bypass_memory(&self) -> bool {
+        self.bypassed.load(Ordering::Acquire)
     }
 
     fn redeem(&self, ticket: u64) -> Option<Reservation> {

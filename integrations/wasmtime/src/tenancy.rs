@@ -680,10 +680,13 @@ impl ResourceLimiter for TenantLimiter {
             return answer;
         }
         // The same rule for a new memory and a growth: what becomes touchable. In `Capacity`
-        // mode the creator charges the whole capacity to the memory instead.
+        // mode the creator charges a memory of ours its whole capacity, this grant included
+        // (a growth of it is paid already); a memory it did not make (`Memory::new`) is paid by
+        // the grants alone, so a new memory's grant is made in either mode, and a growth's once
+        // the Store has such a memory (the growth of one of ours gives its grant back).
         let bytes = match self.books.mode() {
-            ChargeMode::Touched => desired.saturating_sub(current) as u64,
-            ChargeMode::Capacity => 0,
+            ChargeMode::Capacity if !creating && !self.books.has_bypass_memory() => 0,
+            ChargeMode::Touched | ChargeMode::Capacity => desired.saturating_sub(current) as u64,
         };
         // Announced to the creator as a new memory only when it is one of the module's (a
         // growth of a zero-page memory, ours or not, is redeemed by no creator).

@@ -597,6 +597,86 @@ fn a_refused_destroy_after_the_wait_gives_the_memory_back(
     );
 }
 
+/// A memory the host makes (`Memory::new`: our creator never sees it) in a Store of either
+/// charge mode is paid by the limiter's grants, its creation and every growth, and bounded by
+/// the cap. Before, `ChargeMode::Capacity` granted nothing (it left the whole charge to the
+/// creator), so such a memory grew to 6.5 MB under a 1 MiB cap, charged nothing (a red team).
+#[rstest]
+fn a_host_made_memory_is_paid_for_in_either_mode(
+    #[values(ChargeMode::Touched, ChargeMode::Capacity)] mode: ChargeMode,
+) {
+    let backend = mock();
+    let creator = fresh(&backend);
+    let engine = creator.engine().unwrap();
+    let tenant = tenant(3, 1 << 20);
+    let mut store = new_store(&engine, TenantStore::new(&creator, &tenant, mode, ()));
+    let memory = Memory::new(&mut store, MemoryType::new(1, Some(1000))).unwrap();
+    let module = Module::new(
+        &engine,
+        r#"(module (import "host" "mem" (memory 1 1000))
+             (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
+    )
+    .unwrap();
+    let mut linker = Linker::new(&engine);
+    linker.define(&mut store, "host", "mem", memory).unwrap();
+    let instance = instantiate(&mut store, &linker, &module).unwrap();
+    let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
+    assert_eq!(
+        grow.call(&mut store, 9).unwrap(),
+        1,
+        "{mode:?}: within the cap"
+    );
+    assert_eq!(tenant.stats().touched_bytes, 10 * PAGE as u64, "{mode:?}");
+    assert_eq!(
+        grow.call(&mut store, 99).unwrap(),
+        -1,
+        "{mode:?}: past the cap"
+    );
+    assert_eq!(memory.data_size(&store), 10 * PAGE, "{mode:?}");
+    drop(store);
+    assert_eq!(
+        tenant.stats().touched_bytes,
+        0,
+        "{mode:?}: back with the Store"
+    );
+}
+
+/// In `ChargeMode::Capacity`, a Store with a host-made memory still grows its own memories
+/// within their paid capacity (the growth's grant goes back), and they are charged their
+/// capacity once.
+#[test]
+fn capacity_mode_with_a_host_memory_charges_its_own_memory_once() {
+    let backend = mock();
+    let creator = fresh(&backend);
+    let engine = creator.engine().unwrap();
+    let tenant = tenant(4, 1 << 20);
+    let mut store = new_store(
+        &engine,
+        TenantStore::new(&creator, &tenant, ChargeMode::Capacity, ()),
+    );
+    let host = Memory::new(&mut store, MemoryType::new(1, Some(1))).unwrap();
+    let mut linker = Linker::new(&engine);
+    linker.define(&mut store, "host", "mem", host).unwrap();
+    let user = Module::new(&engine, r#"(module (import "host" "mem" (memory 1 1)))"#).unwrap();
+    instantiate(&mut store, &linker, &user).unwrap();
+    let module = Module::new(
+        &engine,
+        r#"(module (memory (export "own") 1 4)
+             (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
+    )
+    .unwrap();
+    let instance = instantiate(&mut store, &linker, &module).unwrap();
+    // The host's page, and the capacity of its own (4 pages).
+    assert_eq!(tenant.stats().touched_bytes, 5 * PAGE as u64);
+    let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
+    assert_eq!(grow.call(&mut store, 3).unwrap(), 1, "within its capacity");
+    assert_eq!(
+        tenant.stats().touched_bytes,
+        5 * PAGE as u64,
+        "paid already"
+    );
+}
+
 /// A start function that grows an imported zero-page memory (not ours) and then makes another
 /// Store's memory: the growth's grant is no creation, so the other Store's memory is refused (no
 /// tenant pays for it) rather than charged to this tenant.
