@@ -44,6 +44,18 @@ pub(super) struct TenantContextEntry {
     pub(super) lost: bool,
 }
 
+impl TenantContextEntry {
+    /// A new entry for a tenant's context on `device`: no context yet, no user yet.
+    fn on(device: DeviceId) -> Self {
+        Self {
+            context: None,
+            device,
+            users: 0,
+            lost: false,
+        }
+    }
+}
+
 /// One driver call's use of a stream: the stream cannot be destroyed until it is dropped.
 pub(super) struct StreamUse<'b, D: DriverApi> {
     backend: &'b DriverBackend<D>,
@@ -247,12 +259,10 @@ impl<D: DriverApi> DriverBackend<D> {
     ) -> Result<DriverContext, D::Error> {
         let installed = {
             let mut state = self.state.lock();
-            let entry = state.contexts.entry(tenant).or_insert(TenantContextEntry {
-                context: None,
-                device,
-                users: 0,
-                lost: false,
-            });
+            let entry = state
+                .contexts
+                .entry(tenant)
+                .or_insert_with(|| TenantContextEntry::on(device));
             if entry.device != device {
                 // Handed its context on the other device, the stream would be made there and
                 // recorded here (the entry has users: it is not empty).
@@ -278,12 +288,10 @@ impl<D: DriverApi> DriverBackend<D> {
         };
         let mut state = self.state.lock();
         // This call's user keeps the entry in the table.
-        let entry = state.contexts.entry(tenant).or_insert(TenantContextEntry {
-            context: None,
-            device,
-            users: 0,
-            lost: false,
-        });
+        let entry = state
+            .contexts
+            .entry(tenant)
+            .or_insert_with(|| TenantContextEntry::on(device));
         match entry.context {
             Some(installed) => {
                 drop(state);

@@ -597,6 +597,22 @@ fn a_refused_destroy_after_the_wait_gives_the_memory_back(
     );
 }
 
+/// A Store of `tenant` paying in `mode`, with a memory the host made (`Memory::new`: one page,
+/// at most `maximum`), and a linker that has it as `host.mem`.
+fn with_host_memory(
+    creator: &TensorWasmMemoryCreator<MockBackend>,
+    tenant: &Arc<Tenant>,
+    mode: ChargeMode,
+    maximum: u32,
+) -> (Store<Data>, Memory, Linker<Data>) {
+    let engine = creator.engine().unwrap();
+    let mut store = new_store(&engine, TenantStore::new(creator, tenant, mode, ()));
+    let memory = Memory::new(&mut store, MemoryType::new(1, Some(maximum))).unwrap();
+    let mut linker = Linker::new(&engine);
+    linker.define(&mut store, "host", "mem", memory).unwrap();
+    (store, memory, linker)
+}
+
 /// A memory the host makes (`Memory::new`: our creator never sees it) in a Store of either
 /// charge mode is paid by the limiter's grants, its creation and every growth, and bounded by
 /// the cap. Before, `ChargeMode::Capacity` granted nothing (it left the whole charge to the
@@ -607,18 +623,14 @@ fn a_host_made_memory_is_paid_for_in_either_mode(
 ) {
     let backend = mock();
     let creator = fresh(&backend);
-    let engine = creator.engine().unwrap();
     let tenant = tenant(3, 1 << 20);
-    let mut store = new_store(&engine, TenantStore::new(&creator, &tenant, mode, ()));
-    let memory = Memory::new(&mut store, MemoryType::new(1, Some(1000))).unwrap();
+    let (mut store, memory, linker) = with_host_memory(&creator, &tenant, mode, 1000);
     let module = Module::new(
-        &engine,
+        store.engine(),
         r#"(module (import "host" "mem" (memory 1 1000))
              (func (export "grow") (param i32) (result i32) (memory.grow (local.get 0))))"#,
     )
     .unwrap();
-    let mut linker = Linker::new(&engine);
-    linker.define(&mut store, "host", "mem", memory).unwrap();
     let instance = instantiate(&mut store, &linker, &module).unwrap();
     let grow = func::<_, i32, i32>(&mut store, &instance, "grow");
     assert_eq!(
@@ -648,15 +660,9 @@ fn a_host_made_memory_is_paid_for_in_either_mode(
 fn capacity_mode_with_a_host_memory_charges_its_own_memory_once() {
     let backend = mock();
     let creator = fresh(&backend);
-    let engine = creator.engine().unwrap();
     let tenant = tenant(4, 1 << 20);
-    let mut store = new_store(
-        &engine,
-        TenantStore::new(&creator, &tenant, ChargeMode::Capacity, ()),
-    );
-    let host = Memory::new(&mut store, MemoryType::new(1, Some(1))).unwrap();
-    let mut linker = Linker::new(&engine);
-    linker.define(&mut store, "host", "mem", host).unwrap();
+    let (mut store, _, linker) = with_host_memory(&creator, &tenant, ChargeMode::Capacity, 1);
+    let engine = store.engine().clone();
     let user = Module::new(&engine, r#"(module (import "host" "mem" (memory 1 1)))"#).unwrap();
     instantiate(&mut store, &linker, &user).unwrap();
     let module = Module::new(

@@ -334,15 +334,21 @@ fn typed_host_views_of_several_ranges_in_one_scope() {
         AccessRange::read_write(10, 0),
         AccessRange::read_write(50, 10),
     ];
-    let e = DeviceAccess::try_run(
-        &mut store,
-        &creator,
-        &memory,
-        &hidden,
-        ScopeOptions::default(),
-        |scope| scope.host_slices_mut::<u8>().map(|_| ()),
-    )
-    .unwrap_err();
+    // The byte views' lengths over `ranges`, or the scope's refusal.
+    let mut view_lens = |ranges: &[AccessRange]| {
+        DeviceAccess::try_run(
+            &mut store,
+            &creator,
+            &memory,
+            ranges,
+            ScopeOptions::default(),
+            |scope| {
+                let views = scope.host_slices_mut::<u8>()?.expect("host-accessible");
+                Ok::<_, TwmError>(views.iter().map(|v| v.len()).collect::<Vec<_>>())
+            },
+        )
+    };
+    let e = view_lens(&hidden).unwrap_err();
     assert!(
         matches!(
             e,
@@ -359,19 +365,7 @@ fn typed_host_views_of_several_ranges_in_one_scope() {
         AccessRange::read_write(10, 0),
         AccessRange::read_write(10, 10),
     ];
-    let lens = DeviceAccess::try_run(
-        &mut store,
-        &creator,
-        &memory,
-        &touching,
-        ScopeOptions::default(),
-        |scope| {
-            let views = scope.host_slices_mut::<u8>()?.expect("host-accessible");
-            Ok::<_, TwmError>(views.iter().map(|v| v.len()).collect::<Vec<_>>())
-        },
-    )
-    .unwrap();
-    assert_eq!(lens, [10, 0, 0, 10]);
+    assert_eq!(view_lens(&touching).unwrap(), [10, 0, 0, 10]);
     let odd = [AccessRange::read(2, 8)];
     let e = DeviceAccess::try_run(
         &mut store,

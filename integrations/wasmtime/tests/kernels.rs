@@ -321,42 +321,12 @@ fn a_launch_on_a_memory_that_grew_sees_its_new_size() {
     assert_eq!(g.memory.data(&g.store)[past as usize], 9);
 }
 
-/// A creator on a device whose streams run work only when waited for, with `queues`: a kernel
-/// that fills its buffer with 0x42 on the launch's stream and returns (the layer waits).
-fn queuing_creator() -> (Arc<MockBackend>, TensorWasmMemoryCreator<MockBackend>) {
-    let backend = Arc::new(tensor_wasm_mem_mock::with_config(
-        tensor_wasm_mem_mock::MockConfig {
-            deferred_streams: true,
-            ..tensor_wasm_mem_mock::MockConfig::default()
-        },
-    ));
-    let mut registry = KernelRegistry::new();
-    registry
-        .register(
-            "queues",
-            one_byte_buffer(),
-            |b: &MockBackend, l: &kernels::Launch<'_>| {
-                let (ptr, len) = l.buffers()[0];
-                // SAFETY: the launch's own checked buffer, on its stream, which the layer waits
-                // for before the guest runs again.
-                unsafe { b.driver().enqueue_fill(l.stream(), ptr, len as usize, 0x42) }
-                    .map_err(TwmError::from_backend)
-            },
-        )
-        .unwrap();
-    let creator = TensorWasmMemoryCreator::builder(Arc::clone(&backend))
-        .kernels(registry)
-        .build()
-        .unwrap();
-    (backend, creator)
-}
-
 /// The wait after a launch refused once with a plain driver error (not a lost context) is
 /// tried again: the guest resumes with its kernel done. Before, it resumed with the kernel
 /// still queued (answered as a kernel failure), to land later over bytes it had written since.
 #[test]
 fn a_wait_refused_once_after_a_launch_is_tried_again() {
-    let (backend, creator) = queuing_creator();
+    let (backend, creator) = queueing_launcher(0x42, || Ok(()));
     let mut g = guest(&creator);
     let queues = g.kernel("queues");
     assert!(
@@ -379,7 +349,7 @@ fn a_wait_refused_once_after_a_launch_is_tried_again() {
 /// Store's memory is kept when the Store goes.
 #[test]
 fn a_wait_refused_for_good_after_a_launch_traps_and_keeps_the_memory() {
-    let (backend, creator) = queuing_creator();
+    let (backend, creator) = queueing_launcher(0x42, || Ok(()));
     let mut g = guest(&creator);
     let queues = g.kernel("queues");
     for n in 1..=3 {

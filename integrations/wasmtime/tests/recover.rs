@@ -594,7 +594,15 @@ fn a_wait_on_a_tenants_own_context_outlasts_a_primary_reset() {
     unsafe { backend.driver().enqueue_fill(&shared, 64, 64, 1) }.unwrap();
     assert!(backend.synchronize(&shared).is_err());
     assert!(backend.device_fenced(D0));
-    let _ = backend.release_stream(shared);
+    // Its context lost to the fault: the release answers so.
+    let released = backend.release_stream(shared);
+    assert!(
+        released
+            .as_ref()
+            .is_err_and(|e| tensor_wasm_mem_core::BackendError::kind(e)
+                == tensor_wasm_mem_core::ErrorKind::ContextLost),
+        "{released:?}"
+    );
     // A recovery resets the primary context, held in the middle of its reset.
     let held = backend
         .driver()

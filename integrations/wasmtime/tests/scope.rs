@@ -56,6 +56,29 @@ fn load(store: &mut Store<Data>, instance: &Instance, at: i32) -> i32 {
         .unwrap()
 }
 
+/// Queues a fill of `byte` over range `i` of `scope` on the scope's stream: a kernel writing
+/// the range, done when the stream is waited for.
+///
+/// # Safety
+///
+/// Nothing may read or write the range while the fill can run (the scope holds the Store until
+/// it waits for its stream: at close, at drop, at the end of `run`).
+unsafe fn queue_fill(
+    backend: &MockBackend,
+    scope: &DeviceAccess<'_, Data, MockBackend>,
+    i: usize,
+    byte: u8,
+) {
+    let slice = scope.slice(i).unwrap();
+    // SAFETY: the caller's contract.
+    unsafe {
+        backend
+            .driver()
+            .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), byte)
+    }
+    .unwrap();
+}
+
 #[test]
 fn a_kernels_writes_reach_the_guest_after_close_and_never_before() {
     let backend = deferred();
@@ -73,12 +96,7 @@ fn a_kernels_writes_reach_the_guest_after_close_and_never_before() {
     assert_eq!(slice.len(), PAGE);
     // SAFETY: nothing holds a view of the bytes while the kernel can run (the scope,
     // or the Store's teardown, waits for the stream before any access).
-    unsafe {
-        backend
-            .driver()
-            .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 0xaa)
-    }
-    .unwrap();
+    unsafe { queue_fill(&backend, &scope, 0, 0xaa) };
     // The prefetch the scope made and the kernel are queued, not done: and the guest cannot
     // run (the scope holds the Store; `tests/ui/scope_holds_the_store.rs`).
     assert_eq!(backend.driver().pending_work(), 2);
@@ -153,15 +171,9 @@ fn a_scope_dropped_by_a_panic_still_waits() {
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let scope = DeviceAccess::open(&mut store, &creator, &memory, &[AccessRange::write(0, 16)])
             .unwrap();
-        let slice = scope.slice(0).unwrap();
         // SAFETY: nothing holds a view of the bytes while the kernel can run (the scope,
         // or the Store's teardown, waits for the stream before any access).
-        unsafe {
-            backend
-                .driver()
-                .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 0x5a)
-        }
-        .unwrap();
+        unsafe { queue_fill(&backend, &scope, 0, 0x5a) };
         panic!("the embedder's code fails mid-scope");
     }));
     assert!(panicked.is_err());
@@ -215,15 +227,9 @@ fn host_bytes_wait_for_the_stream_and_reach_the_guest() {
     let (mut store, instance, memory) = guest(&creator);
     let ranges = [AccessRange::read_write(100, 8), AccessRange::read(0, 4)];
     let mut scope = DeviceAccess::open(&mut store, &creator, &memory, &ranges).unwrap();
-    let first = scope.slice(0).unwrap();
     // SAFETY: nothing holds a view of the bytes while the kernel can run (the scope,
     // or the Store's teardown, waits for the stream before any access).
-    unsafe {
-        backend
-            .driver()
-            .enqueue_fill(scope.stream(), first.device_ptr(), first.len(), 3)
-    }
-    .unwrap();
+    unsafe { queue_fill(&backend, &scope, 0, 3) };
     let bytes = scope.host_bytes_mut(0).unwrap().expect("host-accessible");
     assert_eq!(bytes, &[3; 8], "the queued device write is done first");
     bytes[7] = 9;
@@ -243,14 +249,8 @@ fn a_wait_refused_once_at_close_is_tried_again() {
     let (mut store, instance, memory) = guest(&creator);
     let scope =
         DeviceAccess::open(&mut store, &creator, &memory, &[AccessRange::write(0, 64)]).unwrap();
-    let slice = scope.slice(0).unwrap();
     // SAFETY: the scope holds the Store and is closed below, and its close waits for the stream.
-    unsafe {
-        backend
-            .driver()
-            .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 7)
-    }
-    .unwrap();
+    unsafe { queue_fill(&backend, &scope, 0, 7) };
     assert!(backend.driver().fail_nth(Operation::Synchronize, 1));
     scope.close().unwrap();
     assert_eq!(backend.driver().pending_work(), 0, "the kernel is done");
@@ -282,14 +282,8 @@ fn a_wait_refused_for_good_at_close_keeps_the_stores_memory() {
     let (mut store, _, memory) = guest(&creator);
     let scope =
         DeviceAccess::open(&mut store, &creator, &memory, &[AccessRange::write(0, 64)]).unwrap();
-    let slice = scope.slice(0).unwrap();
     // SAFETY: as above; the Store's memory is kept while the fill may run.
-    unsafe {
-        backend
-            .driver()
-            .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 7)
-    }
-    .unwrap();
+    unsafe { queue_fill(&backend, &scope, 0, 7) };
     for n in 1..=3 {
         assert!(backend.driver().fail_nth(Operation::Synchronize, n));
     }
@@ -334,15 +328,9 @@ fn a_kernel_fault_is_typed_and_stays_with_the_tenants_context() {
     );
     // The neighbour's scope works, and its kernel's bytes reach its guest.
     let scope = DeviceAccess::open(&mut good, &creator, &good_memory, &ranges).unwrap();
-    let slice = scope.slice(0).unwrap();
     // SAFETY: nothing holds a view of the bytes while the kernel can run (the scope,
     // or the Store's teardown, waits for the stream before any access).
-    unsafe {
-        backend
-            .driver()
-            .enqueue_fill(scope.stream(), slice.device_ptr(), slice.len(), 4)
-    }
-    .unwrap();
+    unsafe { queue_fill(&backend, &scope, 0, 4) };
     scope.close().unwrap();
     assert_eq!(load(&mut good, &good_instance, 63), 4);
     assert_eq!(backend.driver().stats().kernel_faults, 1);
