@@ -1236,6 +1236,40 @@ mod tests {
         assert_eq!(small.take_dirty(usize::MAX, |_| ()), 1);
     }
 
+    /// An acquisition takes the most recently freed slot, ready or waiting; once the table
+    /// prefers ready slots, a ready one however deep it lies (the waiting ones are a list of
+    /// their own, so nothing is searched), and a waiting one only when none is ready.
+    #[test]
+    fn a_ready_slot_is_found_at_any_depth_once_preferred() {
+        let table = dirt_table(32);
+        let held: Vec<_> = (0..32)
+            .map(|_| table.take(PAGE, |_| true).unwrap())
+            .collect();
+        // Slot 0 back clean first, the other 31 dirty on top of it.
+        for taken in &held {
+            table.give_back(taken.slot, taken.slot.index != 0, Returned::default());
+        }
+        assert_eq!(table.waiting(), 31);
+        let last = table.take(PAGE, |_| true).unwrap();
+        assert_eq!(
+            (last.slot.index, last.meta),
+            (31, true),
+            "the last freed, dirty"
+        );
+        table.give_back(last.slot, true, Returned::default());
+        table.prefer_ready();
+        let ready = table.take(PAGE, |_| true).unwrap();
+        assert_eq!((ready.slot.index, ready.meta), (0, false), "31 deep");
+        assert_eq!(table.waiting(), 31);
+        let next = table.take(PAGE, |_| true).unwrap();
+        assert_eq!(
+            (next.slot.index, next.meta),
+            (31, true),
+            "none ready: the last freed"
+        );
+        assert_eq!(table.waiting(), 30);
+    }
+
     /// A gathering passes over a class where nothing waits without searching it, and takes a
     /// quarter of a class's slots at most, so that the class's acquisitions do not all wait
     /// for one gathering.

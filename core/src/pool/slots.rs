@@ -41,10 +41,6 @@ impl<M> Taken<M> {
     }
 }
 
-/// How deep in a free list an acquisition looks for a slot that does not wait for a scrub,
-/// once [`SlotTable::prefer_ready`] is set.
-const READY_DEPTH: usize = 16;
-
 /// The most slots one [`SlotTable::take_dirty`] hands out to be scrubbed ahead: a scrubbing
 /// thread takes the table's lock once to take them and once to put them back, rather than
 /// twice per slot.
@@ -93,19 +89,76 @@ impl Counters {
     }
 }
 
+/// A class's free slots are kept on two lists, by whether the table's `waits` accepts their
+/// record: those ready to be handed out as they are, and those that wait for a scrub ahead. A
+/// slot's place in the order they were freed in is its stamp (`freed`), so that a table that
+/// does not prefer ready slots still hands out the most recently freed of both lists; one that
+/// does ([`SlotTable::prefer_ready`]) and a scrub ahead each pop the top of their own list,
+/// and neither searches the other's slots nor reads their records.
 #[derive(Debug)]
 struct Class<M> {
-    /// Free slot indices; the last is handed out first.
-    free: Vec<u32>,
-    /// Free slots taken off `free` to be scrubbed ahead ([`SlotTable::take_dirty`]), back soon.
+    /// Free slots whose record does not wait; the last is handed out first.
+    ready: Vec<u32>,
+    /// Free slots whose record waits for a scrub ahead (their sum is `TableState::waiting`);
+    /// the last is the most recently freed.
+    waiting: Vec<u32>,
+    /// Free slots taken off `waiting` to be scrubbed ahead ([`SlotTable::take_dirty`]), back
+    /// soon.
     ahead: u32,
-    /// Free slots of this class whose record the table's `waits` accepts (their sum is
-    /// `TableState::waiting`): a search for them stops once it has found them all.
-    waiting: usize,
     /// Slots of this class withdrawn for good (their sum is `TableState::withdrawn`).
     withdrawn: usize,
     /// Per slot: what its next scrub needs to know.
     meta: Vec<M>,
+    /// Per slot: when it was last freed, in the class's order: larger is more recent. A slot
+    /// put on top of its list is stamped `newest + 1`, one put last `oldest - 1`, so each
+    /// list is in stamp order and the two tops say which was freed last.
+    freed: Vec<i64>,
+    /// The largest and smallest stamps given.
+    newest: i64,
+    oldest: i64,
+}
+
+impl<M> Class<M> {
+    /// Free slots, ready or waiting (not those being scrubbed ahead).
+    fn free_len(&self) -> usize {
+        self.ready.len() + self.waiting.len()
+    }
+
+    /// Puts `index` on `waits`' list: on top (the most recently freed), or `last`.
+    fn push(&mut self, index: u32, waits: bool, last: bool) {
+        let list = if waits {
+            &mut self.waiting
+        } else {
+            &mut self.ready
+        };
+        if last {
+            self.oldest -= 1;
+            self.freed[index as usize] = self.oldest;
+            list.insert(0, index);
+        } else {
+            self.newest += 1;
+            self.freed[index as usize] = self.newest;
+            list.push(index);
+        }
+    }
+
+    /// Takes the top of the ready list if `prefer_ready` and it has one, or else the most
+    /// recently freed of the two tops; `Some(true)` if it was a waiting one.
+    fn pop(&mut self, prefer_ready: bool) -> Option<(u32, bool)> {
+        let from_waiting = match (self.ready.last(), self.waiting.last()) {
+            (None, None) => return None,
+            (Some(_), None) => false,
+            (None, Some(_)) => true,
+            (Some(_), Some(_)) if prefer_ready => false,
+            (Some(&r), Some(&w)) => self.freed[w as usize] > self.freed[r as usize],
+        };
+        let list = if from_waiting {
+            &mut self.waiting
+        } else {
+            &mut self.ready
+        };
+        list.pop().map(|index| (index, from_waiting))
+    }
 }
 
 #[derive(Debug)]
@@ -121,26 +174,33 @@ struct TableState<M> {
 impl<M> TableState<M> {
     /// No slot is held: every slot is free or withdrawn.
     fn idle(&self, layout: &[ClassLayout]) -> bool {
-        let free: usize = self.classes.iter().map(|c| c.free.len()).sum();
+        let free: usize = self.classes.iter().map(Class::free_len).sum();
         let slots: usize = layout.iter().map(|c| c.slots as usize).sum();
         free + self.withdrawn == slots
     }
 }
 
-/// Counts afresh the free slots whose record `waits` accepts, and publishes the count.
+/// Sorts every class's free slots afresh onto the list `waits` says (each list keeps the order
+/// they were freed in), counts the waiting ones, and publishes the count.
 fn recount<M>(state: &mut TableState<M>, waits: fn(&M) -> bool, published: &AtomicUsize) {
     for c in &mut state.classes {
-        c.waiting = c
-            .free
-            .iter()
-            .filter(|&&i| waits(&c.meta[i as usize]))
-            .count();
+        let mut free: Vec<u32> = c.ready.drain(..).chain(c.waiting.drain(..)).collect();
+        free.sort_unstable_by_key(|&i| c.freed[i as usize]);
+        for index in free {
+            if waits(&c.meta[index as usize]) {
+                c.waiting.push(index);
+            } else {
+                c.ready.push(index);
+            }
+        }
     }
-    state.waiting = state.classes.iter().map(|c| c.waiting).sum();
+    state.waiting = state.classes.iter().map(|c| c.waiting.len()).sum();
     published.store(state.waiting, Ordering::Relaxed);
 }
 
 /// Every slot of `layout` free, with `initial(class)` recorded.
+/// Every slot on the ready list (the table's `recount` sorts them): slot 0 on top, the first
+/// handed out.
 fn fresh_classes<M: Copy>(
     layout: &[ClassLayout],
     initial: &impl Fn(&ClassLayout) -> M,
@@ -148,11 +208,15 @@ fn fresh_classes<M: Copy>(
     layout
         .iter()
         .map(|c| Class {
-            free: (0..c.slots).rev().collect(),
+            ready: (0..c.slots).rev().collect(),
+            waiting: Vec::with_capacity(c.slots as usize),
             ahead: 0,
-            waiting: 0,
             withdrawn: 0,
             meta: alloc::vec![initial(c); c.slots as usize],
+            // Slot 0 the most recently freed, slot `slots - 1` the least.
+            freed: (0..i64::from(c.slots)).map(|i| -i).collect(),
+            newest: 0,
+            oldest: 1 - i64::from(c.slots),
         })
         .collect()
 }
@@ -189,7 +253,7 @@ impl<M: Copy> SlotTable<M> {
     /// [`PoolConfig::layout`]: super::PoolConfig::layout
     pub fn new(layout: Vec<ClassLayout>, initial: impl Fn(&ClassLayout) -> M) -> Self {
         let classes = fresh_classes(&layout, &initial);
-        Self {
+        let mut table = Self {
             layout,
             waits: |_| false,
             prefer_ready: core::sync::atomic::AtomicBool::new(false),
@@ -209,7 +273,9 @@ impl<M: Copy> SlotTable<M> {
                 withdrawn: 0,
                 waiting: 0,
             }),
-        }
+        };
+        recount(table.state.get_mut(), table.waits, &table.waiting.0);
+        table
     }
 
     /// Counts the free slots whose record `waits` accepts ([`waiting`](Self::waiting)), and has
@@ -222,12 +288,12 @@ impl<M: Copy> SlotTable<M> {
         self
     }
 
-    /// From now on, an acquisition takes the free slot nearest the top of its class's free
-    /// list among the top 16 (`READY_DEPTH`) that does not wait for a scrub, and the top one only
-    /// if all of them wait: for a pool that scrubs ahead, so that slots given back gather for
-    /// the scrubbing thread (which then takes the table's lock once per slot it scrubs in a
-    /// row, not once between every two acquisitions) while acquisitions take slots already
-    /// scrubbed.
+    /// From now on, an acquisition takes the most recently freed slot of its class that does
+    /// not wait for a scrub, and one that waits only if none is ready: for a pool that scrubs
+    /// ahead, so that slots given back gather for the scrubbing thread (which then takes the
+    /// table's lock once to take a gathering and once to put it back, not once between every
+    /// two acquisitions) while acquisitions take slots already scrubbed. Without it, an
+    /// acquisition takes the most recently freed slot, ready or not.
     pub fn prefer_ready(&self) {
         self.prefer_ready.store(true, Ordering::Relaxed);
     }
@@ -241,30 +307,23 @@ impl<M: Copy> SlotTable<M> {
     /// Puts `slot` on its class's free list with `meta` recorded: on top (the next handed out),
     /// or `last`; counted among the slots that wait if it does.
     fn free(&self, state: &mut TableState<M>, slot: SlotId, meta: M, last: bool) {
-        self.count(state, slot.class, &meta, true);
+        let waits = (self.waits)(&meta);
         let class = &mut state.classes[slot.class];
         class.meta[slot.index as usize] = meta;
-        if last {
-            class.free.insert(0, slot.index);
-        } else {
-            class.free.push(slot.index);
+        class.push(slot.index, waits, last);
+        if waits {
+            self.count(state, true);
         }
     }
 
-    /// Counts `meta`'s slot (of `class`) in (`came`) or out of the free slots that wait, and
-    /// publishes the count if it changed.
-    fn count(&self, state: &mut TableState<M>, class: usize, meta: &M, came: bool) {
-        if (self.waits)(meta) {
-            let class = &mut state.classes[class];
-            if came {
-                class.waiting += 1;
-                state.waiting += 1;
-            } else {
-                class.waiting -= 1;
-                state.waiting -= 1;
-            }
-            self.waiting.0.store(state.waiting, Ordering::Relaxed);
+    /// Counts a slot in (`came`) or out of the free slots that wait, and publishes the count.
+    fn count(&self, state: &mut TableState<M>, came: bool) {
+        if came {
+            state.waiting += 1;
+        } else {
+            state.waiting -= 1;
         }
+        self.waiting.0.store(state.waiting, Ordering::Relaxed);
     }
 
     /// Runs `f` under the table's lock if no slot is held (every slot free or withdrawn), so
@@ -320,7 +379,7 @@ impl<M: Copy> SlotTable<M> {
     /// spans), counting an acquisition; [`PoolError::TooLarge`] if no class holds it,
     /// [`PoolError::Exhausted`] (counted) if every such slot is taken. Once
     /// [`prefer_ready`](Self::prefer_ready) is set, the most recently freed one that does not
-    /// wait for a scrub ahead, near the top, comes first.
+    /// wait for a scrub ahead comes first.
     pub fn take(
         &self,
         capacity: usize,
@@ -343,28 +402,22 @@ impl<M: Copy> SlotTable<M> {
                 .filter(|(_, c)| c.slot_bytes >= capacity && fits(c))
                 .find_map(|(class, layout)| {
                     let c = &mut state.classes[class];
-                    let at = if prefer_ready {
-                        let top = c.free.len().checked_sub(1)?;
-                        c.free
-                            .iter()
-                            .rev()
-                            .take(READY_DEPTH)
-                            .position(|&i| !(self.waits)(&c.meta[i as usize]))
-                            .map_or(top, |from_top| top - from_top)
-                    } else {
-                        c.free.len().checked_sub(1)?
-                    };
-                    let index = c.free.remove(at);
+                    let (index, waited) = c.pop(prefer_ready)?;
                     let meta = c.meta[index as usize];
-                    Some(Taken {
-                        slot: SlotId { class, index },
-                        layout: *layout,
-                        meta,
-                    })
+                    Some((
+                        Taken {
+                            slot: SlotId { class, index },
+                            layout: *layout,
+                            meta,
+                        },
+                        waited,
+                    ))
                 });
-            if let Some(taken) = found {
+            if let Some((taken, waited)) = found {
                 state.counters.acquisitions += 1;
-                self.count(&mut state, taken.slot.class, &taken.meta, false);
+                if waited {
+                    self.count(&mut state, false);
+                }
                 return Ok(taken);
             }
             // A fitting slot being scrubbed ahead is free, and back within a few scrubs (one
@@ -422,9 +475,9 @@ impl<M: Copy> SlotTable<M> {
     /// Takes, to scrub them ahead of their next acquisitions, up to `max` free slots that wait
     /// ([`waiting_when`](Self::waiting_when)), at most [`ahead_at_once`](Self::ahead_at_once)
     /// (and a quarter of a class's slots from one class), nearest the top of their class's
-    /// free list (the next to be handed out), smallest class first, in one hold of the
-    /// table's lock: `f` is given each. However deep a waiting slot lies it is found (the
-    /// search of a class stops once it has found as many as wait there). They are held
+    /// free list (the most recently freed), smallest class first, in one hold of the table's
+    /// lock: `f` is given each. However deep a waiting slot lies it is found (the waiting ones
+    /// are a list of their own: nothing is searched). They are held
     /// by the caller until they go back ([`ahead_done`](Self::ahead_done)): no acquisition is
     /// counted, and no one else can take them meanwhile (an acquisition that finds no other
     /// fitting slot waits for them). The number taken.
@@ -440,37 +493,21 @@ impl<M: Copy> SlotTable<M> {
             // so that its acquisitions do not all wait for one gathering.
             let class_cap = (layout.slots as usize / 4).max(1);
             let wanted = (max - taken)
-                .min(state.classes[class].waiting)
+                .min(state.classes[class].waiting.len())
                 .min(class_cap);
-            if wanted == 0 {
-                continue;
-            }
-            // Positions from the top down, so each removal leaves the next position valid.
-            let mut at = [0usize; AHEAD_MAX];
-            let mut found = 0;
-            let c = &state.classes[class];
-            for (position, index) in c.free.iter().enumerate().rev() {
-                if found == wanted {
-                    break;
-                }
-                if (self.waits)(&c.meta[*index as usize]) {
-                    at[found] = position;
-                    found += 1;
-                }
-            }
-            for &position in &at[..found] {
+            for _ in 0..wanted {
                 let c = &mut state.classes[class];
-                let index = c.free.remove(position);
+                let Some(index) = c.waiting.pop() else { break };
                 c.ahead += 1;
                 let meta = c.meta[index as usize];
-                self.count(&mut state, class, &meta, false);
+                self.count(&mut state, false);
                 f(Taken {
                     slot: SlotId { class, index },
                     layout: *layout,
                     meta,
                 });
+                taken += 1;
             }
-            taken += found;
         }
         taken
     }
@@ -569,10 +606,10 @@ impl<M: Copy> SlotTable<M> {
                     slots: layout.slots as usize,
                     // A slot being scrubbed ahead is free: it is back within a gathering.
                     in_use: layout.slots as usize
-                        - class.free.len()
+                        - class.free_len()
                         - class.ahead as usize
                         - class.withdrawn,
-                    free: class.free.len() + class.ahead as usize,
+                    free: class.free_len() + class.ahead as usize,
                     withdrawn: class.withdrawn,
                 })
                 .collect(),
