@@ -484,6 +484,14 @@ unsafe impl DriverApi for Fake {
         s.synced.remove(&stream);
         Ok(ptr)
     }
+    /// Its blocks are given back at once when freed (their addresses kept for reuse): it
+    /// holds the live ones.
+    fn pool_reserved(&self, _: DriverPool) -> Result<u64, FakeError> {
+        Ok(self.lock().pool_live.len() as u64 * BLOCK as u64)
+    }
+    fn pool_trim(&self, _: DriverPool, _: u64) -> Result<(), FakeError> {
+        Ok(())
+    }
     fn pool_free(&self, ptr: u64, stream: DriverStream) -> Result<(), FakeError> {
         let stream = stream.raw();
         switch();

@@ -751,6 +751,20 @@ impl Reservation {
         Ok(())
     }
 
+    /// Moves up to `bytes` of this reservation's charge into a new one of the same tenant and
+    /// purpose (nothing is charged or given back): for a charge that passes from one thing to
+    /// another that pays for the same bytes (a block a pool kept, handed out again).
+    pub fn split(&mut self, bytes: u64) -> Self {
+        let moved = bytes.min(self.bytes);
+        self.bytes -= moved;
+        self.tenant.live_reservations.fetch_add(1, Ordering::AcqRel);
+        Self {
+            tenant: Arc::clone(&self.tenant),
+            bytes: moved,
+            purpose: self.purpose,
+        }
+    }
+
     /// Bytes held.
     #[must_use]
     pub const fn bytes(&self) -> u64 {

@@ -254,9 +254,21 @@ forward_pools!(&T, alloc::boxed::Box<T>, alloc::sync::Arc<T>);
 /// "release threshold" only says how much *freed* memory the pool keeps: it is no ceiling.
 /// [`TenantDevicePool`] is the ceiling: every byte is charged to the tenant's one
 /// [`TenantLedger`] ledger (the same cap as its linear memories, [`Purpose::DevicePool`]) before
-/// the driver is asked, and given back when freed. The driver's own pool maximum
-/// ([`DevicePoolConfig::max_bytes`], `CUmemPoolProps.maxSize` where the driver has it) is a second
-/// line behind the ledger.
+/// the driver is asked. The driver's own pool maximum ([`DevicePoolConfig::max_bytes`],
+/// `CUmemPoolProps.maxSize` where the driver has it) is a second line behind the ledger.
+///
+/// **What is charged is what the driver holds.** A driver hands out whole blocks (the
+/// simulated one rounds each allocation up to a page; CUDA reserves a pool's memory in chunks
+/// of megabytes) and keeps freed blocks for reuse up to the release threshold. So besides the
+/// bytes each live allocation asked for, the tenant pays for the rest of what the driver
+/// reserves for its pool ([`DevicePoolStats::reserved_bytes`]): after every allocation, free,
+/// trim and read of the figures, the pool's *kept* charge is brought to the reserved bytes
+/// less the live ones. An allocation whose rounding the tenant cannot pay for is given back
+/// and refused ([`Error::Denied`]), and the pool trimmed to what is paid for; a freed block
+/// stays charged while the pool keeps it, and is given back by a trim ([`trim`](Self::trim))
+/// or the driver's release above the threshold, at the next call that reads the figures. A
+/// tenant whose cap is below the driver's chunk cannot allocate from a pool at all: it would
+/// hold more than its cap.
 ///
 /// **Scrubbing.** Pools are per tenant, so memory a tenant frees returns to its own pool and is
 /// only ever reused by the same tenant. But a pool gives memory back to the driver (trimming, or
@@ -273,8 +285,48 @@ pub struct TenantDevicePool<P: DevicePools> {
     backend: P,
     tenant: Arc<TenantLedger>,
     pool: Option<PoolHandle>,
-    /// device pointer -> the ledger charge for it
-    live: spin::Mutex<HashMap<u64, Reservation>>,
+    books: spin::Mutex<PoolBooks>,
+}
+
+/// What a tenant's pool charges: each live allocation's bytes, and the rest of what the
+/// driver reserves for the pool (its rounding, and the blocks it keeps).
+#[derive(Debug)]
+struct PoolBooks {
+    /// device pointer -> the ledger charge for it (the bytes it asked for).
+    live: HashMap<u64, Reservation>,
+    /// The sum of `live`'s charges.
+    live_bytes: u64,
+    /// The driver's reserved bytes beyond `live_bytes`, as last read.
+    kept: Reservation,
+    /// Counts changes to `live`: a read of the driver's reserved bytes made before a change
+    /// may be stale, and is trusted to grow `kept`, never to shrink it.
+    changes: u64,
+    /// The last read found the driver holding more for the pool than the tenant could pay for
+    /// (a refused allocation's block whose free the stream has not reached): no allocation
+    /// asks the driver until a read finds the pool paid for again, so such blocks do not pile
+    /// up.
+    unpaid: bool,
+}
+
+impl PoolBooks {
+    fn insert(&mut self, ptr: u64, charge: Reservation) {
+        self.live_bytes += charge.bytes();
+        self.changes += 1;
+        if let Some(old) = self.live.insert(ptr, charge) {
+            // The driver handed out an address this pool still records: a free it refused
+            // was done after all. That block's charge stays with what the pool keeps (the
+            // next read of the driver's figures settles it).
+            self.live_bytes -= old.bytes();
+            let _ = self.kept.absorb(old);
+        }
+    }
+
+    fn remove(&mut self, ptr: u64) -> Option<Reservation> {
+        let charge = self.live.remove(&ptr)?;
+        self.live_bytes -= charge.bytes();
+        self.changes += 1;
+        Some(charge)
+    }
 }
 
 impl<P: DevicePools> fmt::Debug for TenantDevicePool<P> {
@@ -282,7 +334,7 @@ impl<P: DevicePools> fmt::Debug for TenantDevicePool<P> {
         f.debug_struct("TenantDevicePool")
             .field("tenant", &self.tenant.id())
             .field("pool", &self.pool)
-            .field("live_allocations", &self.live.lock().len())
+            .field("live_allocations", &self.books.lock().live.len())
             .finish_non_exhaustive()
     }
 }
@@ -298,12 +350,65 @@ impl<P: DevicePools> TenantDevicePool<P> {
         let pool = backend
             .create_pool(tenant.key(), device, config)
             .map_err(|e| Error::backend(Operation::CreatePool, e))?;
+        let kept = tenant.empty_reservation(Purpose::DevicePool);
         Ok(Self {
             backend,
             tenant,
             pool: Some(pool),
-            live: spin::Mutex::new(HashMap::new()),
+            books: spin::Mutex::new(PoolBooks {
+                live: HashMap::new(),
+                live_bytes: 0,
+                kept,
+                changes: 0,
+                unpaid: false,
+            }),
         })
+    }
+
+    /// Reads the driver's figures and brings the kept charge to its reserved bytes less the
+    /// live ones. If the tenant cannot pay for more, the pool is first trimmed to what is paid
+    /// for (kept blocks the driver can let go: a block whose free the stream has not reached
+    /// yet stays) and read again; [`Error::Denied`] (the charge as it was) if that was not
+    /// enough.
+    fn settle(&self) -> Result<DevicePoolStats, Error<P::Error>> {
+        match self.settle_once() {
+            Err(Error::Denied(_)) => {
+                let paid = self.charged_bytes();
+                self.backend
+                    .trim_pool(self.handle(), paid)
+                    .map_err(|e| Error::backend(Operation::TrimPool, e))?;
+                self.settle_once()
+            }
+            settled => settled,
+        }
+    }
+
+    fn settle_once(&self) -> Result<DevicePoolStats, Error<P::Error>> {
+        let changes = self.books.lock().changes;
+        let stats = match self.backend.pool_stats(self.handle()) {
+            Ok(stats) => stats,
+            Err(e) => {
+                // Unread: the pool may hold more than is paid for, so nothing more is asked
+                // of the driver until a read says otherwise.
+                self.books.lock().unpaid = true;
+                return Err(Error::backend(Operation::PoolStats, e));
+            }
+        };
+        let mut books = self.books.lock();
+        let target = stats.reserved_bytes.saturating_sub(books.live_bytes);
+        let kept = books.kept.bytes();
+        books.unpaid = false;
+        if target > kept {
+            if let Err(denied) = books.kept.try_grow(target - kept) {
+                books.unpaid = true;
+                return Err(denied.into());
+            }
+        } else if books.changes == changes {
+            // A read older than a change to the live allocations may be missing a block
+            // another call just got: it shrinks nothing.
+            books.kept.shrink_to(target);
+        }
+        Ok(stats)
     }
 
     fn handle(&self) -> &PoolHandle {
@@ -317,22 +422,61 @@ impl<P: DevicePools> TenantDevicePool<P> {
     }
 
     /// Allocates `bytes` (zero-filled, ordered on `stream`), charging the tenant first: past its
-    /// cap this is [`Error::Denied`] and the driver is never asked.
+    /// cap this is [`Error::Denied`] and the driver is never asked. Once the driver has it, the
+    /// rest of what the driver now reserves for the pool is charged too; if the tenant cannot
+    /// pay for that (the driver's rounding took it past its cap), the allocation is freed
+    /// (ordered on `stream`), the pool trimmed to what is paid for, and this is
+    /// [`Error::Denied`].
     pub fn allocate(
         &self,
         bytes: usize,
         stream: &Stream,
     ) -> Result<PoolAllocation, Error<P::Error>> {
-        let charge = self
-            .tenant
-            .try_reserve_for(bytes as u64, Purpose::DevicePool)?;
-        // On failure `charge` drops here: no ledger charge is left.
-        let allocation = self
-            .backend
-            .pool_allocate(self.handle(), bytes, stream)
-            .map_err(|e| Error::backend(Operation::PoolAllocate, e))?;
-        self.live.lock().insert(allocation.device_ptr(), charge);
-        Ok(allocation)
+        // Paid first from what the pool keeps (the driver may hand a kept block out again),
+        // the rest charged anew.
+        let mut charge = {
+            let mut books = self.books.lock();
+            books.changes += 1;
+            books.kept.split(bytes as u64)
+        };
+        let carved = charge.bytes();
+        let undo = |mut charge: Reservation| {
+            // The carved part goes back to what the pool keeps, the rest back to the tenant.
+            let _ = self.books.lock().kept.absorb(charge.split(carved));
+        };
+        if let Err(denied) = charge.try_grow(bytes as u64 - carved) {
+            undo(charge);
+            return Err(denied.into());
+        }
+        // The pool holds blocks the tenant does not pay for yet: they go (or are paid for)
+        // before the driver is asked for more.
+        if self.books.lock().unpaid
+            && let Err(e) = self.settle()
+        {
+            undo(charge);
+            return Err(e);
+        }
+        let allocation = match self.backend.pool_allocate(self.handle(), bytes, stream) {
+            Ok(allocation) => allocation,
+            Err(e) => {
+                undo(charge);
+                return Err(Error::backend(Operation::PoolAllocate, e));
+            }
+        };
+        let ptr = allocation.device_ptr();
+        self.books.lock().insert(ptr, charge);
+        let refused = match self.settle() {
+            Ok(_) => return Ok(allocation),
+            Err(e) => e,
+        };
+        // The driver holds more for the pool than the tenant pays for: the allocation goes
+        // back (its charge stays with the pool's kept bytes while the pool keeps the block).
+        // Its free settles the books again, trimming the pool to what is paid for; a block
+        // whose free the stream has not reached yet is trimmed by a later call's settling. A
+        // refused free leaves the block live and charged in the pool's record, freed when the
+        // pool goes (the caller never had it).
+        let _ = self.free(allocation, stream);
+        Err(refused)
     }
 
     /// Frees an allocation of this pool (ordered on `stream`) and gives its bytes back to the
@@ -343,70 +487,116 @@ impl<P: DevicePools> TenantDevicePool<P> {
     /// at once, whose record must not be touched by this call. If the driver refuses the free,
     /// the charge goes back into the record (the block is still the tenant's, and is freed when
     /// the pool drops).
+    ///
+    /// A freed block stays charged while the driver keeps it for the pool (under the release
+    /// threshold): its charge joins the pool's kept charge, which follows the driver's reserved
+    /// bytes from then on.
     pub fn free(&self, allocation: PoolAllocation, stream: &Stream) -> Result<(), Error<P::Error>> {
         let ptr = allocation.device_ptr();
-        let charge = {
-            let mut live = self.live.lock();
-            match live.get(&ptr) {
-                Some(c) if c.bytes() == allocation.len() as u64 => live.remove(&ptr),
-                _ => None,
-            }
+        // The block's charge moves to what the pool keeps, in the same hold of the lock that
+        // takes it off the live ones (a read of the figures meanwhile finds it in one place).
+        let bytes = {
+            let mut books = self.books.lock();
+            let ours = books
+                .live
+                .get(&ptr)
+                .is_some_and(|c| c.bytes() == allocation.len() as u64);
+            ours.then(|| books.remove(ptr)).flatten().map(|charge| {
+                let bytes = charge.bytes();
+                // Same tenant and purpose: never handed back.
+                let _ = books.kept.absorb(charge);
+                bytes
+            })
         };
-        let Some(charge) = charge else {
+        let Some(bytes) = bytes else {
             return Err(Error::UnknownPoolAllocation { ptr });
         };
         match self.backend.pool_free(self.handle(), allocation, stream) {
             Ok(()) => {
-                drop(charge);
+                // Down to what the driver still reserves; a refused read keeps the charge
+                // (too much, never too little) until the next.
+                let _ = self.settle();
                 Ok(())
             }
             Err(e) => {
-                self.live.lock().insert(ptr, charge);
+                let mut books = self.books.lock();
+                let charge = books.kept.split(bytes);
+                books.insert(ptr, charge);
                 Err(Error::backend(Operation::PoolFree, e))
             }
         }
     }
 
-    /// Gives freed memory back to the driver, keeping at most `keep_bytes`.
+    /// Gives freed memory back to the driver, keeping at most `keep_bytes`, and the tenant's
+    /// charge for what went.
     pub fn trim(&self, keep_bytes: u64) -> Result<(), Error<P::Error>> {
         self.backend
             .trim_pool(self.handle(), keep_bytes)
-            .map_err(|e| Error::backend(Operation::TrimPool, e))
+            .map_err(|e| Error::backend(Operation::TrimPool, e))?;
+        let _ = self.settle();
+        Ok(())
     }
 
-    /// The pool's figures.
+    /// The pool's figures (and the tenant's charge brought to them).
     pub fn stats(&self) -> Result<DevicePoolStats, Error<P::Error>> {
-        self.backend
-            .pool_stats(self.handle())
-            .map_err(|e| Error::backend(Operation::PoolStats, e))
+        match self.settle() {
+            Err(Error::Denied(_)) => self
+                .backend
+                .pool_stats(self.handle())
+                .map_err(|e| Error::backend(Operation::PoolStats, e)),
+            settled => settled,
+        }
+    }
+
+    /// Bytes charged to the tenant for this pool: what its live allocations asked for, and
+    /// the rest of what the driver reserved for it when last read.
+    #[must_use]
+    pub fn charged_bytes(&self) -> u64 {
+        let books = self.books.lock();
+        books.live_bytes + books.kept.bytes()
     }
 }
 
 impl<P: DevicePools> Drop for TenantDevicePool<P> {
     /// Frees every allocation still live (the backend orders each free after the work on the
-    /// stream the allocation was made on: [`DevicePools::pool_free_at_teardown`]) and gives its
-    /// bytes back, then destroys the pool, which retries what the backend refused to free,
-    /// handing it the refused blocks' charges ([`DevicePools::destroy_pool_charged`]): they go
-    /// back when the pool is really gone (a driver backend keeps a pool whose destroy is
-    /// refused, and a recovery's reset destroys it, after a kernel fault), and stay with the
-    /// tenant for good ([`Reservation::strand`]) where it never goes.
+    /// stream the allocation was made on: [`DevicePools::pool_free_at_teardown`]), then
+    /// destroys the pool, which retries what the backend refused to free, handing it every
+    /// charge the pool carries ([`DevicePools::destroy_pool_charged`]): the live blocks', and
+    /// what the driver kept for the pool. They go back when the pool is really gone (a driver
+    /// backend keeps a pool whose destroy is refused, and a recovery's reset destroys it,
+    /// after a kernel fault), and stay with the tenant for good ([`Reservation::strand`])
+    /// where it never goes.
     fn drop(&mut self) {
         let Some(pool) = self.pool.take() else {
             return;
         };
-        let live: alloc::vec::Vec<(u64, Reservation)> = self.live.lock().drain().collect();
-        let mut refused = alloc::vec::Vec::new();
+        let (live, kept) = {
+            let books = &mut *self.books.lock();
+            let kept = core::mem::replace(
+                &mut books.kept,
+                self.tenant.empty_reservation(Purpose::DevicePool),
+            );
+            let live: alloc::vec::Vec<(u64, Reservation)> = books.live.drain().collect();
+            (live, kept)
+        };
+        // What the driver kept for the pool goes with the pool: back when it is really gone.
+        let mut charges = alloc::vec![kept];
         for (ptr, charge) in live {
             // A `PoolAllocation` is rebuilt from what this pool handed out; its length is the
             // charge.
             let allocation = PoolAllocation::new(ptr, charge.bytes() as usize);
             match self.backend.pool_free_at_teardown(&pool, allocation) {
-                Ok(()) => drop(charge),
-                Err(_) => refused.push(charge),
+                // The driver may keep the block for the pool until it goes: so does its charge.
+                Ok(()) => {
+                    if let Err(charge) = charges[0].absorb(charge) {
+                        charges.push(charge);
+                    }
+                }
+                Err(_) => charges.push(charge),
             }
         }
-        // The refused blocks' charges go with the pool: back when it is really gone.
-        let _ = self.backend.destroy_pool_charged(pool, refused);
+        // Every charge goes with the pool: back when it is really gone.
+        let _ = self.backend.destroy_pool_charged(pool, charges);
     }
 }
 
@@ -423,6 +613,14 @@ mod tests {
         next: spin::Mutex<u64>,
         live: spin::Mutex<u64>,
         fail: spin::Mutex<bool>,
+        /// Allocations the driver was asked for.
+        asked: spin::Mutex<u64>,
+        /// What the driver says it reserves for the pool.
+        reserved: spin::Mutex<u64>,
+        /// `pool_stats` fails.
+        stats_fail: spin::Mutex<bool>,
+        /// `destroy_pool` fails.
+        destroy_fail: spin::Mutex<bool>,
     }
 
     #[derive(Debug, thiserror::Error)]
@@ -458,6 +656,7 @@ mod tests {
             bytes: usize,
             _: &Stream,
         ) -> Result<PoolAllocation, Failed> {
+            *self.asked.lock() += 1;
             if *self.fail.lock() {
                 return Err(Failed);
             }
@@ -485,13 +684,17 @@ mod tests {
             Ok(())
         }
         fn pool_stats(&self, _: &PoolHandle) -> Result<DevicePoolStats, Failed> {
+            if *self.stats_fail.lock() {
+                return Err(Failed);
+            }
             Ok(DevicePoolStats {
                 live_allocations: *self.live.lock(),
+                reserved_bytes: *self.reserved.lock(),
                 ..DevicePoolStats::default()
             })
         }
         fn destroy_pool(&self, _: PoolHandle) -> Result<(), Failed> {
-            if *self.fail.lock() {
+            if *self.fail.lock() || *self.destroy_fail.lock() {
                 return Err(Failed);
             }
             // Frees what is still allocated, as the trait asks.
@@ -548,6 +751,93 @@ mod tests {
         drop(pool);
         assert_eq!(tenant.stats().touched_bytes, 0);
         assert_eq!(*backend.live.lock(), 0, "drop freed the live allocation");
+    }
+
+    /// What the driver reserves for the pool beyond the live allocations is charged; an
+    /// allocation whose reservation the tenant cannot pay for is given back and refused, and
+    /// no allocation asks the driver until the pool is paid for again.
+    #[test]
+    fn what_the_driver_reserves_is_charged() {
+        let backend = Counting::default();
+        let (tenant, stream, pool) = tenant_pool(&backend);
+        *backend.reserved.lock() = 60;
+        let a = pool.allocate(10, &stream).unwrap();
+        assert_eq!(
+            (pool.charged_bytes(), tenant.stats().touched_bytes),
+            (60, 60)
+        );
+        // The driver took 120 for the next 20: past the cap of 100.
+        *backend.reserved.lock() = 120;
+        let err = pool.allocate(20, &stream).unwrap_err();
+        assert!(matches!(err, Error::Denied(_)), "{err}");
+        assert_eq!(*backend.live.lock(), 1, "given back");
+        assert!(tenant.stats().touched_bytes <= 100);
+        let asked = *backend.asked.lock();
+        assert!(matches!(pool.allocate(5, &stream), Err(Error::Denied(_))));
+        assert_eq!(
+            *backend.asked.lock(),
+            asked,
+            "unpaid: the driver is not asked"
+        );
+        // The driver let the block go: paid for again, served again (from what it keeps).
+        *backend.reserved.lock() = 60;
+        let c = pool.allocate(20, &stream).unwrap();
+        assert_eq!(*backend.asked.lock(), asked + 1);
+        assert_eq!(pool.charged_bytes(), 60, "two live, the rest kept");
+        pool.free(c, &stream).unwrap();
+        assert_eq!(
+            pool.charged_bytes(),
+            60,
+            "a freed block stays charged while kept"
+        );
+        *backend.reserved.lock() = 16;
+        pool.trim(0).unwrap();
+        assert_eq!(pool.charged_bytes(), 16, "down to what the driver holds");
+        assert_eq!(tenant.stats().touched_bytes, 16);
+        pool.free(a, &stream).unwrap();
+        drop(pool);
+        assert_eq!(
+            tenant.stats().touched_bytes,
+            0,
+            "kept bytes go with the pool"
+        );
+    }
+
+    /// A driver that will not say what it reserves cannot be paid for: the allocation it
+    /// made is given back, and no other is asked of it until it says.
+    #[test]
+    fn an_unread_pool_asks_the_driver_for_nothing_more() {
+        let backend = Counting::default();
+        let (tenant, stream, pool) = tenant_pool(&backend);
+        *backend.stats_fail.lock() = true;
+        let err = pool.allocate(1, &stream).unwrap_err();
+        assert!(err.to_string().contains("pool_stats"), "{err}");
+        assert_eq!((*backend.asked.lock(), *backend.live.lock()), (1, 0));
+        assert!(pool.allocate(1, &stream).is_err());
+        assert_eq!(*backend.asked.lock(), 1, "not asked again");
+        *backend.stats_fail.lock() = false;
+        let a = pool.allocate(1, &stream).unwrap();
+        assert_eq!(*backend.asked.lock(), 2);
+        pool.free(a, &stream).unwrap();
+        drop(pool);
+        assert_eq!(tenant.stats().touched_bytes, 0);
+    }
+
+    /// A block freed at teardown may stay with the pool: when the pool's destroy is refused,
+    /// its charge stays with the tenant too.
+    #[test]
+    fn a_refused_destroy_keeps_the_charge_of_blocks_freed_at_teardown() {
+        let backend = Counting::default();
+        let (tenant, stream, pool) = tenant_pool(&backend);
+        let _a = pool.allocate(60, &stream).unwrap();
+        *backend.destroy_fail.lock() = true;
+        drop(pool);
+        assert_eq!(*backend.live.lock(), 0, "freed at teardown");
+        assert_eq!(
+            tenant.stats().touched_bytes,
+            60,
+            "the pool was not destroyed"
+        );
     }
 
     #[test]

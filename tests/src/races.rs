@@ -181,16 +181,17 @@ fn shared_stream(tenant: &TenantLedger) -> Stream {
 /// 12,288 bytes live under an 8,192 cap.)
 pub fn device_pool_cap_holds_when_a_free_returns_late<H: Harness>() {
     let b = H::backend();
+    let block = crate::suite::pool_unit::<H>(&b);
     let tenant = Arc::new(TenantLedger::new(
         TenantId(1),
-        2 * BLOCK as u64,
+        2 * block as u64,
         IsolationLevel::Shared,
     ));
     let Some(pool) = pool_for::<H>(&b, &tenant) else {
         return skip("no device pools");
     };
     let stream = shared_stream(&tenant);
-    let first = pool.allocate(BLOCK, &stream).expect("first");
+    let first = pool.allocate(block, &stream).expect("first");
     let first_ptr = first.device_ptr();
     let Some(held) = H::faults(&b).and_then(|f| f.hold_next(Operation::PoolFree)) else {
         return skip("no way to hold a free");
@@ -202,7 +203,7 @@ pub fn device_pool_cap_holds_when_a_free_returns_late<H: Harness>() {
         // On an asynchronous driver the free is done when the stream gets to it: wait for it,
         // so the block can be handed back while the free's caller is still held.
         b.synchronize(&stream).expect("synchronize");
-        let newcomer = pool.allocate(BLOCK, &stream).expect("newcomer");
+        let newcomer = pool.allocate(block, &stream).expect("newcomer");
         held.release();
         late.join().expect("free thread");
         newcomer
@@ -214,18 +215,20 @@ pub fn device_pool_cap_holds_when_a_free_returns_late<H: Harness>() {
     );
     assert_eq!(
         tenant.stats().device_pool_bytes,
-        BLOCK as u64,
+        block as u64,
         "the newcomer is still charged"
     );
-    let second = pool.allocate(BLOCK, &stream).expect("up to the cap");
+    let second = pool.allocate(block, &stream).expect("up to the cap");
     let err = pool
-        .allocate(BLOCK, &stream)
+        .allocate(block, &stream)
         .expect_err("a third block passes the cap");
     assert!(matches!(err, Error::Denied(_)), "{err}");
     pool.free(newcomer, &stream).expect("free");
     pool.free(second, &stream).expect("free");
-    assert_eq!(tenant.stats().touched_bytes, 0);
+    b.synchronize(&stream).expect("the frees are done");
+    assert_kept_blocks_are_charged(&tenant, &pool);
     drop(pool);
+    assert_eq!(tenant.stats().touched_bytes, 0, "back with the pool");
     drop_and_check_driver::<H>(b);
 }
 
@@ -234,9 +237,10 @@ pub fn device_pool_cap_holds_when_a_free_returns_late<H: Harness>() {
 pub fn device_pool_cap_holds_under_contention<H: Harness>() {
     let cycles = H::rounds(3000);
     let b = H::backend();
+    let block = crate::suite::pool_unit::<H>(&b);
     let tenant = Arc::new(TenantLedger::new(
         TenantId(1),
-        2 * BLOCK as u64,
+        2 * block as u64,
         IsolationLevel::Shared,
     ));
     let Some(pool) = pool_for::<H>(&b, &tenant) else {
@@ -249,7 +253,7 @@ pub fn device_pool_cap_holds_under_contention<H: Harness>() {
         for _ in 0..3 {
             s.spawn(|| {
                 for _ in 0..cycles {
-                    let Ok(block) = pool.allocate(BLOCK, &stream) else {
+                    let Ok(block) = pool.allocate(block, &stream) else {
                         continue;
                     };
                     let now = held.fetch_add(1, Ordering::AcqRel) + 1;
@@ -267,9 +271,22 @@ pub fn device_pool_cap_holds_under_contention<H: Harness>() {
         "{} blocks lived at once under a cap of 2",
         most.load(Ordering::Acquire)
     );
-    assert_eq!(tenant.stats().touched_bytes, 0);
+    b.synchronize(&stream).expect("the frees are done");
+    assert_kept_blocks_are_charged(&tenant, &pool);
     drop(pool);
+    assert_eq!(tenant.stats().touched_bytes, 0, "back with the pool");
     drop_and_check_driver::<H>(b);
+}
+
+/// Every block freed, the pool (whose release threshold keeps them all) still holds them, and
+/// the tenant pays for exactly what it holds.
+fn assert_kept_blocks_are_charged<B: tensor_wasm_mem_core::DevicePools>(
+    tenant: &TenantLedger,
+    pool: &TenantDevicePool<B>,
+) {
+    let held = pool.stats().expect("stats").reserved_bytes;
+    assert_eq!(pool.charged_bytes(), held);
+    assert_eq!(tenant.stats().device_pool_bytes, held);
 }
 
 /// A stream whose destroy the driver refuses stays counted (and is refused to callers), and is

@@ -189,7 +189,12 @@ pub fn recover_gives_a_dropped_device_pools_charge_back<H: Harness>() {
     if !H::has_device_pools(&b) {
         return skip("no device pools");
     }
-    let t = pool_tenant();
+    let unit = crate::suite::pool_unit::<H>(&b);
+    let t = Arc::new(TenantLedger::new(
+        TenantId(1),
+        64 * unit as u64,
+        IsolationLevel::StreamIsolated,
+    ));
     let pool = TenantDevicePool::new(
         Arc::clone(&b),
         Arc::clone(&t),
@@ -200,7 +205,7 @@ pub fn recover_gives_a_dropped_device_pools_charge_back<H: Harness>() {
     let stream = b
         .acquire_stream_on(t.key(), IsolationLevel::StreamIsolated, D0)
         .expect("stream");
-    let _block = pool.allocate(4 * PAGE, &stream).expect("block");
+    let _block = pool.allocate(4 * unit, &stream).expect("block");
     if !fault::<H>(&b, &stream) {
         drop(pool);
         b.release_stream(stream).expect("release");
@@ -210,7 +215,7 @@ pub fn recover_gives_a_dropped_device_pools_charge_back<H: Harness>() {
     let held = t.stats();
     assert_eq!(
         held.device_pool_bytes,
-        4 * PAGE as u64,
+        4 * unit as u64,
         "charged while the lost context holds the block"
     );
     let _ = b.release_stream(stream);

@@ -1155,6 +1155,31 @@ pub fn failures_at_every_step_leave_nothing<H: Harness>() {
     );
 }
 
+/// The bytes the pool cases count in: a 64 KiB page, or, where the driver reserves a pool's
+/// memory in larger chunks (CUDA: megabytes), one such chunk, measured (what a fresh pool
+/// reserves for a one-byte allocation, in whole pages). A tenant pays for what the driver
+/// reserves for its pool, so a case whose cap is below one chunk would be refused throughout.
+pub(crate) fn pool_unit<H: Harness>(b: &Arc<H::Backend>) -> usize {
+    if !H::has_device_pools(b) {
+        return PAGE;
+    }
+    let t = tenant(99, u64::MAX / 4);
+    let pool = TenantDevicePool::new(
+        Arc::clone(b),
+        Arc::clone(&t),
+        D0,
+        &DevicePoolConfig::default(),
+    )
+    .expect("a pool to measure");
+    let s = shared(&t);
+    let one = pool.allocate(1, &s).expect("one byte");
+    let reserved = pool.stats().expect("stats").reserved_bytes as usize;
+    pool.free(one, &s).expect("free");
+    b.synchronize(&s).expect("synchronize");
+    drop(pool);
+    reserved.max(PAGE).next_multiple_of(PAGE)
+}
+
 /// A tenant's device pool for the pool cases, or `None` (after checking the backend answers
 /// `Unsupported`) when the backend has no pools.
 fn device_pool<H: Harness>(
@@ -1185,26 +1210,33 @@ fn shared(tenant: &TenantLedger) -> Stream {
 /// is not asked), free, allocate again.
 pub fn device_pool_cap_is_the_tenant_cap<H: Harness>() {
     let b = H::backend();
-    let t = tenant(1, 4 * PAGE as u64);
+    let unit = pool_unit::<H>(&b);
+    let t = tenant(1, 4 * unit as u64);
     let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
         return skip("no device pools (Unsupported)");
     };
     let s = shared(&t);
-    let a = pool.allocate(3 * PAGE, &s).expect("under the cap");
-    let c = pool.allocate(PAGE, &s).expect("up to the cap");
-    assert_eq!(t.stats().device_pool_bytes, 4 * PAGE as u64);
+    let a = pool.allocate(3 * unit, &s).expect("under the cap");
+    let c = pool.allocate(unit, &s).expect("up to the cap");
+    assert_eq!(t.stats().device_pool_bytes, 4 * unit as u64);
     let err = pool.allocate(1, &s).expect_err("one byte past the cap");
     assert!(matches!(err, Error::Denied(_)), "{err}");
     assert!(err.kind().is_denial());
     assert_eq!(
         pool.stats().expect("stats").live_bytes,
-        4 * PAGE as u64,
+        4 * unit as u64,
         "nothing allocated"
     );
     pool.free(c, &s).expect("free");
-    let d = pool.allocate(PAGE, &s).expect("usable after a denial");
+    // Until the stream gets to the free, the pool holds the block (and the tenant pays for it):
+    // a block the driver mapped anew meanwhile would take the pool past the cap.
+    b.synchronize(&s).expect("synchronize");
+    let d = pool.allocate(unit, &s).expect("usable after a denial");
     pool.free(a, &s).expect("free");
     pool.free(d, &s).expect("free");
+    // Charged until the pool lets the blocks go, and the next call reads that it did.
+    b.synchronize(&s).expect("synchronize");
+    pool.trim(0).expect("trim");
     assert_eq!(t.stats().touched_bytes, 0);
     drop(pool);
     assert_no_leaks::<H>(&b);
@@ -1213,19 +1245,20 @@ pub fn device_pool_cap_is_the_tenant_cap<H: Harness>() {
 /// Linear memory and pool memory share the one cap.
 pub fn device_pool_shares_the_cap_with_linear_memory<H: Harness>() {
     let b = H::backend();
-    let t = tenant(1, 4 * PAGE as u64);
+    let unit = pool_unit::<H>(&b);
+    let t = tenant(1, 4 * unit as u64);
     let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
         return skip("no device pools");
     };
     let memory = t
-        .try_reserve(3 * PAGE as u64)
+        .try_reserve(3 * unit as u64)
         .expect("linear memory charge");
     let s = shared(&t);
-    let a = pool.allocate(PAGE, &s).expect("the rest of the cap");
+    let a = pool.allocate(unit, &s).expect("the rest of the cap");
     assert!(matches!(pool.allocate(1, &s), Err(Error::Denied(_))));
     drop(memory);
     let c = pool
-        .allocate(3 * PAGE, &s)
+        .allocate(3 * unit, &s)
         .expect("freed linear memory is pool headroom");
     pool.free(a, &s).expect("free");
     pool.free(c, &s).expect("free");
@@ -1237,22 +1270,23 @@ pub fn device_pool_shares_the_cap_with_linear_memory<H: Harness>() {
 /// Two tenants' pools have two ceilings.
 pub fn device_pool_tenants_do_not_share_a_ceiling<H: Harness>() {
     let b = H::backend();
-    let (alice, bob) = (tenant(1, 2 * PAGE as u64), tenant(2, 3 * PAGE as u64));
+    let unit = pool_unit::<H>(&b);
+    let (alice, bob) = (tenant(1, 2 * unit as u64), tenant(2, 3 * unit as u64));
     let Some(pa) = device_pool::<H>(&b, &alice, &DevicePoolConfig::default()) else {
         return skip("no device pools");
     };
     let pb = device_pool::<H>(&b, &bob, &DevicePoolConfig::default()).expect("pools");
     let (sa, sb) = (shared(&alice), shared(&bob));
-    let a = pa.allocate(2 * PAGE, &sa).expect("alice to her cap");
+    let a = pa.allocate(2 * unit, &sa).expect("alice to her cap");
     assert!(matches!(pa.allocate(1, &sa), Err(Error::Denied(_))));
     let c = pb
-        .allocate(3 * PAGE, &sb)
+        .allocate(3 * unit, &sb)
         .expect("bob is not affected by alice's cap");
     assert!(matches!(pb.allocate(1, &sb), Err(Error::Denied(_))));
-    assert_eq!(alice.stats().touched_bytes, 2 * PAGE as u64);
-    assert_eq!(bob.stats().touched_bytes, 3 * PAGE as u64);
+    assert_eq!(alice.stats().touched_bytes, 2 * unit as u64);
+    assert_eq!(bob.stats().touched_bytes, 3 * unit as u64);
     pa.free(a, &sa).expect("free");
-    assert_eq!(bob.stats().touched_bytes, 3 * PAGE as u64);
+    assert_eq!(bob.stats().touched_bytes, 3 * unit as u64);
     pb.free(c, &sb).expect("free");
     drop((pa, pb));
     assert_no_leaks::<H>(&b);
@@ -1261,7 +1295,8 @@ pub fn device_pool_tenants_do_not_share_a_ceiling<H: Harness>() {
 /// A failing driver allocation leaves no ledger charge, and the pool stays usable.
 pub fn device_pool_failed_allocation_leaves_no_charge<H: Harness>() {
     let b = H::backend();
-    let t = tenant(1, 8 * PAGE as u64);
+    let unit = pool_unit::<H>(&b);
+    let t = tenant(1, 8 * unit as u64);
     let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
         return skip("no device pools");
     };
@@ -1270,11 +1305,11 @@ pub fn device_pool_failed_allocation_leaves_no_charge<H: Harness>() {
         return skip("no fault injection");
     }
     let s = shared(&t);
-    let err = pool.allocate(PAGE, &s).expect_err("injected");
+    let err = pool.allocate(unit, &s).expect_err("injected");
     assert_failed_in(&err, Operation::PoolAllocate);
     assert!(!err.kind().is_denial());
     assert_eq!(t.stats().touched_bytes, 0, "no ledger charge left");
-    let a = pool.allocate(PAGE, &s).expect("usable again");
+    let a = pool.allocate(unit, &s).expect("usable again");
     pool.free(a, &s).expect("free");
     drop(pool);
     assert_no_leaks::<H>(&b);
@@ -1283,15 +1318,16 @@ pub fn device_pool_failed_allocation_leaves_no_charge<H: Harness>() {
 /// Dropping a pool with live allocations frees them and gives every byte back.
 pub fn device_pool_drop_frees_everything<H: Harness>() {
     let b = H::backend();
-    let t = tenant(1, 16 * PAGE as u64);
+    let unit = pool_unit::<H>(&b);
+    let t = tenant(1, 16 * unit as u64);
     let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
         return skip("no device pools");
     };
     let s = shared(&t);
     let held: Vec<PoolAllocation> = (1..=4)
-        .map(|n| pool.allocate(n * PAGE, &s).expect("allocate"))
+        .map(|n| pool.allocate(n * unit, &s).expect("allocate"))
         .collect();
-    assert_eq!(t.stats().device_pool_bytes, 10 * PAGE as u64);
+    assert_eq!(t.stats().device_pool_bytes, 10 * unit as u64);
     assert_eq!(pool.stats().expect("stats").live_allocations, 4);
     drop(pool);
     drop(held); // handles only: the memory went with the pool
@@ -1303,10 +1339,11 @@ pub fn device_pool_drop_frees_everything<H: Harness>() {
 /// Memory a pool hands out is zero-filled, also when it reuses a block its tenant freed.
 pub fn device_pool_memory_comes_zeroed<H: Harness>() {
     let b = H::backend();
-    let t = tenant(1, 16 * PAGE as u64);
+    let unit = pool_unit::<H>(&b);
+    let t = tenant(1, 16 * unit as u64);
     let config = DevicePoolConfig {
         max_bytes: 0,
-        release_threshold: 16 * PAGE as u64,
+        release_threshold: 16 * unit as u64,
     };
     let Some(pool) = device_pool::<H>(&b, &t, &config) else {
         return skip("no device pools");
@@ -1327,7 +1364,7 @@ pub fn device_pool_memory_comes_zeroed<H: Harness>() {
     };
     // The zero fill is ordered on the stream: the host reads after waiting for it (a device with
     // work of its own, the worker harnesses, may not have run it yet).
-    let a = pool.allocate(2 * PAGE, &s).expect("allocate");
+    let a = pool.allocate(2 * unit, &s).expect("allocate");
     b.synchronize(&s).expect("wait for the fill");
     assert!(
         read(&a).iter().all(|&x| x == 0),
@@ -1336,7 +1373,7 @@ pub fn device_pool_memory_comes_zeroed<H: Harness>() {
     // SAFETY: as in `read`.
     unsafe { (a.device_ptr() as *mut u8).write_bytes(0xff, a.len()) };
     pool.free(a, &s).expect("free");
-    let again = pool.allocate(2 * PAGE, &s).expect("reuse");
+    let again = pool.allocate(2 * unit, &s).expect("reuse");
     b.synchronize(&s).expect("wait for the fill");
     assert!(
         read(&again).iter().all(|&x| x == 0),
@@ -1380,21 +1417,22 @@ pub fn device_pool_driver_maximum_is_a_second_line<H: Harness>() {
 /// Trimming gives kept memory back to the driver.
 pub fn device_pool_trim_gives_memory_back<H: Harness>() {
     let b = H::backend();
-    let t = tenant(1, 64 * PAGE as u64);
+    let unit = pool_unit::<H>(&b);
+    let t = tenant(1, 64 * unit as u64);
     let config = DevicePoolConfig {
         max_bytes: 0,
-        release_threshold: 64 * PAGE as u64,
+        release_threshold: 64 * unit as u64,
     };
     let Some(pool) = device_pool::<H>(&b, &t, &config) else {
         return skip("no device pools");
     };
     let s = shared(&t);
-    let a = pool.allocate(4 * PAGE, &s).expect("allocate");
+    let a = pool.allocate(4 * unit, &s).expect("allocate");
     pool.free(a, &s).expect("free");
     let kept = pool.stats().expect("stats");
     assert_eq!(kept.live_bytes, 0);
     assert!(
-        kept.reserved_bytes >= 4 * PAGE as u64,
+        kept.reserved_bytes >= 4 * unit as u64,
         "kept under the release threshold"
     );
     // A stream-ordered free is done when the stream gets to it: only then can a trim give the
@@ -1402,6 +1440,109 @@ pub fn device_pool_trim_gives_memory_back<H: Harness>() {
     b.synchronize(&s).expect("synchronize");
     pool.trim(0).expect("trim");
     assert_eq!(pool.stats().expect("stats").reserved_bytes, 0);
+    drop(pool);
+    assert_no_leaks::<H>(&b);
+}
+
+/// What the driver rounds a pool's allocations up to is charged: one-byte allocations from a
+/// pool under a 64 KiB cap stop where the driver's blocks reach the cap (the simulated driver
+/// maps a page for each; a GPU reserves chunks of megabytes, so there the first is refused),
+/// and the tenant pays at every step for exactly what the driver reserves for the pool. (Before,
+/// 1,024 of them held 4 MiB under this cap, charged 1 KiB.)
+pub fn device_pool_rounding_is_charged<H: Harness>() {
+    let b = H::backend();
+    let cap = PAGE as u64;
+    let t = tenant(1, cap);
+    let Some(pool) = device_pool::<H>(&b, &t, &DevicePoolConfig::default()) else {
+        return skip("no device pools");
+    };
+    let s = shared(&t);
+    let mut held = Vec::new();
+    let denied = loop {
+        if held.len() == 1024 {
+            break None;
+        }
+        match pool.allocate(1, &s) {
+            Ok(a) => held.push(a),
+            Err(e) => break Some(e),
+        }
+        let reserved = pool.stats().expect("stats").reserved_bytes;
+        assert!(
+            reserved <= cap,
+            "{reserved} bytes held under a cap of {cap}"
+        );
+        assert_eq!(
+            t.stats().device_pool_bytes,
+            reserved,
+            "charged what is held"
+        );
+    };
+    let granule = if held.is_empty() {
+        None
+    } else {
+        Some(pool.stats().expect("stats").reserved_bytes / held.len() as u64)
+    };
+    if granule.is_none_or(|g| g > 1) {
+        let e = denied.expect("a driver that rounds reaches the cap");
+        assert!(matches!(e, Error::Denied(_)), "{e}");
+    }
+    let after = pool.stats().expect("stats");
+    assert_eq!(
+        after.live_allocations,
+        held.len() as u64,
+        "the refused one was given back"
+    );
+    for a in held {
+        pool.free(a, &s).expect("free");
+    }
+    b.synchronize(&s).expect("synchronize");
+    pool.trim(0).expect("trim");
+    assert_eq!(t.stats().touched_bytes, 0);
+    drop(pool);
+    assert_no_leaks::<H>(&b);
+}
+
+/// Blocks a pool keeps after their free (under its release threshold) are the tenant's, held
+/// for it: they stay charged against its cap (a linear memory cannot take their bytes) until a
+/// trim gives them back. (Before, a 1 GiB threshold kept 16 MB for a tenant, charged nothing.)
+pub fn device_pool_kept_blocks_are_charged<H: Harness>() {
+    let b = H::backend();
+    let unit = pool_unit::<H>(&b);
+    let cap = 64 * unit as u64;
+    let t = tenant(1, cap);
+    let config = DevicePoolConfig {
+        max_bytes: 0,
+        release_threshold: u64::MAX,
+    };
+    let Some(pool) = device_pool::<H>(&b, &t, &config) else {
+        return skip("no device pools");
+    };
+    let s = shared(&t);
+    let a = pool.allocate(4 * unit, &s).expect("allocate");
+    pool.free(a, &s).expect("free");
+    b.synchronize(&s).expect("the free is done");
+    let kept = pool.stats().expect("stats").reserved_bytes;
+    assert!(kept >= 4 * unit as u64, "kept under the release threshold");
+    assert_eq!(t.stats().device_pool_bytes, kept, "kept, and charged");
+    assert!(
+        t.try_reserve(cap - kept + 1).is_err(),
+        "the kept bytes count against the cap"
+    );
+    // Handed out again from what is kept: charged once.
+    let again = pool.allocate(4 * unit, &s).expect("again");
+    assert_eq!(
+        t.stats().device_pool_bytes,
+        pool.stats().expect("stats").reserved_bytes
+    );
+    pool.free(again, &s).expect("free");
+    b.synchronize(&s).expect("synchronize");
+    pool.trim(0).expect("trim");
+    assert_eq!(pool.stats().expect("stats").reserved_bytes, 0);
+    assert_eq!(t.stats().touched_bytes, 0, "given back with the blocks");
+    let memory = t
+        .try_reserve(cap)
+        .expect("the whole cap for a linear memory");
+    drop(memory);
     drop(pool);
     assert_no_leaks::<H>(&b);
 }
