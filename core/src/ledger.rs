@@ -333,6 +333,13 @@ impl Meter {
         }
     }
 
+    /// Adds `amount` whatever the limit says (the total may pass it).
+    fn force(&self, amount: u64) {
+        let before = self.live.fetch_add(amount, Ordering::AcqRel);
+        self.peak
+            .fetch_max(before.saturating_add(amount), Ordering::AcqRel);
+    }
+
     fn uncharge(&self, amount: u64) {
         let before = self.live.fetch_sub(amount, Ordering::AcqRel);
         debug_assert!(before >= amount, "ledger underflow");
@@ -626,6 +633,21 @@ impl TenantLedger {
         Ok(())
     }
 
+    /// Charges `amount` for `purpose` whatever its budgets say: for bytes the tenant holds
+    /// already, which no refusal can undo. Past a budget, every charge that checks it is
+    /// denied until enough is given back.
+    fn force_charge(&self, amount: u64, purpose: Purpose) {
+        for budget in [Budget::Touched, Budget::Held, Budget::Memories] {
+            if purpose.charges(budget) {
+                self.meter(budget).force(amount);
+            }
+        }
+        if let Some(figure) = self.figure(purpose) {
+            figure.fetch_add(amount, Ordering::AcqRel);
+        }
+        self.group_add(amount, purpose, true);
+    }
+
     /// Adds (or takes back) `amount` in the group's totals of the budgets `purpose` charges.
     fn group_add(&self, amount: u64, purpose: Purpose, add: bool) {
         let Some(group) = &self.group else {
@@ -672,6 +694,15 @@ impl TenantLedger {
             bytes: 0,
             purpose,
         }
+    }
+
+    /// Every budget's live total is within its limit (only a charge made past the limits,
+    /// [`Reservation::grow_past_limits`], can take one over).
+    #[must_use]
+    pub fn within_limits(&self) -> bool {
+        [Budget::Touched, Budget::Held, Budget::Memories]
+            .iter()
+            .all(|&b| self.meter(b).live() <= self.meter(b).limit)
     }
 
     /// Reserves `bytes` of linear memory against the cap, or says no. The bytes come back when
@@ -789,6 +820,15 @@ impl Reservation {
         self.tenant.charge(additional, self.purpose)?;
         self.bytes += additional;
         Ok(())
+    }
+
+    /// Charges `additional` more bytes into this reservation whatever the tenant's budgets say:
+    /// for what the tenant holds already and no refusal can undo (a driver's rounding of a
+    /// block it mapped). Past a budget the tenant is denied everything that checks it until
+    /// enough is given back; its figures read above the limit meanwhile, as what it holds is.
+    pub fn grow_past_limits(&mut self, additional: u64) {
+        self.tenant.force_charge(additional, self.purpose);
+        self.bytes += additional;
     }
 
     /// Gives back all but `bytes` (no-op if it holds `bytes` or fewer).

@@ -296,15 +296,19 @@ struct PoolBooks {
     live: HashMap<u64, Reservation>,
     /// The sum of `live`'s charges.
     live_bytes: u64,
-    /// The driver's reserved bytes beyond `live_bytes`, as last read.
+    /// Charges of calls under way, held apart from `live` and `kept`: an allocation's before
+    /// its block joins `live`, a free's while the driver frees.
+    outside: u64,
+    /// The driver's reserved bytes beyond `live_bytes` and `outside`, as last read.
     kept: Reservation,
-    /// Counts changes to `live`: a read of the driver's reserved bytes made before a change
-    /// may be stale, and is trusted to grow `kept`, never to shrink it.
+    /// Counts changes to `live` and `outside`: a read of the driver's reserved bytes made
+    /// before a change may be stale, and is trusted to grow `kept`, never to shrink it.
     changes: u64,
     /// The last read found the driver holding more for the pool than the tenant could pay for
-    /// (a refused allocation's block whose free the stream has not reached): no allocation
-    /// asks the driver until a read finds the pool paid for again, so such blocks do not pile
-    /// up.
+    /// within its limits (a refused allocation's block whose free the stream has not reached),
+    /// charged past them, or could not read the figures at all: the next allocation settles
+    /// first (trimming what the driver can let go), and asks the driver for nothing while the
+    /// tenant is still past its limits or the figures unread.
     unpaid: bool,
 }
 
@@ -358,6 +362,7 @@ impl<P: DevicePools> TenantDevicePool<P> {
             books: spin::Mutex::new(PoolBooks {
                 live: HashMap::new(),
                 live_bytes: 0,
+                outside: 0,
                 kept,
                 changes: 0,
                 unpaid: false,
@@ -366,24 +371,26 @@ impl<P: DevicePools> TenantDevicePool<P> {
     }
 
     /// Reads the driver's figures and brings the kept charge to its reserved bytes less the
-    /// live ones. If the tenant cannot pay for more, the pool is first trimmed to what is paid
-    /// for (kept blocks the driver can let go: a block whose free the stream has not reached
-    /// yet stays) and read again; [`Error::Denied`] (the charge as it was) if that was not
-    /// enough.
-    fn settle(&self) -> Result<DevicePoolStats, Error<P::Error>> {
-        match self.settle_once() {
+    /// bytes charged elsewhere (the live allocations, and those of calls under way). If the
+    /// tenant cannot pay for more, the pool is first trimmed to what is paid for (kept blocks
+    /// the driver can let go: a block whose free the stream has not reached yet stays) and read
+    /// again. What is still unpaid is then [`Error::Denied`] (the charge as it was), or, with
+    /// `force`, charged past the tenant's limits: the tenant holds it, and is denied everything
+    /// else until it goes.
+    fn settle(&self, force: bool) -> Result<DevicePoolStats, Error<P::Error>> {
+        match self.settle_once(false) {
             Err(Error::Denied(_)) => {
                 let paid = self.charged_bytes();
-                self.backend
-                    .trim_pool(self.handle(), paid)
-                    .map_err(|e| Error::backend(Operation::TrimPool, e))?;
-                self.settle_once()
+                let trimmed = self.backend.trim_pool(self.handle(), paid);
+                let settled = self.settle_once(force);
+                trimmed.map_err(|e| Error::backend(Operation::TrimPool, e))?;
+                settled
             }
             settled => settled,
         }
     }
 
-    fn settle_once(&self) -> Result<DevicePoolStats, Error<P::Error>> {
+    fn settle_once(&self, force: bool) -> Result<DevicePoolStats, Error<P::Error>> {
         let changes = self.books.lock().changes;
         let stats = match self.backend.pool_stats(self.handle()) {
             Ok(stats) => stats,
@@ -395,18 +402,26 @@ impl<P: DevicePools> TenantDevicePool<P> {
             }
         };
         let mut books = self.books.lock();
-        let target = stats.reserved_bytes.saturating_sub(books.live_bytes);
+        // A read older than a change to what is charged elsewhere may be missing a block
+        // another call just got: it grows the kept charge, never shrinks it.
+        let fresh = books.changes == changes;
+        let elsewhere = books.live_bytes + books.outside;
+        let target = stats.reserved_bytes.saturating_sub(elsewhere);
         let kept = books.kept.bytes();
-        books.unpaid = false;
         if target > kept {
             if let Err(denied) = books.kept.try_grow(target - kept) {
+                if !force {
+                    return Err(denied.into());
+                }
+                books.kept.grow_past_limits(target - kept);
                 books.unpaid = true;
-                return Err(denied.into());
+                return Ok(stats);
             }
-        } else if books.changes == changes {
-            // A read older than a change to the live allocations may be missing a block
-            // another call just got: it shrinks nothing.
+        } else if fresh {
             books.kept.shrink_to(target);
+        }
+        if fresh {
+            books.unpaid = !self.tenant.within_limits();
         }
         Ok(stats)
     }
@@ -426,35 +441,39 @@ impl<P: DevicePools> TenantDevicePool<P> {
     /// rest of what the driver now reserves for the pool is charged too; if the tenant cannot
     /// pay for that (the driver's rounding took it past its cap), the allocation is freed
     /// (ordered on `stream`), the pool trimmed to what is paid for, and this is
-    /// [`Error::Denied`].
+    /// [`Error::Denied`]. A block the driver still holds after that (its free not reached
+    /// yet) stays charged, past the cap if need be, until it goes.
     pub fn allocate(
         &self,
         bytes: usize,
         stream: &Stream,
     ) -> Result<PoolAllocation, Error<P::Error>> {
+        // Blocks held unpaid for (or figures unread): they go, or are read, first.
+        if self.books.lock().unpaid {
+            self.settle(true)?;
+        }
         // Paid first from what the pool keeps (the driver may hand a kept block out again),
-        // the rest charged anew.
+        // the rest charged anew; counted apart (`outside`) until it joins the live ones.
         let mut charge = {
             let mut books = self.books.lock();
+            let charge = books.kept.split(bytes as u64);
+            books.outside += charge.bytes();
             books.changes += 1;
-            books.kept.split(bytes as u64)
+            charge
         };
         let carved = charge.bytes();
         let undo = |mut charge: Reservation| {
             // The carved part goes back to what the pool keeps, the rest back to the tenant.
-            let _ = self.books.lock().kept.absorb(charge.split(carved));
+            let mut books = self.books.lock();
+            books.outside -= charge.bytes();
+            books.changes += 1;
+            let _ = books.kept.absorb(charge.split(carved));
         };
-        if let Err(denied) = charge.try_grow(bytes as u64 - carved) {
+        let grown = charge.try_grow(bytes as u64 - carved);
+        self.books.lock().outside += charge.bytes() - carved;
+        if let Err(denied) = grown {
             undo(charge);
             return Err(denied.into());
-        }
-        // The pool holds blocks the tenant does not pay for yet: they go (or are paid for)
-        // before the driver is asked for more.
-        if self.books.lock().unpaid
-            && let Err(e) = self.settle()
-        {
-            undo(charge);
-            return Err(e);
         }
         let allocation = match self.backend.pool_allocate(self.handle(), bytes, stream) {
             Ok(allocation) => allocation,
@@ -463,24 +482,26 @@ impl<P: DevicePools> TenantDevicePool<P> {
                 return Err(Error::backend(Operation::PoolAllocate, e));
             }
         };
-        let ptr = allocation.device_ptr();
-        self.books.lock().insert(ptr, charge);
-        let refused = match self.settle() {
+        {
+            let mut books = self.books.lock();
+            books.outside -= charge.bytes();
+            books.insert(allocation.device_ptr(), charge);
+        }
+        let refused = match self.settle(false) {
             Ok(_) => return Ok(allocation),
             Err(e) => e,
         };
         // The driver holds more for the pool than the tenant pays for: the allocation goes
-        // back (its charge stays with the pool's kept bytes while the pool keeps the block).
-        // Its free settles the books again, trimming the pool to what is paid for; a block
-        // whose free the stream has not reached yet is trimmed by a later call's settling. A
-        // refused free leaves the block live and charged in the pool's record, freed when the
-        // pool goes (the caller never had it).
+        // back. Its free settles the books again: what the driver still holds for the pool
+        // (this block, until the stream gets to its free) stays charged, past the cap if need
+        // be. A refused free leaves the block live and charged in the pool's record, freed
+        // when the pool goes (the caller never had it).
         let _ = self.free(allocation, stream);
         Err(refused)
     }
 
-    /// Frees an allocation of this pool (ordered on `stream`) and gives its bytes back to the
-    /// ledger. An allocation this pool does not hold is refused before the driver is asked.
+    /// Frees an allocation of this pool (ordered on `stream`). An allocation this pool does
+    /// not hold is refused before the driver is asked.
     ///
     /// The charge leaves the pool's record *before* the driver frees: once the driver has the
     /// block back it may hand the same address to another thread's [`allocate`](Self::allocate)
@@ -493,38 +514,36 @@ impl<P: DevicePools> TenantDevicePool<P> {
     /// bytes from then on.
     pub fn free(&self, allocation: PoolAllocation, stream: &Stream) -> Result<(), Error<P::Error>> {
         let ptr = allocation.device_ptr();
-        // The block's charge moves to what the pool keeps, in the same hold of the lock that
-        // takes it off the live ones (a read of the figures meanwhile finds it in one place).
-        let bytes = {
+        let charge = {
             let mut books = self.books.lock();
             let ours = books
                 .live
                 .get(&ptr)
                 .is_some_and(|c| c.bytes() == allocation.len() as u64);
-            ours.then(|| books.remove(ptr)).flatten().map(|charge| {
-                let bytes = charge.bytes();
-                // Same tenant and purpose: never handed back.
-                let _ = books.kept.absorb(charge);
-                bytes
-            })
+            let charge = ours.then(|| books.remove(ptr)).flatten();
+            // Counted apart while the driver frees: still charged, and no one else's.
+            books.outside += charge.as_ref().map_or(0, Reservation::bytes);
+            charge
         };
-        let Some(bytes) = bytes else {
+        let Some(charge) = charge else {
             return Err(Error::UnknownPoolAllocation { ptr });
         };
-        match self.backend.pool_free(self.handle(), allocation, stream) {
-            Ok(()) => {
-                // Down to what the driver still reserves; a refused read keeps the charge
-                // (too much, never too little) until the next.
-                let _ = self.settle();
-                Ok(())
-            }
-            Err(e) => {
-                let mut books = self.books.lock();
-                let charge = books.kept.split(bytes);
-                books.insert(ptr, charge);
-                Err(Error::backend(Operation::PoolFree, e))
+        let freed = self.backend.pool_free(self.handle(), allocation, stream);
+        {
+            let mut books = self.books.lock();
+            books.outside -= charge.bytes();
+            books.changes += 1;
+            match freed {
+                // Same tenant and purpose: never handed back.
+                Ok(()) => drop(books.kept.absorb(charge)),
+                Err(_) => books.insert(ptr, charge),
             }
         }
+        freed.map_err(|e| Error::backend(Operation::PoolFree, e))?;
+        // Down to what the driver still holds; a refused read keeps the charge (too much,
+        // never too little) until the next.
+        let _ = self.settle(true);
+        Ok(())
     }
 
     /// Gives freed memory back to the driver, keeping at most `keep_bytes`, and the tenant's
@@ -533,27 +552,22 @@ impl<P: DevicePools> TenantDevicePool<P> {
         self.backend
             .trim_pool(self.handle(), keep_bytes)
             .map_err(|e| Error::backend(Operation::TrimPool, e))?;
-        let _ = self.settle();
+        let _ = self.settle(true);
         Ok(())
     }
 
     /// The pool's figures (and the tenant's charge brought to them).
     pub fn stats(&self) -> Result<DevicePoolStats, Error<P::Error>> {
-        match self.settle() {
-            Err(Error::Denied(_)) => self
-                .backend
-                .pool_stats(self.handle())
-                .map_err(|e| Error::backend(Operation::PoolStats, e)),
-            settled => settled,
-        }
+        self.settle(true)
     }
 
     /// Bytes charged to the tenant for this pool: what its live allocations asked for, and
-    /// the rest of what the driver reserved for it when last read.
+    /// the rest of what the driver reserved for it when last read (with what calls under way
+    /// hold).
     #[must_use]
     pub fn charged_bytes(&self) -> u64 {
         let books = self.books.lock();
-        books.live_bytes + books.kept.bytes()
+        books.live_bytes + books.outside + books.kept.bytes()
     }
 }
 
@@ -771,7 +785,11 @@ mod tests {
         let err = pool.allocate(20, &stream).unwrap_err();
         assert!(matches!(err, Error::Denied(_)), "{err}");
         assert_eq!(*backend.live.lock(), 1, "given back");
-        assert!(tenant.stats().touched_bytes <= 100);
+        // The driver holds 120 for the pool still (the block's free not reached): charged,
+        // past the cap, until it goes.
+        assert_eq!(tenant.stats().touched_bytes, 120);
+        assert!(!tenant.within_limits());
+        assert!(tenant.try_reserve(1).is_err(), "nothing else meanwhile");
         let asked = *backend.asked.lock();
         assert!(matches!(pool.allocate(5, &stream), Err(Error::Denied(_))));
         assert_eq!(
@@ -783,6 +801,7 @@ mod tests {
         *backend.reserved.lock() = 60;
         let c = pool.allocate(20, &stream).unwrap();
         assert_eq!(*backend.asked.lock(), asked + 1);
+        assert!(tenant.within_limits());
         assert_eq!(pool.charged_bytes(), 60, "two live, the rest kept");
         pool.free(c, &stream).unwrap();
         assert_eq!(

@@ -198,9 +198,8 @@ fn recount<M>(state: &mut TableState<M>, waits: fn(&M) -> bool, published: &Atom
     published.store(state.waiting, Ordering::Relaxed);
 }
 
-/// Every slot of `layout` free, with `initial(class)` recorded.
-/// Every slot on the ready list (the table's `recount` sorts them): slot 0 on top, the first
-/// handed out.
+/// Every slot of `layout` free, with `initial(class)` recorded, on the ready list (the table's
+/// `recount` sorts them onto their lists): slot 0 on top, the first handed out.
 fn fresh_classes<M: Copy>(
     layout: &[ClassLayout],
     initial: &impl Fn(&ClassLayout) -> M,
@@ -234,8 +233,9 @@ pub struct SlotTable<M> {
     state: spin::Mutex<TableState<M>>,
     /// Which free slots wait for a scrub ahead ([`waiting_when`](Self::waiting_when)).
     waits: fn(&M) -> bool,
-    /// An acquisition passes over waiting slots near the top of a free list for one that does
-    /// not wait ([`prefer_ready`](Self::prefer_ready)): set once, when something scrubs ahead.
+    /// An acquisition takes a ready slot before a waiting one, however recently the waiting
+    /// one was freed ([`prefer_ready`](Self::prefer_ready)): set once, when something scrubs
+    /// ahead.
     prefer_ready: core::sync::atomic::AtomicBool,
     /// `TableState::waiting`, stored under the lock at each change, for readers without it;
     /// alone on its cache line (a scrubbing thread polls it while acquisitions write beside).
