@@ -288,6 +288,42 @@ pub struct TenantDevicePool<P: DevicePools> {
     books: spin::Mutex<PoolBooks>,
 }
 
+/// Bytes a call under way counts in [`PoolBooks::outside`], taken out again when it ends
+/// ([`end`](Self::end)), or, should a backend panic mid-call, when it unwinds (the charge it
+/// counted drops with it then, and the next read of the figures charges what the driver
+/// holds).
+struct Outside<'a> {
+    books: &'a spin::Mutex<PoolBooks>,
+    bytes: u64,
+}
+
+impl Outside<'_> {
+    /// `more` bytes counted besides (in the books too).
+    fn grow(&mut self, more: u64) {
+        self.books.lock().outside += more;
+        self.bytes += more;
+    }
+
+    /// Takes the bytes out and runs `f` in the same hold of the lock (the charge moves from
+    /// `outside` to where `f` puts it at once).
+    fn end(self, f: impl FnOnce(&mut PoolBooks)) {
+        let mut books = self.books.lock();
+        books.outside -= self.bytes;
+        books.changes += 1;
+        f(&mut books);
+        drop(books);
+        core::mem::forget(self);
+    }
+}
+
+impl Drop for Outside<'_> {
+    fn drop(&mut self) {
+        let mut books = self.books.lock();
+        books.outside -= self.bytes;
+        books.changes += 1;
+    }
+}
+
 /// What a tenant's pool charges: each live allocation's bytes, and the rest of what the
 /// driver reserves for the pool (its rounding, and the blocks it keeps).
 #[derive(Debug)]
@@ -379,14 +415,20 @@ impl<P: DevicePools> TenantDevicePool<P> {
     /// else until it goes.
     fn settle(&self, force: bool) -> Result<DevicePoolStats, Error<P::Error>> {
         match self.settle_once(false) {
-            Err(Error::Denied(_)) => {
-                let paid = self.charged_bytes();
-                let trimmed = self.backend.trim_pool(self.handle(), paid);
+            Ok(stats) if !self.books.lock().unpaid => Ok(stats),
+            Err(e) if !matches!(e, Error::Denied(_)) => Err(e),
+            // Past what the tenant can pay for (or still charged past its limits): the driver
+            // lets go of every block it keeps for the pool, and the books are read again.
+            _ => {
+                let needed = {
+                    let books = self.books.lock();
+                    books.live_bytes + books.outside
+                };
+                let trimmed = self.backend.trim_pool(self.handle(), needed);
                 let settled = self.settle_once(force);
                 trimmed.map_err(|e| Error::backend(Operation::TrimPool, e))?;
                 settled
             }
-            settled => settled,
         }
     }
 
@@ -410,6 +452,7 @@ impl<P: DevicePools> TenantDevicePool<P> {
         let kept = books.kept.bytes();
         if target > kept {
             if let Err(denied) = books.kept.try_grow(target - kept) {
+                books.unpaid = true;
                 if !force {
                     return Err(denied.into());
                 }
@@ -454,39 +497,40 @@ impl<P: DevicePools> TenantDevicePool<P> {
         }
         // Paid first from what the pool keeps (the driver may hand a kept block out again),
         // the rest charged anew; counted apart (`outside`) until it joins the live ones.
-        let mut charge = {
+        let (mut charge, mut outside) = {
             let mut books = self.books.lock();
             let charge = books.kept.split(bytes as u64);
             books.outside += charge.bytes();
             books.changes += 1;
-            charge
+            let outside = Outside {
+                books: &self.books,
+                bytes: charge.bytes(),
+            };
+            (charge, outside)
         };
         let carved = charge.bytes();
-        let undo = |mut charge: Reservation| {
-            // The carved part goes back to what the pool keeps, the rest back to the tenant.
-            let mut books = self.books.lock();
-            books.outside -= charge.bytes();
-            books.changes += 1;
-            let _ = books.kept.absorb(charge.split(carved));
+        // The carved part goes back to what the pool keeps, the rest back to the tenant.
+        let undo = |mut charge: Reservation, outside: Outside<'_>| {
+            outside.end(|books| drop(books.kept.absorb(charge.split(carved))));
         };
-        let grown = charge.try_grow(bytes as u64 - carved);
-        self.books.lock().outside += charge.bytes() - carved;
-        if let Err(denied) = grown {
-            undo(charge);
-            return Err(denied.into());
+        match charge.try_grow(bytes as u64 - carved) {
+            Ok(()) => outside.grow(bytes as u64 - carved),
+            Err(denied) => {
+                undo(charge, outside);
+                return Err(denied.into());
+            }
         }
         let allocation = match self.backend.pool_allocate(self.handle(), bytes, stream) {
             Ok(allocation) => allocation,
             Err(e) => {
-                undo(charge);
+                undo(charge, outside);
+                // The driver may have reserved memory all the same (a chunk mapped, then its
+                // zero-fill refused): read what it holds.
+                let _ = self.settle(true);
                 return Err(Error::backend(Operation::PoolAllocate, e));
             }
         };
-        {
-            let mut books = self.books.lock();
-            books.outside -= charge.bytes();
-            books.insert(allocation.device_ptr(), charge);
-        }
+        outside.end(|books| books.insert(allocation.device_ptr(), charge));
         let refused = match self.settle(false) {
             Ok(_) => return Ok(allocation),
             Err(e) => e,
@@ -514,36 +558,36 @@ impl<P: DevicePools> TenantDevicePool<P> {
     /// bytes from then on.
     pub fn free(&self, allocation: PoolAllocation, stream: &Stream) -> Result<(), Error<P::Error>> {
         let ptr = allocation.device_ptr();
-        let charge = {
+        let taken = {
             let mut books = self.books.lock();
             let ours = books
                 .live
                 .get(&ptr)
                 .is_some_and(|c| c.bytes() == allocation.len() as u64);
-            let charge = ours.then(|| books.remove(ptr)).flatten();
-            // Counted apart while the driver frees: still charged, and no one else's.
-            books.outside += charge.as_ref().map_or(0, Reservation::bytes);
-            charge
+            ours.then(|| books.remove(ptr)).flatten().map(|charge| {
+                // Counted apart while the driver frees: still charged, and no one else's.
+                books.outside += charge.bytes();
+                let outside = Outside {
+                    books: &self.books,
+                    bytes: charge.bytes(),
+                };
+                (charge, outside)
+            })
         };
-        let Some(charge) = charge else {
+        let Some((charge, outside)) = taken else {
             return Err(Error::UnknownPoolAllocation { ptr });
         };
         let freed = self.backend.pool_free(self.handle(), allocation, stream);
-        {
-            let mut books = self.books.lock();
-            books.outside -= charge.bytes();
-            books.changes += 1;
-            match freed {
-                // Same tenant and purpose: never handed back.
-                Ok(()) => drop(books.kept.absorb(charge)),
-                Err(_) => books.insert(ptr, charge),
-            }
-        }
-        freed.map_err(|e| Error::backend(Operation::PoolFree, e))?;
-        // Down to what the driver still holds; a refused read keeps the charge (too much,
-        // never too little) until the next.
+        outside.end(|books| match freed {
+            // Same tenant and purpose: never handed back.
+            Ok(()) => drop(books.kept.absorb(charge)),
+            Err(_) => books.insert(ptr, charge),
+        });
+        // Down to what the driver still holds (a refused free too: the driver's rounding of
+        // the block it kept); a refused read keeps the charge (too much, never too little)
+        // until the next.
         let _ = self.settle(true);
-        Ok(())
+        freed.map_err(|e| Error::backend(Operation::PoolFree, e))
     }
 
     /// Gives freed memory back to the driver, keeping at most `keep_bytes`, and the tenant's
@@ -635,6 +679,10 @@ mod tests {
         stats_fail: spin::Mutex<bool>,
         /// `destroy_pool` fails.
         destroy_fail: spin::Mutex<bool>,
+        /// `pool_allocate` fails.
+        allocate_fail: spin::Mutex<bool>,
+        /// `pool_free` fails.
+        free_fail: spin::Mutex<bool>,
     }
 
     #[derive(Debug, thiserror::Error)]
@@ -671,7 +719,7 @@ mod tests {
             _: &Stream,
         ) -> Result<PoolAllocation, Failed> {
             *self.asked.lock() += 1;
-            if *self.fail.lock() {
+            if *self.fail.lock() || *self.allocate_fail.lock() {
                 return Err(Failed);
             }
             let mut next = self.next.lock();
@@ -680,7 +728,7 @@ mod tests {
             Ok(PoolAllocation::new(*next, bytes))
         }
         fn pool_free(&self, _: &PoolHandle, _: PoolAllocation, _: &Stream) -> Result<(), Failed> {
-            if *self.fail.lock() {
+            if *self.fail.lock() || *self.free_fail.lock() {
                 return Err(Failed);
             }
             *self.live.lock() -= 1;
@@ -819,6 +867,41 @@ mod tests {
             tenant.stats().touched_bytes,
             0,
             "kept bytes go with the pool"
+        );
+    }
+
+    /// What the driver holds after a call that failed is charged all the same: a refused
+    /// allocation whose free is refused too, and a driver allocation that failed after the
+    /// driver reserved memory.
+    #[test]
+    fn what_the_driver_holds_after_a_failure_is_charged() {
+        let backend = Counting::default();
+        let (tenant, stream, pool) = tenant_pool(&backend);
+        *backend.reserved.lock() = 60;
+        let _a = pool.allocate(10, &stream).unwrap();
+        *backend.reserved.lock() = 120;
+        *backend.free_fail.lock() = true;
+        assert!(matches!(pool.allocate(20, &stream), Err(Error::Denied(_))));
+        assert_eq!(
+            *backend.live.lock(),
+            2,
+            "its free was refused: the driver holds it"
+        );
+        assert_eq!(tenant.stats().touched_bytes, 120, "charged past the cap");
+        *backend.free_fail.lock() = false;
+        drop(pool);
+        assert_eq!(tenant.stats().touched_bytes, 0);
+
+        let (tenant, stream, pool) = tenant_pool(&backend);
+        *backend.reserved.lock() = 60;
+        let _a = pool.allocate(10, &stream).unwrap();
+        *backend.reserved.lock() = 90;
+        *backend.allocate_fail.lock() = true;
+        assert!(pool.allocate(5, &stream).is_err());
+        assert_eq!(
+            tenant.stats().touched_bytes,
+            90,
+            "what the failed call left reserved"
         );
     }
 

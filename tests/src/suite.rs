@@ -1502,6 +1502,18 @@ pub fn device_pool_rounding_is_charged<H: Harness>() {
     assert_no_leaks::<H>(&b);
 }
 
+/// A tenant's device pool that keeps every block freed (a release threshold of `u64::MAX`).
+fn keeping_pool<H: Harness>(
+    b: &Arc<H::Backend>,
+    tenant: &Arc<TenantLedger>,
+) -> Option<TenantDevicePool<Arc<H::Backend>>> {
+    let config = DevicePoolConfig {
+        max_bytes: 0,
+        release_threshold: u64::MAX,
+    };
+    device_pool::<H>(b, tenant, &config)
+}
+
 /// Blocks a pool keeps after their free (under its release threshold) are the tenant's, held
 /// for it: they stay charged against its cap (a linear memory cannot take their bytes) until a
 /// trim gives them back. (Before, a 1 GiB threshold kept 16 MB for a tenant, charged nothing.)
@@ -1510,16 +1522,18 @@ pub fn device_pool_kept_blocks_are_charged<H: Harness>() {
     let unit = pool_unit::<H>(&b);
     let cap = 64 * unit as u64;
     let t = tenant(1, cap);
-    let config = DevicePoolConfig {
-        max_bytes: 0,
-        release_threshold: u64::MAX,
-    };
-    let Some(pool) = device_pool::<H>(&b, &t, &config) else {
+    let Some(pool) = keeping_pool::<H>(&b, &t) else {
         return skip("no device pools");
     };
     let s = shared(&t);
     let a = pool.allocate(4 * unit, &s).expect("allocate");
     pool.free(a, &s).expect("free");
+    // Charged by the free itself, before anything reads the figures again.
+    let charged = t.stats().device_pool_bytes;
+    assert!(
+        charged >= 4 * unit as u64,
+        "the freed block is still charged"
+    );
     b.synchronize(&s).expect("the free is done");
     let kept = pool.stats().expect("stats").reserved_bytes;
     assert!(kept >= 4 * unit as u64, "kept under the release threshold");
@@ -1544,6 +1558,50 @@ pub fn device_pool_kept_blocks_are_charged<H: Harness>() {
         .expect("the whole cap for a linear memory");
     drop(memory);
     drop(pool);
+    assert_no_leaks::<H>(&b);
+}
+
+/// A block the driver holds for a refused allocation is charged past the cap until it goes, and
+/// the tenant is not stuck there: once the stream has run the free, the next allocation lets the
+/// kept blocks go and is served. (A pool that keeps every freed block, a cap of one unit: on a
+/// driver whose frees wait for their stream, the second allocation needs a second block while
+/// the first's free is queued.)
+pub fn device_pool_a_refusal_past_the_cap_does_not_stick<H: Harness>() {
+    let b = H::backend();
+    let unit = pool_unit::<H>(&b);
+    let t = tenant(1, unit as u64);
+    let Some(pool) = keeping_pool::<H>(&b, &t) else {
+        return skip("no device pools");
+    };
+    let s = shared(&t);
+    let a = pool.allocate(unit, &s).expect("the cap");
+    pool.free(a, &s).expect("free");
+    match pool.allocate(unit, &s) {
+        // The freed block handed out again.
+        Ok(again) => pool.free(again, &s).expect("free"),
+        Err(e) => {
+            assert!(matches!(e, Error::Denied(_)), "{e}");
+            let held = t.stats().device_pool_bytes;
+            assert!(
+                held > unit as u64,
+                "the refused block, queued to be freed, is charged past the cap: {held}"
+            );
+            assert!(t.try_reserve(1).is_err(), "nothing else meanwhile");
+        }
+    }
+    b.synchronize(&s).expect("the frees are done");
+    let c = pool.allocate(unit, &s).expect("not stuck past the cap");
+    pool.free(c, &s).expect("free");
+    b.synchronize(&s).expect("synchronize");
+    let reserved = pool.stats().expect("stats").reserved_bytes;
+    assert_eq!(
+        t.stats().device_pool_bytes,
+        reserved,
+        "charged what is held"
+    );
+    assert!(reserved <= unit as u64);
+    drop(pool);
+    assert_eq!(t.stats().touched_bytes, 0);
     assert_no_leaks::<H>(&b);
 }
 
