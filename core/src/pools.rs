@@ -306,13 +306,13 @@ impl Outside<'_> {
 
     /// Takes the bytes out and runs `f` in the same hold of the lock (the charge moves from
     /// `outside` to where `f` puts it at once).
-    fn end(self, f: impl FnOnce(&mut PoolBooks)) {
+    fn end(mut self, f: impl FnOnce(&mut PoolBooks)) {
+        // Taken out once: should `f` unwind, the guard's drop takes out nothing more.
+        let bytes = core::mem::take(&mut self.bytes);
         let mut books = self.books.lock();
-        books.outside -= self.bytes;
+        books.outside -= bytes;
         books.changes += 1;
         f(&mut books);
-        drop(books);
-        core::mem::forget(self);
     }
 }
 
@@ -416,7 +416,16 @@ impl<P: DevicePools> TenantDevicePool<P> {
     fn settle(&self, force: bool) -> Result<DevicePoolStats, Error<P::Error>> {
         match self.settle_once(false) {
             Ok(stats) if !self.books.lock().unpaid => Ok(stats),
-            Err(e) if !matches!(e, Error::Denied(_)) => Err(e),
+            // Unread: the driver lets go of what it keeps all the same (best effort), so that
+            // blocks it holds unpaid for do not stay while the figures cannot be read.
+            Err(e) if !matches!(e, Error::Denied(_)) => {
+                let needed = {
+                    let books = self.books.lock();
+                    books.live_bytes + books.outside
+                };
+                let _ = self.backend.trim_pool(self.handle(), needed);
+                Err(e)
+            }
             // Past what the tenant can pay for (or still charged past its limits): the driver
             // lets go of every block it keeps for the pool, and the books are read again.
             _ => {
@@ -683,6 +692,8 @@ mod tests {
         allocate_fail: spin::Mutex<bool>,
         /// `pool_free` fails.
         free_fail: spin::Mutex<bool>,
+        /// What the last trim was asked to keep.
+        trimmed_to: spin::Mutex<Option<u64>>,
     }
 
     #[derive(Debug, thiserror::Error)]
@@ -742,7 +753,8 @@ mod tests {
             *self.live.lock() -= 1;
             Ok(())
         }
-        fn trim_pool(&self, _: &PoolHandle, _: u64) -> Result<(), Failed> {
+        fn trim_pool(&self, _: &PoolHandle, keep: u64) -> Result<(), Failed> {
+            *self.trimmed_to.lock() = Some(keep);
             Ok(())
         }
         fn pool_stats(&self, _: &PoolHandle) -> Result<DevicePoolStats, Failed> {
@@ -915,6 +927,11 @@ mod tests {
         let err = pool.allocate(1, &stream).unwrap_err();
         assert!(err.to_string().contains("pool_stats"), "{err}");
         assert_eq!((*backend.asked.lock(), *backend.live.lock()), (1, 0));
+        assert_eq!(
+            *backend.trimmed_to.lock(),
+            Some(0),
+            "unread, the driver lets go of what it keeps"
+        );
         assert!(pool.allocate(1, &stream).is_err());
         assert_eq!(*backend.asked.lock(), 1, "not asked again");
         *backend.stats_fail.lock() = false;
