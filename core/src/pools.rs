@@ -297,7 +297,14 @@ struct Outside<'a> {
     bytes: u64,
 }
 
-impl Outside<'_> {
+impl<'a> Outside<'a> {
+    /// Counts `bytes` in `books` (held: the guard of `lock`) until the call ends.
+    fn count(lock: &'a spin::Mutex<PoolBooks>, books: &mut PoolBooks, bytes: u64) -> Self {
+        books.outside += bytes;
+        books.changes += 1;
+        Self { books: lock, bytes }
+    }
+
     /// `more` bytes counted besides (in the books too).
     fn grow(&mut self, more: u64) {
         self.books.lock().outside += more;
@@ -419,26 +426,28 @@ impl<P: DevicePools> TenantDevicePool<P> {
             // Unread: the driver lets go of what it keeps all the same (best effort), so that
             // blocks it holds unpaid for do not stay while the figures cannot be read.
             Err(e) if !matches!(e, Error::Denied(_)) => {
-                let needed = {
-                    let books = self.books.lock();
-                    books.live_bytes + books.outside
-                };
-                let _ = self.backend.trim_pool(self.handle(), needed);
+                let _ = self.let_go_of_kept();
                 Err(e)
             }
             // Past what the tenant can pay for (or still charged past its limits): the driver
             // lets go of every block it keeps for the pool, and the books are read again.
             _ => {
-                let needed = {
-                    let books = self.books.lock();
-                    books.live_bytes + books.outside
-                };
-                let trimmed = self.backend.trim_pool(self.handle(), needed);
+                let trimmed = self.let_go_of_kept();
                 let settled = self.settle_once(force);
                 trimmed.map_err(|e| Error::backend(Operation::TrimPool, e))?;
                 settled
             }
         }
+    }
+
+    /// Has the driver let go of every block it keeps for the pool (trimmed to what the live
+    /// allocations and the calls under way need).
+    fn let_go_of_kept(&self) -> Result<(), P::Error> {
+        let needed = {
+            let books = self.books.lock();
+            books.live_bytes + books.outside
+        };
+        self.backend.trim_pool(self.handle(), needed)
     }
 
     fn settle_once(&self, force: bool) -> Result<DevicePoolStats, Error<P::Error>> {
@@ -509,12 +518,7 @@ impl<P: DevicePools> TenantDevicePool<P> {
         let (mut charge, mut outside) = {
             let mut books = self.books.lock();
             let charge = books.kept.split(bytes as u64);
-            books.outside += charge.bytes();
-            books.changes += 1;
-            let outside = Outside {
-                books: &self.books,
-                bytes: charge.bytes(),
-            };
+            let outside = Outside::count(&self.books, &mut books, charge.bytes());
             (charge, outside)
         };
         let carved = charge.bytes();
@@ -575,11 +579,7 @@ impl<P: DevicePools> TenantDevicePool<P> {
                 .is_some_and(|c| c.bytes() == allocation.len() as u64);
             ours.then(|| books.remove(ptr)).flatten().map(|charge| {
                 // Counted apart while the driver frees: still charged, and no one else's.
-                books.outside += charge.bytes();
-                let outside = Outside {
-                    books: &self.books,
-                    bytes: charge.bytes(),
-                };
+                let outside = Outside::count(&self.books, &mut books, charge.bytes());
                 (charge, outside)
             })
         };
