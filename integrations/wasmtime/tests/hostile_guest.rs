@@ -7,15 +7,14 @@ mod common;
 use std::sync::Arc;
 
 use tensor_wasm_mem_wasmtime::kernels::{
-    self, KernelRegistry, TWM_ERR_BAD_ARGUMENTS, TWM_ERR_BUSY, TWM_ERR_UNKNOWN_KERNEL,
+    self, TWM_ERR_BAD_ARGUMENTS, TWM_ERR_BUSY, TWM_ERR_UNKNOWN_KERNEL,
 };
 use tensor_wasm_mem_wasmtime::prelude::*;
-use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Memory};
 use tensor_wasm_mem_wasmtime::{
     AccessRange, DeviceAccess, ScopeOptions, TWM_ERR_OUT_OF_RANGE, TWM_ERR_OVERFLOW,
 };
 
-type Data = TenantStore<MockBackend, ()>;
+use common::kernel_guest::{ARGS, Data, Guest, creator_with, guest_of};
 
 fn guest_src(memory: &str) -> String {
     format!(
@@ -45,91 +44,18 @@ fn guest_src(memory: &str) -> String {
     )
 }
 
-struct Guest {
-    store: Store<Data>,
-    instance: Instance,
-    memory: Memory,
-    tenant: Arc<Tenant>,
-}
-
-fn creator_with(registry: KernelRegistry<MockBackend>) -> TensorWasmMemoryCreator<MockBackend> {
-    let builder =
-        TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default())).kernels(registry);
-    // SAFETY: nothing but the creator's backend uses the device's primary context here.
-    unsafe { builder.recover_automatically() }.build().unwrap()
-}
-
 fn guest_with(creator: &TensorWasmMemoryCreator<MockBackend>, memory: &str) -> Guest {
     let tenant = Tenant::new(1, "t", 1 << 20, IsolationLevel::StreamIsolated);
-    guest_of(creator, memory, tenant)
-}
-
-fn guest_of(
-    creator: &TensorWasmMemoryCreator<MockBackend>,
-    memory: &str,
-    tenant: Arc<Tenant>,
-) -> Guest {
-    let engine = creator.engine().unwrap();
-    let mut linker = Linker::new(&engine);
-    add_to_linker(&mut linker).unwrap();
-    let module = Module::new(&engine, guest_src(memory)).unwrap();
-    let mut store = new_store(
-        &engine,
-        TenantStore::new(creator, &tenant, ChargeMode::Touched, ()),
-    );
-    let instance = instantiate(&mut store, &linker, &module).unwrap();
-    let memory = instance.get_memory(&mut store, "memory").unwrap();
-    Guest {
-        store,
-        instance,
-        memory,
-        tenant,
-    }
+    guest_of(creator, &guest_src(memory), &tenant)
 }
 
 fn guest(creator: &TensorWasmMemoryCreator<MockBackend>) -> Guest {
     guest_with(creator, r#"(memory (export "memory") 1 4)"#)
 }
 
-const ARGS: u64 = 1024;
-
 impl Guest {
-    fn call<P, R>(&mut self, name: &str, p: P) -> wasmtime::Result<R>
-    where
-        P: wasmtime::WasmParams,
-        R: wasmtime::WasmResults,
-    {
-        self.instance
-            .get_typed_func::<P, R>(&mut self.store, name)
-            .unwrap()
-            .call(&mut self.store, p)
-    }
-
     fn kernel_raw(&mut self, ptr: i32, len: i32) -> i32 {
         self.call::<(i32, i32), i32>("kernel", (ptr, len)).unwrap()
-    }
-
-    fn kernel(&mut self, name: &str) -> i32 {
-        self.memory
-            .write(&mut self.store, 0, name.as_bytes())
-            .unwrap();
-        self.kernel_raw(0, name.len() as i32)
-    }
-
-    fn write_args(&mut self, at: u64, args: &[(u64, u64)]) {
-        let bytes: Vec<u8> = args
-            .iter()
-            .flat_map(|&(a, b)| a.to_le_bytes().into_iter().chain(b.to_le_bytes()))
-            .collect();
-        self.memory
-            .write(&mut self.store, at as usize, &bytes)
-            .unwrap();
-    }
-
-    fn launch(&mut self, handle: i32, args: &[(u64, u64)]) -> i32 {
-        self.write_args(ARGS, args);
-        self.call::<(i32, i32, i32), i32>("launch", (handle, ARGS as i32, args.len() as i32))
-            .unwrap()
     }
 }
 
@@ -325,7 +251,9 @@ fn repeated_launches_give_their_in_flight_back() {
     assert_eq!(g.tenant.stats().launches, 20_000);
     // A launch that is refused after its buffers resolve, and one that faults: in flight goes back.
     let poke = g.kernel("poke");
-    let trap = g.launch_trap(poke, &[(4096, 4), (9, 0), (1, 0)]);
+    let trap = g
+        .try_launch(poke, &[(4096, 4), (9, 0), (1, 0)])
+        .expect_err("traps");
     assert!(
         matches!(
             trap.downcast_ref::<TwmError>(),
@@ -339,14 +267,6 @@ fn repeated_launches_give_their_in_flight_back() {
     let mut g = guest(&creator);
     let fill = g.kernel("fill");
     assert_ne!(g.launch(fill, &[(4096, 16), (1, 0)]), TWM_ERR_BUSY);
-}
-
-impl Guest {
-    fn launch_trap(&mut self, handle: i32, args: &[(u64, u64)]) -> wasmtime::Error {
-        self.write_args(ARGS, args);
-        self.call::<(i32, i32, i32), i32>("launch", (handle, ARGS as i32, args.len() as i32))
-            .expect_err("traps")
-    }
 }
 
 /// Nested ranges (sorted by start, one that starts earlier and ends later than the next two)

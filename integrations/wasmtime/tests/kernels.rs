@@ -10,7 +10,6 @@ use tensor_wasm_mem_wasmtime::kernels::{
     Scalar, TWM_ERR_BAD_ARGUMENTS, TWM_ERR_BUSY, TWM_ERR_KERNEL_FAULT, TWM_ERR_UNKNOWN_KERNEL,
 };
 use tensor_wasm_mem_wasmtime::prelude::*;
-use tensor_wasm_mem_wasmtime::wasmtime::{Instance, Memory};
 use tensor_wasm_mem_wasmtime::{TWM_ERR_OUT_OF_RANGE, TWM_ERR_OVERFLOW};
 
 const GUEST: &str = r#"(module
@@ -21,27 +20,10 @@ const GUEST: &str = r#"(module
   (func (export "launch") (param i32 i32 i32) (result i32)
     (call $launch (local.get 0) (local.get 1) (local.get 2))))"#;
 
-const NAMES: u64 = 0;
-const ARGS: u64 = 1024;
 const X: u64 = 4096;
 const Y: u64 = 8192;
 
-type Data = TenantStore<MockBackend, ()>;
-
-struct Guest {
-    store: Store<Data>,
-    instance: Instance,
-    memory: Memory,
-    tenant: Arc<Tenant>,
-}
-
-fn creator_with(registry: KernelRegistry<MockBackend>) -> TensorWasmMemoryCreator<MockBackend> {
-    let builder =
-        TensorWasmMemoryCreator::builder(Arc::new(MockBackend::default())).kernels(registry);
-    // SAFETY: nothing but the creator's backend uses the device's primary context here (the
-    // simulated launcher loads its module again after a reset).
-    unsafe { builder.recover_automatically() }.build().unwrap()
-}
+use common::kernel_guest::{ARGS, Guest, creator_with, guest_of};
 
 /// A registry with `bad`: an embedder's buggy launcher, which passes a pointer past the guest's
 /// memory.
@@ -75,22 +57,7 @@ fn one_byte_buffer() -> KernelSignature {
 }
 
 fn guest_on(creator: &TensorWasmMemoryCreator<MockBackend>, tenant: &Arc<Tenant>) -> Guest {
-    let engine = creator.engine().unwrap();
-    let mut linker = Linker::new(&engine);
-    add_to_linker(&mut linker).unwrap();
-    let module = Module::new(&engine, GUEST).unwrap();
-    let mut store = new_store(
-        &engine,
-        TenantStore::new(creator, tenant, ChargeMode::Touched, ()),
-    );
-    let instance = instantiate(&mut store, &linker, &module).unwrap();
-    let memory = instance.get_memory(&mut store, "memory").unwrap();
-    Guest {
-        store,
-        instance,
-        memory,
-        tenant: Arc::clone(tenant),
-    }
+    guest_of(creator, GUEST, tenant)
 }
 
 fn guest(creator: &TensorWasmMemoryCreator<MockBackend>) -> Guest {
@@ -99,22 +66,6 @@ fn guest(creator: &TensorWasmMemoryCreator<MockBackend>) -> Guest {
 }
 
 impl Guest {
-    fn kernel(&mut self, name: &str) -> i32 {
-        self.memory
-            .write(&mut self.store, NAMES as usize, name.as_bytes())
-            .unwrap();
-        self.instance
-            .get_typed_func::<(i32, i32), i32>(&mut self.store, "kernel")
-            .unwrap()
-            .call(&mut self.store, (NAMES as i32, name.len() as i32))
-            .unwrap()
-    }
-
-    /// Launches `handle` with `args` (`(a, b)` pairs) written at [`ARGS`]: the code.
-    fn launch(&mut self, handle: i32, args: &[(u64, u64)]) -> i32 {
-        self.try_launch(handle, args).unwrap()
-    }
-
     /// Launches `handle` on `args` expecting the guest to trap with the typed loss of its
     /// device ([`TwmError::DeviceLost`] at `launch`); the error.
     fn launch_losing_the_device(&mut self, handle: i32, args: &[(u64, u64)]) -> TwmError {
@@ -125,21 +76,6 @@ impl Guest {
             "{err}"
         );
         err
-    }
-
-    /// [`launch`](Self::launch), with a trap as the error.
-    fn try_launch(&mut self, handle: i32, args: &[(u64, u64)]) -> wasmtime::Result<i32> {
-        let bytes: Vec<u8> = args
-            .iter()
-            .flat_map(|&(a, b)| a.to_le_bytes().into_iter().chain(b.to_le_bytes()))
-            .collect();
-        self.memory
-            .write(&mut self.store, ARGS as usize, &bytes)
-            .unwrap();
-        self.instance
-            .get_typed_func::<(i32, i32, i32), i32>(&mut self.store, "launch")
-            .unwrap()
-            .call(&mut self.store, (handle, ARGS as i32, args.len() as i32))
     }
 
     fn write_floats(&mut self, at: u64, values: &[f32]) {

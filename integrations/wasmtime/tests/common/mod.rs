@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod kernel_guest;
+
 use std::sync::Arc;
 
 use tensor_wasm_mem_core::{DeviceId, IsolationLevel, PoolConfig, SizeClass};
