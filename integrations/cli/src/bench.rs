@@ -47,6 +47,12 @@ pub struct BenchArgs {
     /// under `perf record`, or to compare two builds.
     #[arg(long, hide = true, value_name = "SETUP")]
     pub lives_of: Option<String>,
+    /// Internal: the lives `--lives-of` runs, in batches of 1,000 (at least one batch), in place
+    /// of a million: few enough to run under an instruction counter (valgrind's `callgrind`),
+    /// where the difference between two counts over the difference of their lives is what one
+    /// life executes.
+    #[arg(long, hide = true, value_name = "LIVES", requires = "lives_of")]
+    pub lives: Option<u32>,
 }
 
 const SMALL: &str = r#"(module
@@ -660,10 +666,11 @@ fn threaded_instantiate_us(
 
 /// `--lives-of`: a million lives of one setup in one thread (each as its `instantiate_us` row
 /// measures it), for a profiler.
-fn lives_of(key: &str) -> Result<(), Failure> {
+fn lives_of(key: &str, count: Option<u32>) -> Result<(), Failure> {
     let setup = Setup::from_key(key)
         .ok_or_else(|| Failure::Usage(format!("--lives-of: no setup named {key:?}")))?;
-    let (batches, per_batch) = (1_000u32, 1_000u32);
+    let per_batch = 1_000u32;
+    let batches = count.map_or(1_000, |count| count.div_ceil(per_batch).max(1));
     let mut once = lives(setup)?;
     let mut samples = Vec::with_capacity(batches as usize);
     let start = Instant::now();
@@ -1057,7 +1064,7 @@ pub fn bench(args: &BenchArgs) -> Result<(), Failure> {
         return rss_child(key, sizes.rss_instances);
     }
     if let Some(key) = &args.lives_of {
-        return lives_of(key);
+        return lives_of(key, args.lives);
     }
     let instantiate_setups = [
         (Setup::WasmtimeDefault, None),
