@@ -298,6 +298,17 @@ pub enum Error<E> {
         /// The device pointer.
         ptr: u64,
     },
+    /// The driver reported figures for a device pool that no device could hold (reserved
+    /// bytes past [`MAX_POOL_BYTES`](crate::MAX_POOL_BYTES)): they cannot be charged,
+    /// and are treated as unread (no allocation is asked of the pool until a read is sane).
+    #[error(
+        "the driver reported {reserved} bytes reserved for a device pool, more than any device \
+         holds: figures that cannot be charged"
+    )]
+    ImplausiblePoolFigures {
+        /// The reserved bytes it reported.
+        reserved: u64,
+    },
     /// The backend failed.
     #[error("backend failed to {op}: {source}")]
     Backend {
@@ -325,6 +336,7 @@ impl<E: BackendError> Error<E> {
             Self::Pool(e) => e.kind(),
             Self::NotHostAccessible => ErrorKind::Unsupported,
             Self::UnknownPoolAllocation { .. } => ErrorKind::InvalidArgument,
+            Self::ImplausiblePoolFigures { .. } => ErrorKind::Driver,
             Self::Backend { source, .. } => source.kind(),
         }
     }

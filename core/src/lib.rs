@@ -54,6 +54,7 @@ pub use pool::{
     PoolStats, Returned, SLOT_ALIGN, SizeClass, SlotId, SlotPool, SlotTable, Taken,
 };
 pub use pools::{
-    DevicePoolConfig, DevicePoolStats, DevicePools, PoolAllocation, PoolHandle, TenantDevicePool,
+    DevicePoolConfig, DevicePoolStats, DevicePools, MAX_POOL_BYTES, PoolAllocation, PoolHandle,
+    TenantDevicePool,
 };
 pub use stream::{DEFAULT_STREAM, Stream, StreamKey, StreamLease, StreamProvider};

@@ -106,6 +106,11 @@ impl PoolAllocation {
     }
 }
 
+/// The most bytes a device pool's figures may say the driver reserves (1 EiB, past any
+/// device's memory): a read past it is a driver's error
+/// ([`Error::ImplausiblePoolFigures`]), treated as a read that failed, never charged.
+pub const MAX_POOL_BYTES: u64 = 1 << 60;
+
 /// Figures of one pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DevicePoolStats {
@@ -453,6 +458,14 @@ impl<P: DevicePools> TenantDevicePool<P> {
     fn settle_once(&self, force: bool) -> Result<DevicePoolStats, Error<P::Error>> {
         let changes = self.books.lock().changes;
         let stats = match self.backend.pool_stats(self.handle()) {
+            Ok(stats) if stats.reserved_bytes > MAX_POOL_BYTES => {
+                // No device holds that much: a driver's error, not memory. Charged, it would
+                // take the tenant's meters past what they can count.
+                self.books.lock().unpaid = true;
+                return Err(Error::ImplausiblePoolFigures {
+                    reserved: stats.reserved_bytes,
+                });
+            }
             Ok(stats) => stats,
             Err(e) => {
                 // Unread: the pool may hold more than is paid for, so nothing more is asked
@@ -937,6 +950,42 @@ mod tests {
         *backend.stats_fail.lock() = false;
         let a = pool.allocate(1, &stream).unwrap();
         assert_eq!(*backend.asked.lock(), 2);
+        pool.free(a, &stream).unwrap();
+        drop(pool);
+        assert_eq!(tenant.stats().touched_bytes, 0);
+    }
+
+    /// A driver that says it reserves more than any device holds is not believed: its figure
+    /// is never charged (it would take the tenant's meters past what they count), the read
+    /// counts as failed, and no allocation is asked of the driver until a read is sane.
+    #[test]
+    fn implausible_figures_are_not_charged() {
+        let backend = Counting::default();
+        let (tenant, stream, pool) = tenant_pool(&backend);
+        let a = pool.allocate(10, &stream).unwrap();
+        for reserved in [u64::MAX, u64::MAX - 5, MAX_POOL_BYTES + 1] {
+            *backend.reserved.lock() = reserved;
+            let err = pool.allocate(1, &stream).unwrap_err();
+            assert!(
+                matches!(err, Error::ImplausiblePoolFigures { reserved: r } if r == reserved),
+                "{err}"
+            );
+            assert_eq!(err.kind(), ErrorKind::Driver);
+            // The live allocation, and the block of the one given back, which stays charged
+            // while the driver may keep it (its figures unread): nothing more, nothing wrapped.
+            let stats = tenant.stats();
+            assert_eq!((stats.touched_bytes, stats.touched_peak_bytes), (11, 11));
+            assert_eq!((stats.held_bytes, stats.device_pool_bytes), (11, 11));
+            assert_eq!(*backend.live.lock(), 1, "the allocation it made went back");
+            let asked = *backend.asked.lock();
+            assert!(pool.allocate(1, &stream).is_err());
+            assert_eq!(*backend.asked.lock(), asked, "not asked while unread");
+            assert!(pool.stats().is_err());
+        }
+        *backend.reserved.lock() = 16;
+        let b = pool.allocate(1, &stream).unwrap();
+        assert!(tenant.within_limits());
+        pool.free(b, &stream).unwrap();
         pool.free(a, &stream).unwrap();
         drop(pool);
         assert_eq!(tenant.stats().touched_bytes, 0);
