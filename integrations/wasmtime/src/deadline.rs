@@ -109,8 +109,9 @@ impl Interruption {
 pub(crate) fn unlimited<T: 'static>(mut store: impl AsContextMut<Data = T>) {
     let mut context = store.as_context_mut();
     context.set_epoch_deadline(NO_DEADLINE);
-    // Fails only where the engine consumes no fuel: then there is nothing to set.
-    if context.get_fuel().is_ok() {
+    // Asked of the engine, not of the Store: a Store without fuel answers with an error that
+    // Wasmtime formats and allocates, once per Store.
+    if context.engine().get_consume_fuel() {
         let _ = context.set_fuel(u64::MAX);
     }
 }
