@@ -69,11 +69,11 @@ def split(counts):
 
 s = per_life(setup)
 work, scrub = split(s)
-print(f"{setup}: {work:,.0f} instructions per life, and memset's {scrub:,.0f} (bytes zeroed)")
+print(f"{setup}: {work:,.0f} instructions per life, and memset's {abs(scrub):,.0f} (bytes zeroed)")
 if baseline:
     b = per_life(baseline)
     bwork, bscrub = split(b)
-    print(f"{baseline}: {bwork:,.0f} instructions per life, and memset's {bscrub:,.0f}")
+    print(f"{baseline}: {bwork:,.0f} instructions per life, and memset's {abs(bscrub):,.0f}")
     print(f"{setup} beyond {baseline}: {work - bwork:,.0f} instructions per life (memset apart)")
     rows = sorted(((s.get(k, 0) - b.get(k, 0), k) for k in set(s) | set(b)), reverse=True)
     print(f"{'beyond':>9} {'in all':>9}  function")
