@@ -333,11 +333,17 @@ impl Meter {
         }
     }
 
-    /// Adds `amount` whatever the limit says (the total may pass it).
-    fn force(&self, amount: u64) {
-        let before = self.live.fetch_add(amount, Ordering::AcqRel);
-        self.peak
-            .fetch_max(before.saturating_add(amount), Ordering::AcqRel);
+    /// Adds `amount` whatever the limit says (the total may pass it), unless the total would
+    /// pass what the meter counts; else nothing is added and the total it had comes back.
+    fn force(&self, amount: u64) -> Result<(), u64> {
+        let before = self
+            .live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| {
+                live.checked_add(amount)
+            })?;
+        // `before + amount` was checked in the closure.
+        self.peak.fetch_max(before + amount, Ordering::AcqRel);
+        Ok(())
     }
 
     fn uncharge(&self, amount: u64) {
@@ -635,17 +641,74 @@ impl TenantLedger {
 
     /// Charges `amount` for `purpose` whatever its budgets say: for bytes the tenant holds
     /// already, which no refusal can undo. Past a budget, every charge that checks it is
-    /// denied until enough is given back.
-    fn force_charge(&self, amount: u64, purpose: Purpose) {
-        for budget in [Budget::Touched, Budget::Held, Budget::Memories] {
-            if purpose.charges(budget) {
-                self.meter(budget).force(amount);
+    /// denied until enough is given back. Only a total no meter can count (past `u64::MAX`,
+    /// in the tenant's budgets or its group's totals) is refused, and then nothing is charged:
+    /// no figure a driver reports can wrap the books.
+    fn force_charge(&self, amount: u64, purpose: Purpose) -> Result<(), Denied> {
+        const ORDER: [Budget; 3] = [Budget::Touched, Budget::Held, Budget::Memories];
+        for (i, &budget) in ORDER.iter().enumerate() {
+            if !purpose.charges(budget) {
+                continue;
+            }
+            if let Err(live) = self.meter(budget).force(amount) {
+                for &taken in ORDER[..i].iter().filter(|&&b| purpose.charges(b)) {
+                    self.meter(taken).uncharge(amount);
+                }
+                return Err(self.uncountable(budget, live, amount));
             }
         }
+        if let Err(budget) = self.group_force(amount, purpose) {
+            for &taken in ORDER.iter().filter(|&&b| purpose.charges(b)) {
+                self.meter(taken).uncharge(amount);
+            }
+            let live = self.meter(budget).live();
+            return Err(self.uncountable(budget, live, amount));
+        }
+        // Each figure is a part of the touched budget's total, which just counted `amount`.
         if let Some(figure) = self.figure(purpose) {
             figure.fetch_add(amount, Ordering::AcqRel);
         }
-        self.group_add(amount, purpose, true);
+        Ok(())
+    }
+
+    /// A forced charge of `amount` that `budget` (at `live`) cannot count.
+    fn uncountable(&self, budget: Budget, live: u64, amount: u64) -> Denied {
+        self.denials.fetch_add(1, Ordering::Relaxed);
+        Denied {
+            tenant: self.key.id,
+            budget,
+            cap: self.meter(budget).limit,
+            live,
+            requested: amount,
+        }
+    }
+
+    /// Adds `amount` to the group's totals of the budgets `purpose` charges, unless one would
+    /// pass `u64::MAX` (then nothing is added, and that budget comes back).
+    fn group_force(&self, amount: u64, purpose: Purpose) -> Result<(), Budget> {
+        let Some(group) = &self.group else {
+            return Ok(());
+        };
+        const ORDER: [Budget; 2] = [Budget::Touched, Budget::Held];
+        for (i, &budget) in ORDER.iter().enumerate() {
+            let Some(total) = group.total(budget).filter(|_| purpose.charges(budget)) else {
+                continue;
+            };
+            if total
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                    t.checked_add(amount)
+                })
+                .is_err()
+            {
+                for &taken in &ORDER[..i] {
+                    if let Some(total) = group.total(taken).filter(|_| purpose.charges(taken)) {
+                        total.fetch_sub(amount, Ordering::AcqRel);
+                    }
+                }
+                return Err(budget);
+            }
+        }
+        Ok(())
     }
 
     /// Adds (or takes back) `amount` in the group's totals of the budgets `purpose` charges.
@@ -826,9 +889,15 @@ impl Reservation {
     /// for what the tenant holds already and no refusal can undo (a driver's rounding of a
     /// block it mapped). Past a budget the tenant is denied everything that checks it until
     /// enough is given back; its figures read above the limit meanwhile, as what it holds is.
-    pub fn grow_past_limits(&mut self, additional: u64) {
-        self.tenant.force_charge(additional, self.purpose);
+    ///
+    /// # Errors
+    ///
+    /// [`Denied`] only where a total would pass what the ledger counts (`u64::MAX`: figures
+    /// no memory could back, a driver's error); then nothing is charged.
+    pub fn grow_past_limits(&mut self, additional: u64) -> Result<(), Denied> {
+        self.tenant.force_charge(additional, self.purpose)?;
         self.bytes += additional;
+        Ok(())
     }
 
     /// Gives back all but `bytes` (no-op if it holds `bytes` or fewer).
@@ -891,6 +960,59 @@ mod tests {
         assert_eq!(group.touched_bytes(), 50);
         drop((ta, hb, pool));
         assert_eq!((group.touched_bytes(), group.held_bytes()), (0, 0));
+    }
+
+    /// A charge past the limits counts what the tenant holds, however far past; only a total
+    /// no meter can count (its own or its group's, past `u64::MAX`) is refused, and then
+    /// nothing is charged anywhere: the books never wrap.
+    #[test]
+    fn a_charge_past_the_limits_never_wraps_the_books() {
+        let group = Arc::new(LedgerGroup::default());
+        let members = [1, 2].map(|id| {
+            Arc::new(TenantLedger::in_group(
+                TenantId(id),
+                TenantBudgets::for_cap(100),
+                IsolationLevel::default(),
+                Arc::clone(&group),
+            ))
+        });
+        let mut first = members[0].empty_reservation(Purpose::DevicePool);
+        first.grow_past_limits(u64::MAX - 10).unwrap();
+        assert_eq!(first.bytes(), u64::MAX - 10);
+        assert!(!members[0].within_limits());
+        let mut more = members[0].empty_reservation(Purpose::DevicePool);
+        let before = members[0].stats();
+        let err = more.grow_past_limits(11).unwrap_err();
+        assert_eq!(
+            (err.budget, err.live, err.requested),
+            (Budget::Touched, u64::MAX - 10, 11)
+        );
+        assert_eq!(more.bytes(), 0);
+        let after = members[0].stats();
+        assert_eq!(
+            (
+                after.touched_bytes,
+                after.held_bytes,
+                after.device_pool_bytes
+            ),
+            (
+                before.touched_bytes,
+                before.held_bytes,
+                before.device_pool_bytes
+            ),
+            "nothing charged"
+        );
+        more.grow_past_limits(10).unwrap();
+        // The other member's books could count it, the group's totals could not.
+        let mut second = members[1].empty_reservation(Purpose::DevicePool);
+        assert!(second.grow_past_limits(1).is_err());
+        assert_eq!(second.bytes(), 0);
+        assert_eq!(members[1].stats().touched_bytes, 0, "rolled back");
+        assert_eq!(group.touched_bytes(), u64::MAX);
+        drop((first, more, second));
+        assert_eq!((group.touched_bytes(), group.held_bytes()), (0, 0));
+        assert_eq!(members[0].stats().touched_bytes, 0);
+        assert!(members[0].within_limits());
     }
 
     #[test]

@@ -459,9 +459,11 @@ impl<P: DevicePools> TenantDevicePool<P> {
         let changes = self.books.lock().changes;
         let stats = match self.backend.pool_stats(self.handle()) {
             Ok(stats) if stats.reserved_bytes > MAX_POOL_BYTES => {
-                // No device holds that much: a driver's error, not memory. Charged, it would
-                // take the tenant's meters past what they can count.
-                self.books.lock().unpaid = true;
+                // No device holds that much: a driver's error, not memory. A read older than
+                // this one may not clear the mark (it counts as a change).
+                let mut books = self.books.lock();
+                books.unpaid = true;
+                books.changes += 1;
                 return Err(Error::ImplausiblePoolFigures {
                     reserved: stats.reserved_bytes,
                 });
@@ -469,8 +471,11 @@ impl<P: DevicePools> TenantDevicePool<P> {
             Ok(stats) => stats,
             Err(e) => {
                 // Unread: the pool may hold more than is paid for, so nothing more is asked
-                // of the driver until a read says otherwise.
-                self.books.lock().unpaid = true;
+                // of the driver until a read says otherwise (a read older than this one
+                // included: it counts as a change).
+                let mut books = self.books.lock();
+                books.unpaid = true;
+                books.changes += 1;
                 return Err(Error::backend(Operation::PoolStats, e));
             }
         };
@@ -487,7 +492,14 @@ impl<P: DevicePools> TenantDevicePool<P> {
                 if !force {
                     return Err(denied.into());
                 }
-                books.kept.grow_past_limits(target - kept);
+                if books.kept.grow_past_limits(target - kept).is_err() {
+                    // More than the tenant's books can count, with what it holds elsewhere
+                    // (other pools, say): a driver's error, as above.
+                    books.changes += 1;
+                    return Err(Error::ImplausiblePoolFigures {
+                        reserved: stats.reserved_bytes,
+                    });
+                }
                 books.unpaid = true;
                 return Ok(stats);
             }
@@ -989,6 +1001,54 @@ mod tests {
         pool.free(a, &stream).unwrap();
         drop(pool);
         assert_eq!(tenant.stats().touched_bytes, 0);
+    }
+
+    /// The most a pool's figures may say is believed, and charged past the cap; pools whose
+    /// figures add up to more than the tenant's books can count are refused as implausible
+    /// too, and charge nothing: sixteen pools at the most do not wrap the books (before, the
+    /// sixteenth brought every meter back to zero and the tenant within its cap).
+    #[test]
+    fn plausible_figures_that_add_up_to_more_than_the_books_count_are_refused() {
+        let backend = Counting::default();
+        let (tenant, _stream, first) = tenant_pool(&backend);
+        *backend.reserved.lock() = MAX_POOL_BYTES;
+        first.stats().unwrap();
+        assert_eq!(first.charged_bytes(), MAX_POOL_BYTES, "believed, charged");
+        assert!(!tenant.within_limits());
+        let mut pools = alloc::vec![first];
+        let mut refused = 0;
+        for _ in 1..16 {
+            let pool = TenantDevicePool::new(
+                &backend,
+                Arc::clone(&tenant),
+                DeviceId(0),
+                &DevicePoolConfig::default(),
+            )
+            .unwrap();
+            match pool.stats() {
+                Ok(_) => assert_eq!(pool.charged_bytes(), MAX_POOL_BYTES),
+                Err(err) => {
+                    assert!(
+                        matches!(err, Error::ImplausiblePoolFigures { reserved } if reserved == MAX_POOL_BYTES),
+                        "{err}"
+                    );
+                    assert_eq!(pool.charged_bytes(), 0);
+                    refused += 1;
+                }
+            }
+            pools.push(pool);
+            let charged: u64 = pools.iter().map(TenantDevicePool::charged_bytes).sum();
+            assert_eq!(tenant.stats().touched_bytes, charged, "never wrapped");
+            assert!(!tenant.within_limits());
+        }
+        assert_eq!(refused, 1, "the sixteenth would have wrapped");
+        *backend.reserved.lock() = 0;
+        for pool in &pools {
+            pool.trim(0).unwrap();
+        }
+        assert_eq!(tenant.stats().touched_bytes, 0);
+        drop(pools);
+        assert!(tenant.within_limits());
     }
 
     /// A block freed at teardown may stay with the pool: when the pool's destroy is refused,
