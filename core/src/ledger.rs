@@ -313,37 +313,19 @@ impl Meter {
         }
     }
 
-    /// Adds `amount` if that keeps the total within the limit; else the total it had.
-    fn charge(&self, amount: u64) -> Result<(), u64> {
-        let limit = self.limit;
-        match self
-            .live
+    /// Adds `amount` if that keeps the total within `limit` (and within what a `u64` counts):
+    /// the total it had before; else the total it has, and nothing is added. The peak is
+    /// raised apart ([`raise_peak`](Self::raise_peak)), once the whole charge went through.
+    fn add(&self, amount: u64, limit: u64) -> Result<u64, u64> {
+        self.live
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| {
                 live.checked_add(amount).filter(|&total| total <= limit)
-            }) {
-            Ok(before) => {
-                // `before + amount` was checked in the closure.
-                self.peak.fetch_max(before + amount, Ordering::AcqRel);
-                Ok(())
-            }
-            Err(live) => {
-                self.denials.fetch_add(1, Ordering::Relaxed);
-                Err(live)
-            }
-        }
+            })
     }
 
-    /// Adds `amount` whatever the limit says (the total may pass it), unless the total would
-    /// pass what the meter counts; else nothing is added and the total it had comes back.
-    fn force(&self, amount: u64) -> Result<(), u64> {
-        let before = self
-            .live
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| {
-                live.checked_add(amount)
-            })?;
-        // `before + amount` was checked in the closure.
-        self.peak.fetch_max(before + amount, Ordering::AcqRel);
-        Ok(())
+    /// Records `total` as a peak if it is one.
+    fn raise_peak(&self, total: u64) {
+        self.peak.fetch_max(total, Ordering::AcqRel);
     }
 
     fn uncharge(&self, amount: u64) {
@@ -612,29 +594,7 @@ impl TenantLedger {
     /// Adds `amount` to every budget `purpose` counts against, if each stays within its limit;
     /// else nothing is charged and the first budget that refused is named.
     fn charge(&self, amount: u64, purpose: Purpose) -> Result<(), Denied> {
-        const ORDER: [Budget; 3] = [Budget::Touched, Budget::Held, Budget::Memories];
-        for (i, &budget) in ORDER.iter().enumerate() {
-            if !purpose.charges(budget) {
-                continue;
-            }
-            if let Err(live) = self.meter(budget).charge(amount) {
-                for &taken in ORDER[..i].iter().filter(|&&b| purpose.charges(b)) {
-                    self.meter(taken).uncharge(amount);
-                }
-                self.denials.fetch_add(1, Ordering::Relaxed);
-                return Err(Denied {
-                    tenant: self.key.id,
-                    budget,
-                    cap: self.meter(budget).limit,
-                    live,
-                    requested: amount,
-                });
-            }
-        }
-        if let Some(figure) = self.figure(purpose) {
-            figure.fetch_add(amount, Ordering::AcqRel);
-        }
-        self.group_add(amount, purpose, true);
+        self.add(amount, purpose, true)?;
         self.granted.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -645,24 +605,48 @@ impl TenantLedger {
     /// in the tenant's budgets or its group's totals) is refused, and then nothing is charged:
     /// no figure a driver reports can wrap the books.
     fn force_charge(&self, amount: u64, purpose: Purpose) -> Result<(), Denied> {
+        self.add(amount, purpose, false)
+    }
+
+    /// Adds `amount` to every budget `purpose` counts against (within their limits if
+    /// `within_limits`, else whatever they say), then to the group's totals; all or nothing.
+    /// A total is never taken past `u64::MAX`: that refuses the charge whatever the limits.
+    /// Only a budget's limit counts as a denial, in the budget's figures and the tenant's.
+    fn add(&self, amount: u64, purpose: Purpose, within_limits: bool) -> Result<(), Denied> {
         const ORDER: [Budget; 3] = [Budget::Touched, Budget::Held, Budget::Memories];
+        let charged = |budget: &&Budget| purpose.charges(**budget);
+        let undo = |upto: usize| {
+            for &taken in ORDER[..upto].iter().filter(charged) {
+                self.meter(taken).uncharge(amount);
+            }
+        };
+        let mut totals = [0u64; 3];
         for (i, &budget) in ORDER.iter().enumerate() {
             if !purpose.charges(budget) {
                 continue;
             }
-            if let Err(live) = self.meter(budget).force(amount) {
-                for &taken in ORDER[..i].iter().filter(|&&b| purpose.charges(b)) {
-                    self.meter(taken).uncharge(amount);
+            let meter = self.meter(budget);
+            let limit = if within_limits { meter.limit } else { u64::MAX };
+            match meter.add(amount, limit) {
+                // `before + amount` was checked in `add`.
+                Ok(before) => totals[i] = before + amount,
+                Err(live) => {
+                    undo(i);
+                    if live.checked_add(amount).is_some() {
+                        meter.denials.fetch_add(1, Ordering::Relaxed);
+                        self.denials.fetch_add(1, Ordering::Relaxed);
+                    }
+                    return Err(self.refusal(budget, live, amount));
                 }
-                return Err(self.uncountable(budget, live, amount));
             }
         }
-        if let Err(budget) = self.group_force(amount, purpose) {
-            for &taken in ORDER.iter().filter(|&&b| purpose.charges(b)) {
-                self.meter(taken).uncharge(amount);
-            }
+        if let Err(budget) = self.group_checked_add(amount, purpose) {
+            undo(ORDER.len());
             let live = self.meter(budget).live();
-            return Err(self.uncountable(budget, live, amount));
+            return Err(self.refusal(budget, live, amount));
+        }
+        for (&budget, &total) in ORDER.iter().zip(&totals).filter(|(b, _)| charged(b)) {
+            self.meter(budget).raise_peak(total);
         }
         // Each figure is a part of the touched budget's total, which just counted `amount`.
         if let Some(figure) = self.figure(purpose) {
@@ -671,9 +655,8 @@ impl TenantLedger {
         Ok(())
     }
 
-    /// A forced charge of `amount` that `budget` (at `live`) cannot count.
-    fn uncountable(&self, budget: Budget, live: u64, amount: u64) -> Denied {
-        self.denials.fetch_add(1, Ordering::Relaxed);
+    /// `budget` (at `live`) refused `amount`.
+    fn refusal(&self, budget: Budget, live: u64, amount: u64) -> Denied {
         Denied {
             tenant: self.key.id,
             budget,
@@ -685,25 +668,24 @@ impl TenantLedger {
 
     /// Adds `amount` to the group's totals of the budgets `purpose` charges, unless one would
     /// pass `u64::MAX` (then nothing is added, and that budget comes back).
-    fn group_force(&self, amount: u64, purpose: Purpose) -> Result<(), Budget> {
+    fn group_checked_add(&self, amount: u64, purpose: Purpose) -> Result<(), Budget> {
         let Some(group) = &self.group else {
             return Ok(());
         };
         const ORDER: [Budget; 2] = [Budget::Touched, Budget::Held];
+        let total = |budget: Budget| group.total(budget).filter(|_| purpose.charges(budget));
         for (i, &budget) in ORDER.iter().enumerate() {
-            let Some(total) = group.total(budget).filter(|_| purpose.charges(budget)) else {
+            let Some(sum) = total(budget) else {
                 continue;
             };
-            if total
+            if sum
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
                     t.checked_add(amount)
                 })
                 .is_err()
             {
-                for &taken in &ORDER[..i] {
-                    if let Some(total) = group.total(taken).filter(|_| purpose.charges(taken)) {
-                        total.fetch_sub(amount, Ordering::AcqRel);
-                    }
+                for sum in ORDER[..i].iter().filter_map(|&taken| total(taken)) {
+                    sum.fetch_sub(amount, Ordering::AcqRel);
                 }
                 return Err(budget);
             }
@@ -711,18 +693,14 @@ impl TenantLedger {
         Ok(())
     }
 
-    /// Adds (or takes back) `amount` in the group's totals of the budgets `purpose` charges.
-    fn group_add(&self, amount: u64, purpose: Purpose, add: bool) {
+    /// Takes `amount` back from the group's totals of the budgets `purpose` charges.
+    fn group_sub(&self, amount: u64, purpose: Purpose) {
         let Some(group) = &self.group else {
             return;
         };
         for budget in [Budget::Touched, Budget::Held] {
             if let Some(total) = group.total(budget).filter(|_| purpose.charges(budget)) {
-                if add {
-                    total.fetch_add(amount, Ordering::AcqRel);
-                } else {
-                    total.fetch_sub(amount, Ordering::AcqRel);
-                }
+                total.fetch_sub(amount, Ordering::AcqRel);
             }
         }
     }
@@ -740,7 +718,7 @@ impl TenantLedger {
         if let Some(figure) = self.figure(purpose) {
             figure.fetch_sub(amount, Ordering::AcqRel);
         }
-        self.group_add(amount, purpose, false);
+        self.group_sub(amount, purpose);
         for budget in [Budget::Touched, Budget::Held, Budget::Memories] {
             if purpose.charges(budget) {
                 self.meter(budget).uncharge(amount);
@@ -1003,16 +981,56 @@ mod tests {
             "nothing charged"
         );
         more.grow_past_limits(10).unwrap();
-        // The other member's books could count it, the group's totals could not.
+        // The other member's books could count it, the group's totals could not: refused,
+        // forced or not, with nothing charged, no peak left behind, no denial counted (the
+        // driver's error, not the tenant's).
         let mut second = members[1].empty_reservation(Purpose::DevicePool);
         assert!(second.grow_past_limits(1).is_err());
+        assert!(members[1].try_reserve(1).is_err());
         assert_eq!(second.bytes(), 0);
-        assert_eq!(members[1].stats().touched_bytes, 0, "rolled back");
+        let other = members[1].stats();
+        assert_eq!(
+            (
+                other.touched_bytes,
+                other.touched_peak_bytes,
+                other.held_peak_bytes
+            ),
+            (0, 0, 0),
+            "rolled back"
+        );
+        assert_eq!(
+            (
+                other.denials,
+                other.touched_denials,
+                members[0].stats().denials
+            ),
+            (0, 0, 0)
+        );
         assert_eq!(group.touched_bytes(), u64::MAX);
         drop((first, more, second));
         assert_eq!((group.touched_bytes(), group.held_bytes()), (0, 0));
         assert_eq!(members[0].stats().touched_bytes, 0);
         assert!(members[0].within_limits());
+
+        // A later budget that cannot count the charge takes back what the earlier ones took.
+        let t = tenant(100);
+        let mut held = t.empty_reservation(Purpose::Held);
+        held.grow_past_limits(u64::MAX).unwrap();
+        let mut pool = t.empty_reservation(Purpose::DevicePool);
+        let err = pool.grow_past_limits(1).unwrap_err();
+        assert_eq!(err.budget, Budget::Held);
+        let stats = t.stats();
+        assert_eq!(
+            (
+                stats.touched_bytes,
+                stats.touched_peak_bytes,
+                stats.device_pool_bytes
+            ),
+            (0, 0, 0),
+            "the touched budget's share rolled back"
+        );
+        drop((held, pool));
+        assert_eq!(t.stats().held_bytes, 0);
     }
 
     #[test]
