@@ -719,6 +719,8 @@ mod tests {
         free_fail: spin::Mutex<bool>,
         /// What the last trim was asked to keep.
         trimmed_to: spin::Mutex<Option<u64>>,
+        /// Runs once, inside the next `pool_stats`, before it reads (another call beside it).
+        beside: spin::Mutex<Option<alloc::boxed::Box<dyn FnOnce() + Send + Sync>>>,
     }
 
     #[derive(Debug, thiserror::Error)]
@@ -783,6 +785,10 @@ mod tests {
             Ok(())
         }
         fn pool_stats(&self, _: &PoolHandle) -> Result<DevicePoolStats, Failed> {
+            let beside = self.beside.lock().take();
+            if let Some(beside) = beside {
+                beside();
+            }
             if *self.stats_fail.lock() {
                 return Err(Failed);
             }
@@ -1001,6 +1007,37 @@ mod tests {
         pool.free(a, &stream).unwrap();
         drop(pool);
         assert_eq!(tenant.stats().touched_bytes, 0);
+    }
+
+    /// A read that fails while an older one is under way marks the pool unread, and the older
+    /// read, answering after it, does not clear the mark: the next allocation reads first.
+    #[test]
+    fn a_read_beside_a_failed_one_does_not_clear_its_mark() {
+        // The call beside the read needs the pool for as long as the backend may run it.
+        let backend: &'static Counting = alloc::boxed::Box::leak(alloc::boxed::Box::default());
+        let (_tenant, stream, pool) = tenant_pool(backend);
+        let pool: &'static TenantDevicePool<&'static Counting> =
+            alloc::boxed::Box::leak(alloc::boxed::Box::new(pool));
+        *backend.beside.lock() = Some(alloc::boxed::Box::new(move || {
+            *backend.stats_fail.lock() = true;
+            assert!(pool.stats().is_err(), "the read beside fails");
+            *backend.stats_fail.lock() = false;
+            // Every read after the older one fails too: only the older read says anything.
+            *backend.beside.lock() = Some(alloc::boxed::Box::new(move || {
+                *backend.stats_fail.lock() = true;
+            }));
+        }));
+        // Stale, its answer cannot clear the mark (a fresh read must: it fails).
+        let _ = pool.stats();
+        assert!(pool.allocate(1, &stream).is_err());
+        assert_eq!(
+            *backend.asked.lock(),
+            0,
+            "still unread: the driver is not asked"
+        );
+        *backend.stats_fail.lock() = false;
+        let a = pool.allocate(1, &stream).unwrap();
+        pool.free(a, &stream).unwrap();
     }
 
     /// The most a pool's figures may say is believed, and charged past the cap; pools whose
