@@ -323,9 +323,12 @@ impl Meter {
             })
     }
 
-    /// Records `total` as a peak if it is one.
+    /// Records `total` as a peak if it is one (a read first: below the peak, as most charges
+    /// are, no read-modify-write).
     fn raise_peak(&self, total: u64) {
-        self.peak.fetch_max(total, Ordering::AcqRel);
+        if total > self.peak.load(Ordering::Acquire) {
+            self.peak.fetch_max(total, Ordering::AcqRel);
+        }
     }
 
     fn uncharge(&self, amount: u64) {
@@ -645,8 +648,11 @@ impl TenantLedger {
             let live = self.meter(budget).live();
             return Err(self.refusal(budget, live, amount));
         }
-        for (&budget, &total) in ORDER.iter().zip(&totals).filter(|(b, _)| charged(b)) {
-            self.meter(budget).raise_peak(total);
+        for (&budget, &total) in ORDER.iter().zip(&totals) {
+            // Zero for a budget not charged (or a charge of nothing): no peak to raise.
+            if total > 0 {
+                self.meter(budget).raise_peak(total);
+            }
         }
         // Each figure is a part of the touched budget's total, which just counted `amount`.
         if let Some(figure) = self.figure(purpose) {
