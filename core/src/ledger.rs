@@ -1017,8 +1017,12 @@ mod tests {
         assert_eq!((group.touched_bytes(), group.held_bytes()), (0, 0));
         assert_eq!(members[0].stats().touched_bytes, 0);
         assert!(members[0].within_limits());
+    }
 
-        // A later budget that cannot count the charge takes back what the earlier ones took.
+    /// A later budget that cannot count a charge past the limits takes back what the earlier
+    /// ones took, and no peak stays behind.
+    #[test]
+    fn a_charge_one_budget_cannot_count_is_taken_back_from_the_others() {
         let t = tenant(100);
         let mut held = t.empty_reservation(Purpose::Held);
         held.grow_past_limits(u64::MAX).unwrap();
