@@ -809,7 +809,7 @@ mod tests {
     }
 
     /// A tenant with a cap of 100 bytes, its shared stream, and its pool on `backend`.
-    fn tenant_pool(backend: &Counting) -> (Arc<TenantLedger>, Stream, TenantDevicePool<&Counting>) {
+    fn tenant_pool<P: DevicePools>(backend: P) -> (Arc<TenantLedger>, Stream, TenantDevicePool<P>) {
         let tenant = Arc::new(TenantLedger::new(TenantId(4), 100, IsolationLevel::Shared));
         let stream = Stream::new(
             crate::DriverStream::DEFAULT,
@@ -1013,18 +1013,25 @@ mod tests {
     /// read, answering after it, does not clear the mark: the next allocation reads first.
     #[test]
     fn a_read_beside_a_failed_one_does_not_clear_its_mark() {
-        // The call beside the read needs the pool for as long as the backend may run it.
-        let backend: &'static Counting = alloc::boxed::Box::leak(alloc::boxed::Box::default());
-        let (_tenant, stream, pool) = tenant_pool(backend);
-        let pool: &'static TenantDevicePool<&'static Counting> =
-            alloc::boxed::Box::leak(alloc::boxed::Box::new(pool));
-        *backend.beside.lock() = Some(alloc::boxed::Box::new(move || {
+        use alloc::boxed::Box;
+        let backend = Arc::new(Counting::default());
+        let (_tenant, stream, pool) = tenant_pool(Arc::clone(&backend));
+        let pool = Arc::new(pool);
+        // The call beside the read reaches the backend and the pool without owning them.
+        let (b, p) = (Arc::downgrade(&backend), Arc::downgrade(&pool));
+        *backend.beside.lock() = Some(Box::new(move || {
+            let (Some(backend), Some(pool)) = (b.upgrade(), p.upgrade()) else {
+                return;
+            };
             *backend.stats_fail.lock() = true;
             assert!(pool.stats().is_err(), "the read beside fails");
             *backend.stats_fail.lock() = false;
             // Every read after the older one fails too: only the older read says anything.
-            *backend.beside.lock() = Some(alloc::boxed::Box::new(move || {
-                *backend.stats_fail.lock() = true;
+            let b = Arc::downgrade(&backend);
+            *backend.beside.lock() = Some(Box::new(move || {
+                if let Some(backend) = b.upgrade() {
+                    *backend.stats_fail.lock() = true;
+                }
             }));
         }));
         // Stale, its answer cannot clear the mark (a fresh read must: it fails).
