@@ -614,7 +614,8 @@ impl TenantLedger {
     /// Adds `amount` to every budget `purpose` counts against (within their limits if
     /// `within_limits`, else whatever they say), then to the group's totals; all or nothing.
     /// A total is never taken past `u64::MAX`: that refuses the charge whatever the limits.
-    /// Only a budget's limit counts as a denial, in the budget's figures and the tenant's.
+    /// A normal charge's refusal counts as a denial, in the budget's figures and the tenant's;
+    /// a forced one's never (a driver's uncountable figure is no tenant's denial).
     fn add(&self, amount: u64, purpose: Purpose, within_limits: bool) -> Result<(), Denied> {
         const ORDER: [Budget; 3] = [Budget::Touched, Budget::Held, Budget::Memories];
         let charged = |budget: &&Budget| purpose.charges(**budget);
@@ -635,7 +636,8 @@ impl TenantLedger {
                 Ok(before) => totals[i] = before + amount,
                 Err(live) => {
                     undo(i);
-                    if live.checked_add(amount).is_some() {
+                    // A driver's uncountable figure (forced) is no tenant's denial.
+                    if within_limits {
                         meter.denials.fetch_add(1, Ordering::Relaxed);
                         self.denials.fetch_add(1, Ordering::Relaxed);
                     }
@@ -1089,6 +1091,12 @@ mod tests {
         assert!(t.try_reserve(2).is_err());
         assert!(t.try_reserve(u64::MAX).is_err());
         assert_eq!(t.touched_bytes(), u64::MAX - 1);
+        let stats = t.stats();
+        assert_eq!(
+            (stats.denials, stats.touched_denials),
+            (2, 2),
+            "each counted"
+        );
     }
 
     #[test]
