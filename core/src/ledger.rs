@@ -424,6 +424,14 @@ impl LedgerGroup {
         self.held.load(Ordering::Acquire)
     }
 
+    /// The totals `purpose` counts in, with their budgets, in one order.
+    fn totals_for(&self, purpose: Purpose) -> impl Iterator<Item = (Budget, &AtomicU64)> {
+        [Budget::Touched, Budget::Held]
+            .into_iter()
+            .filter(move |&budget| purpose.charges(budget))
+            .filter_map(|budget| self.total(budget).map(|total| (budget, total)))
+    }
+
     fn total(&self, budget: Budget) -> Option<&AtomicU64> {
         match budget {
             Budget::Touched => Some(&self.touched),
@@ -680,19 +688,15 @@ impl TenantLedger {
         let Some(group) = &self.group else {
             return Ok(());
         };
-        const ORDER: [Budget; 2] = [Budget::Touched, Budget::Held];
-        let total = |budget: Budget| group.total(budget).filter(|_| purpose.charges(budget));
-        for (i, &budget) in ORDER.iter().enumerate() {
-            let Some(sum) = total(budget) else {
-                continue;
-            };
+        let totals = || group.totals_for(purpose);
+        for (i, (budget, sum)) in totals().enumerate() {
             if sum
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
                     t.checked_add(amount)
                 })
                 .is_err()
             {
-                for sum in ORDER[..i].iter().filter_map(|&taken| total(taken)) {
+                for (_, sum) in totals().take(i) {
                     sum.fetch_sub(amount, Ordering::AcqRel);
                 }
                 return Err(budget);
@@ -703,11 +707,8 @@ impl TenantLedger {
 
     /// Takes `amount` back from the group's totals of the budgets `purpose` charges.
     fn group_sub(&self, amount: u64, purpose: Purpose) {
-        let Some(group) = &self.group else {
-            return;
-        };
-        for budget in [Budget::Touched, Budget::Held] {
-            if let Some(total) = group.total(budget).filter(|_| purpose.charges(budget)) {
+        if let Some(group) = &self.group {
+            for (_, total) in group.totals_for(purpose) {
                 total.fetch_sub(amount, Ordering::AcqRel);
             }
         }

@@ -361,6 +361,14 @@ struct PoolBooks {
 }
 
 impl PoolBooks {
+    /// The driver's figures could not be read, or not believed: the pool may hold more than
+    /// is paid for, so nothing more is asked of the driver until a read says otherwise. It
+    /// counts as a change, so a read older than this one cannot clear the mark.
+    fn unread(&mut self) {
+        self.unpaid = true;
+        self.changes += 1;
+    }
+
     fn insert(&mut self, ptr: u64, charge: Reservation) {
         self.live_bytes += charge.bytes();
         self.changes += 1;
@@ -459,23 +467,15 @@ impl<P: DevicePools> TenantDevicePool<P> {
         let changes = self.books.lock().changes;
         let stats = match self.backend.pool_stats(self.handle()) {
             Ok(stats) if stats.reserved_bytes > MAX_POOL_BYTES => {
-                // No device holds that much: a driver's error, not memory. A read older than
-                // this one may not clear the mark (it counts as a change).
-                let mut books = self.books.lock();
-                books.unpaid = true;
-                books.changes += 1;
+                // No device holds that much: a driver's error, not memory.
+                self.books.lock().unread();
                 return Err(Error::ImplausiblePoolFigures {
                     reserved: stats.reserved_bytes,
                 });
             }
             Ok(stats) => stats,
             Err(e) => {
-                // Unread: the pool may hold more than is paid for, so nothing more is asked
-                // of the driver until a read says otherwise (a read older than this one
-                // included: it counts as a change).
-                let mut books = self.books.lock();
-                books.unpaid = true;
-                books.changes += 1;
+                self.books.lock().unread();
                 return Err(Error::backend(Operation::PoolStats, e));
             }
         };
@@ -495,7 +495,7 @@ impl<P: DevicePools> TenantDevicePool<P> {
                 if books.kept.grow_past_limits(target - kept).is_err() {
                     // More than the tenant's books can count, with what it holds elsewhere
                     // (other pools, say): a driver's error, as above.
-                    books.changes += 1;
+                    books.unread();
                     return Err(Error::ImplausiblePoolFigures {
                         reserved: stats.reserved_bytes,
                     });
