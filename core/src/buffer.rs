@@ -347,7 +347,8 @@ impl<A: ManagedAllocator> UnifiedBuffer<A> {
     /// Gives the buffer up without freeing its allocation, for an owner that could not release
     /// it (the backend refused) or cannot prove no device work still uses it: the allocation
     /// stays with the backend (a driver backend frees it when it drops), and a pool slot is
-    /// withdrawn from its pool for good, never handed out again.
+    /// withdrawn from its pool for good, never handed out again: its pool then forgets its slab
+    /// instead of freeing it when it lets the slab go, so the slab too stays with the backend.
     pub fn abandon(mut self) {
         match &mut self.source {
             Source::Owned {

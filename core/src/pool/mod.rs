@@ -244,12 +244,22 @@ impl<A: ManagedAllocator> SlotPool<A> {
         }
     }
 
-    /// Frees a slab no slot uses; a refused free leaves it to the backend, forgotten (a driver
+    /// Frees a slab no slot holds; a refused free leaves it to the backend, forgotten (a driver
     /// backend frees it when it drops, unless a recovery's reset destroyed it first): no tenant
-    /// pays for a pool's slab.
+    /// pays for a pool's slab. A slab with a withdrawn slot is never freed here but forgotten at
+    /// once: a slot is withdrawn when its holder gave it up because device work may still
+    /// write it (`UnifiedBuffer::abandon`: a stream whose wait the driver refused), or when a
+    /// scrub failed and left it in no known state, and freeing the slab would let the driver
+    /// hand those addresses to another allocation, another tenant's, under that work. So a
+    /// pooled memory abandoned busy is left to the driver as an unpooled one is.
     fn let_slab_go(&self, slab: Allocation) {
-        // SAFETY: the slab came from `self.allocator`, and no slot of it is held (the caller
-        // swapped it out under the table's lock while none was), so nothing uses it afterwards.
+        if self.slots.withdrawn() > 0 {
+            self.allocator.forget(slab);
+            return;
+        }
+        // SAFETY: the slab came from `self.allocator`, no slot of it is held (the caller
+        // swapped it out under the table's lock while none was), and none was given up under
+        // work that may still run (no slot is withdrawn): nothing uses it afterwards.
         if let Err(refused) = unsafe { self.allocator.free(slab) } {
             self.allocator.forget(refused.resource);
         }

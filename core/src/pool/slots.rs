@@ -592,6 +592,12 @@ impl<M: Copy> SlotTable<M> {
         state.classes[slot.class].withdrawn += 1;
     }
 
+    /// Slots withdrawn for good since the slots were last carved afresh
+    /// ([`renew`](Self::renew)).
+    pub fn withdrawn(&self) -> usize {
+        self.state.lock().withdrawn
+    }
+
     /// The figures.
     pub fn stats(&self) -> PoolStats {
         let state = self.state.lock();

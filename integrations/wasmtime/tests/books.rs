@@ -524,6 +524,66 @@ fn review_a_stream_not_released_keeps_its_stores_memory() {
     );
 }
 
+/// A pooled memory kept busy (its stream's waits and destroy refused, a kernel queued on it)
+/// and abandoned when its creator goes is left to the driver with its slab: the pool forgets
+/// the slab instead of freeing it, as an unpooled memory's allocation is forgotten. Before, the
+/// pool's drop freed the whole slab under the queued kernel, whose write could then land in
+/// the next allocation the driver made there, another tenant's (a red team).
+#[rstest]
+#[case::pooled(true)]
+#[case::unpooled(false)]
+fn review_a_busy_memory_abandoned_with_its_creator_is_not_freed_under_its_work(
+    #[case] pooled: bool,
+) {
+    use tensor_wasm_mem_core::{PoolConfig, SizeClass};
+    use tensor_wasm_mem_wasmtime::HasGuestContext;
+    let backend = Arc::new(with_config(MockConfig {
+        deferred_streams: true,
+        ..MockConfig::default()
+    }));
+    let mut builder = TensorWasmMemoryCreator::builder(Arc::clone(&backend));
+    if pooled {
+        builder = builder.pool(PoolConfig::new(DeviceId(0), [SizeClass::new(4 * PAGE, 2)]));
+    }
+    let creator = builder.build().unwrap();
+    let engine = creator.engine().unwrap();
+    let module = Module::new(&engine, "(module (memory (export \"memory\") 1 4))").unwrap();
+    let t = tenant(1, 4 * PAGE as u64);
+    let mut store: Store<Data> = new_store(
+        &engine,
+        TenantStore::new(&creator, &t, ChargeMode::Touched, ()),
+    );
+    let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
+    let memory = instance.get_memory(&mut store, "memory").unwrap();
+    let slice = creator.resolve(&store, &memory, 0, PAGE as u64).unwrap();
+    let (ptr, len) = (slice.device_ptr(), slice.len());
+    let lease = store.data_mut().guest_context().stream().unwrap();
+    // SAFETY: nothing reads these bytes while the kernel may run (the memory is kept).
+    unsafe {
+        backend
+            .driver()
+            .enqueue_fill(lease.stream(), ptr, len, 0xaa)
+    }
+    .unwrap();
+    for n in 1..=4 {
+        backend.driver().fail_call(Call::StreamSynchronize, n, 999);
+    }
+    backend.driver().fail_call(Call::StreamDestroy, 1, 999);
+    drop(store);
+    assert_eq!(creator.stats().kept_memories, 1, "kept busy");
+    let frees = backend.driver().stats().frees;
+    drop((instance, module, engine, creator));
+    let after = backend.driver().stats();
+    assert_eq!(
+        after.frees_over_pending_work, 0,
+        "nothing freed under the queued kernel"
+    );
+    assert_eq!(
+        after.frees, frees,
+        "the memory's allocation is left to the driver"
+    );
+}
+
 /// A destroy refused after the stream's work was waited for (of a stream-isolated tenant's
 /// stream, or of a context-isolated tenant's context after its last stream), or a wait refused
 /// once and then done (a shared tenant's release is only that wait): the work is provably done, so the Store's memory goes back, uncharged,
