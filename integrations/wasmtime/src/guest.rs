@@ -37,7 +37,7 @@ use std::sync::{Arc, PoisonError};
 
 use tensor_wasm_mem_core::{
     Advice, BackendError, DeviceId, ErrorKind, IsolationLevel, Location, ManagedAllocator,
-    StreamLease, TenantKey,
+    StreamKey, StreamLease, TenantKey,
 };
 use wasmtime::{Caller, Extern, Linker};
 
@@ -80,6 +80,11 @@ pub struct GuestContext<B: Backend> {
     store: Option<Arc<StoreBooks>>,
     /// The tenant's launch figures (shared by all its Stores).
     kernels: Arc<KernelCounters>,
+    /// Launches of this Store whose wait the driver kept refusing: their kernels may still run,
+    /// so each keeps its place in the tenant's launches in flight until the Store's stream is
+    /// waited for (or its work is lost with its context) when the Store goes; never, where
+    /// that wait is refused too (its memories are kept for good then as well).
+    launches_may_run: u32,
     /// The device an open device-access scope over the Store holds device work on
     /// ([`ManagedAllocator::begin_device_work`]), so no recovery resets that device's primary
     /// context under the kernels the embedder launches in the scope: at most one per Store,
@@ -113,6 +118,7 @@ impl<B: Backend> GuestContext<B> {
             stream: None,
             store: None,
             kernels: Arc::clone(tenant.kernel_counters()),
+            launches_may_run: 0,
             scope_work: std::sync::Mutex::new(None),
             calls: 0,
             failed_calls: 0,
@@ -261,9 +267,26 @@ impl<B: Backend> Drop for GuestContext<B> {
         // (A shared tenant's release is itself a wait on the default stream: waited for here
         // first, its refusal that may pass is tried again too.)
         let quiet = crate::lifecycle::wait_for_work(&**lease.provider(), id).is_ok();
+        let done = self.release_stream(lease, id, quiet);
+        if done {
+            // Nothing this Store launched runs any more: the launches whose own wait failed
+            // give their places back.
+            self.kernels
+                .give_back_in_flight(core::mem::take(&mut self.launches_may_run));
+        }
+    }
+}
+
+impl<B: Backend> GuestContext<B> {
+    /// Releases the Store's stream (its work waited for first: `quiet`): `true` if nothing
+    /// queued there can run any more (released, waited for, or its context lost).
+    fn release_stream(&self, lease: StreamLease<Arc<B>>, id: StreamKey, quiet: bool) -> bool {
         match (lease.release(), &self.store) {
-            (Ok(()), Some(store)) => store.remove_stream(id),
-            (Ok(()), None) => {}
+            (Ok(()), Some(store)) => {
+                store.remove_stream(id);
+                true
+            }
+            (Ok(()), None) => true,
             // Waited for, then a destroy (of the stream, or of the tenant's context after it)
             // refused: the backend keeps counting the handle, but no work of this Store is
             // left, and its memories go back as after a release.
@@ -272,6 +295,7 @@ impl<B: Backend> Drop for GuestContext<B> {
                 if let Some(store) = store {
                     store.remove_stream(id);
                 }
+                true
             }
             // Its context is lost to a kernel fault: the work queued there was abandoned and
             // never runs, so nothing can land in the Store's memories any more.
@@ -280,20 +304,31 @@ impl<B: Backend> Drop for GuestContext<B> {
                     store.remove_stream(id);
                 }
                 // The device's last user may have been this stream: it recovers now.
-                // (Refused while a forgotten scope's work is held: its end, below, tries again.)
+                // (Refused while a forgotten scope's work is held: its end, in the Store's
+                // drop, tries again.)
                 self.creator.recover_when_free(id.device());
+                true
             }
             (Err(e), store) => {
                 tracing::warn!(error = %e, "twm: releasing a guest stream failed: its Store's memories are kept");
                 if let Some(store) = store {
                     store.mark_unsettled();
                 }
+                false
             }
         }
     }
 }
 
 impl<B: Backend> GuestContext<B> {
+    /// A launch's wait failed and its kernel may still run: the Store's memories are kept when
+    /// it goes ([`work_may_run`](Self::work_may_run)), and the launch keeps its place among the
+    /// tenant's launches in flight until the Store's stream is waited for.
+    pub(crate) fn launch_may_run(&mut self) {
+        self.launches_may_run += 1;
+        self.work_may_run();
+    }
+
     /// A wait for the Store's stream failed and its work may still run: the Store's memories are
     /// kept when it goes (busy, never scrubbed for another tenant), as after a release the
     /// driver refused.

@@ -384,6 +384,16 @@ pub(crate) struct KernelCounters {
     in_flight: AtomicU32,
 }
 
+impl KernelCounters {
+    /// `launches` kept in flight by a Store whose kernels may have run on (their waits
+    /// refused: [`InFlight::keep`]) go back: nothing it launched runs any more.
+    pub(crate) fn give_back_in_flight(&self, launches: u32) {
+        if launches > 0 {
+            self.in_flight.fetch_sub(launches, Ordering::AcqRel);
+        }
+    }
+}
+
 /// One launch of a tenant in flight, given back when dropped.
 struct InFlight<'a>(&'a KernelCounters);
 
@@ -404,6 +414,15 @@ impl<'a> InFlight<'a> {
                 Err(seen) => now = seen,
             }
         }
+    }
+}
+
+impl InFlight<'_> {
+    /// Keeps the launch in flight past this guard: its kernel may still run (its wait was
+    /// refused). The Store's guest context gives it back once its stream is waited for
+    /// ([`KernelCounters::give_back_in_flight`]).
+    fn keep(self) {
+        std::mem::forget(self);
     }
 }
 
@@ -614,9 +633,6 @@ pub(crate) fn launch_call<B: Backend, T: HasGuestContext<B>>(
         Err(NotRun::Refused(_)) => &counters.refused,
     };
     counter.fetch_add(1, Ordering::AcqRel);
-    if matches!(result, Err(NotRun::Failed(WORK_MAY_RUN))) {
-        caller.data_mut().guest_context().work_may_run();
-    }
     result.map_err(NotRun::code)
 }
 
@@ -681,7 +697,7 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
             *value = ptr;
         }
     }
-    let _in_flight = InFlight::take(counters, registry.max_in_flight)?;
+    let in_flight = InFlight::take(counters, registry.max_in_flight)?;
     let context: &mut GuestContext<B> = caller.data_mut().guest_context();
     let stream = context
         .stream()
@@ -710,7 +726,14 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
         grid: checked.grid,
         block: checked.block,
     };
-    launch_and_wait(&creator, &*entry.launcher, &launch, counters)
+    let launched = launch_and_wait(&creator, &*entry.launcher, &launch, counters);
+    if matches!(launched, Err(NotRun::Failed(WORK_MAY_RUN))) {
+        // The kernel may still run: it keeps its place among the tenant's launches in flight
+        // until the Store's stream is waited for.
+        in_flight.keep();
+        caller.data_mut().guest_context().launch_may_run();
+    }
+    launched
 }
 
 /// Launches on the checked `launch` and waits for its stream, whatever the launcher does; a

@@ -269,6 +269,47 @@ fn repeated_launches_give_their_in_flight_back() {
     assert_ne!(g.launch(fill, &[(4096, 16), (1, 0)]), TWM_ERR_BUSY);
 }
 
+/// A launch whose wait the driver keeps refusing may still run: it keeps its place among the
+/// tenant's launches in flight until its Store's stream is waited for, so another Store of the
+/// tenant cannot launch past the cap meanwhile (a red team: the place went back at once, while
+/// the kernel could still run).
+#[test]
+fn a_launch_that_may_still_run_keeps_its_place_in_flight() {
+    use tensor_wasm_mem_mock::Call;
+    let creator = creator_with(kernels::builtin().max_in_flight(1));
+    let tenant = Tenant::new(1, "t", 1 << 20, IsolationLevel::StreamIsolated);
+    let src = guest_src(r#"(memory (export "memory") 1 4)"#);
+    let mut a = guest_of(&creator, &src, &tenant);
+    let mut b = guest_of(&creator, &src, &tenant);
+    let (fill_a, fill_b) = (a.kernel("fill"), b.kernel("fill"));
+    // The launch's wait refused three times: the kernel may still run, the guest traps.
+    for n in 1..=3 {
+        creator
+            .backend()
+            .driver()
+            .fail_call(Call::StreamSynchronize, n, 999);
+    }
+    let trap = a
+        .try_launch(fill_a, &[(4096, 4096), (1, 0)])
+        .expect_err("traps");
+    assert!(
+        matches!(
+            trap.downcast_ref::<TwmError>(),
+            Some(TwmError::WorkMayRun { .. })
+        ),
+        "{trap:#}"
+    );
+    assert_eq!(
+        b.launch(fill_b, &[(4096, 16), (1, 0)]),
+        TWM_ERR_BUSY,
+        "the tenant's one launch in flight is still taken"
+    );
+    // The Store goes: its stream is waited for (the driver answers now), and the place goes
+    // back.
+    drop(a);
+    assert_eq!(b.launch(fill_b, &[(4096, 16), (1, 0)]), 0);
+}
+
 /// Nested ranges (sorted by start, one that starts earlier and ends later than the next two)
 /// are refused as overlapping.
 #[test]
