@@ -43,6 +43,12 @@ impl Telling {
     }
 }
 
+/// This thread is telling some creator's launchers of a recovery (a launcher's callback runs
+/// on it, under that creator's list of recoveries told).
+pub(crate) fn telling_any_here() -> bool {
+    TELLING.with_borrow(|t| !t.is_empty())
+}
+
 impl Drop for Telling {
     fn drop(&mut self) {
         TELLING.with_borrow_mut(|t| t.pop());

@@ -202,10 +202,12 @@ impl Drop for Scrubber {
         self.stop.store(true, Ordering::Release);
         if let Some(thread) = self.thread.take() {
             thread.thread().unpark();
-            if ON_A_SCRUBBER.get() {
+            if ON_A_SCRUBBER.get() || crate::lifecycle::telling_any_here() {
                 // The creator's last handle went on a scrub-ahead thread (an embedder's
                 // callback run by a recovery it tried), maybe this one, maybe while holding
-                // what a sibling waits for: it stops at its next look, detached.
+                // what a sibling waits for; or in a launcher's callback told of a recovery,
+                // whose frame below holds the list of recoveries told that the thread's own
+                // recovery waits for: it stops at its next look, detached.
                 return;
             }
             // It ends at its next look (a batch of scrubs at most). A panic there (a bug) was
