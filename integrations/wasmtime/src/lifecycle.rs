@@ -43,6 +43,27 @@ impl Telling {
     }
 }
 
+/// Kept memories taken off the list to be released again ([`KeptMemories::retry_kept`]): those
+/// not tried yet and those the backend still refused go back to the list when it drops, the
+/// retry ended with them, even should a backend panic mid-release (the memory being released
+/// then is lost with its unwinding; the others keep their storage and charge together, kept).
+struct Retry<'a, B: Backend> {
+    kept: &'a KeptMemories<B>,
+    left: Vec<Held<B>>,
+    still: Vec<Held<B>>,
+}
+
+impl<B: Backend> Drop for Retry<'_, B> {
+    fn drop(&mut self) {
+        let mut kept = self.kept.lock();
+        kept.append(&mut self.still);
+        kept.append(&mut self.left);
+        self.kept.count.store(kept.len() as u64, Ordering::Release);
+        drop(kept);
+        self.kept.retrying.store(false, Ordering::Release);
+    }
+}
+
 /// This thread is telling some creator's launchers of a recovery (a launcher's callback runs
 /// on it, under that creator's list of recoveries told).
 pub(crate) fn telling_any_here() -> bool {
@@ -223,19 +244,21 @@ impl<B: Backend> KeptMemories<B> {
         if self.count.load(Ordering::Acquire) == 0 || self.retrying.swap(true, Ordering::AcqRel) {
             return;
         }
-        let taken: Vec<Held<B>> = self.lock().drain(..).collect();
-        let tried = taken.len() as u64;
-        let still: Vec<Held<B>> = taken
-            .into_iter()
-            .filter_map(|h| h.release().err())
-            .collect();
-        self.released
-            .fetch_add(tried - still.len() as u64, Ordering::AcqRel);
-        let mut kept = self.lock();
-        kept.extend(still);
-        self.count.store(kept.len() as u64, Ordering::Release);
-        drop(kept);
-        self.retrying.store(false, Ordering::Release);
+        let mut retry = Retry {
+            kept: self,
+            // Reversed: popped (and kept again) in the order they were kept.
+            left: self.lock().drain(..).rev().collect(),
+            still: Vec::new(),
+        };
+        while let Some(held) = retry.left.pop() {
+            match held.release() {
+                Ok(()) => {
+                    self.released.fetch_add(1, Ordering::AcqRel);
+                }
+                Err(held) => retry.still.push(held),
+            }
+        }
+        // `retry` drops here: what is still kept goes back to the list.
     }
 
     /// Memories kept now (busy ones included), and the bytes they hold visible.
