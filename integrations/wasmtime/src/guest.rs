@@ -521,11 +521,21 @@ fn prefetch_call<B: Backend, T: HasGuestContext<B>>(
     creator
         .resolve_at(view, offset, len)
         .map_err(|e| code_for(&e))?;
+    let device = creator.memory_device(view).map_err(|e| code_for(&e))?;
     let stream = caller
         .data_mut()
         .guest_context()
         .stream()
         .map_err(|e| code_for(&TwmError::backend(e)))?;
+    if stream.stream().device() != device {
+        // A memory made where its Store named no tenant (the creator's default device) while
+        // the guest's tenant lives elsewhere: no stream of the tenant orders work on it (as a
+        // launch and the device-access scope refuse it).
+        return Err(code_for(&TwmError::DeviceMismatch {
+            memory: device,
+            stream: stream.stream().device(),
+        }));
+    }
     creator
         .prefetch_at(view, offset, len, location, stream.stream())
         .map_err(|e| code_for(&e))

@@ -5,14 +5,14 @@ use std::sync::Arc;
 
 use rstest::rstest;
 use tensor_wasm_mem_core::{
-    DeviceId, ErrorKind, IsolationLevel, PoolConfig, SizeClass, TenantBudgets,
+    DeviceId, ErrorKind, IsolationLevel, Operation, PoolConfig, SizeClass, TenantBudgets,
 };
 use tensor_wasm_mem_mock::{MockBackend, MockConfig, code, with_config};
 use tensor_wasm_mem_wasmtime::wasmtime::{Engine, Linker, Module, Store};
 use tensor_wasm_mem_wasmtime::{
     AccessRange, ChargeMode, DeviceAccess, HasGuestContext, Placement, PlacementPolicy,
-    TWM_ERR_UNKNOWN_DEVICE, TWM_OK, Tenant, TenantStore, TensorWasmMemoryCreator, TwmError,
-    add_to_linker, instantiate, new_store,
+    TWM_ERR_BACKEND, TWM_ERR_UNKNOWN_DEVICE, TWM_OK, Tenant, TenantStore, TensorWasmMemoryCreator,
+    TwmError, add_to_linker, instantiate, new_store,
 };
 
 const GUEST: &str = r#"(module
@@ -541,7 +541,7 @@ fn a_device_that_cannot_report_its_memory_takes_no_tenant() {
 }
 
 #[test]
-fn a_scope_refuses_a_memory_on_another_device_than_the_guests_stream() {
+fn a_scope_or_a_prefetch_refuses_a_memory_on_another_device_than_the_guests_stream() {
     use tensor_wasm_mem_wasmtime::GuestContext;
     struct Data(GuestContext<MockBackend>);
     impl HasGuestContext<MockBackend> for Data {
@@ -589,6 +589,35 @@ fn a_scope_refuses_a_memory_on_another_device_than_the_guests_stream() {
             }
         ),
         "{e}"
+    );
+    // So does the guest's own prefetch (it was queued on the tenant's stream of device 1).
+    let mut linker = Linker::new(&engine);
+    add_to_linker(&mut linker).unwrap();
+    let module = Module::new(
+        &engine,
+        r#"(module
+          (import "twm" "prefetch" (func $prefetch (param i32 i32 i32) (result i32)))
+          (memory (export "memory") 1)
+          (func (export "prefetch") (param i32) (result i32)
+            (call $prefetch (i32.const 0) (i32.const 64) (local.get 0))))"#,
+    )
+    .unwrap();
+    let instance = linker.instantiate(&mut store, &module).unwrap();
+    let prefetch = instance
+        .get_typed_func::<i32, i32>(&mut store, "prefetch")
+        .unwrap();
+    let prefetches = rig.backend.driver().stats().calls(Operation::Prefetch);
+    for location in [-1, 1] {
+        assert_eq!(
+            prefetch.call(&mut store, location).unwrap(),
+            TWM_ERR_BACKEND,
+            "to {location}"
+        );
+    }
+    assert_eq!(
+        rig.backend.driver().stats().calls(Operation::Prefetch),
+        prefetches,
+        "nothing asked of the driver"
     );
 }
 
