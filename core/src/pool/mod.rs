@@ -248,10 +248,10 @@ impl<A: ManagedAllocator> SlotPool<A> {
     /// backend frees it when it drops, unless a recovery's reset destroyed it first): no tenant
     /// pays for a pool's slab. A slab with a withdrawn slot is never freed here but forgotten at
     /// once: a slot is withdrawn when its holder gave it up because device work may still
-    /// write it (`UnifiedBuffer::abandon`: a stream whose wait the driver refused), or when a
-    /// scrub failed and left it in no known state, and freeing the slab would let the driver
-    /// hand those addresses to another allocation, another tenant's, under that work. So a
-    /// pooled memory abandoned busy is left to the driver as an unpooled one is.
+    /// write it (`UnifiedBuffer::abandon`: a stream whose wait the driver refused), and freeing
+    /// the slab would let the driver hand those addresses to another allocation, another
+    /// tenant's, under that work. So a pooled memory abandoned busy is left to the driver as an
+    /// unpooled one is.
     fn let_slab_go(&self, slab: Allocation) {
         if self.slots.withdrawn() > 0 {
             self.allocator.forget(slab);

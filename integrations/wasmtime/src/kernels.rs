@@ -730,8 +730,8 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
     if matches!(launched, Err(NotRun::Failed(WORK_MAY_RUN))) {
         // The kernel may still run: it keeps its place among the tenant's launches in flight
         // until the Store's stream is waited for.
-        in_flight.keep();
         caller.data_mut().guest_context().launch_may_run();
+        in_flight.keep();
     }
     launched
 }

@@ -57,7 +57,8 @@ impl<B: Backend> Drop for Retry<'_, B> {
     fn drop(&mut self) {
         let mut kept = self.kept.lock();
         kept.append(&mut self.still);
-        kept.append(&mut self.left);
+        // Those not tried yet (only while a release unwinds), back in the order they were kept.
+        kept.extend(self.left.drain(..).rev());
         self.kept.count.store(kept.len() as u64, Ordering::Release);
         drop(kept);
         self.kept.retrying.store(false, Ordering::Release);
@@ -246,7 +247,7 @@ impl<B: Backend> KeptMemories<B> {
         }
         let mut retry = Retry {
             kept: self,
-            // Reversed: popped (and kept again) in the order they were kept.
+            // Reversed: popped (and those refused kept again) in the order they were kept.
             left: self.lock().drain(..).rev().collect(),
             still: Vec::new(),
         };
@@ -401,10 +402,32 @@ impl<B: Backend> Drop for KeptMemories<B> {
     /// The last try; what the backend still refuses is abandoned to it (no further try) and
     /// its charge stays with its tenant for good.
     fn drop(&mut self) {
+        /// Abandons what is left when it drops: after the last try, or while that try unwinds
+        /// (a backend panicking mid-release), so that no kept memory, busy or not, is ever
+        /// freed by its own drop with its charge given back.
+        struct AbandonLeft<'a, B: Backend>(&'a KeptMemories<B>);
+        impl<B: Backend> Drop for AbandonLeft<'_, B> {
+            fn drop(&mut self) {
+                self.0.abandon_left();
+            }
+        }
+        let _left = AbandonLeft(self);
         self.retry_kept();
-        let busy = self.busy.get_mut().unwrap_or_else(PoisonError::into_inner);
-        let kept = self.kept.get_mut().unwrap_or_else(PoisonError::into_inner);
-        for held in kept.drain(..).chain(busy.drain(..).map(|b| b.held)) {
+    }
+}
+
+impl<B: Backend> KeptMemories<B> {
+    /// Abandons every memory still kept (busy ones included) to the backend, for good: no
+    /// further try, and its charge stays with its tenant.
+    fn abandon_left(&self) {
+        let kept: Vec<Held<B>> = self.lock().drain(..).collect();
+        let busy: Vec<Busy<B>> = self
+            .busy
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .drain(..)
+            .collect();
+        for held in kept.into_iter().chain(busy.into_iter().map(|b| b.held)) {
             tracing::warn!(
                 "twm: a memory the backend never released stays with it; its charge stays with its tenant"
             );
