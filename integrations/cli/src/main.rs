@@ -189,7 +189,7 @@ fn main() -> ExitCode {
             &args.file.display().to_string(),
             args.backend.name(),
             failure.exit_code(),
-            failure.message(),
+            &failure.message(),
         );
         // A stdout that cannot take it fails below with the failure's own status.
         let _ = writeln!(std::io::stdout(), "{report}");

@@ -165,8 +165,8 @@ pub struct RunArgs {
     #[arg(long)]
     pub stats: bool,
     /// At exit, print the layer's metrics in the Prometheus text format (to stdout after the
-    /// results; with --json, as the object's "metrics" string). Every metric is listed in
-    /// docs/SCALING.md.
+    /// results, the guest's own stdout going to stderr; with --json, as the object's "metrics"
+    /// string). Every metric is listed in docs/SCALING.md.
     #[arg(long)]
     pub metrics: bool,
     /// The device the tenant is placed on (its memories, pool slots and stream).
@@ -203,7 +203,8 @@ pub struct RunArgs {
     #[arg(long = "env", value_name = "NAME=VALUE")]
     pub env: Vec<String>,
     /// Preopen a host directory for a WASI guest, at GUEST (default: the same path); the guest
-    /// may read, create, change and delete files in it. Repeatable.
+    /// may read, create, change and delete files in it. Repeatable; no other preopen may lie
+    /// inside it (the guest could replace it with a link).
     #[arg(long = "dir", value_name = "HOST[::GUEST]")]
     pub dirs: Vec<String>,
     /// Preopen a host directory read-only: the guest may read it, never change it. Repeatable.
@@ -253,14 +254,18 @@ impl WasiSetup {
                         "{flag} {spec:?}: expected HOST or HOST::GUEST"
                     )));
                 }
-                if !std::path::Path::new(host).is_dir() {
-                    return Err(Failure::Usage(format!(
-                        "{flag} {spec:?}: {host} is not a directory"
-                    )));
-                }
-                Ok((PathBuf::from(host), guest.to_owned(), perms))
+                // Resolved once, here: every run opens this path again, and what a path
+                // names must not change with what a guest did in an earlier run.
+                let resolved = std::fs::canonicalize(host)
+                    .ok()
+                    .filter(|path| path.is_dir())
+                    .ok_or_else(|| {
+                        Failure::Usage(format!("{flag} {spec:?}: {host} is not a directory"))
+                    })?;
+                Ok((resolved, guest.to_owned(), perms))
             })
             .collect::<Result<_, _>>()?;
+        refuse_nested_in_writable(&dirs)?;
         let limits = wasi_limits(args, descriptor_room())?;
         // Each preopen is a host descriptor and an entry of the table from the start, beside
         // stdio's three: the limit must hold them, or they alone would pass it.
@@ -283,20 +288,23 @@ impl WasiSetup {
         })
     }
 
-    /// A fresh WASI context for one Store. With `--json`, the guest's stdout goes to stderr, so
-    /// that twm's stdout is the one JSON object and nothing a guest prints can forge it.
-    fn context(&self, json: bool) -> Result<LimitedWasi, Failure> {
+    /// A fresh WASI context for one Store. With `own_stdout` (`--json` or `--metrics`), the
+    /// guest's stdout goes to stderr, so that twm's stdout is its own (the one JSON object, or
+    /// the results and the metrics page) and nothing a guest prints can forge it.
+    fn context(&self, own_stdout: bool) -> Result<LimitedWasi, Failure> {
         let mut builder = WasiCtxBuilder::new();
         builder.inherit_stdio().args(&self.argv);
-        if json {
+        if own_stdout {
             builder.stdout(wasmtime_wasi_stderr());
         }
         for (k, v) in &self.env {
             builder.env(k, v);
         }
         for (host, guest, perms) in &self.dirs {
+            // It was a directory when twm started; no guest can have moved it since (none lies
+            // inside a directory a guest may write), but another process may have.
             builder.preopened_dir(host, guest, *perms).map_err(|e| {
-                Failure::Usage(format!("--dir: cannot open {}: {e:#}", host.display()))
+                Failure::Other(format!("cannot open the preopen {}: {e:#}", host.display()))
             })?;
         }
         Ok(LimitedWasi {
@@ -304,6 +312,29 @@ impl WasiSetup {
             limits: self.limits,
         })
     }
+}
+
+/// Refuses a preopen (resolved) that lies inside a writable one: a guest could replace it, or a
+/// directory on its way, with a symbolic link to anywhere on the host, which twm would follow
+/// when it opens the preopen again for the next run (`--repeat`). The same directory twice is
+/// allowed (a guest cannot replace the root of a preopen), and so is anything inside a
+/// read-only one.
+fn refuse_nested_in_writable(dirs: &[(PathBuf, String, FsPerms)]) -> Result<(), Failure> {
+    for (inner, guest, _) in dirs {
+        let outer = dirs.iter().find(|(outer, _, perms)| {
+            matches!(perms, FsPerms::ReadWrite) && inner != outer && inner.starts_with(outer)
+        });
+        if let Some((outer, _, _)) = outer {
+            return Err(Failure::Usage(format!(
+                "the preopen {} (guest {guest}) lies inside the writable preopen {}: a guest \
+                 could replace it with a link to anywhere on the host; preopen only the outer \
+                 directory, or the inner one alone",
+                inner.display(),
+                outer.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn parse_isolation(text: &str) -> Result<IsolationLevel, String> {
@@ -343,15 +374,17 @@ impl Failure {
         }
     }
 
-    /// What `twm` prints to stderr (nothing for a guest's own exit status).
-    pub fn message(&self) -> &str {
+    /// What `twm` prints to stderr (nothing for a guest's own exit status), [`clip`]ped: a
+    /// message may carry what a module named (a function in a trap's backtrace, an import),
+    /// which must not reach the terminal raw, forge a line of twm's own, or be megabytes long.
+    pub fn message(&self) -> String {
         match self {
             Self::Usage(m)
             | Self::Trap(m)
             | Self::Refused(m)
             | Self::Other(m)
-            | Self::Timeout(m) => m,
-            Self::Exit(_) => "",
+            | Self::Timeout(m) => clip(m),
+            Self::Exit(_) => String::new(),
         }
     }
 
@@ -548,15 +581,31 @@ fn parse_module_size(text: &str) -> Result<u64, String> {
     }
 }
 
-/// `message` cut to [`MAX_MESSAGE_CHARS`] characters, its control characters shown as `?`.
+/// `message` cut to [`MAX_MESSAGE_CHARS`] characters, its control characters shown as `?` and
+/// every line after the first indented.
 pub fn clip(message: &str) -> String {
-    let mut clipped: String = message
-        .chars()
-        .take(MAX_MESSAGE_CHARS)
-        .map(|c| if c.is_control() && c != '\n' { '?' } else { c })
-        .collect();
-    if message.chars().nth(MAX_MESSAGE_CHARS).is_some() {
-        clipped.push_str("... (cut)");
+    let mut clipped = String::with_capacity(message.len().min(MAX_MESSAGE_CHARS + 16));
+    let mut chars = message.chars().peekable();
+    let mut taken = 0;
+    while let Some(c) = chars.next() {
+        if taken == MAX_MESSAGE_CHARS {
+            clipped.push_str("... (cut)");
+            break;
+        }
+        taken += 1;
+        match c {
+            // Every line after the first starts indented: no line of a message can pass for
+            // one of twm's own (`twm: ...`). One already indented stays as it is (so a message
+            // clipped twice reads as once).
+            '\n' => {
+                clipped.push('\n');
+                if chars.peek().is_none_or(|&next| next != ' ') {
+                    clipped.push_str("  ");
+                }
+            }
+            c if c.is_control() => clipped.push('?'),
+            c => clipped.push(c),
+        }
     }
     clipped
 }
@@ -952,9 +1001,11 @@ pub fn run<B: BuiltinKernels>(backend: Arc<B>, args: &RunArgs) -> Result<(), Fai
             }
         }
     }
+    // Copied, not taken: should writing the report block (a guest filled the stderr pipe the
+    // stats go to), the watchdog's report still has every completed run.
     let (runs, omitted) = {
-        let mut completed = completed();
-        (std::mem::take(&mut completed.runs), completed.omitted)
+        let completed = completed();
+        (completed.runs.clone(), completed.omitted)
     };
     limits.bounded(|| report(args, &tenant, &creator, (runs, omitted), outcome))
 }
@@ -1091,7 +1142,7 @@ fn run_once<B: Backend>(
 ) -> Result<Vec<(String, Value)>, Failure> {
     // WASI state is made for guests that import WASI; others pay nothing for it.
     let wasi = if imports_wasi(setup.module) {
-        Some(setup.wasi.context(args.json)?)
+        Some(setup.wasi.context(args.json || args.metrics)?)
     } else {
         None
     };

@@ -1639,3 +1639,150 @@ fn hostile_launches_through_twm_run_are_codes_not_crashes() {
     let o = twm(&["run", p, "--invoke", "fill", "0", "8"]);
     assert_eq!(stdout(&o).trim(), "-8");
 }
+
+/// A preopen inside a writable one is refused: a guest could replace it with a link to the
+/// host's `/`, which twm followed when it opened the preopen again for the next run (a red
+/// team read a host file so). Inside a read-only one, and the same directory twice, are fine.
+#[test]
+fn a_preopen_inside_a_writable_one_is_refused() {
+    let guest = module_file("empty.wat", b"(module (func (export \"_start\")))");
+    let dir = std::env::temp_dir().join(format!("twm-cli-nested-{}", std::process::id()));
+    let sub = dir.join("sub");
+    std::fs::create_dir_all(&sub).unwrap();
+    let (outer, inner) = (dir.to_str().unwrap(), sub.to_str().unwrap());
+    let inner_spec = format!("{inner}::/sub");
+    let outer_twice = format!("{outer}::/again");
+    let cases: [(&[&str], i32); 5] = [
+        (&["--dir", outer, "--dir-ro", &inner_spec], 2),
+        (&["--dir", outer, "--dir", &inner_spec], 2),
+        (&["--dir-ro", outer, "--dir", &inner_spec], 0),
+        (&["--dir-ro", outer, "--dir-ro", &inner_spec], 0),
+        (&["--dir", outer, "--dir", &outer_twice], 0),
+    ];
+    for (flags, code) in cases {
+        let mut args = vec!["run", guest.to_str().unwrap()];
+        args.extend_from_slice(flags);
+        let o = twm(&args);
+        assert_eq!(o.status.code(), Some(code), "{flags:?}: {}", stderr(&o));
+        if code == 2 {
+            assert!(
+                stderr(&o).contains("lies inside the writable preopen"),
+                "{flags:?}: {}",
+                stderr(&o)
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What a module names reaches twm's messages only clipped: no control character, no line of
+/// its own that could pass for twm's (`twm: ...`), and a bounded length however long the names
+/// in a trap's backtrace (a red team forged lines and wrote 4 MB so).
+#[test]
+fn names_a_module_chose_reach_messages_clipped() {
+    let name = format!("\\0a\\1b[31mtwm: run ok\\1b[0m{}", "x".repeat(50_000));
+    let wat = format!(
+        r#"(module
+          (func $"{name}" (export "boom") (call $deep (i32.const 30)))
+          (func $deep (param i32)
+            (if (i32.eqz (local.get 0)) (then unreachable))
+            (call $deep (i32.sub (local.get 0) (i32.const 1)))))"#
+    );
+    let guest = module_file("names.wat", wat.as_bytes());
+    let import = module_file(
+        "import.wat",
+        b"(module (import \"\\0a\\1b[32mtwm: all good\" \"x\" (func)))",
+    );
+    for (path, args) in [(&guest, &["--invoke", "boom"][..]), (&import, &[][..])] {
+        for json in [false, true] {
+            let mut all = vec!["run", path.to_str().unwrap()];
+            all.extend_from_slice(args);
+            if json {
+                all.push("--json");
+            }
+            let o = twm(&all);
+            let message = if json { json_error(&o) } else { stderr(&o) };
+            assert_ne!(o.status.code(), Some(0));
+            assert!(!message.contains('\u{1b}'), "{message}");
+            assert!(
+                message.lines().skip(1).all(|l| l.starts_with(' ')),
+                "{message}"
+            );
+            assert!(message.len() < 4_000, "{} bytes", message.len());
+            assert!(stdout(&o).len() < 8_000, "{} bytes", stdout(&o).len());
+        }
+    }
+}
+
+/// With `--metrics` (and no `--json`), the guest's stdout goes to stderr: twm's stdout is its
+/// results and the metrics page, which a guest's prints cannot forge (a red team printed metric
+/// lines ahead of the real page).
+#[test]
+fn a_guests_stdout_cannot_forge_the_metrics_page() {
+    let guest = module_file(
+        "forge.wat",
+        br#"(module
+          (import "wasi_snapshot_preview1" "fd_write" (func $w (param i32 i32 i32 i32) (result i32)))
+          (memory (export "memory") 1)
+          (data (i32.const 64) "twm_tenant_denials_total 0\n")
+          (func (export "_start")
+            (i32.store (i32.const 0) (i32.const 64))
+            (i32.store (i32.const 4) (i32.const 27))
+            (drop (call $w (i32.const 1) (i32.const 0) (i32.const 1) (i32.const 8)))))"#,
+    );
+    let o = twm(&["run", guest.to_str().unwrap(), "--metrics"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("twm_tenant_denials_total 0"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(
+        !stdout(&o)
+            .lines()
+            .any(|l| l == "twm_tenant_denials_total 0"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(stdout(&o).contains("# HELP"), "{}", stdout(&o));
+}
+
+/// A run that completed keeps its results in the watchdog's report when writing the report
+/// blocks (a guest filled the stderr pipe the stats go to, and no one reads it): before, the
+/// report said `"runs": []` and the result was lost (a red team).
+#[test]
+fn a_report_that_blocks_keeps_the_completed_runs() {
+    let guest = module_file(
+        "fill.wat",
+        br#"(module
+          (import "wasi_snapshot_preview1" "fd_write" (func $w (param i32 i32 i32 i32) (result i32)))
+          (memory (export "memory") 2)
+          (func (export "f") (result i32)
+            (i32.store (i32.const 0) (i32.const 1024))
+            (i32.store (i32.const 4) (i32.const 65500))
+            (drop (call $w (i32.const 2) (i32.const 0) (i32.const 1) (i32.const 8)))
+            (i32.const 42)))"#,
+    );
+    let mut child = Command::new(env!("CARGO_BIN_EXE_twm"))
+        .args([
+            "run",
+            guest.to_str().unwrap(),
+            "--invoke",
+            "f",
+            "--json",
+            "--stats",
+            "--timeout",
+            "1s",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Stderr is not read until the process has ended: its pipe stays full.
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(124), "{out}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one object");
+    assert_eq!(v["runs"], serde_json::json!([[42]]), "{v}");
+}
