@@ -37,6 +37,10 @@ pub const MAX_MODULE_BYTES_LIMIT: u64 = 1 << 30;
 /// quotes a whole line of a hostile file is cut, not echoed.
 pub const MAX_MESSAGE_CHARS: usize = 1000;
 
+/// Wasmtime-wasi's own bound on one `random_get` (64 MiB), kept where `--memory-limit` is
+/// larger.
+const DEFAULT_MAX_RANDOM: u64 = 64 << 20;
+
 /// Whether the JSON report (`--json`) has been printed: a failure before it prints an object
 /// of its own (see `main`).
 pub static REPORTED: AtomicBool = AtomicBool::new(false);
@@ -223,6 +227,9 @@ struct WasiSetup {
     env: Vec<(String, String)>,
     dirs: Vec<(PathBuf, String, FsPerms)>,
     limits: WasiLimits,
+    /// The most random bytes one `random_get` may ask for (WASI allocates them before it looks
+    /// at the guest's buffer): no more than a memory may hold (`--memory-limit`).
+    max_random: u64,
 }
 
 impl WasiSetup {
@@ -285,6 +292,7 @@ impl WasiSetup {
             env,
             dirs,
             limits,
+            max_random: args.memory_limit,
         })
     }
 
@@ -293,7 +301,10 @@ impl WasiSetup {
     /// the results and the metrics page) and nothing a guest prints can forge it.
     fn context(&self, own_stdout: bool) -> Result<LimitedWasi, Failure> {
         let mut builder = WasiCtxBuilder::new();
-        builder.inherit_stdio().args(&self.argv);
+        builder
+            .inherit_stdio()
+            .args(&self.argv)
+            .max_random_size(self.max_random.min(DEFAULT_MAX_RANDOM));
         if own_stdout {
             builder.stdout(wasmtime_wasi_stderr());
         }

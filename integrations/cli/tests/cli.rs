@@ -1786,3 +1786,27 @@ fn a_report_that_blocks_keeps_the_completed_runs() {
     let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one object");
     assert_eq!(v["runs"], serde_json::json!([[42]]), "{v}");
 }
+
+/// A `random_get` longer than a memory may be (`--memory-limit`) is refused before WASI
+/// allocates its bytes (it allocated up to 64 MiB for a guest capped at 64 KiB, and only then
+/// found the guest's buffer out of bounds: a red team).
+#[test]
+fn a_random_get_past_the_memory_limit_is_refused_before_it_allocates() {
+    let guest = module_file(
+        "random.wat",
+        br#"(module
+          (import "wasi_snapshot_preview1" "random_get" (func $r (param i32 i32) (result i32)))
+          (memory (export "memory") 1 1)
+          (func (export "f") (result i32) (call $r (i32.const 0) (i32.const 0x1000000))))"#,
+    );
+    let o = twm(&[
+        "run",
+        guest.to_str().unwrap(),
+        "--invoke",
+        "f",
+        "--memory-limit",
+        "64KiB",
+    ]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("exceeds limit 65536"), "{}", stderr(&o));
+}
