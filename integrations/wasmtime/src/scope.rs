@@ -181,7 +181,8 @@ type Invariant<'a> = fn(&'a ()) -> &'a ();
 /// An open scope is device work ([`ManagedAllocator::begin_device_work`]): no recovery resets
 /// its device's primary context under the kernels launched in it (a recovery meanwhile is
 /// refused, the scope counted among the calls in flight), and no scope opens on a fenced
-/// device. A forgotten scope's device work ends when its Store goes.
+/// device. A forgotten scope's device work ends when its Store's guest context goes: with the
+/// Store, or later where the embedder keeps the Store's data (`Store::into_data`).
 pub struct DeviceAccess<'s, T: 'static, B: Backend> {
     _store: PhantomData<(&'s mut Store<T>, Invariant<'s>)>,
     memory: ScopedMemory<B>,
