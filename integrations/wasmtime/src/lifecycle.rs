@@ -241,8 +241,17 @@ impl<B: Backend> KeptMemories<B> {
     /// (and not at all while another caller is at it); the ones the backend still refuses
     /// stay, and so do busy ones. Nothing but an atomic load when nothing is kept (what the
     /// creator calls on every memory it makes).
+    #[inline]
     pub(crate) fn retry_kept(&self) {
-        if self.count.load(Ordering::Acquire) == 0 || self.retrying.swap(true, Ordering::AcqRel) {
+        if self.count.load(Ordering::Acquire) != 0 {
+            self.retry_kept_now();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn retry_kept_now(&self) {
+        if self.retrying.swap(true, Ordering::AcqRel) {
             return;
         }
         let mut retry = Retry {
