@@ -470,13 +470,38 @@ fn review_a_failed_creation_keeps_what_the_driver_holds() {
     );
 }
 
+/// Queues a fill of `memory`'s first page on the Store's stream (a kernel that may still run),
+/// and has the driver refuse every wait of the Store's end (three tries, and the release's
+/// own) and the stream's destroy.
+fn queue_work_the_stores_end_cannot_wait_for(
+    backend: &MockBackend,
+    creator: &TensorWasmMemoryCreator<MockBackend>,
+    store: &mut Store<Data>,
+    memory: &Memory,
+) {
+    use tensor_wasm_mem_wasmtime::HasGuestContext;
+    let slice = creator.resolve(&*store, memory, 0, PAGE as u64).unwrap();
+    let (ptr, len) = (slice.device_ptr(), slice.len());
+    let lease = store.data_mut().guest_context().stream().unwrap();
+    // SAFETY: nothing reads these bytes while the kernel may run (the memory is kept).
+    unsafe {
+        backend
+            .driver()
+            .enqueue_fill(lease.stream(), ptr, len, 0xaa)
+    }
+    .unwrap();
+    for n in 1..=4 {
+        backend.driver().fail_call(Call::StreamSynchronize, n, 999);
+    }
+    backend.driver().fail_call(Call::StreamDestroy, 1, 999);
+}
+
 /// A stream the driver will not release (its wait and its destroy refused) may still have a
 /// kernel queued: the Store's memory is kept, never scrubbed into the next tenant's hands, so the
 /// late write lands in memory no one else holds (the next tenant saw 65,536 bytes of it).
 #[test]
 fn review_a_stream_not_released_keeps_its_stores_memory() {
     use tensor_wasm_mem_core::{PoolConfig, SizeClass};
-    use tensor_wasm_mem_wasmtime::HasGuestContext;
     let backend = Arc::new(with_config(MockConfig {
         deferred_streams: true,
         ..MockConfig::default()
@@ -498,21 +523,7 @@ fn review_a_stream_not_released_keeps_its_stores_memory() {
         (store, memory)
     };
     let (mut a, memory) = store_of(1);
-    let slice = creator.resolve(&a, &memory, 0, PAGE as u64).unwrap();
-    let (ptr, len) = (slice.device_ptr(), slice.len());
-    let lease = a.data_mut().guest_context().stream().unwrap();
-    // SAFETY: nothing reads these bytes while the kernel may run (the memory is kept).
-    unsafe {
-        backend
-            .driver()
-            .enqueue_fill(lease.stream(), ptr, len, 0xaa)
-    }
-    .unwrap();
-    // Every wait refused (the Store's end tries three times, and the release once more).
-    for n in 1..=4 {
-        backend.driver().fail_call(Call::StreamSynchronize, n, 999);
-    }
-    backend.driver().fail_call(Call::StreamDestroy, 1, 999);
+    queue_work_the_stores_end_cannot_wait_for(&backend, &creator, &mut a, &memory);
     drop(a);
     assert_eq!(creator.stats().kept_memories, 1, "kept, not scrubbed");
     let (b, memory) = store_of(2);
@@ -536,7 +547,6 @@ fn review_a_busy_memory_abandoned_with_its_creator_is_not_freed_under_its_work(
     #[case] pooled: bool,
 ) {
     use tensor_wasm_mem_core::{PoolConfig, SizeClass};
-    use tensor_wasm_mem_wasmtime::HasGuestContext;
     let backend = Arc::new(with_config(MockConfig {
         deferred_streams: true,
         ..MockConfig::default()
@@ -555,20 +565,7 @@ fn review_a_busy_memory_abandoned_with_its_creator_is_not_freed_under_its_work(
     );
     let instance = instantiate(&mut store, &Linker::new(&engine), &module).unwrap();
     let memory = instance.get_memory(&mut store, "memory").unwrap();
-    let slice = creator.resolve(&store, &memory, 0, PAGE as u64).unwrap();
-    let (ptr, len) = (slice.device_ptr(), slice.len());
-    let lease = store.data_mut().guest_context().stream().unwrap();
-    // SAFETY: nothing reads these bytes while the kernel may run (the memory is kept).
-    unsafe {
-        backend
-            .driver()
-            .enqueue_fill(lease.stream(), ptr, len, 0xaa)
-    }
-    .unwrap();
-    for n in 1..=4 {
-        backend.driver().fail_call(Call::StreamSynchronize, n, 999);
-    }
-    backend.driver().fail_call(Call::StreamDestroy, 1, 999);
+    queue_work_the_stores_end_cannot_wait_for(&backend, &creator, &mut store, &memory);
     drop(store);
     assert_eq!(creator.stats().kept_memories, 1, "kept busy");
     let frees = backend.driver().stats().frees;
