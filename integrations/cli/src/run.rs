@@ -225,7 +225,7 @@ pub struct RunArgs {
 struct WasiSetup {
     argv: Vec<String>,
     env: Vec<(String, String)>,
-    dirs: Vec<(PathBuf, String, FsPerms)>,
+    dirs: Vec<Preopen>,
     limits: WasiLimits,
     /// The most random bytes one `random_get` may ask for (WASI allocates them before it looks
     /// at the guest's buffer): no more than a memory may hold (`--memory-limit`).
@@ -252,7 +252,7 @@ impl WasiSetup {
             .dirs_ro
             .iter()
             .map(|d| ("--dir-ro", d, FsPerms::ReadOnly));
-        let dirs: Vec<(PathBuf, String, FsPerms)> = writable
+        let dirs: Vec<Preopen> = writable
             .chain(read_only)
             .map(|(flag, spec, perms)| {
                 let (host, guest) = spec.split_once("::").unwrap_or((spec, spec));
@@ -261,15 +261,8 @@ impl WasiSetup {
                         "{flag} {spec:?}: expected HOST or HOST::GUEST"
                     )));
                 }
-                // Resolved once, here: every run opens this path again, and what a path
-                // names must not change with what a guest did in an earlier run.
-                let resolved = std::fs::canonicalize(host)
-                    .ok()
-                    .filter(|path| path.is_dir())
-                    .ok_or_else(|| {
-                        Failure::Usage(format!("{flag} {spec:?}: {host} is not a directory"))
-                    })?;
-                Ok((resolved, guest.to_owned(), perms))
+                Preopen::open(host, guest, perms)
+                    .map_err(|e| Failure::Usage(format!("{flag} {spec:?}: {e}")))
             })
             .collect::<Result<_, _>>()?;
         refuse_nested_in_writable(&dirs)?;
@@ -311,12 +304,15 @@ impl WasiSetup {
         for (k, v) in &self.env {
             builder.env(k, v);
         }
-        for (host, guest, perms) in &self.dirs {
-            // It was a directory when twm started; no guest can have moved it since (none lies
-            // inside a directory a guest may write), but another process may have.
-            builder.preopened_dir(host, guest, *perms).map_err(|e| {
-                Failure::Other(format!("cannot open the preopen {}: {e:#}", host.display()))
-            })?;
+        for dir in &self.dirs {
+            builder
+                .preopened_dir(dir.host_path(), &dir.guest, dir.perms)
+                .map_err(|e| {
+                    Failure::Other(format!(
+                        "cannot open the preopen {} again: {e:#}",
+                        dir.resolved.display()
+                    ))
+                })?;
         }
         Ok(LimitedWasi {
             ctx: builder.build_p1(),
@@ -325,23 +321,72 @@ impl WasiSetup {
     }
 }
 
-/// Refuses a preopen (resolved) that lies inside a writable one: a guest could replace it, or a
-/// directory on its way, with a symbolic link to anywhere on the host, which twm would follow
-/// when it opens the preopen again for the next run (`--repeat`). The same directory twice is
+/// A preopened directory, opened once when twm starts and held open: Wasmtime-wasi opens a
+/// preopen's host path again (following links) each time a WASI context is made, so each run
+/// of a `--repeat` is handed this descriptor's directory (`/proc/self/fd/N`, which names the
+/// open directory whatever its path names now), never whatever a guest of an earlier run put
+/// at its path: a link to `/` in its place (a red team was handed the host's root so), or the
+/// same trick through a second name of a writable directory (a bind mount, a case-folding file
+/// system).
+#[derive(Debug)]
+struct Preopen {
+    /// The path as resolved at start (messages, and where `/proc` is missing).
+    resolved: PathBuf,
+    /// The directory, open.
+    held: std::fs::File,
+    guest: String,
+    perms: FsPerms,
+}
+
+impl Preopen {
+    fn open(host: &str, guest: &str, perms: FsPerms) -> Result<Self, String> {
+        let resolved = std::fs::canonicalize(host).map_err(|e| format!("{host}: {e}"))?;
+        let held = std::fs::File::open(&resolved).map_err(|e| format!("{host}: {e}"))?;
+        if !held.metadata().is_ok_and(|m| m.is_dir()) {
+            return Err(format!("{host} is not a directory"));
+        }
+        Ok(Self {
+            resolved,
+            held,
+            guest: guest.to_owned(),
+            perms,
+        })
+    }
+
+    /// What Wasmtime-wasi is given to open: the held directory itself where the system names
+    /// open descriptors (`/proc/self/fd`), or else the path resolved at start.
+    fn host_path(&self) -> PathBuf {
+        use std::os::fd::AsRawFd;
+        let by_descriptor = PathBuf::from(format!("/proc/self/fd/{}", self.held.as_raw_fd()));
+        if by_descriptor.is_dir() {
+            by_descriptor
+        } else {
+            self.resolved.clone()
+        }
+    }
+}
+
+/// Refuses a preopen (resolved) that lies inside a writable one, where a guest could rename it
+/// or put a link on its way: what the operator named would no longer be what the guest is
+/// given. (Each run is handed the directory held open since the start, [`Preopen`]; this keeps
+/// the paths honest as well, and covers systems without `/proc`.) The same directory twice is
 /// allowed (a guest cannot replace the root of a preopen), and so is anything inside a
 /// read-only one.
-fn refuse_nested_in_writable(dirs: &[(PathBuf, String, FsPerms)]) -> Result<(), Failure> {
-    for (inner, guest, _) in dirs {
-        let outer = dirs.iter().find(|(outer, _, perms)| {
-            matches!(perms, FsPerms::ReadWrite) && inner != outer && inner.starts_with(outer)
+fn refuse_nested_in_writable(dirs: &[Preopen]) -> Result<(), Failure> {
+    for inner in dirs {
+        let outer = dirs.iter().find(|outer| {
+            matches!(outer.perms, FsPerms::ReadWrite)
+                && inner.resolved != outer.resolved
+                && inner.resolved.starts_with(&outer.resolved)
         });
-        if let Some((outer, _, _)) = outer {
+        if let Some(outer) = outer {
             return Err(Failure::Usage(format!(
-                "the preopen {} (guest {guest}) lies inside the writable preopen {}: a guest \
+                "the preopen {} (guest {}) lies inside the writable preopen {}: a guest \
                  could replace it with a link to anywhere on the host; preopen only the outer \
                  directory, or the inner one alone",
-                inner.display(),
-                outer.display()
+                inner.resolved.display(),
+                inner.guest,
+                outer.resolved.display()
             )));
         }
     }
@@ -592,8 +637,9 @@ fn parse_module_size(text: &str) -> Result<u64, String> {
     }
 }
 
-/// `message` cut to [`MAX_MESSAGE_CHARS`] characters, its control characters shown as `?` and
-/// every line after the first indented.
+/// `message` cut to [`MAX_MESSAGE_CHARS`] characters, its control characters, line separators and
+/// bidirectional controls shown as `?` ([`shown_as_unknown`]) and every line after the first
+/// indented.
 pub fn clip(message: &str) -> String {
     let mut clipped = String::with_capacity(message.len().min(MAX_MESSAGE_CHARS + 16));
     let mut chars = message.chars().peekable();
@@ -614,11 +660,24 @@ pub fn clip(message: &str) -> String {
                     clipped.push_str("  ");
                 }
             }
-            c if c.is_control() => clipped.push('?'),
+            c if shown_as_unknown(c) => clipped.push('?'),
             c => clipped.push(c),
         }
     }
     clipped
+}
+
+/// A character a message shows as `?`: a control character, a line or paragraph separator
+/// (which log tools and editors break lines at), or a bidirectional control (which reorders
+/// what a viewer shows).
+fn shown_as_unknown(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{2028}' | '\u{2029}' | '\u{200e}' | '\u{200f}' | '\u{061c}'
+        )
+        || ('\u{202a}'..='\u{202e}').contains(&c)
+        || ('\u{2066}'..='\u{2069}').contains(&c)
 }
 
 /// The process's descriptor limit (its soft `ulimit -n`) and the descriptors it has open now
@@ -1215,5 +1274,30 @@ mod tests {
         assert_eq!(room.for_guests(), 1024 - 3 - KEPT_DESCRIPTORS);
         let full = DescriptorRoom::among(64, 0..100);
         assert_eq!((full.open, full.for_guests()), (64, 0));
+    }
+
+    /// A preopen is the directory twm opened at start, whatever its path names later: a
+    /// directory put in its place (through a second name of a writable preopen, a bind mount
+    /// say, a guest could put a link to `/` there) is not what the next run is handed.
+    #[test]
+    fn a_preopen_is_the_directory_opened_at_start() {
+        let base = std::env::temp_dir().join(format!("twm-preopen-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let (dir, elsewhere) = (base.join("dir"), base.join("elsewhere"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        std::fs::write(dir.join("mark"), "first").unwrap();
+        let preopen = Preopen::open(dir.to_str().unwrap(), "/dir", FsPerms::ReadOnly).unwrap();
+        // The path now names another directory.
+        std::fs::rename(&dir, base.join("moved")).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &dir).unwrap();
+        let mark = std::fs::read_to_string(preopen.host_path().join("mark"));
+        let _ = std::fs::remove_dir_all(&base);
+        assert_eq!(mark.unwrap(), "first");
+        assert!(
+            Preopen::open("/no/such/dir/here", "/x", FsPerms::ReadOnly)
+                .unwrap_err()
+                .contains("No such file")
+        );
     }
 }

@@ -73,7 +73,14 @@ fn bad_wasi_options_are_usage_errors() {
     for (args, needle) in [
         (&["--env", "NOVALUE"][..], "NAME=VALUE"),
         (&["--env", "=x"][..], "NAME=VALUE"),
-        (&["--dir", "/no/such/folder/here"][..], "not a directory"),
+        (
+            &["--dir", "/no/such/folder/here"][..],
+            "No such file or directory",
+        ),
+        (
+            &["--dir", concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")][..],
+            "not a directory",
+        ),
         (&["--dir", "::/data"][..], "HOST::GUEST"),
     ] {
         let (code, out, err) = twm_run(&hello, args);

@@ -1691,7 +1691,8 @@ fn names_a_module_chose_reach_messages_clipped() {
     let guest = module_file("names.wat", wat.as_bytes());
     let import = module_file(
         "import.wat",
-        b"(module (import \"\\0a\\1b[32mtwm: all good\" \"x\" (func)))",
+        "(module (import \"\\0a\\1b[32mtwm: all good\\u{2028}twm: ok\\u{202e}\" \"x\" (func)))"
+            .as_bytes(),
     );
     for (path, args) in [(&guest, &["--invoke", "boom"][..]), (&import, &[][..])] {
         for json in [false, true] {
@@ -1703,7 +1704,10 @@ fn names_a_module_chose_reach_messages_clipped() {
             let o = twm(&all);
             let message = if json { json_error(&o) } else { stderr(&o) };
             assert_ne!(o.status.code(), Some(0));
-            assert!(!message.contains('\u{1b}'), "{message}");
+            assert!(
+                !message.contains(['\u{1b}', '\u{2028}', '\u{202e}']),
+                "{message}"
+            );
             assert!(
                 message.lines().skip(1).all(|l| l.starts_with(' ')),
                 "{message}"
