@@ -77,8 +77,9 @@ fn bad_wasi_options_are_usage_errors() {
             &["--dir", "/no/such/folder/here"][..],
             "No such file or directory",
         ),
+        // The guest's own module: a file.
         (
-            &["--dir", concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")][..],
+            &["--dir", &hello.display().to_string()][..],
             "not a directory",
         ),
         (&["--dir", "::/data"][..], "HOST::GUEST"),
