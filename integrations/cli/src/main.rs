@@ -197,9 +197,10 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(failure) => {
-            if !failure.message().is_empty() {
+            let message = failure.message();
+            if !message.is_empty() {
                 // A stderr that cannot take it changes nothing: the status says what happened.
-                let _ = writeln!(std::io::stderr(), "twm: {}", failure.message());
+                let _ = writeln!(std::io::stderr(), "twm: {message}");
             }
             ExitCode::from(failure.exit_code())
         }

@@ -306,7 +306,7 @@ impl WasiSetup {
         }
         for dir in &self.dirs {
             builder
-                .preopened_dir(dir.host_path(), &dir.guest, dir.perms)
+                .preopened_dir(&dir.open_as, &dir.guest, dir.perms)
                 .map_err(|e| {
                     Failure::Other(format!(
                         "cannot open the preopen {} again: {e:#}",
@@ -330,10 +330,13 @@ impl WasiSetup {
 /// system).
 #[derive(Debug)]
 struct Preopen {
-    /// The path as resolved at start (messages, and where `/proc` is missing).
+    /// The path as resolved at start (messages, and the nesting check).
     resolved: PathBuf,
-    /// The directory, open.
-    held: std::fs::File,
+    /// What Wasmtime-wasi is given to open: the held directory itself where the system names
+    /// open descriptors (`/proc/self/fd/N`), or else `resolved`.
+    open_as: PathBuf,
+    /// The directory, open (for as long as `open_as` names it).
+    _held: std::fs::File,
     guest: String,
     perms: FsPerms,
 }
@@ -345,24 +348,20 @@ impl Preopen {
         if !held.metadata().is_ok_and(|m| m.is_dir()) {
             return Err(format!("{host} is not a directory"));
         }
+        use std::os::fd::AsRawFd;
+        let by_descriptor = PathBuf::from(format!("/proc/self/fd/{}", held.as_raw_fd()));
+        let open_as = if by_descriptor.is_dir() {
+            by_descriptor
+        } else {
+            resolved.clone()
+        };
         Ok(Self {
             resolved,
-            held,
+            open_as,
+            _held: held,
             guest: guest.to_owned(),
             perms,
         })
-    }
-
-    /// What Wasmtime-wasi is given to open: the held directory itself where the system names
-    /// open descriptors (`/proc/self/fd`), or else the path resolved at start.
-    fn host_path(&self) -> PathBuf {
-        use std::os::fd::AsRawFd;
-        let by_descriptor = PathBuf::from(format!("/proc/self/fd/{}", self.held.as_raw_fd()));
-        if by_descriptor.is_dir() {
-            by_descriptor
-        } else {
-            self.resolved.clone()
-        }
     }
 }
 
@@ -1291,7 +1290,7 @@ mod tests {
         // The path now names another directory.
         std::fs::rename(&dir, base.join("moved")).unwrap();
         std::os::unix::fs::symlink(&elsewhere, &dir).unwrap();
-        let mark = std::fs::read_to_string(preopen.host_path().join("mark"));
+        let mark = std::fs::read_to_string(preopen.open_as.join("mark"));
         let _ = std::fs::remove_dir_all(&base);
         assert_eq!(mark.unwrap(), "first");
         assert!(

@@ -527,18 +527,22 @@ fn prefetch_call<B: Backend, T: HasGuestContext<B>>(
         .guest_context()
         .stream()
         .map_err(|e| code_for(&TwmError::backend(e)))?;
-    if stream.stream().device() != device {
-        // A memory made where its Store named no tenant (the creator's default device) while
-        // the guest's tenant lives elsewhere: no stream of the tenant orders work on it (as a
-        // launch and the device-access scope refuse it).
-        return Err(code_for(&TwmError::DeviceMismatch {
-            memory: device,
-            stream: stream.stream().device(),
-        }));
-    }
+    same_device(device, stream.stream().device()).map_err(|e| code_for(&e))?;
     creator
         .prefetch_at(view, offset, len, location, stream.stream())
         .map_err(|e| code_for(&e))
+}
+
+/// Refuses work on a memory of `memory`'s device through a stream of another device
+/// ([`TwmError::DeviceMismatch`]): a memory made where its Store named no tenant (the creator's
+/// default device) while the guest context's tenant lives elsewhere, which no stream of the
+/// tenant orders work on. What a device-access scope, a launch and a prefetch all check.
+pub(crate) fn same_device(memory: DeviceId, stream: DeviceId) -> Result<(), TwmError> {
+    if memory == stream {
+        Ok(())
+    } else {
+        Err(TwmError::DeviceMismatch { memory, stream })
+    }
 }
 
 fn finish<B: Backend, T: HasGuestContext<B>>(

@@ -703,16 +703,7 @@ fn prepare_and_launch<B: Backend, T: HasGuestContext<B>>(
         .stream()
         .map_err(|e| crate::guest::code_for(&TwmError::backend(e)))?
         .stream();
-    if stream.device() != device {
-        // A memory made where its Store named no tenant (the creator's default device) while
-        // the guest's tenant lives elsewhere: no stream of the tenant orders work on it (as the
-        // device-access scope refuses it).
-        return Err(crate::guest::code_for(&TwmError::DeviceMismatch {
-            memory: device,
-            stream: stream.device(),
-        })
-        .into());
-    }
+    crate::guest::same_device(device, stream.device()).map_err(|e| crate::guest::code_for(&e))?;
     for &(offset, len, _) in &checked.ranges {
         // Pages go to the device where it migrates them; elsewhere this is refused as
         // unsupported, and the kernel reaches them where they are.

@@ -49,7 +49,7 @@ impl Telling {
 /// then is lost with its unwinding; the others keep their storage and charge together, kept).
 struct Retry<'a, B: Backend> {
     kept: &'a KeptMemories<B>,
-    left: Vec<Held<B>>,
+    left: std::collections::VecDeque<Held<B>>,
     still: Vec<Held<B>>,
 }
 
@@ -57,8 +57,8 @@ impl<B: Backend> Drop for Retry<'_, B> {
     fn drop(&mut self) {
         let mut kept = self.kept.lock();
         kept.append(&mut self.still);
-        // Those not tried yet (only while a release unwinds), back in the order they were kept.
-        kept.extend(self.left.drain(..).rev());
+        // Those not tried yet (only while a release unwinds).
+        kept.extend(self.left.drain(..));
         self.kept.count.store(kept.len() as u64, Ordering::Release);
         drop(kept);
         self.kept.retrying.store(false, Ordering::Release);
@@ -256,11 +256,10 @@ impl<B: Backend> KeptMemories<B> {
         }
         let mut retry = Retry {
             kept: self,
-            // Reversed: popped (and those refused kept again) in the order they were kept.
-            left: self.lock().drain(..).rev().collect(),
+            left: self.lock().drain(..).collect(),
             still: Vec::new(),
         };
-        while let Some(held) = retry.left.pop() {
+        while let Some(held) = retry.left.pop_front() {
             match held.release() {
                 Ok(()) => {
                     self.released.fetch_add(1, Ordering::AcqRel);

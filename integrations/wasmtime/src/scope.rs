@@ -257,15 +257,7 @@ impl<'s, T: HasGuestContext<B>, B: Backend> DeviceAccess<'s, T, B> {
         }
         let (stream, guest) = guest.scope_parts().map_err(TwmError::backend)?;
         let device = scoped.device();
-        if stream.device() != device {
-            // A memory made where its Store named no tenant (the creator's default device)
-            // while the guest context's tenant lives elsewhere: no stream of the tenant can
-            // order work on it.
-            return Err(TwmError::DeviceMismatch {
-                memory: device,
-                stream: stream.device(),
-            });
-        }
+        crate::guest::same_device(device, stream.device())?;
         // Device work until the scope closes: no recovery resets the primary context under
         // the kernels launched in it; refused on a fenced device. Counted on the backend of
         // the memory (the Store's guest context must use the same).
